@@ -1,0 +1,3 @@
+"""automodel-all."""
+
+__all__: list[str] = []

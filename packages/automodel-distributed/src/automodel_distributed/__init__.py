@@ -1,0 +1,3 @@
+"""automodel-distributed."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""automodel-infra."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""automodel-mesh."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""automodel-moe."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""automodel-peft."""
+
+__all__: list[str] = []

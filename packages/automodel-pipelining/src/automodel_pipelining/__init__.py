@@ -1,0 +1,3 @@
+"""automodel-pipelining."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""automodel-quant."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""automodel-testing."""
+
+__all__: list[str] = []
