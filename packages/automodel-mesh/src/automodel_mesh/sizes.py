@@ -1,0 +1,64 @@
+"""`ParallelismSizes`: the parallel degrees a user asks for."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["ParallelismSizes"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelismSizes:
+    """The parallel degrees a user asks for (intent, not a built mesh).
+
+    Every size is a positive integer. ``dp_size`` may be left to ``None`` (or ``-1``) to infer it from the
+    world size; ``dp_replicate_size`` ``None`` means 1 (plain FSDP, no HSDP replicas).
+    """
+
+    dp_size: int | None = None
+    """Total data-parallel degree ``dp_replicate x dp_shard``. ``None`` or ``-1``: ``world / (pp*cp*tp)``."""
+    dp_replicate_size: int | None = None
+    """HSDP replicas (FSDP2 only). ``None`` or 1: no replication, every dp rank holds a shard."""
+    tp_size: int = 1
+    """Tensor-parallel degree. 1 disables tensor parallelism."""
+    pp_size: int = 1
+    """Pipeline-parallel degree (number of pipeline ranks). 1 disables pipelining."""
+    cp_size: int = 1
+    """Context-parallel degree. 1 disables context parallelism."""
+    ep_size: int = 1
+    """Expert-parallel degree of the MoE mesh. 1 disables expert parallelism."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            optional = f.name in ("dp_size", "dp_replicate_size")
+            if optional and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"ParallelismSizes.{f.name} must be an int, got {value!r} ({type(value).__name__})"
+                )
+            if optional and value == -1:
+                continue
+            if value < 1:
+                hint = " (or None / -1 to infer it)" if f.name == "dp_size" else ""
+                raise ValueError(f"ParallelismSizes.{f.name} must be >= 1{hint}, got {value}")
+
+    @property
+    def inferred_dp(self) -> bool:
+        """Whether ``dp_size`` is to be inferred from the world size."""
+        return self.dp_size is None or self.dp_size == -1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the fields as a plain dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelismSizes:
+        """Build from a dict; unknown keys raise `ValueError` naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ParallelismSizes field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
