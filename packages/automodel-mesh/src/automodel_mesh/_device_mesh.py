@@ -10,7 +10,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
+from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["flatten", "flattened_meshes", "slice_mesh"]
@@ -27,9 +29,28 @@ def _quiet_flattened_slicing() -> Iterator[None]:
         yield
 
 
-def flatten(mesh: DeviceMesh, axes: Sequence[str], name: str) -> DeviceMesh:
-    """Flatten ``axes`` of the root ``mesh`` into a 1-D mesh called ``name`` (collective on all ranks)."""
-    return mesh[tuple(axes)]._flatten(name)
+def flatten(
+    mesh: DeviceMesh, axes: Sequence[str], name: str, backend_override: Any = None
+) -> DeviceMesh | None:
+    """Flatten ``axes`` of the root ``mesh`` into a 1-D mesh called ``name``.
+
+    Collective over the default group: ``new_group`` needs every rank, including ranks outside a mesh
+    built on a subset of them. torch cannot slice a mesh on such a rank, so there we create the same
+    groups, in the same order, from the mesh layout and return ``None``.
+
+    ``backend_override`` is torch's ``(backend, options)`` pair for the new groups, or ``None``.
+    """
+    if mesh.get_coordinate() is not None:
+        return mesh[tuple(axes)]._flatten(name, backend_override=backend_override)
+    flat_layout = _MeshLayout([mesh._get_slice_mesh_layout(tuple(axes)).collapse()])
+    DeviceMesh._init_process_groups(
+        flat_layout,
+        mesh._rank_map,
+        (name,),
+        (backend_override or (None, None),),
+        mesh._preserve_rank_order,
+    )
+    return None
 
 
 def flattened_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh]:

@@ -6,16 +6,16 @@ The names are compatible with NeMo AutoModel, so code written against it finds t
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 __all__ = ["DENSE_AXES", "FLATTENED_AXES", "MOE_AXES", "MeshAxisName"]
 
 
-class MeshAxisName(str, Enum):
+class MeshAxisName(StrEnum):
     """Names of device-mesh axes.
 
-    A `str` subclass: members compare equal to the plain strings (``MeshAxisName.TP == "tp"``), so they
-    can be passed anywhere torch expects a mesh axis name.
+    A `str` subclass (``StrEnum``): members compare equal to the plain strings
+    (``MeshAxisName.TP == "tp"``), so they can be passed anywhere torch expects a mesh axis name.
     """
 
     PP = "pp"
@@ -38,9 +38,6 @@ class MeshAxisName(str, Enum):
     """Expert parallelism (MoE mesh)."""
     EP_SHARD = "ep_shard"
     """FSDP sharding of expert weights inside one expert-parallel group (MoE mesh)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 DENSE_AXES: tuple[MeshAxisName, ...] = (

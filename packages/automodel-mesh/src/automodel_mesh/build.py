@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from automodel_mesh._device_mesh import flatten, flattened_meshes
+from automodel_mesh._device_mesh import flatten
 from automodel_mesh.layout import MeshLayout
 
 __all__ = ["BuiltMeshes", "build_meshes", "device_type_for_backend", "validate_ranks"]
@@ -54,18 +55,15 @@ def validate_ranks(ranks: Sequence[int], world_size: int) -> list[int]:
     return out
 
 
-def _set_timeouts(meshes: Sequence[DeviceMesh], timeout: timedelta) -> None:
-    # Only groups created for the mesh get the timeout: the default group belongs to the caller.
-    world = dist.group.WORLD
-    seen: set[int] = set()
-    for mesh in meshes:
-        if mesh.get_coordinate() is None:
-            continue
-        for group in mesh.get_all_groups():
-            if group is world or id(group) in seen:
-                continue
-            seen.add(id(group))
-            dist.set_timeout(timeout, group)
+def _timeout_options(timeout: timedelta, backend: str) -> Any:
+    """Backend options that carry ``timeout`` to every process group torch creates for a mesh axis."""
+    options: Any
+    if "nccl" in backend.lower():
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # absent from torch's stubs
+    options._timeout = timeout
+    return options
 
 
 def build_meshes(
@@ -93,10 +91,14 @@ def build_meshes(
     rank_list = list(range(layout.world_size)) if ranks is None else list(ranks)
     assert len(rank_list) == layout.world_size, "layout was resolved for a different number of ranks"
 
-    if ranks is None:
-        process_group: dist.ProcessGroup | None = dist.group.WORLD
-    else:
-        process_group = dist.new_group(rank_list, timeout=timeout)
+    # With a timeout, every axis gets its own group carrying it (torch would otherwise reuse the default
+    # group for an axis spanning every rank, and the default group's timeout belongs to the caller).
+    override: tuple[str | None, Any] | None = None
+    if timeout is not None:
+        override = (None, _timeout_options(timeout, str(dist.get_backend())))
+    group = dist.group.WORLD if ranks is None else dist.new_group(rank_list, timeout=timeout)
+    # new_group hands non-members a sentinel, not a group: they keep None.
+    process_group = group if isinstance(group, dist.ProcessGroup) else None
 
     if not layout.has_device_mesh:
         return BuiltMeshes(device_mesh=None, moe_mesh=None, process_group=process_group)
@@ -104,9 +106,14 @@ def build_meshes(
     shape = layout.dense_shape()
     names = tuple(axis.value for axis, _ in shape)
     rank_tensor = torch.tensor(rank_list, dtype=torch.int).reshape(tuple(size for _, size in shape))
-    device_mesh = DeviceMesh(device_type, rank_tensor, mesh_dim_names=names)
+    device_mesh = DeviceMesh(
+        device_type,
+        rank_tensor,
+        mesh_dim_names=names,
+        backend_override=(override,) * len(names) if override is not None else None,
+    )
     for flat_name, axes in layout.flattened_axes().items():
-        flatten(device_mesh, [a.value for a in axes], flat_name.value)
+        flatten(device_mesh, [a.value for a in axes], flat_name.value, backend_override=override)
 
     moe_mesh: DeviceMesh | None = None
     if layout.has_moe_mesh:
@@ -117,9 +124,6 @@ def build_meshes(
             device_type,
             rank_tensor.reshape(tuple(size for _, size in moe_shape)),
             mesh_dim_names=tuple(axis.value for axis, _ in moe_shape),
+            backend_override=(override,) * len(moe_shape) if override is not None else None,
         )
-
-    if timeout is not None:
-        meshes = [device_mesh, *flattened_meshes(device_mesh).values()]
-        _set_timeouts([*meshes, *([moe_mesh] if moe_mesh is not None else [])], timeout)
     return BuiltMeshes(device_mesh=device_mesh, moe_mesh=moe_mesh, process_group=process_group)

@@ -26,7 +26,9 @@ def _check_axis_names(mesh: DeviceMesh | None, what: str) -> None:
         return
     names = tuple(mesh.mesh_dim_names or ())
     if not names:
-        raise ValueError(f"{what} has no mesh_dim_names; name its axes with automodel_mesh.MeshAxisName values")
+        raise ValueError(
+            f"{what} has no mesh_dim_names; name its axes with automodel_mesh.MeshAxisName values"
+        )
     unknown = [n for n in names if n not in _ALLOWED_AXES]
     if unknown:
         raise ValueError(f"{what} has axis name(s) {unknown}; allowed names are {sorted(_ALLOWED_AXES)}")
@@ -49,7 +51,9 @@ class MeshContext:
     moe_mesh: DeviceMesh | None = None
     """``(pp, ep_shard, ep)`` over the same ranks when expert parallelism is on, else ``None``."""
     process_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    """The process group spanning the mesh's ranks (the default group unless ``ranks=`` was given)."""
+    """The process group spanning the mesh's ranks (the default group unless ``ranks=`` was given;
+    ``None`` on ranks outside ``ranks=``)."""
+    _member: bool = field(default=True, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_axis_names(self.device_mesh, "device_mesh")
@@ -108,7 +112,8 @@ class MeshContext:
             if expected != 1:
                 raise ValueError(
                     f"a mesh over {expected} ranks needs an initialised default process group: call "
-                    "torch.distributed.init_process_group() (or launch with torchrun) before MeshContext.build"
+                    "torch.distributed.init_process_group() (or launch with torchrun) before "
+                    "MeshContext.build"
                 )
             return cls()
 
@@ -130,7 +135,9 @@ class MeshContext:
             ranks=rank_list,
             timeout=timedelta(minutes=timeout_minutes) if timeout_minutes is not None else None,
         )
-        return cls(device_mesh=built.device_mesh, moe_mesh=built.moe_mesh, process_group=built.process_group)
+        ctx = cls(device_mesh=built.device_mesh, moe_mesh=built.moe_mesh, process_group=built.process_group)
+        ctx._member = built.process_group is not None
+        return ctx
 
     @classmethod
     def from_meshes(cls, device_mesh: DeviceMesh | None, moe_mesh: DeviceMesh | None = None) -> MeshContext:
@@ -265,9 +272,7 @@ class MeshContext:
         """Whether this rank belongs to the meshes (``False`` only for ranks outside ``ranks=``)."""
         if self.device_mesh is not None:
             return self.device_mesh.get_coordinate() is not None
-        if self.process_group is not None:
-            return self.process_group != dist.GroupMember.NON_GROUP_MEMBER
-        return True
+        return self._member
 
     # ------------------------------------------------------------------ axes
 
@@ -304,8 +309,10 @@ class MeshContext:
         return self.submesh(axis).get_group()
 
     def dp_axis_names(self) -> tuple[str, ...]:
-        """The axes FSDP shards over: ``(dp_replicate, dp_shard_cp)`` for FSDP2, ``(dp_cp,)`` for
-        Megatron-FSDP, ``()`` without a mesh."""
+        """Return the axes FSDP shards over.
+
+        ``(dp_replicate, dp_shard_cp)`` for FSDP2, ``(dp_cp,)`` for Megatron-FSDP, ``()`` without a mesh.
+        """
         kind = self.kind
         if kind is MeshKind.FSDP2:
             return (MeshAxisName.DP_REPLICATE.value, MeshAxisName.DP_SHARD_CP.value)
@@ -316,8 +323,11 @@ class MeshContext:
     _dp_axis_names = dp_axis_names  # name used by code written for NeMo AutoModel
 
     def parallelize_axis_kwargs(self) -> dict[str, Any]:
-        """Axis-name keyword arguments for a ``parallelize_fn``: ``dp_axis_names``, ``cp_axis_name``,
-        ``tp_axis_name``, ``ep_axis_name``, ``ep_shard_axis_names`` (``None`` where the axis is absent)."""
+        """Return the axis-name keyword arguments a ``parallelize_fn`` takes.
+
+        Keys: ``dp_axis_names``, ``cp_axis_name``, ``tp_axis_name``, ``ep_axis_name``,
+        ``ep_shard_axis_names`` (``None`` where the axis is absent).
+        """
         dense = tuple(self.device_mesh.mesh_dim_names or ()) if self.device_mesh is not None else ()
         moe = self.moe_mesh is not None
         return {
@@ -336,7 +346,8 @@ class MeshContext:
         """A short human-readable summary of the meshes and sizes."""
         if self.device_mesh is None and self.process_group is None:
             return "single device (no mesh)"
-        lines = [f"{self.kind.value if self.kind else 'no'} layout over {self.world_size} rank(s) on {self.device_type}"]
+        kind = self.kind.value if self.kind else "no"
+        lines = [f"{kind} layout over {self.world_size} rank(s) on {self.device_type}"]
         for label, mesh in (("dense", self.device_mesh), ("moe", self.moe_mesh)):
             if mesh is None:
                 continue

@@ -7,7 +7,7 @@ a bad configuration raises the same `ValueError` on every rank instead of hangin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from automodel_mesh.axes import DENSE_AXES, FLATTENED_AXES, MOE_AXES, MeshAxisName
@@ -16,7 +16,7 @@ from automodel_mesh.sizes import ParallelismSizes
 __all__ = ["MeshKind", "MeshLayout", "MeshStrategy", "mesh_kind_of", "resolve_layout"]
 
 
-class MeshKind(str, Enum):
+class MeshKind(StrEnum):
     """The device-mesh layout a parallelisation strategy needs."""
 
     FSDP2 = "fsdp2"
@@ -54,7 +54,9 @@ def mesh_kind_of(strategy: MeshStrategy | MeshKind | str) -> MeshKind:
             return MeshKind(strategy.lower())
         except ValueError:
             known = [k.value for k in MeshKind]
-            raise ValueError(f"strategy_config={strategy!r} is not a known mesh kind; use one of {known}") from None
+            raise ValueError(
+                f"strategy_config={strategy!r} is not a known mesh kind; use one of {known}"
+            ) from None
     if isinstance(strategy, MeshStrategy):
         kind = strategy.mesh_kind()
         if not isinstance(kind, MeshKind):
@@ -185,7 +187,9 @@ def resolve_layout(kind: MeshKind, sizes: ParallelismSizes, world_size: int) -> 
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     dp_replicate = sizes.dp_replicate_size or 1
     if dp_replicate == -1:
-        raise ValueError("ParallelismSizes.dp_replicate_size cannot be inferred (-1); give it or leave it None")
+        raise ValueError(
+            "ParallelismSizes.dp_replicate_size cannot be inferred (-1); give it or leave it None"
+        )
 
     if kind is MeshKind.DDP:
         for name in ("tp_size", "pp_size", "cp_size", "ep_size"):
@@ -196,11 +200,13 @@ def resolve_layout(kind: MeshKind, sizes: ParallelismSizes, world_size: int) -> 
                 )
         if dp_replicate > 1:
             raise ValueError(
-                f"ParallelismSizes.dp_replicate_size={dp_replicate} is HSDP, which only FSDP2Config supports; "
-                "DDP already replicates over every rank"
+                f"ParallelismSizes.dp_replicate_size={dp_replicate} is HSDP, which only FSDP2Config "
+                "supports; DDP already replicates over every rank"
             )
         if not sizes.inferred_dp and sizes.dp_size != world_size:
-            raise ValueError(f"ParallelismSizes.dp_size={sizes.dp_size} must equal world_size={world_size} for DDP")
+            raise ValueError(
+                f"ParallelismSizes.dp_size={sizes.dp_size} must equal world_size={world_size} for DDP"
+            )
         return MeshLayout(kind=kind, world_size=world_size, dp_replicate=world_size, ep_shard=world_size)
 
     if kind is MeshKind.MEGATRON_FSDP:
@@ -248,7 +254,8 @@ def resolve_layout(kind: MeshKind, sizes: ParallelismSizes, world_size: int) -> 
     non_pp = dp * cp * tp
     if non_pp % ep != 0:
         raise ValueError(
-            f"ParallelismSizes.ep_size={ep} does not divide {_product('dp_size * cp_size * tp_size', (dp, cp, tp))}; "
+            f"ParallelismSizes.ep_size={ep} does not divide "
+            f"{_product('dp_size * cp_size * tp_size', (dp, cp, tp))}; "
             "expert parallelism regroups the non-pipeline ranks, so ep_size must divide their number"
         )
     return MeshLayout(

@@ -79,9 +79,10 @@ def test_dense_shapes_and_flattened_axes() -> None:
     ddp = resolve_layout(DDP, ParallelismSizes(), 4)
     assert ddp.dense_shape() == () and not ddp.has_device_mesh
     assert "no device mesh" in ddp.describe()
-    assert "moe mesh   (pp=1, ep_shard=2, ep=4)" in resolve_layout(
-        FSDP2, ParallelismSizes(ep_size=4, tp_size=2), 8
-    ).describe()
+    assert (
+        "moe mesh   (pp=1, ep_shard=2, ep=4)"
+        in resolve_layout(FSDP2, ParallelismSizes(ep_size=4, tp_size=2), 8).describe()
+    )
 
 
 INVALID = [
@@ -225,8 +226,11 @@ def test_any_sizes_give_a_layout_or_a_value_error(
         )
         layout = resolve_layout(kind, sizes, world)
     except ValueError as err:
-        assert "size" in str(err)  # every message names the offending size field
+        message = str(err)
+    else:
+        assert layout.pp * layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp == world
+        assert layout.ep * layout.ep_shard == layout.dp * layout.cp * layout.tp
+        assert layout.ep == sizes.ep_size
+        assert layout.tp == sizes.tp_size
         return
-    assert layout.pp * layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp == world
-    assert layout.ep * layout.ep_shard == layout.dp * layout.cp * layout.tp
-    assert layout.ep == sizes.ep_size and layout.tp == sizes.tp_size
+    assert "size" in message, message  # every message names the offending size field
