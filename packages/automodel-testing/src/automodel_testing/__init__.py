@@ -1,3 +1,48 @@
-"""automodel-testing."""
+"""automodel-testing: the test harness of the automodel workspace (not published).
 
-__all__: list[str] = []
+- `run_distributed`: run a function on N real ``torch.distributed`` ranks and collect the results.
+- Tiny Hugging Face model factories (``[hf]`` extra; transformers is imported lazily).
+- Numeric asserts that compare results with a single-process reference.
+"""
+
+from automodel_testing.distributed import (
+    DistributedRunError,
+    available_gpus,
+    run_distributed,
+    skip_unless_gpus,
+)
+from automodel_testing.models import (
+    TINY_FAMILIES,
+    build_tiny_model,
+    make_batch,
+    save_tiny_checkpoint,
+    tiny_config,
+)
+from automodel_testing.numerics import (
+    assert_grads_close,
+    assert_tensors_close,
+    grads_by_name,
+    normalize_fqn,
+    params_by_name,
+    reference_loss_and_grads,
+    to_full,
+)
+
+__all__ = [
+    "TINY_FAMILIES",
+    "DistributedRunError",
+    "assert_grads_close",
+    "assert_tensors_close",
+    "available_gpus",
+    "build_tiny_model",
+    "grads_by_name",
+    "make_batch",
+    "normalize_fqn",
+    "params_by_name",
+    "reference_loss_and_grads",
+    "run_distributed",
+    "save_tiny_checkpoint",
+    "skip_unless_gpus",
+    "tiny_config",
+    "to_full",
+]
