@@ -1,0 +1,442 @@
+"""The automodel test matrix. Run everything with ``uvx nox``; list the sessions with ``uvx nox -l``.
+
+Every session builds its environment with ``uv sync --frozen`` into the session's own virtual
+environment, so what runs is exactly the committed uv.lock; uv's cache makes that a matter of seconds
+(hard links), so nothing is shared between sessions and a fresh clone behaves like a warm one.
+
+Test tiers, disjoint so that each test runs once in the default run:
+
+- ``unit(package=...)``: ``-m "not gpu and not distributed"`` over one package's tests, in an
+  environment holding only that package, its declared dependencies and its ``test`` group;
+- ``distributed``: ``-m "distributed and not gpu"`` over every package's tests and ``tests/``, in the
+  whole workspace;
+- ``e2e``: ``tests/`` (cross-package), ``-m "not gpu and not distributed"``, whole workspace;
+- ``gpu(gpus=N)``: ``-m gpu`` with N CUDA devices; skips when the machine has fewer. Not a default.
+
+pytest exits with 5 when it selects no test. That is accepted only where there is nothing to run yet
+(a package without test files, or a tier none of whose tests exist yet), and the session says so in
+a line starting with "NO TESTS".
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+from xml.etree import ElementTree
+
+import nox
+from nox.command import CommandFailed
+from nox.logger import logger
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import dependency_graph as graph  # noqa: E402
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_external_run = True
+nox.options.sessions = [
+    "depgraph",
+    "lint",
+    "typecheck",
+    "unit",
+    "lean_import",
+    "distributed",
+    "e2e",
+    "wheels",
+    "docs",
+]
+
+PACKAGES = sorted(p.parent.name for p in ROOT.glob("packages/*/pyproject.toml"))
+PUBLISHED = [d for d in PACKAGES if graph.ALLOWED_GRAPH.get(d, graph.Node()).published]
+GPU_COUNTS = [1, 2, 4, 8]
+# The whole workspace: every package, every extra (so lazy paths and lean-import checks have the optional
+# libraries to find), the root dev tools and every package's test group.
+WORKSPACE_SYNC = ("--all-packages", "--all-extras", "--group", "dev", "--group", "test")
+
+
+def _timed(func: Callable[..., None]) -> Callable[..., None]:
+    """Log the session's own wall time when it ends, however it ends (nox's summary rounds to minutes)."""
+
+    @functools.wraps(func)
+    def wrapper(session: nox.Session, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        try:
+            func(session, *args, **kwargs)
+        finally:
+            session.log(f"wall time of {session.name}: {time.perf_counter() - start:.1f} s")
+
+    return wrapper
+
+
+def _fail(message: str) -> NoReturn:
+    """Fail the session (reported as "failed", like a failing command) with an explanation."""
+    logger.error(message)
+    raise CommandFailed(message)
+
+
+def _uv_sync(session: nox.Session, *args: str) -> None:
+    """Install the locked environment described by ``args`` into this session's virtualenv, exactly."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--frozen",
+        "--quiet",
+        "--no-default-groups",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+
+
+def _has_test_files(*folders: Path) -> bool:
+    return any(any(f.rglob("test_*.py")) or any(f.rglob("*_test.py")) for f in folders if f.is_dir())
+
+
+def _pytest(
+    session: nox.Session,
+    paths: list[Path],
+    marker: str,
+    *,
+    allow_empty: bool,
+    what: str,
+    why_empty: str,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run pytest over ``paths``.
+
+    Exit code 5 (no test selected) is accepted only when ``allow_empty``; then a line starting with
+    "NO TESTS COLLECTED" names ``what`` and gives ``why_empty``.
+    """
+    existing = [str(p.relative_to(ROOT)) for p in paths if p.is_dir()]
+    if not existing and not allow_empty:
+        _fail(f"no test folder for {what} among {[str(p) for p in paths]}")
+    if not existing:
+        session.log(f"NO TESTS COLLECTED for {what}: {why_empty} (no test folder exists; pytest not run)")
+        return
+    junit = Path(session.create_tmp()) / "junit.xml"
+    junit.unlink(missing_ok=True)
+    try:
+        session.run(
+            "pytest",
+            *existing,
+            "-m",
+            marker,
+            f"--junit-xml={junit}",
+            *session.posargs,
+            env=env,
+            success_codes=[0, 5] if allow_empty else [0],
+        )
+    except CommandFailed as exc:
+        if exc.return_code == 5:
+            _fail(
+                f"pytest selected no test for {what} (exit code 5), although its folders hold test files: "
+                f"exit code 5 is accepted only where there are no tests yet (marker: {marker!r})"
+            )
+        raise
+    if junit.is_file():
+        suites = ElementTree.parse(junit).getroot().iter("testsuite")
+        if sum(int(s.get("tests", "0")) for s in suites) == 0:
+            session.log(f"NO TESTS COLLECTED for {what}: {why_empty} (pytest exit code 5, accepted)")
+
+
+# --- repository checks ---------------------------------------------------------------------------------
+
+
+@nox.session
+@_timed
+def depgraph(session: nox.Session) -> None:
+    """uv.lock matches the pyprojects, and packages depend on and import only what the graph allows."""
+    session.run("uv", "lock", "--check", external=True)
+    session.run("python", "tools/check_dependency_graph.py")
+
+
+@nox.session
+@_timed
+def lint(session: nox.Session) -> None:
+    """Ruff lint and format checks over the whole repository."""
+    _uv_sync(session, "--only-group", "dev")
+    failed = []
+    for args in (["check", "."], ["format", "--check", "."]):
+        try:
+            session.run("ruff", *args)
+        except CommandFailed:
+            failed.append("ruff " + " ".join(args))
+    if failed:
+        _fail("failed: " + "; ".join(failed))
+
+
+@nox.session
+@_timed
+def typecheck(session: nox.Session) -> None:
+    """Mypy (strict, configured in the root pyproject.toml) over every package's sources and tools/."""
+    _uv_sync(session, *WORKSPACE_SYNC)
+    sources = [str(p.relative_to(ROOT)) for p in sorted(ROOT.glob("packages/*/src"))]
+    session.run("mypy", *sources, "tools")
+
+
+@nox.session
+@_timed
+def lean_import(session: nox.Session) -> None:
+    """``import <package>``: no CUDA initialised, no heavy module, <= 1.2x the time of ``import torch``."""
+    _uv_sync(session, *WORKSPACE_SYNC)
+    session.run("python", "tools/check_lean_import.py", *session.posargs)
+
+
+@nox.session
+@_timed
+def docs(session: nox.Session) -> None:
+    """Build the documentation site; warnings (broken links, pages missing from the nav) fail it."""
+    _uv_sync(session, "--only-group", "docs")
+    site = Path(session.create_tmp()) / "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
+
+
+# --- tests ---------------------------------------------------------------------------------------------
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+@_timed
+def unit(session: nox.Session, package: str) -> None:
+    """One package's single-process tests, installed with only its declared dependencies + test group."""
+    _uv_sync(session, "--package", package, "--group", "test")
+    _check_slim_environment(session, package)
+    tests = ROOT / "packages" / package / "tests"
+    has_tests = _has_test_files(tests)
+    _pytest(
+        session,
+        [tests],
+        "not gpu and not distributed",
+        allow_empty=not has_tests,
+        what=package,
+        why_empty="the package has no test files yet",
+    )
+
+
+def _check_slim_environment(session: nox.Session, package: str) -> None:
+    """Fail unless the environment holds only what the lock says ``package`` + its test group pull in."""
+    listing = session.run(
+        "uv", "pip", "list", "--format", "json", "--python", session.virtualenv.location,
+        silent=True, external=True, log=False,
+    )  # fmt: skip
+    installed = {graph.normalize(item["name"]) for item in json.loads(str(listing).strip().splitlines()[-1])}
+    lock = graph.read_lock()
+    allowed = graph.lock_closure(lock, [(package, ["@test"])])
+    stray = sorted(installed - allowed)
+    if stray:
+        _fail(f"{package}: installed but not required by it or its test group: {', '.join(stray)}")
+    watched = {
+        graph.normalize(d) for d in graph.expected_absent(package, graph.read_workspace(), lock).values()
+    }
+    session.log(
+        f"{package} environment: {len(installed)} distributions, all required by it or its test group"
+    )
+    session.log(f"  ours: {', '.join(sorted(d for d in installed if d.startswith('automodel-')))}")
+    session.log(f"  absent, as its dependencies say: {', '.join(sorted(watched - installed)) or '-'}")
+
+
+@nox.session
+@_timed
+def distributed(session: nox.Session) -> None:
+    """Multi-process tests: real gloo process groups of 2 to 8 ranks, launched by run_distributed."""
+    _uv_sync(session, *WORKSPACE_SYNC)
+    folders = [*sorted(ROOT.glob("packages/*/tests")), ROOT / "tests"]
+    _pytest(
+        session,
+        folders,
+        "distributed and not gpu",
+        allow_empty=True,
+        what="the distributed tier",
+        why_empty="no test is marked `distributed` yet",
+    )
+
+
+@nox.session
+@_timed
+def e2e(session: nox.Session) -> None:
+    """Cross-package tests in ``tests/`` (the wheel-install checks are the ``wheels`` session)."""
+    _uv_sync(session, *WORKSPACE_SYNC)
+    tests = ROOT / "tests"
+    _pytest(
+        session,
+        [tests],
+        "not gpu and not distributed",
+        allow_empty=not _has_test_files(tests),
+        what="tests/",
+        why_empty="there are no cross-package test files yet",
+    )
+
+
+@nox.session
+@nox.parametrize("gpus", GPU_COUNTS)
+@_timed
+def gpu(session: nox.Session, gpus: int) -> None:
+    """GPU tests (``-m gpu``) with exactly ``gpus`` visible CUDA devices; skips on smaller machines."""
+    _uv_sync(session, *WORKSPACE_SYNC)
+    probe = "import torch; print(torch.cuda.device_count())"
+    found = int(str(session.run("python", "-c", probe, silent=True)).strip().splitlines()[-1])
+    if found < gpus:
+        session.skip(f"needs {gpus} CUDA devices, found {found}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",")[:gpus] if visible else [str(i) for i in range(gpus)]
+    env = {"AUTOMODEL_TEST_GPUS": str(gpus), "CUDA_VISIBLE_DEVICES": ",".join(devices)}
+    folders = [*sorted(ROOT.glob("packages/*/tests")), ROOT / "tests"]
+    _pytest(
+        session,
+        folders,
+        "gpu",
+        allow_empty=True,
+        what=f"the gpu tier on {gpus} GPUs",
+        why_empty="no test is marked `gpu` yet",
+        env=env,
+    )
+
+
+# --- wheels --------------------------------------------------------------------------------------------
+
+_INSTALLED_CHECK = r"""
+import importlib, importlib.metadata as md, importlib.util, json, sys
+name, must_be_absent = sys.argv[1], sys.argv[2:]
+module = importlib.import_module(name)
+records = {}
+for dist in md.distributions():
+    if dist.metadata["Name"].startswith("automodel"):
+        lines = (dist.read_text("RECORD") or "").splitlines()
+        records[dist.metadata["Name"]] = sorted(line for line in lines if ".dist-info/" not in line)
+print(json.dumps({
+    "file": module.__file__,
+    "version": getattr(module, "__version__", None),
+    "present": [m for m in must_be_absent if importlib.util.find_spec(m) is not None],
+    "records": records,
+}))
+"""
+
+
+@nox.session
+@_timed
+def wheels(session: nox.Session) -> None:
+    """Build every wheel; install each published one alone, from the wheels, in a fresh venv; check it."""
+    workspace = graph.read_workspace()
+    lock = graph.read_lock()
+    tmp = Path(tempfile.mkdtemp(prefix="automodel-wheels-"))  # outside the workspace on purpose
+    try:
+        dist = tmp / "dist"
+        session.run("uv", "build", "--all-packages", "--out-dir", str(dist), external=True)
+        constraints = tmp / "constraints.txt"
+        session.run(
+            "uv", "export", "--frozen", "--no-hashes", "--all-packages", "--all-extras",
+            "--no-emit-workspace", "--output-file", str(constraints), "--quiet",
+            external=True,
+        )  # fmt: skip
+        built = _check_wheel_metadata(session, dist, workspace)
+        rows = [_install_alone(session, tmp, dist, constraints, d, built, workspace, lock) for d in PUBLISHED]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    session.log("each published wheel installed alone (seconds):")
+    session.log(f"  {'distribution':<24}{'venv':>6}{'install':>9}{'check':>7}{'dists':>7}  must be absent")
+    for row in rows:
+        session.log("  {:<24}{:>6.1f}{:>9.1f}{:>7.1f}{:>7}  {}".format(*row))
+
+
+def _wheel_files(dist: Path) -> dict[str, Path]:
+    wheels = {}
+    for wheel in sorted(dist.glob("*.whl")):
+        wheels[graph.normalize(wheel.name.split("-")[0])] = wheel
+    return wheels
+
+
+def _check_wheel_metadata(
+    session: nox.Session, dist: Path, workspace: dict[str, graph.PackageMeta]
+) -> dict[str, tuple[Path, str, list[str]]]:
+    """Check names, the shared version and sibling bounds; return {dist: (wheel, version, RECORD lines)}."""
+    built: dict[str, tuple[Path, str, list[str]]] = {}
+    errors = []
+    for name, wheel in _wheel_files(dist).items():
+        with zipfile.ZipFile(wheel) as zf:
+            info = next(n.split("/")[0] for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            metadata = zf.read(f"{info}/METADATA").decode()
+            record = zf.read(f"{info}/RECORD").decode().splitlines()
+        fields = [line.split(": ", 1) for line in metadata.split("\n\n")[0].splitlines() if ": " in line]
+        version = next(v for k, v in fields if k == "Version")
+        built[name] = (wheel, version, sorted(line for line in record if ".dist-info/" not in line))
+        for key, value in fields:
+            if key != "Requires-Dist":
+                continue
+            req = graph.parse_requirement(value)
+            problem = graph.check_sibling_bound(req, version) if req.name in workspace else None
+            if problem:
+                errors.append(f"{wheel.name}: {problem}")
+    if set(built) != set(workspace):
+        errors.append(f"built {sorted(built)}, expected one wheel per member {sorted(workspace)}")
+    versions = {version for _, version, _ in built.values()}
+    if len(versions) != 1:
+        errors.append(f"wheels do not share one version: {sorted(versions)}")
+    if errors:
+        _fail("wheel metadata:\n  " + "\n  ".join(errors))
+    session.log(f"{len(built)} wheels, version {versions.pop()}, sibling requirements bounded")
+    return built
+
+
+def _install_alone(
+    session: nox.Session,
+    tmp: Path,
+    dist: Path,
+    constraints: Path,
+    distribution: str,
+    built: dict[str, tuple[Path, str, list[str]]],
+    workspace: dict[str, graph.PackageMeta],
+    lock: graph.LockGraph,
+) -> tuple[str, float, float, float, int, str]:
+    """Install one wheel alone in a fresh venv outside the workspace and check what it brought."""
+    venv = tmp / f"venv-{distribution}"
+    python = venv / "bin" / "python"
+    uv = ("uv", "--no-config")
+    with session.chdir(tmp):  # so that uv sees no project configuration
+        t0 = time.perf_counter()
+        session.run(*uv, "venv", "--quiet", "--python", f"{session.bin}/python", str(venv), external=True)
+        t1 = time.perf_counter()
+        session.run(
+            *uv, "pip", "install", "--quiet", "--python", str(python), "--find-links", str(dist),
+            "--constraint", str(constraints), str(built[distribution][0]),
+            external=True,
+        )  # fmt: skip
+        t2 = time.perf_counter()
+        absent = graph.expected_absent(distribution, workspace, lock)
+        import_name = workspace[distribution].import_name
+        session.log(f"{python} -I -c <installed check> {import_name} ({len(absent)} modules must be absent)")
+        output = session.run(
+            str(python), "-I", "-c", _INSTALLED_CHECK, import_name, *absent,
+            silent=True, external=True, log=False, env={"PYTHONPATH": None},
+        )  # fmt: skip
+        t3 = time.perf_counter()
+        freeze = session.run(
+            *uv, "pip", "freeze", "--python", str(python), silent=True, external=True, log=False
+        )
+    report = json.loads(str(output).strip().splitlines()[-1])
+    errors = []
+    if not str(report["file"]).startswith(str(venv)):
+        errors.append(f"{import_name} imported from {report['file']}, not from the fresh venv")
+    version = built[distribution][1]
+    if report["version"] is not None and report["version"] != version:
+        errors.append(f"{import_name}.__version__ is {report['version']}, the wheel is {version}")
+    if report["present"]:
+        errors.append(f"importable but not a dependency of {distribution}: {', '.join(report['present'])}")
+    for name, lines in report["records"].items():
+        expected = built.get(graph.normalize(name))
+        if expected is None or lines != expected[2]:
+            errors.append(f"{name} was not installed from the wheel built by this session")
+    if errors:
+        _fail(f"{distribution} installed alone:\n  " + "\n  ".join(errors))
+    count = len(str(freeze).strip().splitlines())
+    return (distribution, t1 - t0, t2 - t1, t3 - t2, count, ", ".join(sorted(absent)))

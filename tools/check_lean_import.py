@@ -1,0 +1,142 @@
+"""Check that ``import <package>`` is lean: no CUDA initialisation, no heavy modules, little time.
+
+For every published package of `dependency_graph.ALLOWED_GRAPH`, in fresh interpreters of the
+current environment (run it in an environment where every package and every optional dependency is
+installed, so that an eager import has something to import):
+
+1. One process imports torch, wraps ``torch.cuda._lazy_init`` (the function every CUDA-initialising
+   call goes through), imports the package, and fails if CUDA was initialised or asked to be, or if
+   any module of `dependency_graph.HEAVY_MODULES` (torchao, peft, bitsandbytes, megatron_fsdp,
+   ``transformers.models.*``) is in ``sys.modules``. The wrapper makes the check meaningful on
+   machines without GPUs too.
+2. Import time: ``--repeats`` rounds (default 5), each of which times ``import torch`` and then
+   ``import <package>`` in fresh processes, after one warm-up round that fills the bytecode caches.
+   A package fails when its median exceeds ``--budget`` (default 1.2) times torch's median; the
+   table of ratios is printed either way, with the largest top-level modules a slow package added.
+
+Usage: ``python tools/check_lean_import.py [--repeats N] [--budget R] [package ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dependency_graph import ALLOWED_GRAPH, HEAVY_MODULES, import_name
+
+_PROBE = r"""
+import json, sys, traceback
+import torch
+import torch.cuda
+calls = []
+_original = torch.cuda._lazy_init
+def _recording_lazy_init(*args, **kwargs):
+    calls.append("".join(traceback.format_stack(limit=12)[:-1]))
+    return _original(*args, **kwargs)
+torch.cuda._lazy_init = _recording_lazy_init
+before = set(sys.modules)
+import importlib
+try:
+    importlib.import_module(sys.argv[1])
+    error = None
+except BaseException:
+    error = traceback.format_exc()
+heavy = tuple(sys.argv[2:])
+print(json.dumps({
+    "error": error,
+    "cuda_initialized": torch.cuda.is_initialized(),
+    "lazy_init_calls": calls,
+    "heavy": sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in heavy)),
+    "new_top_level": sorted({m.split(".")[0] for m in set(sys.modules) - before}),
+}))
+"""
+
+_TIMER = r"""
+import sys, time
+start = time.perf_counter()
+__import__(sys.argv[1])
+print(time.perf_counter() - start)
+"""
+
+
+def _python(code: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, check=False, timeout=600
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"`import {args[0]}` failed in a fresh interpreter:\n{result.stderr.strip()}")
+    return result.stdout.strip().splitlines()[-1]
+
+
+def probe(module: str) -> list[str]:
+    """Import ``module`` after torch in a fresh process; return the lean-import violations."""
+    report = json.loads(_python(_PROBE, module, *HEAVY_MODULES))
+    problems = []
+    if report["error"]:
+        problems.append(f"`import {module}` raised:\n{report['error']}")
+    if report["cuda_initialized"] or report["lazy_init_calls"]:
+        where = report["lazy_init_calls"][0] if report["lazy_init_calls"] else "(no stack recorded)\n"
+        problems.append(f"`import {module}` initialises CUDA; first call from:\n{where}")
+    if report["heavy"]:
+        problems.append(f"`import {module}` imports heavy modules: {', '.join(report['heavy'][:12])}")
+    return problems
+
+
+def time_imports(modules: list[str], repeats: int) -> dict[str, list[float]]:
+    """Time ``import <m>`` in fresh processes, interleaved over rounds; round 0 is a discarded warm-up."""
+    samples: dict[str, list[float]] = {m: [] for m in ["torch", *modules]}
+    for round_index in range(repeats + 1):
+        for module in samples:
+            seconds = float(_python(_TIMER, module))
+            if round_index:
+                samples[module].append(seconds)
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both checks and print a table; return 1 on any violation."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("packages", nargs="*", help="import names (default: every published package)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=1.2, help="allowed median time / torch's median")
+    args = parser.parse_args(argv)
+    modules = args.packages or [import_name(d) for d, node in ALLOWED_GRAPH.items() if node.published]
+
+    failures: list[str] = []
+    for module in modules:
+        failures.extend(probe(module))
+
+    samples = time_imports(modules, args.repeats)
+    torch_median = statistics.median(samples["torch"])
+    print(f"\nimport time, median of {args.repeats} fresh processes (budget {args.budget:.2f}x torch):")
+    print(f"  {'module':<24}{'median s':>10}{'ratio':>8}  verdict")
+    print(f"  {'torch':<24}{torch_median:>10.3f}{1.0:>8.2f}  baseline")
+    for module in modules:
+        median = statistics.median(samples[module])
+        ratio = median / torch_median
+        verdict = "ok" if ratio <= args.budget else "TOO SLOW"
+        print(f"  {module:<24}{median:>10.3f}{ratio:>8.2f}  {verdict}")
+        if ratio > args.budget:
+            extra = json.loads(_python(_PROBE, module, *HEAVY_MODULES))["new_top_level"]
+            failures.append(
+                f"`import {module}` takes {ratio:.2f}x `import torch` (budget {args.budget:.2f}x); top-level "
+                f"modules it adds beyond torch: {', '.join(extra[:20]) or '(none)'}"
+            )
+
+    if failures:
+        print(f"\n{len(failures)} lean-import violation(s):")
+        for failure in failures:
+            print(f"  - {failure}")
+        return 1
+    print(f"\nlean import OK: {len(modules)} packages")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
