@@ -1,0 +1,16 @@
+"""The package installs alone, reports its distribution's version and exports only what exists."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import automodel_peft
+
+
+def test_version_matches_the_installed_distribution() -> None:
+    assert automodel_peft.__version__ == importlib.metadata.version("automodel-peft")
+
+
+def test_every_exported_name_exists() -> None:
+    missing = [name for name in automodel_peft.__all__ if not hasattr(automodel_peft, name)]
+    assert not missing, missing
