@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from automodel_mesh import MeshContext, MeshKind, ParallelismSizes, resolve_layout
-from automodel_testing import run_distributed
+from automodel_testing import available_gpus, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -70,6 +70,11 @@ SIZE_PROPS = ("world_size", "pp_size", "tp_size", "cp_size", "ep_size", "ep_shar
               "dp_replicate_size", "dp_shard_size", "dp_shard_cp_size", "dp_cp_size")  # fmt: skip
 
 
+def _device() -> str:
+    # nccl collectives need CUDA tensors; the mesh's device type follows the backend the same way.
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def _facts(ctx: MeshContext) -> dict[str, Any]:
     """Sizes, axis names and, for each axis, this rank's group and an all-reduce over it."""
     rank = dist.get_rank()
@@ -78,7 +83,7 @@ def _facts(ctx: MeshContext) -> dict[str, Any]:
     for axis in ctx.axis_names():
         group = ctx.get_group(axis)
         groups[axis] = sorted(dist.get_process_group_ranks(group))
-        t = torch.tensor([rank], dtype=torch.int64)
+        t = torch.tensor([rank], dtype=torch.int64, device=_device())
         dist.all_reduce(t, group=group)
         sums[axis] = int(t.item())
     return {
@@ -107,12 +112,12 @@ def _run_cases(world: int) -> dict[str, Any]:
         else:
             out["invalid"].append(None)
     # After every rejected layout the default group is still healthy: nothing was half-built.
-    t = torch.ones(1)
+    t = torch.ones(1, device=_device())
     dist.all_reduce(t)
     out["healthy"] = t.item() == world
     if world == 4:
         out["subset"] = _subset_and_from_meshes()
-    if world == 2:
+    if world == 2 and _device() == "cpu":  # a timed-out NCCL collective aborts the process instead
         out["timeout"] = _timeout_fires()
     return out
 
@@ -127,7 +132,7 @@ def _subset_and_from_meshes() -> dict[str, Any]:
     res["member"] = ctx.is_member
     res["world"] = ctx.world_size
     if ctx.is_member:
-        t = torch.tensor([rank])
+        t = torch.tensor([rank], device=_device())
         dist.all_reduce(t, group=ctx.get_group("tp"))
         res["tp_sum"] = int(t.item())
     for bad, fragment in (([1, 1], "distinct"), ([0, 4], "outside"), ([], "at least one")):
@@ -140,10 +145,10 @@ def _subset_and_from_meshes() -> dict[str, Any]:
     except ValueError as err:
         res["world_mismatch"] = str(err)
     # from_meshes wraps a user-built mesh; sizes come from it, flattened axes are derived when absent.
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    mesh = init_device_mesh(_device(), (2, 2), mesh_dim_names=("dp_shard", "tp"))
     wrapped = MeshContext.from_meshes(mesh)
     res["wrapped"] = (wrapped.dp_shard_size, wrapped.tp_size, wrapped.dp_size, wrapped.dp_shard_cp_size)
-    bad_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("data",))
+    bad_mesh = init_device_mesh(_device(), (4,), mesh_dim_names=("data",))
     try:
         MeshContext.from_meshes(bad_mesh)
     except ValueError as err:
@@ -178,7 +183,7 @@ def _expected_group(world: int, shape: list[tuple[str, int]], axes: tuple[str, .
     return sorted(grid[index].flatten().tolist())
 
 
-def _check_world(world: int, results: list[dict[str, Any]]) -> None:
+def _check_world(world: int, results: list[dict[str, Any]], device: str = "cpu") -> None:
     for case_index, (kind, sizes) in enumerate(VALID[world]):
         layout = resolve_layout(MeshKind(kind), ParallelismSizes(**sizes), world)
         dense = [(a.value, s) for a, s in layout.dense_shape()]
@@ -187,7 +192,7 @@ def _check_world(world: int, results: list[dict[str, Any]]) -> None:
         for rank, res in enumerate(results):
             facts = res["valid"][case_index]
             label = f"{kind} {sizes} rank {rank}"
-            assert facts["device_type"] == "cpu", label
+            assert facts["device_type"] == device, label
             assert facts["kind"] == kind, label
             got = facts["sizes"]
             assert got["world_size"] == world, label
@@ -246,3 +251,12 @@ def test_build_every_layout(world: int) -> None:
         assert fired["elapsed"] < 6.0, (
             f"timeout_minutes=0.05 should fire near 3 s, took {fired['elapsed']:.1f} s"
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_build_every_layout_on_cuda(world: int) -> None:
+    if available_gpus() < world:
+        pytest.skip(f"needs {world} CUDA devices, found {available_gpus()}")
+    results = run_distributed(_run_cases, world, world, device="cuda", pg_timeout_s=60, timeout_s=240)
+    _check_world(world, results, device="cuda")
