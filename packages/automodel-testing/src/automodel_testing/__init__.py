@@ -27,14 +27,17 @@ from automodel_testing.numerics import (
     reference_loss_and_grads,
     to_full,
 )
+from automodel_testing.parity import ParityReport, causal_lm_loss, train_parity
 
 __all__ = [
     "TINY_FAMILIES",
     "DistributedRunError",
+    "ParityReport",
     "assert_grads_close",
     "assert_tensors_close",
     "available_gpus",
     "build_tiny_model",
+    "causal_lm_loss",
     "grads_by_name",
     "make_batch",
     "normalize_fqn",
@@ -45,4 +48,5 @@ __all__ = [
     "skip_unless_gpus",
     "tiny_config",
     "to_full",
+    "train_parity",
 ]

@@ -1,0 +1,121 @@
+"""Step time of FSDP2Manager.parallelize against hand-written fully_shard / parallelize_module.
+
+Both versions of the same Llama (hidden 256, 4 layers, vocab 4096, batch 2 x 128 per rank) are built
+in the same processes, on the same mesh, and timed in alternating rounds, so machine noise hits both
+alike. Prints the ratio manager / hand-written for each layout (goal: at most 1.05).
+
+    uv run --all-packages python benchmarks/bench_fsdp2_manager.py [--steps 10] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from automodel_mesh import MeshContext, ParallelismSizes
+from automodel_testing import build_tiny_model, make_batch, run_distributed
+
+MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 4096,
+    "max_position_embeddings": 256,
+}
+
+
+def _hand_written(model: torch.nn.Module, ctx: MeshContext, tp: bool) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if tp:
+        plan = {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+            "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+            "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+            "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+            "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+            "model.layers.*.mlp.up_proj": ColwiseParallel(),
+            "model.layers.*.mlp.down_proj": RowwiseParallel(),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        }
+        parallelize_module(model, ctx.submesh("tp"), plan)
+    if ctx.dp_shard_cp_size > 1:
+        mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        mesh = ctx.submesh("dp_shard_cp")
+        layers = model.model.layers  # type: ignore[union-attr]
+        for i, layer in enumerate(layers):
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+def _time_steps(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], steps: int
+) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = model(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _bench(layout: str, steps: int, rounds: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from automodel_distributed import FSDP2Config, FSDP2Manager
+
+    sizes = ParallelismSizes(tp_size=2) if layout == "tp2" else ParallelismSizes()
+    config = FSDP2Config(
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    )
+    ctx = MeshContext.build(config, sizes)
+    ours = FSDP2Manager(config, ctx.device_mesh).parallelize(build_tiny_model("llama", **MODEL))
+    theirs = _hand_written(build_tiny_model("llama", **MODEL), ctx, tp=layout == "tp2")
+    batch = make_batch(MODEL["vocab_size"], 2, 128, seed=dist.get_rank() if layout != "tp2" else 0)
+    opts = {
+        name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in (("ours", ours), ("theirs", theirs))
+    }
+    models = {"ours": ours, "theirs": theirs}
+    for name in models:  # warm-up
+        _time_steps(models[name], opts[name], batch, 3)
+    samples: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for r in range(rounds):
+        order = ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")
+        for name in order:
+            samples[name].append(_time_steps(models[name], opts[name], batch, steps))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    print("layout   ranks  manager/hand-written  (median step, alternating rounds)")
+    for layout in ("fsdp2", "tp2"):
+        per_rank = run_distributed(
+            _bench, 2, layout, args.steps, args.rounds, timeout_s=1200, pg_timeout_s=300
+        )
+        ours = max(r["ours"] for r in per_rank)
+        theirs = max(r["theirs"] for r in per_rank)
+        print(
+            f"{layout:<8} {2:>5}  {ours / theirs:>19.3f}  ({ours * 1e3:.0f} ms vs {theirs * 1e3:.0f} ms, CPU)"
+        )
+
+
+if __name__ == "__main__":
+    main()
