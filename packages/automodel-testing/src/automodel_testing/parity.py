@@ -163,7 +163,7 @@ def train_parity(
         if before_backward is not None:
             before_backward(sharded)
         _backward(loss, logits)
-        global_loss = loss.detach().float().clone()
+        global_loss = to_full(loss).float()  # a vocab-parallel loss is a replicated DTensor
         if dp_group is not None and dp_size > 1:
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG, group=dp_group)
         report.step_losses.append(float(global_loss.item()))
