@@ -1,0 +1,49 @@
+"""Tensor and sequence parallelism for transformers models: plans as data, a registry, and one apply step.
+
+- `apply_tensor_parallel(model, tp_mesh, tp_plan=None, sequence_parallel=False)` shards a model in place.
+- `resolve_tp_plan` picks the plan (user plan > registry > transformers' plan > default decoder plan).
+- `register_tp_plan` / `register_named_tp_plan` add plans; `validate_tensor_parallel` checks head counts.
+- Style names for plans are listed in `automodel_distributed.tensor_parallel.styles`.
+"""
+
+from automodel_distributed.tensor_parallel.apply import apply_tensor_parallel
+from automodel_distributed.tensor_parallel.lora import expand_lora_plan, is_lora_linear
+from automodel_distributed.tensor_parallel.plans import BUILTIN_TP_PLANS
+from automodel_distributed.tensor_parallel.registry import (
+    PlanFactory,
+    PlanMapping,
+    PlanSource,
+    register_named_tp_plan,
+    register_tp_plan,
+)
+from automodel_distributed.tensor_parallel.resolve import resolve_tp_plan, translate_hf_tp_plan
+from automodel_distributed.tensor_parallel.styles import (
+    STYLE_NAMES,
+    GatherSequenceInput,
+    ReplicatedWithGradAllReduce,
+    ReplicateParallel,
+    SequenceParallelNorm,
+    parallel_style,
+)
+from automodel_distributed.tensor_parallel.validate import validate_tensor_parallel
+
+__all__ = [
+    "BUILTIN_TP_PLANS",
+    "STYLE_NAMES",
+    "GatherSequenceInput",
+    "PlanFactory",
+    "PlanMapping",
+    "PlanSource",
+    "ReplicateParallel",
+    "ReplicatedWithGradAllReduce",
+    "SequenceParallelNorm",
+    "apply_tensor_parallel",
+    "expand_lora_plan",
+    "is_lora_linear",
+    "parallel_style",
+    "register_named_tp_plan",
+    "register_tp_plan",
+    "resolve_tp_plan",
+    "translate_hf_tp_plan",
+    "validate_tensor_parallel",
+]

@@ -1,0 +1,291 @@
+"""`apply_tensor_parallel`: shard a model in place with its tensor-parallel (and sequence-parallel) plan."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from automodel_distributed.tensor_parallel._fqn import find_hf_model, join_fqn
+from automodel_distributed.tensor_parallel.lora import expand_lora_plan
+from automodel_distributed.tensor_parallel.registry import PlanMapping
+from automodel_distributed.tensor_parallel.resolve import is_sequence_parallel_plan, resolve_tp_plan
+from automodel_distributed.tensor_parallel.styles import GatherSequenceInput
+from automodel_distributed.tensor_parallel.validate import (
+    PARAM_STYLES,
+    modules_by_style,
+    validate_tensor_parallel,
+)
+
+__all__ = ["apply_tensor_parallel"]
+
+logger = logging.getLogger(__name__)
+
+# Per-module head counts that older attention code reads to reshape q/k/v; divided by tp_size after a
+# column shard. transformers 5 reshapes with ``view(*shape, -1, head_dim)`` and needs none of this.
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+# Styles that only reshape a module's inputs or outputs and leave its parameters alone.
+_INPUT_STYLES = (GatherSequenceInput, PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
+
+_TieGroup = list[tuple[str, nn.Module, str]]
+
+
+def _local_colwise(style: ParallelStyle) -> bool:
+    """A column-parallel style that hands on this rank's slice of the last dim as a plain tensor."""
+    if not isinstance(style, ColwiseParallel) or not style.use_local_output:
+        return False
+    layout = style.output_layouts[0]
+    return bool(layout.is_shard()) and getattr(layout, "dim", None) == -1
+
+
+def _tie_groups(model: nn.Module) -> list[_TieGroup]:
+    """Parameters shared by several (module, name) slots, e.g. tied input/output embeddings."""
+    slots: dict[int, _TieGroup] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is not None:
+                group = slots.setdefault(id(param), [])
+                if not any(m is module and n == name for _, m, n in group):
+                    group.append((fqn, module, name))
+    return [group for group in slots.values() if len(group) > 1]
+
+
+def _predicted_layout(module: nn.Module, name: str, styles: list[ParallelStyle]) -> str | None:
+    """The placement the plan gives a parameter ("not sharded" if none), or None if it cannot be told."""
+    if any(not isinstance(s, PARAM_STYLES + _INPUT_STYLES) for s in styles):
+        return None  # a custom style: we cannot tell what it does to the parameters
+    param_styles = [s for s in styles if isinstance(s, PARAM_STYLES)]
+    if not param_styles:
+        return "not sharded"
+    style = param_styles[0]
+    if isinstance(style, ColwiseParallel):
+        return "Shard(0)" if isinstance(module, nn.Linear) else "Shard(1)"
+    if isinstance(style, RowwiseParallel):
+        if isinstance(module, nn.Embedding):
+            return "Shard(0)"
+        return "Shard(1)" if name == "weight" else "Replicate()"
+    return "Replicate()"
+
+
+def _check_ties(
+    model: nn.Module, by_module: Mapping[str, list[ParallelStyle]], ties: list[_TieGroup]
+) -> None:
+    for group in ties:
+        layouts = {
+            join_fqn(fqn, name): _predicted_layout(module, name, by_module.get(fqn, []))
+            for fqn, module, name in group
+        }
+        if None in layouts.values():
+            continue
+        if len(set(layouts.values())) > 1:
+            raise ValueError(
+                f"tied parameters {sorted(layouts)} would be sharded differently ({layouts}); give them "
+                "the same layout (e.g. 'rowwise_rep' for the input embedding with 'colwise_vocab' for the LM "
+                "head: both shard the [vocab, hidden] weight on the vocabulary) or untie them"
+            )
+
+
+def _retie(ties: list[_TieGroup]) -> None:
+    for group in ties:
+        params = [getattr(module, name) for _, module, name in group]
+        canonical = next((p for p in params if isinstance(p, DTensor)), params[0])
+        for (fqn, module, name), param in zip(group, params, strict=True):
+            if param is canonical:
+                continue
+            if isinstance(canonical, DTensor) and (
+                not isinstance(param, DTensor)
+                or param.placements != canonical.placements
+                or param.shape != canonical.shape
+                or param.device_mesh != canonical.device_mesh
+            ):
+                raise RuntimeError(
+                    f"cannot re-tie {join_fqn(fqn, name)} to its tied parameter: the plan sharded them "
+                    "differently; give tied parameters the same layout"
+                )
+            setattr(module, name, canonical)
+
+
+def _head_count_fixes(
+    model: nn.Module, by_module: Mapping[str, list[ParallelStyle]], tp_size: int
+) -> list[tuple[nn.Module, str, int]]:
+    fixes: dict[tuple[int, str], tuple[nn.Module, str, int]] = {}
+    problems: list[str] = []
+    for fqn, styles in by_module.items():
+        if not any(_local_colwise(s) for s in styles) or not isinstance(model.get_submodule(fqn), nn.Linear):
+            continue
+        logical = fqn.removesuffix(".base_layer") if fqn.endswith(".base_layer") else fqn
+        if ".lora_" in logical:
+            continue
+        parent_fqn = logical.rpartition(".")[0]  # "" for a child of the root
+        parent = model.get_submodule(parent_fqn)
+        for attr in _HEAD_ATTRS:
+            value = getattr(parent, attr, None)
+            if not isinstance(value, int) or isinstance(value, bool) or (id(parent), attr) in fixes:
+                continue
+            if value % tp_size:
+                name = f"{parent_fqn or '<root>'}.{attr}"
+                problems.append(f"{name}={value} is not divisible by tp_size={tp_size}")
+            fixes[(id(parent), attr)] = (parent, attr, value // tp_size)
+    if problems:
+        raise ValueError("cannot shard attention heads: " + "; ".join(problems))
+    return list(fixes.values())
+
+
+def _check_output_head(model: nn.Module, by_module: Mapping[str, list[ParallelStyle]]) -> None:
+    prefix, hf_model = find_hf_model(model)
+    get_head = getattr(hf_model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Module):
+        return
+    fqn = next((join_fqn(prefix, n) for n, m in hf_model.named_modules() if m is head), None)
+    if fqn is not None and any(_local_colwise(s) for s in by_module.get(fqn, [])):
+        raise ValueError(
+            f"the plan makes the output head {fqn!r} return this rank's vocabulary slice as a plain tensor, "
+            "so the logits and the loss would be wrong; use 'colwise_vocab' (vocab-sharded DTensor logits, "
+            "loss under loss_parallel()) or 'colwise_rep' (replicated logits), or their '_seq' forms under "
+            "sequence parallelism"
+        )
+
+
+def _check_sp_attention(model: nn.Module) -> None:
+    _, hf_model = find_hf_model(model)
+    impl = getattr(getattr(hf_model, "config", None), "_attn_implementation", None)
+    if impl == "eager":
+        raise ValueError(
+            "sequence parallelism needs attn_implementation='sdpa' (or a flash/flex kernel): with 'eager' "
+            "transformers builds the causal mask from the local sequence slice"
+        )
+
+
+def _sp_input_check(tp_size: int) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+    def check(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        x = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp_size:
+            raise ValueError(
+                f"sequence parallelism over tp_size={tp_size} needs a sequence length divisible by it, got "
+                f"{x.shape[1]}; pad the batch to a multiple of {tp_size}"
+            )
+        if len(args) > 1:
+            return  # positional position_ids / attention_mask cannot be told apart here
+        if kwargs.get("position_ids") is None:
+            raise ValueError(
+                "sequence parallelism needs explicit position_ids (e.g. torch.arange(seq_len) per row): "
+                "transformers would derive them from the local sequence slice"
+            )
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError(
+                "sequence parallelism does not take an attention_mask (transformers would build the mask "
+                "from the local sequence slice); pass unpadded or packed batches with position_ids instead"
+            )
+
+    return check
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    tp_plan: PlanMapping | str | None = None,
+    sequence_parallel: bool = False,
+) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` with tensor (and optionally sequence) parallelism.
+
+    Steps: check head counts (`validate_tensor_parallel`); resolve the plan (`resolve_tp_plan`); rewrite
+    entries that target peft LoRA wrappers into entries for ``base_layer``, ``lora_A`` and ``lora_B``;
+    check module shapes, tied parameters and sequence-parallel preconditions; then ``parallelize_module``,
+    re-tie tied parameters (e.g. ``lm_head.weight`` stays ``embed_tokens.weight``: both are sharded on the
+    vocabulary) and divide per-module head counts (``num_heads`` and friends, if an attention module has
+    them) after a column shard of its projections. Every check runs before the first collective, so a
+    model that cannot be sharded raises the same ``ValueError`` on every rank.
+
+    Preconditions: call before FSDP2 (parameters must still be plain tensors) and on every rank of
+    ``tp_mesh`` with identical models; the model may be on the meta device. Parameters are taken from TP
+    rank 0 (scattered or broadcast), as ``parallelize_module`` does.
+
+    Outputs: with the built-in plans the logits are a vocab-sharded DTensor (``Shard(-1)``): compute the
+    loss, forward and backward, under ``torch.distributed.tensor.parallel.loss_parallel()`` (transformers'
+    own ``labels=`` loss works there), and call ``.full_tensor()`` for the full logits. For replicated plain
+    logits, give the LM head ``'colwise_rep'`` (``'colwise_seq_rep'`` under SP) in the plan, e.g.
+    ``plan = resolve_tp_plan(model, tp_size=n); plan["lm_head"] = "colwise_rep"``.
+
+    Sequence parallelism (``sequence_parallel=True``) keeps activations between blocks sharded on the
+    sequence dim. With transformers models it needs: ``attn_implementation="sdpa"``; explicit
+    ``position_ids``; no ``attention_mask``; a sequence length divisible by the TP size; ``use_cache=False``.
+    A forward pre-hook on ``model`` raises a ``ValueError`` when a batch breaks one of these. Hidden states
+    returned by the base model are sequence slices; the logits are full.
+
+    Mesh axes and collectives: ``tp_mesh`` is the 1-D ``tp`` axis; sharding scatters/broadcasts weights
+    from TP rank 0; the forward and backward all-reduce (TP) or all-gather / reduce-scatter (SP) over it.
+
+    Args:
+        model: A transformers model (possibly inside a peft wrapper) or any module with a plan.
+        tp_mesh: The 1-D tensor-parallel mesh (e.g. ``mesh_context.submesh("tp")``).
+        tp_plan: A plan dict, a registered plan name or an import path; None resolves one from the model.
+        sequence_parallel: Use the sequence-parallel variant of the plan.
+
+    Returns:
+        ``model``, mutated: its sharded parameters are DTensors on ``tp_mesh``. A mesh of size 1 leaves it
+        untouched.
+
+    Raises:
+        ValueError: A 2-D mesh, a model already holding DTensors, head counts or shard dims that do not
+            divide, no usable plan, a LoRA layer that cannot be sharded, tied parameters sharded differently,
+            a vocab-sliced plain-tensor output head, or sequence parallelism with eager attention.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"apply_tensor_parallel needs a 1-D tp mesh, got {tp_mesh.ndim} axes; slice it first"
+        )
+    tp_size = int(tp_mesh.size())
+    if tp_size == 1:
+        if tp_plan is not None or sequence_parallel:
+            warnings.warn("tp_plan / sequence_parallel are ignored: the tp mesh has one rank", stacklevel=2)
+        return model
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(
+            "the model already holds DTensor parameters: apply tensor parallelism once, before FSDP2"
+        )
+    validate_tensor_parallel(model, tp_size)
+    plan = expand_lora_plan(
+        model, resolve_tp_plan(model, tp_plan, sequence_parallel=sequence_parallel, tp_size=tp_size)
+    )
+    validate_tensor_parallel(model, tp_size, plan=plan)
+    by_module = modules_by_style(model, plan)
+    is_sp = is_sequence_parallel_plan(plan)
+    if is_sp:
+        _check_sp_attention(model)
+    _check_output_head(model, by_module)
+    ties = _tie_groups(model)
+    _check_ties(model, by_module, ties)
+    head_fixes = _head_count_fixes(model, by_module, tp_size)
+
+    parallelize_module(model, tp_mesh, plan)
+
+    _retie(ties)
+    for module, attr, value in head_fixes:
+        setattr(module, attr, value)
+    if is_sp:
+        model.register_forward_pre_hook(_sp_input_check(tp_size), with_kwargs=True)
+    logger.info(
+        "tensor parallel over %d ranks%s: %d plan entries",
+        tp_size,
+        " with sequence parallel" if is_sp else "",
+        len(plan),
+    )
+    return model
