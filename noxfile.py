@@ -43,6 +43,11 @@ sys.path.insert(0, str(ROOT / "tools"))
 import dependency_graph as graph  # noqa: E402
 
 nox.needs_version = ">=2025.2.9"
+# Some machines export PYTHONDONTWRITEBYTECODE=1. uv installs no .pyc files, so every process -- and a
+# distributed test starts several per launch -- would compile torch, sympy and transformers from source
+# each time (10-20 s a launch). Let the sessions' interpreters cache bytecode in their own venvs.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 nox.options.default_venv_backend = "uv"
 nox.options.error_on_external_run = True
 nox.options.sessions = [

@@ -369,6 +369,16 @@ class CompileConfig(_ConfigMixin):
         limit = self.dynamo_cache_size_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"CompileConfig.dynamo_cache_size_limit must be an int >= 1, got {limit!r}")
+        if self.options is not None and not isinstance(self.options, dict):
+            raise ValueError(
+                f"CompileConfig.options must be a dict or None, got {type(self.options).__name__}"
+            )
+        if self.options and self.mode != "default":
+            # torch.compile accepts a mode or options, not both.
+            raise ValueError(
+                f"CompileConfig.mode={self.mode!r} and CompileConfig.options cannot both be set "
+                "(torch.compile takes one of them); put the mode's settings into options or drop options"
+            )
 
 
 DistributedConfig: TypeAlias = FSDP2Config | MegatronFSDPConfig | DDPConfig

@@ -26,7 +26,10 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from automodel_distributed.activation_checkpointing import apply_activation_checkpointing
+from automodel_distributed.activation_checkpointing import (
+    apply_activation_checkpointing,
+    resolve_checkpointing_mode,
+)
 from automodel_distributed.compile import compile_blocks
 from automodel_distributed.config import FSDP2Config, MultimodalDistributedConfig, default_mp_policy
 from automodel_distributed.layers import find_transformer_blocks
@@ -137,7 +140,7 @@ def apply_fsdp2(
 
 
 def _set_prefetch(modules: Sequence[nn.Module], forward_depth: int, backward_depth: int) -> None:
-    fsdp = [m for m in modules if isinstance(m, FSDPModule)]
+    fsdp: list[FSDPModule] = [m for m in modules if isinstance(m, FSDPModule)]
     for i, module in enumerate(fsdp):
         ahead = fsdp[i + 1 : i + 1 + forward_depth]
         behind = list(reversed(fsdp[max(0, i - backward_depth) : i]))
@@ -237,10 +240,11 @@ class FSDP2Manager:
                 tp_plan=cfg.tp_plan,
                 sequence_parallel=cfg.sequence_parallel,
             )
-        if cfg.activation_checkpointing:
+        mode = resolve_checkpointing_mode(cfg.activation_checkpointing)
+        if mode is not None:
             scope = cfg.activation_checkpointing_scope
-            assert isinstance(scope, tuple)
-            apply_activation_checkpointing(model, mode=cfg.activation_checkpointing, scope=scope)
+            assert isinstance(scope, tuple), "FSDP2Config normalises the scope to a tuple"
+            apply_activation_checkpointing(model, mode=mode, scope=scope)
 
         dp_size = self.mesh.dp_shard_cp_size * (self.mesh.dp_replicate_size or 1)
         if dp_size == 1:
@@ -302,5 +306,5 @@ def _patch_is_packed_sequence() -> None:
     def _never_packed(*_args: Any, **_kwargs: Any) -> bool:
         return False
 
-    fa_utils._is_packed_sequence = _never_packed  # type: ignore[attr-defined]
+    fa_utils._is_packed_sequence = _never_packed
     logger.info("FSDP2: transformers' _is_packed_sequence patched to return False")

@@ -1,0 +1,239 @@
+"""Activation checkpointing of transformer blocks: full recompute or selective (save some ops).
+
+Both modes wrap each block in scope with torch's ``checkpoint_wrapper`` (non-reentrant
+``torch.utils.checkpoint``) inside its parent container, so they compose with FSDP2, DDP, tensor
+parallelism and per-block compile the same way. Apply it after tensor parallelism and before
+``fully_shard`` / DDP / compile. The wrapper inserts ``_checkpoint_wrapped_module.`` into parameter FQNs.
+
+Selective mode keeps the outputs of expensive or communicating ops and recomputes the cheap rest; the op
+lists (`SELECTIVE_AC_MATMUL_OPS`, `SELECTIVE_AC_ALWAYS_SAVE_OPS`) are data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
+
+from automodel_distributed.config import normalize_activation_checkpointing
+from automodel_distributed.layers import blocks_in_scope, find_transformer_blocks
+
+__all__ = [
+    "SELECTIVE_AC_ALWAYS_SAVE_OPS",
+    "SELECTIVE_AC_MATMUL_OPS",
+    "apply_activation_checkpointing",
+    "disable_kv_cache",
+    "resolve_checkpointing_mode",
+    "selective_checkpoint_policy",
+]
+
+logger = logging.getLogger(__name__)
+
+SELECTIVE_AC_MATMUL_OPS: tuple[str, ...] = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+"""Matmul ops (``namespace.op.overload``): selective AC saves the output of every other one per block
+call (the 1st, 3rd, ...), halving their recompute cost for half their memory."""
+
+SELECTIVE_AC_ALWAYS_SAVE_OPS: tuple[str, ...] = (
+    # Attention kernels: the most expensive op of a block to recompute.
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._flash_attention_forward.default",
+    "aten._efficient_attention_forward.default",
+    # Low-precision matmul. (Router top-k is not saved: eager recompute is deterministic, and models such
+    # as Mixtral normalise the top-k values in place, which a saved output must not see.)
+    "aten._scaled_mm.default",
+    # Communication: recomputing it would repeat the collective in backward.
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_to_all_single.default",
+    "_c10d_functional.all_reduce.default",
+    "_c10d_functional.all_gather_into_tensor.default",
+)
+"""Ops (``namespace.op.overload``) whose outputs selective AC always saves. Names missing from the
+installed torch are skipped."""
+
+_AC_MODE_ATTR = "_automodel_ac_mode"
+
+
+def resolve_checkpointing_mode(setting: object) -> Literal["full", "selective"] | None:
+    """Map a config's ``activation_checkpointing`` to ``None`` (off), ``"full"`` or ``"selective"``.
+
+    Accepts what `automodel_distributed.config.normalize_activation_checkpointing` accepts (``True`` means
+    ``"full"``).
+
+    Raises:
+        ValueError: Any other value.
+    """
+    if setting is None:
+        return None
+    mode: Literal["full", "selective"] | Literal[False] = normalize_activation_checkpointing(setting)
+    return mode or None
+
+
+def _resolve_ops(names: tuple[str, ...]) -> frozenset[Any]:
+    ops: set[Any] = set()
+    for name in names:
+        namespace, op_name, overload = name.split(".")
+        try:
+            ops.add(getattr(getattr(getattr(torch.ops, namespace), op_name), overload))
+        except (AttributeError, RuntimeError):
+            logger.debug("selective AC: op %s is not available in this torch build", name)
+    return frozenset(ops)
+
+
+def selective_checkpoint_policy() -> Callable[..., CheckpointPolicy]:
+    """Build a fresh selective-AC policy (one per checkpointed block call: it counts matmuls).
+
+    Returns:
+        A ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`` for
+        ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: ``MUST_SAVE`` for the ops in
+        `SELECTIVE_AC_ALWAYS_SAVE_OPS` and for every other matmul of `SELECTIVE_AC_MATMUL_OPS` (the 1st,
+        3rd, ...), ``PREFER_RECOMPUTE`` for everything else.
+    """
+    matmuls = _resolve_ops(SELECTIVE_AC_MATMUL_OPS)
+    always = _resolve_ops(SELECTIVE_AC_ALWAYS_SAVE_OPS)
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in always:
+            return CheckpointPolicy.MUST_SAVE
+        if op in matmuls:
+            # torch >= 2.12 only calls the policy in forward; older ones also call it on recompute.
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            if counts[key] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _selective_context_fn() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(selective_checkpoint_policy())
+
+
+def _iter_configs(model: nn.Module) -> Iterator[Any]:
+    """Every transformers config reachable from ``model``: each module's ``config`` and its sub-configs."""
+    from transformers import PreTrainedConfig
+
+    seen: set[int] = set()
+    stack: list[Any] = [getattr(m, "config", None) for m in model.modules()]
+    while stack:
+        config = stack.pop()
+        if not isinstance(config, PreTrainedConfig) or id(config) in seen:
+            continue
+        seen.add(id(config))
+        yield config
+        stack.extend(vars(config).values())
+
+
+def disable_kv_cache(model: nn.Module) -> list[str]:
+    """Set ``use_cache=False`` on every transformers config of ``model``, sub-configs included.
+
+    A KV cache is wrong under recompute (the recomputed forward appends to it a second time) and useless
+    in training. Each change is logged at INFO.
+
+    Returns:
+        The config class names that were changed.
+    """
+    changed: list[str] = []
+    for config in _iter_configs(model):
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+            changed.append(type(config).__name__)
+    if changed:
+        logger.info("activation checkpointing: set use_cache=False on %s", ", ".join(changed))
+    return changed
+
+
+def _set_child(model: nn.Module, fqn: str, child: nn.Module) -> None:
+    """Replace the sub-module at ``fqn`` (as spelled by `find_transformer_blocks`) with ``child``."""
+    *path, name = fqn.split(".")
+    parent = model
+    for part in path:
+        parent = getattr(parent, part)
+        if isinstance(parent, CheckpointWrapper):
+            parent = parent._checkpoint_wrapped_module
+    setattr(parent, name, child)
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    *,
+    mode: Literal["full", "selective"],
+    scope: tuple[str, ...] = ("all",),
+) -> nn.Module:
+    """Wrap the transformer blocks in ``scope`` with activation checkpointing, in place.
+
+    ``"full"`` recomputes each block's whole forward in backward; ``"selective"`` saves the ops chosen by
+    `selective_checkpoint_policy` and recomputes the rest. Both use ``checkpoint_wrapper`` with
+    ``CheckpointImpl.NO_REENTRANT`` around the block in its parent container. Also sets
+    ``use_cache=False`` on the model's configs (`disable_kv_cache`).
+
+    Idempotent: a block that is already checkpoint-wrapped is left as it is (with a warning when its
+    mode differs from ``mode``).
+
+    Preconditions: apply after tensor parallelism and before ``fully_shard``, DDP and per-block compile.
+    Works on meta-device models (nothing is allocated). No collectives.
+
+    Args:
+        model: A transformers model (or any model `find_transformer_blocks` understands).
+        mode: ``"full"`` or ``"selective"``.
+        scope: Layer groups to checkpoint, normalised as by
+            `automodel_distributed.config.normalize_checkpointing_scope`.
+
+    Returns:
+        ``model`` itself (its block containers now hold ``CheckpointWrapper`` modules).
+
+    Raises:
+        ValueError: An unknown ``mode`` or scope, or a model without transformer blocks.
+    """
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing mode={mode!r} is not valid; use 'full' or 'selective'")
+    blocks = blocks_in_scope(model, scope)
+    if not blocks:
+        logger.warning(
+            "activation checkpointing: no block of %s is in scope %s (blocks: %s); nothing wrapped",
+            type(model).__name__,
+            scope,
+            [fqn for fqn, _ in find_transformer_blocks(model)][:4],
+        )
+        return model
+    disable_kv_cache(model)
+    wrapped = 0
+    for fqn, block in blocks:
+        if isinstance(block, CheckpointWrapper):
+            existing = getattr(block, _AC_MODE_ATTR, "full")
+            if existing != mode:
+                logger.warning(
+                    "activation checkpointing: %s is already wrapped (%s); keeping it, mode=%r ignored there",
+                    fqn,
+                    existing,
+                    mode,
+                )
+            continue
+        kwargs: dict[str, Any] = {}
+        if mode == "selective":
+            kwargs["context_fn"] = _selective_context_fn
+        wrapper = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+        setattr(wrapper, _AC_MODE_ATTR, mode)
+        _set_child(model, fqn, wrapper)
+        wrapped += 1
+    logger.info(
+        "activation checkpointing (%s): wrapped %d block(s) of %s", mode, wrapped, type(model).__name__
+    )
+    return model

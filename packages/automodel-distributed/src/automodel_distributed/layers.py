@@ -1,0 +1,218 @@
+"""Find the repeated transformer blocks of a model: the units of sharding, checkpointing and compile.
+
+Blocks are found from what transformers declares (``_no_split_modules``, the class names of the blocks
+that must stay whole), so no model family is named here. Models that declare nothing fall back to the
+conventional block containers in `FALLBACK_BLOCK_CONTAINERS`. Which layer group (language, vision,
+audio, multimodal projector) a block belongs to is read from its FQN with the markers in
+`LAYER_GROUP_MARKERS`; both tables are data, extended by adding entries.
+
+Everything here only reads the model; nothing is mutated.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+from torch import nn
+
+__all__ = [
+    "FALLBACK_BLOCK_CONTAINERS",
+    "LAYER_GROUP_MARKERS",
+    "block_group",
+    "blocks_in_scope",
+    "find_transformer_blocks",
+    "no_split_module_names",
+]
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
+"""Names of ``nn.ModuleList`` attributes whose children are taken as blocks when the model declares no
+``_no_split_modules`` (``model.layers`` in Llama-style models, ``transformer.h`` in GPT-2 style ones)."""
+
+LAYER_GROUP_MARKERS: Mapping[str, tuple[str, ...]] = {
+    "vision": (
+        "vision_tower",
+        "vision_model",
+        "vision_encoder",
+        "visual",
+        "vit",
+        "vit_model",
+        "image_encoder",
+        "vision",
+    ),
+    "audio": ("audio_tower", "audio_model", "audio_encoder", "speech_encoder", "audio"),
+    "multimodal": (
+        "multi_modal_projector",
+        "multimodal_projector",
+        "mm_projector",
+        "connector",
+        "merger",
+    ),
+}
+"""Layer group -> FQN components that mark a block as belonging to it. A block whose FQN contains none
+of them belongs to ``"language"``. Components are matched whole (``"visual"`` matches
+``model.visual.blocks.0``, not ``model.visualizer.0``); the first group that matches wins."""
+
+_SCOPE_GROUPS: Mapping[str, frozenset[str]] = {
+    "language": frozenset({"language"}),
+    "vision": frozenset({"vision"}),
+    "audio": frozenset({"audio"}),
+    # Everything that is not the language model: the towers and the projectors between them.
+    "multimodal": frozenset({"vision", "audio", "multimodal"}),
+}
+
+# Wrappers that sit between a block's parent container and the block itself.
+_WRAPPED_MODULE_ATTRS: tuple[str, ...] = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def no_split_module_names(model: nn.Module) -> frozenset[str]:
+    """Return the union of the ``_no_split_modules`` class names declared anywhere in ``model``.
+
+    Looking at every sub-module (not only the root) finds the declaration of a peft-wrapped model (on its
+    base model) and of composite models whose towers declare their own blocks.
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        declared = getattr(module, "_no_split_modules", None)
+        if declared:
+            names.update(str(name) for name in declared)
+    return frozenset(names)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module inside activation-checkpoint / compile wrappers (``module`` itself when unwrapped)."""
+    inner = module
+    while True:
+        for attr in _WRAPPED_MODULE_ATTRS:
+            candidate = getattr(inner, attr, None)
+            if isinstance(candidate, nn.Module):
+                inner = candidate
+                break
+        else:
+            return inner
+
+
+def _strip_wrapper_segments(fqn: str) -> str:
+    return ".".join(part for part in fqn.split(".") if part not in _WRAPPED_MODULE_ATTRS)
+
+
+def _blocks_by_class_name(model: nn.Module, class_names: frozenset[str]) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+    inside: list[str] = []  # FQN prefixes of blocks already found: their sub-modules are not blocks
+    for fqn, module in model.named_modules():
+        if any(fqn.startswith(prefix) for prefix in inside):
+            continue
+        # The MRO, not just the class: fully_shard swaps a module's class for an FSDP subclass of it.
+        if fqn and any(cls.__name__ in class_names for cls in type(_unwrap(module)).__mro__):
+            # A wrapper and the module it wraps both match; the first one seen (the outer) is the block.
+            found.append((_strip_wrapper_segments(fqn), module))
+            inside.append(fqn + ".")
+    return found
+
+
+def _blocks_by_container_name(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+    for fqn, module in model.named_modules():
+        leaf = fqn.rsplit(".", 1)[-1]
+        if isinstance(module, nn.ModuleList) and leaf in FALLBACK_BLOCK_CONTAINERS:
+            found.extend(
+                (f"{_strip_wrapper_segments(fqn)}.{name}", child) for name, child in module.named_children()
+            )
+    return found
+
+
+def find_transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Return the repeated transformer blocks of ``model`` with their FQNs, in forward order.
+
+    Blocks are the sub-modules whose class, or a base class, has a name in the model's
+    ``_no_split_modules`` (see `no_split_module_names`), so blocks stay blocks after ``fully_shard`` swaps
+    their class for an FSDP subclass; sub-modules of a block are never blocks themselves. A block already
+    wrapped by activation checkpointing (or compiled as a whole with ``torch.compile``) is returned as
+    the wrapper, which is what its parent container holds, under the FQN of the unwrapped block (without
+    ``_checkpoint_wrapped_module.``), so that applying a wrapper twice is easy to detect. peft-wrapped
+    models work: their FQNs start with ``base_model.model.``. When the model declares no
+    ``_no_split_modules`` (or none of the declared classes is present), the children of every
+    ``nn.ModuleList`` named as in `FALLBACK_BLOCK_CONTAINERS` are taken instead.
+
+    "Forward order" is module registration order, which is the order in which transformers decoders run
+    their layers.
+
+    Preconditions: none (meta-device models work; nothing is read from parameters).
+
+    Args:
+        model: Any ``nn.Module``, typically a transformers ``PreTrainedModel`` or a peft model.
+
+    Returns:
+        ``(fqn, module)`` pairs; the modules are the objects held by the parent containers.
+
+    Raises:
+        ValueError: No block was found; the message names the model class and how to declare its blocks.
+    """
+    declared = no_split_module_names(model)
+    if declared:
+        blocks = _blocks_by_class_name(model, declared)
+        if blocks:
+            return blocks
+        logger.warning(
+            "%s declares _no_split_modules %s but no sub-module has one of those classes; falling back to "
+            "the block containers %s",
+            type(model).__name__,
+            sorted(declared),
+            list(FALLBACK_BLOCK_CONTAINERS),
+        )
+    blocks = _blocks_by_container_name(model)
+    if blocks:
+        return blocks
+    raise ValueError(
+        f"found no transformer blocks in {type(model).__name__}: it declares no usable _no_split_modules "
+        f"(got {sorted(declared)}) and has no nn.ModuleList named {list(FALLBACK_BLOCK_CONTAINERS)}. "
+        f"Set `{type(model).__name__}._no_split_modules = ['YourBlockClassName']` (the class of the repeated "
+        "layer) on the model class or instance."
+    )
+
+
+def block_group(fqn: str) -> str:
+    """Return the layer group of a block FQN: ``vision``, ``audio``, ``multimodal`` or ``language``."""
+    parts = set(_strip_wrapper_segments(fqn).split("."))
+    for group, markers in LAYER_GROUP_MARKERS.items():
+        if parts.intersection(markers):
+            return group
+    return "language"
+
+
+def _check_scope(scope: Iterable[str]) -> tuple[str, ...]:
+    names = tuple(scope)
+    unknown = [name for name in names if name != "all" and name not in _SCOPE_GROUPS]
+    if not names or unknown:
+        raise ValueError(
+            f"activation-checkpointing scope {names!r} is not valid; use ('all',) or a tuple of "
+            f"{sorted(_SCOPE_GROUPS)} (normalize strings with automodel_distributed.config."
+            "normalize_checkpointing_scope)"
+        )
+    if "all" in names and len(names) > 1:
+        raise ValueError(f"activation-checkpointing scope {names!r}: 'all' cannot be combined with others")
+    return names
+
+
+def blocks_in_scope(model: nn.Module, scope: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """Return the blocks of `find_transformer_blocks` whose layer group is in ``scope``.
+
+    Args:
+        model: The model.
+        scope: A normalised scope: ``("all",)`` or a tuple of ``language``, ``vision``, ``audio`` and
+            ``multimodal`` (the last one meaning every block outside the language model).
+
+    Returns:
+        The selected ``(fqn, module)`` pairs in forward order (possibly empty).
+
+    Raises:
+        ValueError: The model has no blocks, or the scope is not normalised.
+    """
+    names = _check_scope(scope)
+    blocks = find_transformer_blocks(model)
+    if names == ("all",):
+        return blocks
+    wanted = frozenset().union(*(_SCOPE_GROUPS[name] for name in names))
+    return [(fqn, module) for fqn, module in blocks if block_group(fqn) in wanted]
