@@ -10,12 +10,14 @@ alike. Prints the ratio manager / hand-written for each layout (goal: at most 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from automodel_mesh import MeshContext, ParallelismSizes
 from automodel_testing import build_tiny_model, make_batch, run_distributed
@@ -33,7 +35,7 @@ MODEL = {
 
 def _hand_written(model: torch.nn.Module, ctx: MeshContext, tp: bool) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     if tp:
@@ -46,7 +48,8 @@ def _hand_written(model: torch.nn.Module, ctx: MeshContext, tp: bool) -> torch.n
             "model.layers.*.mlp.gate_proj": ColwiseParallel(),
             "model.layers.*.mlp.up_proj": ColwiseParallel(),
             "model.layers.*.mlp.down_proj": RowwiseParallel(),
-            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+            # The vocab-parallel head of the built-in Llama plan; the loss runs under loss_parallel.
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         }
         parallelize_module(model, ctx.submesh("tp"), plan)
     if ctx.dp_shard_cp_size > 1:
@@ -59,14 +62,24 @@ def _hand_written(model: torch.nn.Module, ctx: MeshContext, tp: bool) -> torch.n
     return model
 
 
+def _loss_context(logits: torch.Tensor) -> Any:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext()
+
+
 def _time_steps(
     model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], steps: int
 ) -> float:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        out = model(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
-        out.loss.backward()
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        with _loss_context(logits):  # one context around loss and backward: loss_parallel does not nest
+            vocab = logits.shape[-1]
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), batch["labels"][:, 1:].reshape(-1))
+            loss.backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
