@@ -95,8 +95,54 @@ def _one_case(family: str, sizes: dict[str, int], fields: dict[str, Any]) -> Par
         )
 
 
+def _deferred_grad_sync() -> float:
+    """Two micro-batches with the reduce-scatter deferred to the last: grads equal the full batch's."""
+    from automodel_distributed import FSDP2Manager
+    from automodel_testing import build_tiny_model, causal_lm_loss, make_batch, normalize_fqn, to_full
+
+    config = _config({"defer_fsdp_grad_sync": True})
+    ctx = MeshContext.build(config)
+    manager = FSDP2Manager(config, ctx.device_mesh)
+    reference = build_tiny_model("llama")
+    model = manager.parallelize(build_tiny_model("llama"))
+    batch = make_batch(reference.config.vocab_size, 8, 16, seed=3)
+    causal_lm_loss(reference(input_ids=batch["input_ids"]).logits, batch["labels"]).backward()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = {k: v[rank * 4 : (rank + 1) * 4] for k, v in batch.items()}
+    for micro in range(2):
+        manager.set_gradient_sync(model, is_last_microbatch=micro == 1)
+        rows = slice(micro * 2, micro * 2 + 2)
+        loss = causal_lm_loss(model(input_ids=local["input_ids"][rows]).logits, local["labels"][rows]) / 2
+        loss.backward()
+    ref = {normalize_fqn(n): p.grad for n, p in reference.named_parameters()}
+    assert world == 2
+    return max(
+        float((to_full(p.grad) - ref[normalize_fqn(n)]).abs().max())
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    )
+
+
+def _world_one() -> dict[str, Any]:
+    """One rank: no sharding, but activation checkpointing still applies."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from automodel_distributed import FSDP2Manager
+    from automodel_testing import build_tiny_model
+
+    config = _config({"activation_checkpointing": True})
+    ctx = MeshContext.build(config)
+    model = FSDP2Manager(config, ctx.device_mesh).parallelize(build_tiny_model("llama"))
+    return {
+        "class": type(model).__name__,
+        "wrapped": [isinstance(layer, CheckpointWrapper) for layer in model.model.layers],
+    }
+
+
 def _run(world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    if world == 2:
+        results["deferred_grad_sync"] = _deferred_grad_sync()
     cases = [
         (f"{label}{'+ac' if ac else ''}/{family}", family, sizes, {**fields, "activation_checkpointing": ac})
         for label, sizes, fields in SETUPS[world]
@@ -116,6 +162,8 @@ def test_fsdp2_manager_parity(world: int) -> None:
     per_rank = run_distributed(_run, world, world, timeout_s=900, pg_timeout_s=120)
     atol = {f"{label}/{family}": tol for label, family, _, _, tol in EXTRAS[world]}
     for rank, results in enumerate(per_rank):
+        if world == 2:
+            assert results.pop("deferred_grad_sync") <= FP32_ATOL
         for label, report in results.items():
             report.check(
                 atol=atol.get(label, FP32_ATOL),
@@ -123,3 +171,8 @@ def test_fsdp2_manager_parity(world: int) -> None:
                 label=f"rank {rank} {label}",
             )
         assert results["fsdp2/llama"].model_class.startswith("FSDP"), "the model was not sharded"
+
+
+def test_world_size_one_only_checkpoints() -> None:
+    (result,) = run_distributed(_world_one, 1)
+    assert result == {"class": "LlamaForCausalLM", "wrapped": [True, True]}

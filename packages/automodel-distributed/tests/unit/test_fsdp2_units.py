@@ -1,0 +1,44 @@
+"""FSDP2 unit planning and manager validation, without process groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from automodel_distributed import DDPConfig, FSDP2Config
+from automodel_distributed.fsdp2 import FSDP2Manager, plan_fsdp_units
+from automodel_mesh import MeshContext
+from automodel_testing import build_tiny_model
+
+
+def _units(family: str, **kwargs: object) -> list[tuple[str, bool | int]]:
+    model = build_tiny_model(family, meta=True, num_hidden_layers=3)
+    return [(u.fqn, u.reshard_after_forward) for u in plan_fsdp_units(model, **kwargs)]  # type: ignore[arg-type]
+
+
+def test_untied_model_gets_embedding_blocks_and_head_units() -> None:
+    assert _units("llama", reshard_after_forward=None) == [
+        ("model.embed_tokens", True),
+        ("model.layers.0", True),
+        ("model.layers.1", True),
+        ("model.layers.2", False),  # the last block and the head run first in backward
+        ("lm_head", False),
+    ]
+
+
+def test_tied_embeddings_stay_in_the_root() -> None:
+    units = _units("llama_tied", reshard_after_forward=None)
+    assert [fqn for fqn, _ in units] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert units[-1] == ("model.layers.2", False)
+
+
+def test_explicit_and_pipelined_resharding() -> None:
+    assert {r for _, r in _units("qwen2", reshard_after_forward=True)} == {True}
+    assert {r for _, r in _units("qwen2", reshard_after_forward=2)} == {2}
+    assert {r for _, r in _units("qwen2", reshard_after_forward=None, pipelined=True)} == {False}
+
+
+def test_manager_rejects_other_configs_and_meshes() -> None:
+    with pytest.raises(ValueError, match="FSDP2Manager needs an FSDP2Config, got DDPConfig"):
+        FSDP2Manager(DDPConfig(), None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs the FSDP2 mesh"):
+        FSDP2Manager(FSDP2Config(), MeshContext().device_mesh)  # type: ignore[arg-type]
