@@ -1,14 +1,37 @@
-"""automodel-pipelining.
+"""automodel-pipelining: pipeline parallelism for Hugging Face decoder models.
 
-The public API of this package arrives with the issue that builds it; until then it exports only its
-version, so nothing here pretends to work.
+- `PipelineConfig` (``automodel_pipelining.config``): the settings, with NeMo AutoModel's field names.
+- `AutoPipeline` (``automodel_pipelining.autopipeline``): splits a model into stages, parallelizes each
+  stage with a given ``parallelize_fn`` and runs them with a ``torch.distributed.pipelining`` schedule.
+
+``torch.distributed.pipelining`` is imported only when a pipeline is built.
 """
 
 from importlib.metadata import PackageNotFoundError, version
+
+from automodel_pipelining.autopipeline import AutoPipeline, PipelineInfo
+from automodel_pipelining.config import PipelineConfig
+from automodel_pipelining.layout import DecoderLayout, resolve_decoder_layout
+from automodel_pipelining.schedules import SCHEDULES, stage_ids_this_rank
+from automodel_pipelining.split import calculate_virtual_stages, generate_stage_fqns, split_layers_evenly
+from automodel_pipelining.validate import validate_hf_model_for_pipeline_support
 
 try:
     __version__ = version("automodel-pipelining")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
     __version__ = "0.0.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "SCHEDULES",
+    "AutoPipeline",
+    "DecoderLayout",
+    "PipelineConfig",
+    "PipelineInfo",
+    "__version__",
+    "calculate_virtual_stages",
+    "generate_stage_fqns",
+    "resolve_decoder_layout",
+    "split_layers_evenly",
+    "stage_ids_this_rank",
+    "validate_hf_model_for_pipeline_support",
+]

@@ -1,0 +1,188 @@
+"""The split math: how many stages, and which module FQNs each stage owns. Pure functions, no torch.
+
+- `calculate_virtual_stages`: the stage count from ``layers_per_stage``, its rounding and the schedule.
+- `split_layers_evenly`: layer counts per stage, the remainder going to the early stages.
+- `generate_stage_fqns`: the default split of a `DecoderLayout` (embeddings and first-stage extras on
+  stage 0, final norm and LM head on the last stage, shared parameter-free modules on every stage).
+- `check_stage_fqns`: validation of an explicit ``module_fqns_per_model_part``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from automodel_pipelining.layout import DecoderLayout
+from automodel_pipelining.schedules import ScheduleSpec
+
+__all__ = ["calculate_virtual_stages", "check_stage_fqns", "generate_stage_fqns", "split_layers_evenly"]
+
+
+def split_layers_evenly(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per stage: as even as possible, the remainder on the early stages (10 over 4: 3, 3, 2, 2)."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def calculate_virtual_stages(
+    *,
+    num_layers: int,
+    pp_size: int,
+    schedule: ScheduleSpec,
+    layers_per_stage: int | None = None,
+    round_to_pp_multiple: Literal["up", "down"] | None = None,
+) -> int:
+    """Return the total number of pipeline stages (over all ranks).
+
+    Without ``layers_per_stage``: ``pp_size * schedule.default_stages_per_rank``. With it:
+    ``ceil(num_layers / layers_per_stage)``, rounded to a multiple of ``pp_size`` when
+    ``round_to_pp_multiple`` says so. The result must fit the schedule: exactly one stage per rank for
+    single-stage schedules, at least two for the others (exactly two for V schedules).
+
+    Raises:
+        ValueError: A count that is not a multiple of ``pp_size`` without rounding, a count the schedule
+            cannot run, or more stages than layers. Messages name the fields to change.
+    """
+    if pp_size < 1:
+        raise ValueError(f"pp_size must be >= 1, got {pp_size}")
+    if layers_per_stage is None:
+        num_stages = pp_size * schedule.default_stages_per_rank
+        how = f"the {schedule.name!r} default of {schedule.default_stages_per_rank} stage(s) per rank"
+    else:
+        raw = math.ceil(num_layers / layers_per_stage)
+        num_stages = raw
+        if raw % pp_size:
+            if round_to_pp_multiple == "up":
+                num_stages = math.ceil(raw / pp_size) * pp_size
+            elif round_to_pp_multiple == "down":
+                num_stages = max(pp_size, raw // pp_size * pp_size)
+            else:
+                raise ValueError(
+                    f"layers_per_stage={layers_per_stage} gives "
+                    f"ceil({num_layers} / {layers_per_stage}) = {raw} "
+                    f"stages, which is not a multiple of pp_size={pp_size}; set "
+                    "round_virtual_stages_to_pp_multiple='up' or 'down', or change layers_per_stage"
+                )
+        how = f"layers_per_stage={layers_per_stage} ({raw} stages"
+        how += f", rounded {round_to_pp_multiple} to {num_stages})" if num_stages != raw else ")"
+    per_rank = num_stages // pp_size
+    if not schedule.multi_stage and per_rank != 1:
+        raise ValueError(
+            f"schedule {schedule.name!r} runs one stage per rank, but {how} gives {per_rank} stages per "
+            f"rank over pp_size={pp_size}; use a multi-stage schedule (e.g. 'interleaved_1f1b') or "
+            f"layers_per_stage={math.ceil(num_layers / pp_size)}"
+        )
+    if schedule.multi_stage and per_rank < 2:
+        raise ValueError(
+            f"schedule {schedule.name!r} runs several stages per rank, but {how} gives {per_rank} per rank "
+            f"over pp_size={pp_size}; lower layers_per_stage (at most {max(1, num_layers // (2 * pp_size))})"
+        )
+    if schedule.exact_stages_per_rank is not None and per_rank != schedule.exact_stages_per_rank:
+        raise ValueError(
+            f"schedule {schedule.name!r} needs exactly {schedule.exact_stages_per_rank} stages per rank, but "
+            f"{how} gives {per_rank}; leave layers_per_stage unset"
+        )
+    if num_stages > num_layers:
+        raise ValueError(
+            f"{num_stages} stages ({how}) for {num_layers} decoder layers: every stage needs at least one "
+            "layer; use fewer stages or a model with more layers"
+        )
+    return num_stages
+
+
+def generate_stage_fqns(layout: DecoderLayout, num_stages: int) -> list[list[str]]:
+    """The default split: module FQNs per stage, in stage order.
+
+    Stage 0 gets the input embedding and any first-stage extras, the last stage the final norm and the LM
+    head, every stage the shared parameter-free modules (rotary embeddings), and the layers are spread
+    with `split_layers_evenly`.
+    """
+    counts = split_layers_evenly(layout.num_layers, num_stages)
+    layers = layout.layer_fqns
+    parts: list[list[str]] = []
+    start = 0
+    for stage, count in enumerate(counts):
+        fqns: list[str] = list(layout.first_stage_fqns) if stage == 0 else []
+        fqns.extend(layers[start : start + count])
+        start += count
+        if stage == num_stages - 1:
+            fqns.extend(layout.last_stage_fqns)
+        fqns.extend(layout.shared)
+        parts.append(fqns)
+    return parts
+
+
+def _covers(fqn: str, param: str) -> bool:
+    return param == fqn or param.startswith(fqn + ".")
+
+
+def check_stage_fqns(
+    parts: Sequence[Sequence[str]],
+    *,
+    layout: DecoderLayout,
+    module_names: set[str],
+    param_names: Sequence[str],
+    shared_ok: Mapping[str, bool],
+) -> list[list[str]]:
+    """Validate an explicit split against the model and return it as lists.
+
+    Rules: every FQN names a module of the model; every parameter is owned by exactly one stage (a
+    parameter-free module may appear on several); layers appear in forward order; the input embedding is
+    on the first stage and the LM head on the last.
+
+    Args:
+        parts: One list of FQNs per stage.
+        layout: The model's layout (for the order rules).
+        module_names: FQNs of every module of the model.
+        param_names: FQNs of every parameter of the model.
+        shared_ok: FQN -> whether the module has no parameters (may be on several stages).
+
+    Raises:
+        ValueError: Naming the unknown FQNs, the parameters owned twice or by no stage, or the order problem.
+    """
+    unknown = sorted({f for part in parts for f in part if f not in module_names})
+    if unknown:
+        raise ValueError(f"module_fqns_per_model_part names modules the model does not have: {unknown}")
+    inside_layers = sorted(
+        {
+            f
+            for part in parts
+            for f in part
+            if f.startswith(layout.layers + ".") and f not in layout.layer_fqns
+        }
+    )
+    if inside_layers or any(layout.layers in part for part in parts):
+        raise ValueError(
+            "module_fqns_per_model_part must list whole decoder layers (e.g. "
+            f"{layout.layer_fqns[0] if layout.layer_fqns else layout.layers + '.0'!r}), not "
+            f"{inside_layers or [layout.layers]}"
+        )
+    owner: dict[str, int] = {}
+    problems: list[str] = []
+    for stage, part in enumerate(parts):
+        for fqn in part:
+            if shared_ok.get(fqn, False):
+                continue
+            for param in param_names:
+                if _covers(fqn, param):
+                    previous = owner.setdefault(param, stage)
+                    if previous != stage:
+                        problems.append(f"{param} is owned by stages {previous} and {stage}")
+    missing = [p for p in param_names if p not in owner]
+    if missing:
+        problems.append(f"parameters owned by no stage: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    layer_index = {fqn: i for i, fqn in enumerate(layout.layer_fqns)}
+    order = [layer_index[f] for part in parts for f in part if f in layer_index]
+    if order != sorted(order):
+        problems.append(f"layers must appear in forward order across stages, got order {order}")
+    last = len(parts) - 1
+    if layout.embed is not None and any(layout.embed in part for part in parts[1:]):
+        problems.append(f"the input embedding {layout.embed!r} must be on stage 0")
+    if layout.head is not None and any(layout.head in part for part in parts[:last]):
+        problems.append(f"the LM head {layout.head!r} must be on the last stage ({last})")
+    if problems:
+        raise ValueError("module_fqns_per_model_part is not a valid split: " + "; ".join(problems))
+    return [list(part) for part in parts]
