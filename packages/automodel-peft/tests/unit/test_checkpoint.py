@@ -1,0 +1,142 @@
+"""save_adapters -> plain peft loads the same model; merge_adapters folds adapters into the base."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from automodel_peft import PeftConfig, adapter_state_dict, apply_lora, merge_adapters, save_adapters
+from automodel_testing import build_tiny_model
+
+Perturb = Callable[[nn.Module], None]
+
+CONFIGS = {
+    "lora": PeftConfig(target_modules=["q_proj", "v_proj", "down_proj"], dim=4, alpha=8),
+    "dora": PeftConfig(match_all_linear=True, dim=4, use_dora=True),
+    "post-dropout+head": PeftConfig(target_modules=["o_proj", "lm_head"], dropout=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_plain_peft_loads_the_saved_adapters(
+    name: str, tmp_path: Path, batch: dict[str, torch.Tensor], perturb: Perturb
+) -> None:
+    from peft import PeftModel
+
+    model = build_tiny_model("llama")
+    apply_lora(model, CONFIGS[name])
+    perturb(model)
+    model.eval()
+    with torch.no_grad():
+        expected = model(**batch).logits
+    folder = save_adapters(model, tmp_path / "adapter")
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "automodel_adapter.json",
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"], "no temporary folder is left behind"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM" and config["r"] == CONFIGS[name].dim
+
+    loaded = PeftModel.from_pretrained(build_tiny_model("llama"), str(folder))
+    loaded.eval()
+    with torch.no_grad():
+        got = loaded(**batch).logits
+    assert type(loaded).__name__ == "PeftModelForCausalLM"
+    assert torch.equal(got, expected)
+
+
+def test_keys_are_in_the_peft_format(perturb: Perturb) -> None:
+    model = build_tiny_model("llama")
+    apply_lora(model, PeftConfig(target_modules=["q_proj"], use_dora=True))
+    keys = sorted(adapter_state_dict(model))
+    assert keys[:3] == [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector",
+    ]
+    assert len(keys) == 6
+
+
+def test_saving_replaces_an_existing_folder(tmp_path: Path) -> None:
+    model = build_tiny_model("llama")
+    apply_lora(model, PeftConfig(target_modules=["q_proj"]))
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "stale.txt").write_text("old")
+    save_adapters(model, tmp_path / "adapter")
+    assert not (tmp_path / "adapter" / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+    metadata = json.loads((tmp_path / "adapter" / "automodel_adapter.json").read_text())
+    assert metadata["peft_config"]["target_modules"] == ["q_proj"]
+
+
+def test_a_model_without_adapters_cannot_be_saved(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no LoRA adapter 'default' to save"):
+        save_adapters(build_tiny_model("llama"), tmp_path / "adapter")
+
+
+def test_biases_are_refused(tmp_path: Path) -> None:
+    import peft
+
+    model = build_tiny_model("llama")
+    apply_lora(model, peft.LoraConfig(r=2, target_modules=["q_proj"], bias="lora_only"))
+    with pytest.raises(ValueError, match="bias='none'"):
+        save_adapters(model, tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_keys_and_values_match_peft_and_ignore_wrappers(dora: bool, perturb: Perturb) -> None:
+    import peft
+
+    from automodel_distributed.activation_checkpointing import apply_activation_checkpointing
+
+    model = build_tiny_model("llama")
+    apply_lora(model, PeftConfig(target_modules=["q_proj", "up_proj"], use_dora=dora))
+    perturb(model)
+    ours = adapter_state_dict(model)
+    theirs = {"base_model.model." + k: v for k, v in peft.get_peft_model_state_dict(model).items()}
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    apply_activation_checkpointing(model, mode="full")  # names gain _checkpoint_wrapped_module
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_modules())
+    wrapped = adapter_state_dict(model)
+    assert sorted(wrapped) == sorted(ours) and all(torch.equal(wrapped[k], ours[k]) for k in ours)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_merge_gives_a_plain_model_with_the_same_outputs(
+    dora: bool, batch: dict[str, torch.Tensor], perturb: Perturb
+) -> None:
+    model = build_tiny_model("llama")
+    apply_lora(model, PeftConfig(match_all_linear=True, dim=4, use_dora=dora))
+    perturb(model)
+    with torch.no_grad():
+        expected = model(**batch).logits
+    merged = merge_adapters(model)
+    assert merged is model
+    assert set(merged.state_dict()) == set(build_tiny_model("llama").state_dict())
+    assert not hasattr(merged, "peft_config")
+    with torch.no_grad():
+        got = merged(**batch).logits
+    assert torch.allclose(got, expected, atol=1e-5), float((got - expected).abs().max())
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        merge_adapters(merged)
+
+
+def test_merge_unwraps_a_peft_model(batch: dict[str, torch.Tensor], perturb: Perturb) -> None:
+    import peft
+
+    wrapped = peft.get_peft_model(build_tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    perturb(wrapped)
+    with torch.no_grad():
+        expected = wrapped(**batch).logits
+    merged = merge_adapters(wrapped)
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        assert torch.allclose(merged(**batch).logits, expected, atol=1e-5)

@@ -1,0 +1,81 @@
+"""Which linears a PeftConfig adapts: leaf names, suffixes, wildcards, excludes, the output head."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from automodel_peft import PeftConfig, resolve_target_modules
+from automodel_peft.matching import ModuleMatcher, is_causal_lm, patterns_to_regex
+from automodel_testing import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def llama() -> nn.Module:
+    return build_tiny_model("llama", meta=True)
+
+
+def _leaves(names: list[str]) -> set[str]:
+    return {n.rsplit(".", 1)[1] for n in names}
+
+
+def test_leaf_names_match_at_any_depth(llama: nn.Module) -> None:
+    names = resolve_target_modules(llama, PeftConfig(target_modules=["q_proj", "v_proj"]))
+    assert names == [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.v_proj",
+    ]
+
+
+def test_wildcards_cover_the_whole_name(llama: nn.Module) -> None:
+    names = resolve_target_modules(llama, PeftConfig(target_modules=["*.layers.1.mlp.*_proj"]))
+    assert names == [
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.mlp.up_proj",
+        "model.layers.1.mlp.down_proj",
+    ]
+    assert (
+        resolve_target_modules(llama, PeftConfig(target_modules=["mlp.*"])) == []
+    )  # must match the whole name
+    assert len(resolve_target_modules(llama, PeftConfig(target_modules=["*_proj"]))) == 14
+    suffix = resolve_target_modules(llama, PeftConfig(target_modules=["layers.0.self_attn.o_proj"]))
+    assert suffix == ["model.layers.0.self_attn.o_proj"]
+
+
+def test_only_linears_are_matched(llama: nn.Module) -> None:
+    assert resolve_target_modules(llama, PeftConfig(target_modules=["*mlp*", "*embed*"])) == [
+        f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")
+    ]
+
+
+def test_match_all_and_exclude_leave_the_output_head_out(llama: nn.Module) -> None:
+    everything = resolve_target_modules(llama, PeftConfig(match_all_linear=True))
+    assert len(everything) == 14 and "lm_head" not in everything
+    excluded = resolve_target_modules(llama, PeftConfig(exclude_modules=["down_proj", "*.layers.1.*"]))
+    assert _leaves(excluded) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"}
+    assert all(".layers.0." in n for n in excluded)
+    assert resolve_target_modules(llama, PeftConfig(target_modules=["lm_head"])) == ["lm_head"]
+
+
+def test_adapters_and_wrapped_names() -> None:
+    import peft
+
+    model = build_tiny_model("llama", meta=True)
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["q_proj"]), model)
+    names = resolve_target_modules(model, PeftConfig(match_all_linear=True))
+    assert not any("lora_" in n or n.endswith("base_layer") for n in names)
+    matcher = ModuleMatcher(PeftConfig(target_modules=["q_proj"]))
+    assert matcher.match(nn.Linear(2, 2), "model._checkpoint_wrapped_module.layers.0.q_proj")
+    assert not matcher.match(nn.Embedding(2, 2), "q_proj")
+
+
+def test_regex_form_and_causal_lm_detection(llama: nn.Module) -> None:
+    import re
+
+    regex = re.compile(patterns_to_regex(["q_proj", "*.mlp.*"]))
+    assert regex.fullmatch("q_proj") and regex.fullmatch("a.b.q_proj") and not regex.fullmatch("a.xq_proj")
+    assert regex.fullmatch("model.layers.0.mlp.up_proj")
+    assert is_causal_lm(llama)
+    assert not is_causal_lm(nn.Sequential(nn.Linear(2, 2)))

@@ -1,0 +1,168 @@
+"""Apply float8 training (torchao) to a model, and the post-optimizer hook for FP8 all-gather."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel_quant._deps import import_torchao
+from automodel_quant.fp8.config import FP8Config
+from automodel_quant.fp8.plan import FP8Plan, resolve_fp8_targets
+
+__all__ = ["apply_fp8_to_model", "precompute_fp8_scales_for_fsdp", "verify_fp8_conversion"]
+
+logger = logging.getLogger(__name__)
+
+#: Attribute set on a converted model (the name the reference system's trainers read).
+PRECOMPUTE_ATTR = "precompute_float8_dynamic_scale_for_fsdp"
+
+
+def _check_hardware(config: FP8Config) -> None:
+    if config.emulate or not torch.cuda.is_available():
+        return  # CPU: torch runs float8 matmuls (_scaled_mm) on CPU, emulated or not
+    capability = torch.cuda.get_device_capability()
+    if capability < (8, 9):
+        raise ValueError(
+            f"FP8 training needs a GPU with compute capability >= 8.9 (Ada/Hopper), this one has "
+            f"{capability[0]}.{capability[1]}; set FP8Config.emulate=True to emulate float8 in high precision"
+        )
+
+
+def _torchao_config(config: FP8Config) -> Any:
+    float8 = import_torchao("torchao.float8", "apply_fp8_to_model")
+    if config.recipe_name in (None, "tensorwise"):
+        return float8.Float8LinearConfig(
+            enable_fsdp_float8_all_gather=config.enable_fsdp_float8_all_gather,
+            force_recompute_fp8_weight_in_bwd=config.force_recompute_fp8_weight_in_bwd,
+            emulate=config.emulate,
+        )
+    base = float8.Float8LinearConfig.from_recipe_name(config.recipe_name)
+    # torch.compile of rowwise scaling must round like eager to keep its numerics (as torchtitan does).
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True
+    return dataclasses.replace(
+        base,
+        emulate=config.emulate,
+        force_recompute_fp8_weight_in_bwd=config.force_recompute_fp8_weight_in_bwd,
+    )
+
+
+def _warn_unsupported(plan: FP8Plan) -> None:
+    if not plan.unsupported_dims:
+        return
+    listing = ", ".join(f"{fqn} {list(shape)}" for fqn, shape in plan.unsupported_dims.items())
+    warnings.warn(
+        f"FP8: {len(plan.unsupported_dims)} linear layer(s) stay in high precision because a weight dim does "
+        f"not divide by 16: {listing}",
+        stacklevel=3,
+    )
+
+
+def verify_fp8_conversion(model: nn.Module) -> dict[str, Any]:
+    """Count the float8 and high-precision linears of ``model``.
+
+    Returns:
+        ``{"float8_linears": n, "linears": m, "float8_fqns": [...]}``.
+    """
+    fp8 = [fqn for fqn, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    linears = sum(1 for m in model.modules() if isinstance(m, nn.Linear))
+    return {"float8_linears": len(fp8), "linears": linears, "float8_fqns": fp8}
+
+
+def apply_fp8_to_model(
+    model: nn.Module, config: FP8Config | Mapping[str, Any] | None = None, **legacy_kwargs: Any
+) -> nn.Module:
+    """Convert the model's eligible linears to torchao ``Float8Linear``, in place.
+
+    Preconditions: before FSDP2/TP (the conversion swaps modules) and after LoRA; the model may be on the
+    meta device. Which layers convert is `resolve_fp8_targets`; layers whose dims do not divide by 16
+    stay in high precision with one warning listing them. Unlike the reference system, a failed
+    conversion raises instead of returning the unconverted model.
+
+    Mutates ``model``: swapped modules, and ``model.precompute_float8_dynamic_scale_for_fsdp`` (bool):
+    whether the trainer should call `precompute_fp8_scales_for_fsdp` after each optimizer step.
+
+    Args:
+        model: The model.
+        config: An `FP8Config` (or its dict). ``enabled=False`` makes this a no-op.
+        **legacy_kwargs: The reference system's older keyword form (``recipe_name=``, ``filter_fqns=``,
+            ``emulate=``, ...), meaning ``FP8Config(enabled=True, **legacy_kwargs)``; only without ``config``.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: ``config`` and keywords together; a GPU older than SM 8.9 without ``emulate``.
+        ImportError: torchao is missing.
+        RuntimeError: torchao failed to convert, or converted other layers than planned.
+    """
+    if config is not None and legacy_kwargs:
+        raise ValueError(f"apply_fp8_to_model: pass config= or keywords {sorted(legacy_kwargs)}, not both")
+    if config is None:
+        config = FP8Config(enabled=True, **legacy_kwargs)
+    elif not isinstance(config, FP8Config):
+        config = FP8Config.from_dict(config)
+    if not config.enabled:
+        logger.info("FP8 disabled (FP8Config.enabled=False): model unchanged")
+        return model
+    _check_hardware(config)
+    float8 = import_torchao("torchao.float8", "apply_fp8_to_model")
+    plan = resolve_fp8_targets(model, config)
+    _warn_unsupported(plan)
+    if not plan.convert:
+        warnings.warn(
+            "FP8 is enabled but no linear layer qualifies for float8; model unchanged", stacklevel=2
+        )
+        setattr(model, PRECOMPUTE_ATTR, False)
+        return model
+    targets = set(plan.convert)
+    ao_config = _torchao_config(config)
+    try:
+        float8.convert_to_float8_training(
+            model, config=ao_config, module_filter_fn=lambda _module, fqn: fqn in targets
+        )
+    except Exception as exc:
+        raise RuntimeError(
+            f"FP8 conversion failed ({type(exc).__name__}: {exc}); the model is unusable"
+        ) from exc
+    converted = set(verify_fp8_conversion(model)["float8_fqns"])
+    if converted != targets:
+        raise RuntimeError(
+            f"FP8 conversion converted {sorted(converted ^ targets)} unlike planned; report this as a bug"
+        )
+    setattr(model, PRECOMPUTE_ATTR, config.precompute_scales)
+    logger.info(
+        "FP8 (%s%s): %d linears converted, %d excluded, %d kept for their dims",
+        config.recipe_name or "tensorwise",
+        ", emulated" if config.emulate else "",
+        len(targets),
+        len(plan.excluded),
+        len(plan.unsupported_dims),
+    )
+    return model
+
+
+def precompute_fp8_scales_for_fsdp(model: nn.Module) -> bool:
+    """The post-optimizer-step hook of FP8 all-gather: precompute every float8 weight's scale.
+
+    Call it on every rank right after ``optimizer.step()``. A no-op (returns False) unless the model was
+    converted with tensorwise scaling, ``enable_fsdp_float8_all_gather`` and
+    ``precompute_float8_dynamic_scale_for_fsdp``.
+
+    Collectives: one all-reduce (max of the weights' absolute values) over the FSDP mesh.
+
+    Returns:
+        Whether scales were computed.
+    """
+    if not getattr(model, PRECOMPUTE_ATTR, False):
+        return False
+    float8 = import_torchao("torchao.float8", "precompute_fp8_scales_for_fsdp")
+    float8.precompute_float8_dynamic_scale_for_fsdp(model)
+    return True

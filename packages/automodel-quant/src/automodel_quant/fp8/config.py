@@ -1,0 +1,121 @@
+"""`FP8Config`: float8 training with torchao (field names and defaults of the reference system)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["FP8_RECIPES", "FP8Config", "build_fp8_config"]
+
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+# to_dict() key -> field, as the reference system names them.
+_RENAMED = {"fp8_recipe_name": "recipe_name", "fp8_filter_fqns": "filter_fqns", "fp8_emulate": "emulate"}
+
+
+@dataclass(kw_only=True)
+class FP8Config:
+    """Float8 training of linear layers through ``torchao.float8.convert_to_float8_training``.
+
+    `apply_fp8_to_model` converts every ``nn.Linear`` except: the output head (unless
+    ``convert_output_head``), LoRA adapter layers, layers whose FQN contains one of ``filter_fqns``, and
+    layers whose dims do not divide by 16 (left in high precision with one warning listing them).
+    """
+
+    enabled: bool = False
+    """Whether `apply_fp8_to_model` converts anything; False makes it a no-op."""
+
+    recipe_name: str | None = None
+    """``None`` or ``"tensorwise"`` (dynamic per-tensor scales), ``"rowwise"``, ``"rowwise_with_gw_hp"``
+    (rowwise, with the weight gradient in high precision)."""
+
+    enable_fsdp_float8_all_gather: bool = False
+    """Under FSDP2, all-gather weights in float8 (half the traffic of bf16). Tensorwise only."""
+
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """With FP8 all-gather, compute all weights' scales in one all-reduce after each optimizer step;
+    the trainer calls `precompute_fp8_scales_for_fsdp(model)` then. Needs FP8 all-gather."""
+
+    force_recompute_fp8_weight_in_bwd: bool = False
+    """Recompute the float8 weight in backward instead of saving it (less memory under FSDP2)."""
+
+    filter_fqns: list[str] = field(default_factory=list)
+    """FQN substrings of linears to keep in high precision (e.g. ``["lm_head", "router"]``)."""
+
+    emulate: bool = False
+    """Emulate float8 matmuls in high precision: for CPU hosts and GPUs older than SM 8.9."""
+
+    convert_output_head: bool = False
+    """Also convert the model's output head (``get_output_embeddings()`` / ``lm_head``); off by default
+    because a float8 vocabulary projection costs accuracy for little speed."""
+
+    def __post_init__(self) -> None:
+        if self.recipe_name is not None and self.recipe_name not in FP8_RECIPES:
+            raise ValueError(
+                f"FP8Config.recipe_name={self.recipe_name!r} is unknown; use None or one of "
+                f"{list(FP8_RECIPES)}"
+            )
+        if isinstance(self.filter_fqns, str):
+            self.filter_fqns = [self.filter_fqns]
+        self.filter_fqns = list(self.filter_fqns or [])
+        bad = [f for f in self.filter_fqns if not isinstance(f, str) or not f]
+        if bad:
+            raise ValueError(f"FP8Config.filter_fqns must hold non-empty strings, got {bad!r}")
+        if self.enable_fsdp_float8_all_gather and self.recipe_name not in (None, "tensorwise"):
+            raise ValueError(
+                f"FP8Config.enable_fsdp_float8_all_gather=True works with the tensorwise recipe only, got "
+                f"recipe_name={self.recipe_name!r}; set recipe_name='tensorwise' or disable the FP8 "
+                "all-gather"
+            )
+        if self.precompute_float8_dynamic_scale_for_fsdp and not self.enable_fsdp_float8_all_gather:
+            warnings.warn(
+                "FP8Config.precompute_float8_dynamic_scale_for_fsdp is ignored: it needs "
+                "enable_fsdp_float8_all_gather=True",
+                stacklevel=3,
+            )
+
+    @property
+    def precompute_scales(self) -> bool:
+        """Whether the post-optimizer scale precomputation applies (tensorwise + FP8 all-gather)."""
+        return (
+            self.enabled
+            and self.precompute_float8_dynamic_scale_for_fsdp
+            and self.enable_fsdp_float8_all_gather
+            and self.recipe_name in (None, "tensorwise")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The reference system's dict: ``recipe_name``, ``filter_fqns``, ``emulate`` become ``fp8_*``."""
+        out: dict[str, Any] = {}
+        renamed = {v: k for k, v in _RENAMED.items()}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[renamed.get(f.name, f.name)] = list(value) if isinstance(value, list) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FP8Config:
+        """Build from a dict with field names or `to_dict`'s ``fp8_*`` names.
+
+        Raises:
+            ValueError: An unknown key, or a field given under both names.
+        """
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            name = _RENAMED.get(key, key)
+            if name not in known:
+                raise ValueError(f"FP8Config has no field {key!r}; fields: {sorted(known)}")
+            if name in kwargs:
+                raise ValueError(f"FP8Config.{name} given twice (as {name!r} and as its fp8_ name)")
+            kwargs[name] = value
+        return cls(**kwargs)
+
+
+def build_fp8_config(config: FP8Config | Mapping[str, Any] | None) -> FP8Config | None:
+    """``None`` -> None; an `FP8Config` -> itself; a dict -> `FP8Config.from_dict`."""
+    if config is None or isinstance(config, FP8Config):
+        return config
+    return FP8Config.from_dict(config)
