@@ -11,7 +11,7 @@ installed, so that an eager import has something to import):
    machines without GPUs too.
 2. Import time: ``--repeats`` rounds (default 5), each of which times ``import torch`` and then
    ``import <package>`` in fresh processes, after one warm-up round that fills the bytecode caches.
-   A package fails when its median exceeds ``--budget`` (default 1.2) times torch's median; the
+   A package fails when its fastest run exceeds ``--budget`` (default 1.2) times torch's fastest; the
    table of ratios is printed either way, with the largest top-level modules a slow package added.
 
 Usage: ``python tools/check_lean_import.py [--repeats N] [--budget R] [package ...]``
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("packages", nargs="*", help="import names (default: every published package)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--budget", type=float, default=1.2, help="allowed median time / torch's median")
+    parser.add_argument("--budget", type=float, default=1.2, help="allowed fastest time / torch's fastest")
     args = parser.parse_args(argv)
     modules = args.packages or [import_name(d) for d, node in ALLOWED_GRAPH.items() if node.published]
 
@@ -113,15 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         failures.extend(probe(module))
 
     samples = time_imports(modules, args.repeats)
-    torch_median = statistics.median(samples["torch"])
-    print(f"\nimport time, median of {args.repeats} fresh processes (budget {args.budget:.2f}x torch):")
-    print(f"  {'module':<24}{'median s':>10}{'ratio':>8}  verdict")
-    print(f"  {'torch':<24}{torch_median:>10.3f}{1.0:>8.2f}  baseline")
+    # The fastest of the interleaved fresh-process runs: the import's own cost, least disturbed by other
+    # load on the machine (a median swings by 20% on a busy 2-core host, which is the whole budget).
+    torch_best = min(samples["torch"])
+    print(f"\nimport time, fastest of {args.repeats} fresh processes (budget {args.budget:.2f}x torch):")
+    print(f"  {'module':<24}{'best s':>10}{'ratio':>8}  verdict")
+    print(f"  {'torch':<24}{torch_best:>10.3f}{1.0:>8.2f}  baseline")
     for module in modules:
-        median = statistics.median(samples[module])
-        ratio = median / torch_median
+        best = min(samples[module])
+        ratio = best / torch_best
         verdict = "ok" if ratio <= args.budget else "TOO SLOW"
-        print(f"  {module:<24}{median:>10.3f}{ratio:>8.2f}  {verdict}")
+        print(f"  {module:<24}{best:>10.3f}{ratio:>8.2f}  {verdict}")
         if ratio > args.budget:
             extra = json.loads(_python(_PROBE, module, *HEAVY_MODULES))["new_top_level"]
             failures.append(

@@ -20,11 +20,13 @@ assert not torch.cuda.is_initialized()
 def test_public_api() -> None:
     assert set(automodel_testing.__all__) == {
         "DistributedRunError",
+        "ParityReport",
         "TINY_FAMILIES",
         "assert_grads_close",
         "assert_tensors_close",
         "available_gpus",
         "build_tiny_model",
+        "causal_lm_loss",
         "grads_by_name",
         "make_batch",
         "normalize_fqn",
@@ -35,6 +37,7 @@ def test_public_api() -> None:
         "skip_unless_gpus",
         "tiny_config",
         "to_full",
+        "train_parity",
     }
     assert all(hasattr(automodel_testing, name) for name in automodel_testing.__all__)
 

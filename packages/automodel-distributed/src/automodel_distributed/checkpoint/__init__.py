@@ -1,0 +1,71 @@
+"""Checkpoints for sharded models: Hugging Face load/save straight from/to shards, PEFT adapters, DCP resume.
+
+- `initialize_model_weights` / `materialize_meta_tensors`: give a meta model storage and initial values.
+- `load_hf_checkpoint` / `load_base_model`: read a Hugging Face checkpoint into a sharded model, each rank
+  reading only the byte ranges of its own slices.
+- `save_hf_checkpoint` / `save_peft_adapters`: consolidated safetensors and HF-PEFT adapters.
+- `save_distributed_checkpoint` / `load_distributed_checkpoint` / `latest_checkpoint`: resumable
+  torch.distributed.checkpoint snapshots of model and optimizer, on any world size.
+
+Every save is atomic: written to a temporary sibling folder, completed by a marker, then renamed.
+"""
+
+from automodel_distributed.checkpoint.atomic import (
+    COMPLETE_MARKER,
+    is_complete_checkpoint,
+    latest_checkpoint,
+    read_marker,
+)
+from automodel_distributed.checkpoint.buffers import (
+    register_buffer_initializer,
+    reinitialize_non_persistent_buffers,
+)
+from automodel_distributed.checkpoint.dcp import (
+    CheckpointInfo,
+    load_distributed_checkpoint,
+    save_distributed_checkpoint,
+)
+from automodel_distributed.checkpoint.hf_load import (
+    CheckpointMismatchError,
+    LoadReport,
+    load_base_model,
+    load_hf_checkpoint,
+)
+from automodel_distributed.checkpoint.hf_save import save_hf_checkpoint, save_peft_adapters
+from automodel_distributed.checkpoint.keys import DEFAULT_KEY_RULES, KeyRules, checkpoint_key
+from automodel_distributed.checkpoint.layout import CheckpointFiles, resolve_checkpoint
+from automodel_distributed.checkpoint.materialize import (
+    initialize_model_weights,
+    materialize_meta_tensors,
+    retie_weights,
+    verify_materialized,
+)
+from automodel_distributed.checkpoint.safetensors_io import CorruptCheckpointError
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "DEFAULT_KEY_RULES",
+    "CheckpointFiles",
+    "CheckpointInfo",
+    "CheckpointMismatchError",
+    "CorruptCheckpointError",
+    "KeyRules",
+    "LoadReport",
+    "checkpoint_key",
+    "initialize_model_weights",
+    "is_complete_checkpoint",
+    "latest_checkpoint",
+    "load_base_model",
+    "load_distributed_checkpoint",
+    "load_hf_checkpoint",
+    "materialize_meta_tensors",
+    "read_marker",
+    "register_buffer_initializer",
+    "reinitialize_non_persistent_buffers",
+    "resolve_checkpoint",
+    "retie_weights",
+    "save_distributed_checkpoint",
+    "save_hf_checkpoint",
+    "save_peft_adapters",
+    "verify_materialized",
+]

@@ -1,0 +1,448 @@
+"""Load a Hugging Face checkpoint straight into a (sharded) model: each rank reads only its slices.
+
+Order of work, chosen so a bad checkpoint fails before it can do harm:
+
+1. Resolve the files (folder, file or cached hub id) and read every header (`open_checkpoint`).
+2. Match checkpoint keys to the model's tensors (`collect_tensor_slots`, key rules and mapping) and check
+   missing keys, unexpected keys, shapes and dtypes. All of this is metadata, identical on every rank.
+3. Agree (an ``all_reduce`` of a failure flag): if any rank failed so far, every rank raises, and the
+   model is untouched.
+4. Materialise meta tensors and initialise those the checkpoint does not cover.
+5. Each rank reads, for every tensor, exactly the boxes of its local shard (`tensor_boxes`) into the
+   local tensor (byte ranges with ``preadv``; no collective).
+6. Agree again, so an error on one rank in steps 4-5 is raised on all; then verify that no tensor is
+   left on meta or uninitialised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from automodel_distributed.checkpoint._dist import agree_on_failure
+from automodel_distributed.checkpoint.buffers import (
+    buffer_initializer_for,
+    reinitialize_non_persistent_buffers,
+)
+from automodel_distributed.checkpoint.keys import (
+    DEFAULT_KEY_RULES,
+    KeyRules,
+    TensorSlot,
+    apply_key_mapping,
+    collect_tensor_slots,
+)
+from automodel_distributed.checkpoint.layout import resolve_checkpoint
+from automodel_distributed.checkpoint.materialize import (
+    _hf_model,
+    _mark,
+    initialize_model_weights,
+    retie_weights,
+    verify_materialized,
+)
+from automodel_distributed.checkpoint.reader import CheckpointReader, StoredTensor, open_checkpoint
+from automodel_distributed.checkpoint.slices import tensor_boxes
+
+__all__ = ["CheckpointMismatchError", "LoadReport", "load_base_model", "load_hf_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+_SHOW = 20  # keys listed per category in an error message
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not fit the model: missing or unexpected keys, wrong shapes or dtypes.
+
+    Attributes:
+        missing: Model keys the checkpoint lacks.
+        unexpected: Checkpoint keys the model has no tensor for.
+        shape_mismatches: Key -> (checkpoint shape, model shape).
+        dtype_mismatches: Key -> (checkpoint dtype, model dtype).
+    """
+
+    def __init__(
+        self,
+        where: str,
+        missing: Sequence[str],
+        unexpected: Sequence[str],
+        shape_mismatches: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]],
+        dtype_mismatches: Mapping[str, tuple[str, str]],
+        model_class: str,
+    ) -> None:
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.shape_mismatches = dict(shape_mismatches)
+        self.dtype_mismatches = dict(dtype_mismatches)
+        parts = [f"checkpoint {where} does not match {model_class}:"]
+
+        def listing(items: Sequence[str]) -> str:
+            more = f" ... and {len(items) - _SHOW} more" if len(items) > _SHOW else ""
+            return f"{list(items[:_SHOW])}{more}"
+
+        if self.missing:
+            parts.append(f"{len(self.missing)} missing key(s) {listing(self.missing)}")
+        if self.unexpected:
+            parts.append(f"{len(self.unexpected)} unexpected key(s) {listing(self.unexpected)}")
+        if self.shape_mismatches:
+            shown = [f"{k}: checkpoint {c} vs model {m}" for k, (c, m) in self.shape_mismatches.items()]
+            parts.append(f"{len(shown)} shape mismatch(es) {listing(shown)}")
+        if self.dtype_mismatches:
+            shown = [f"{k}: checkpoint {c} vs model {m}" for k, (c, m) in self.dtype_mismatches.items()]
+            parts.append(f"{len(shown)} dtype mismatch(es) {listing(shown)}")
+        parts.append(
+            "Check that the checkpoint is for this architecture and config; rename keys with "
+            "key_mapping={regex: replacement}; pass strict=False to load a subset (missing tensors are "
+            "then initialised, unexpected keys ignored; shapes and dtypes must still match)."
+        )
+        super().__init__("\n  ".join(parts))
+
+
+@dataclass
+class LoadReport:
+    """What a load did on this rank.
+
+    Attributes:
+        checkpoint: The checkpoint folder.
+        format: ``"safetensors"`` or ``"bin"``.
+        loaded: Checkpoint keys loaded.
+        missing: Model keys the checkpoint lacked (only non-empty with ``strict=False`` or ignored keys).
+        unexpected: Checkpoint keys not used.
+        cast: Key -> ``(checkpoint dtype, model dtype)`` for tensors converted on load.
+        bytes_read: Bytes this rank read from the files.
+        seconds: Wall time of the load on this rank.
+    """
+
+    checkpoint: Path
+    format: str
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    cast: dict[str, tuple[str, str]] = field(default_factory=dict)
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Plan:
+    reader: CheckpointReader
+    pairs: list[tuple[TensorSlot, StoredTensor]]
+    report: LoadReport
+    initialise: list[TensorSlot]
+
+
+def _ignored(key: str, patterns: Sequence[str] | None) -> bool:
+    return any(re.search(p, key) for p in patterns or ())
+
+
+def _dtype_problem(stored: torch.dtype, model: torch.dtype, allow_cast: bool) -> bool:
+    if stored == model:
+        return False
+    return not (allow_cast and stored.is_floating_point and model.is_floating_point)
+
+
+def _plan(
+    model: nn.Module,
+    path_or_repo_id: str | os.PathLike[str],
+    *,
+    strict: bool,
+    key_mapping: Mapping[str, str] | None,
+    rules: KeyRules,
+    allow_dtype_cast: bool,
+    cache_dir: str | os.PathLike[str] | None,
+    revision: str | None,
+) -> _Plan:
+    files = resolve_checkpoint(path_or_repo_id, cache_dir=cache_dir, revision=revision)
+    reader = open_checkpoint(files)
+    try:
+        hf = _hf_model(model)
+        mapping = {**(getattr(hf, "_checkpoint_conversion_mapping", None) or {}), **(key_mapping or {})}
+        renamed = apply_key_mapping(reader.tensors, mapping)  # model-side key -> file key
+        ignore_missing = getattr(hf, "_keys_to_ignore_on_load_missing", None)
+        ignore_unexpected = getattr(hf, "_keys_to_ignore_on_load_unexpected", None)
+        slots = collect_tensor_slots(model, rules)
+        report = LoadReport(files.root, files.format)
+        pairs: list[tuple[TensorSlot, StoredTensor]] = []
+        initialise: list[TensorSlot] = []
+        claimed: set[str] = set()
+        missing: list[str] = []
+        shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        dtypes: dict[str, tuple[str, str]] = {}
+        for slot in slots:
+            present = [k for k in slot.keys if k in renamed]
+            claimed.update(present)
+            if not present:
+                if not all(_ignored(k, ignore_missing) for k in slot.keys):
+                    missing.append(slot.keys[0])
+                initialise.append(slot)
+                continue
+            key = present[0]
+            stored = reader.tensors[renamed[key]]
+            if stored.shape != tuple(slot.tensor.shape):
+                shapes[key] = (stored.shape, tuple(slot.tensor.shape))
+            elif _dtype_problem(stored.dtype, slot.tensor.dtype, allow_dtype_cast):
+                dtypes[key] = (str(stored.dtype), str(slot.tensor.dtype))
+            else:
+                pairs.append((slot, stored))
+                report.loaded.append(key)
+                if stored.dtype != slot.tensor.dtype:
+                    report.cast[key] = (str(stored.dtype), str(slot.tensor.dtype))
+        _check_buffer_initializers(model)
+        unexpected = sorted(k for k in renamed if k not in claimed and not _ignored(k, ignore_unexpected))
+        report.missing, report.unexpected = missing, unexpected
+        if shapes or dtypes or (strict and (missing or unexpected)):
+            raise CheckpointMismatchError(
+                str(files.root),
+                missing if strict else [],
+                unexpected if strict else [],
+                shapes,
+                dtypes,
+                type(model).__name__,
+            )
+        return _Plan(reader, pairs, report, initialise)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def _check_buffer_initializers(model: nn.Module) -> None:
+    """Fail now, before anything is written, if a meta non-persistent buffer could not be recomputed."""
+    stuck = [
+        f"{prefix or '<root>'} ({type(module).__name__})"
+        for prefix, module in model.named_modules()
+        if any(
+            b is not None and n in module._non_persistent_buffers_set and b.device.type == "meta"
+            for n, b in module._buffers.items()
+        )
+        and buffer_initializer_for(module) is None
+    ]
+    if stuck:
+        raise ValueError(
+            f"cannot recompute the non-persistent buffers of {stuck} after materialisation: their modules "
+            "are not constructible from their config alone. Register an initializer with "
+            "automodel_distributed.checkpoint.register_buffer_initializer(ModuleClass, fn)."
+        )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        return t.to_local().detach()
+    return t.detach()
+
+
+def _reshard_fsdp(model: nn.Module) -> None:
+    """Put FSDP2 modules back in their sharded state (a no-grad forward can leave the root gathered)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    for module in model.modules():
+        if isinstance(module, fsdp.FSDPModule):
+            module.reshard()
+
+
+def _read_all(plan: _Plan) -> int:
+    total = 0
+    # File by file, in file order: sequential reads, one open file at a time per rank.
+    order = sorted(plan.pairs, key=lambda p: (str(p[1].path), p[1].entry.begin if p[1].entry else 0))
+    with torch.no_grad():
+        for slot, stored in order:
+            local = _local(slot.tensor)
+            _, boxes = tensor_boxes(slot.tensor)
+            for box in boxes:
+                region = tuple(slice(s, s + n) for s, n in zip(box.local_start, box.shape, strict=True))
+                total += plan.reader.read(stored.key, box, local[region])
+            _mark(slot.tensor, False)
+    return total
+
+
+def _has_meta(model: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+
+
+def _default_device(model: nn.Module) -> torch.device:
+    """Where meta tensors go by default: the model's device, else its DTensor mesh's device, else CPU."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for t in tensors:
+        if t.device.type != "meta":
+            return t.device
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    for t in tensors:
+        if dtensor is not None and isinstance(t, dtensor.DTensor):
+            kind = t.device_mesh.device_type
+            if kind == "cuda":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device(kind)
+    return torch.device("cpu")
+
+
+def load_hf_checkpoint(
+    model: nn.Module,
+    path_or_repo_id: str | os.PathLike[str],
+    *,
+    device: torch.device | str | None = None,
+    strict: bool = True,
+    key_mapping: Mapping[str, str] | None = None,
+    allow_dtype_cast: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    rules: KeyRules = DEFAULT_KEY_RULES,
+    peft_init_method: str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> LoadReport:
+    """Load a Hugging Face checkpoint into ``model``, each rank reading only the slices it holds.
+
+    ``model`` may be plain, wrapped (peft, activation checkpointing, compile), sharded (FSDP2, HSDP,
+    TP, TP x FSDP: DTensor parameters of any ``Shard`` / ``_StridedShard`` / ``Replicate`` layout) and
+    still on meta: meta tensors are then materialised on ``device`` and only the tensors the checkpoint
+    does not cover are initialised (saving the cost of initialising what is about to be overwritten).
+
+    Every check (files present, headers intact, index consistent, missing and unexpected keys, shapes,
+    dtypes) runs from metadata before anything is written, identically on every rank. A tied weight
+    counts as present when any of its names is in the checkpoint (a tied checkpoint without
+    ``lm_head.weight`` is fine). Floating-point tensors are cast to the model's dtype (the dtype the
+    model was built with is the intent; pass ``allow_dtype_cast=False`` to require an exact match);
+    any other dtype difference is an error.
+
+    Preconditions: parallelisms applied (load after ``FSDP2Manager.parallelize``); every rank of
+    ``process_group`` calls this with the same checkpoint. Collectives over ``process_group`` (default:
+    the world): an ``all_reduce`` of a failure flag after the checks and another after the reads (plus
+    an ``all_gather_object`` of the messages when a rank failed), so a failure on any rank raises on all
+    of them instead of hanging; DTensor random ops while initialising tensors the checkpoint lacks.
+    FSDP2 modules are resharded first (no communication).
+
+    Args:
+        model: The model; its tensors are written in place (materialised first if on meta).
+        path_or_repo_id: A checkpoint folder, a weight file, or a hub id already in the local cache.
+        device: Where meta tensors are materialised; default: the device of the model's real tensors,
+            else of its DTensor mesh (the current CUDA device for a CUDA mesh), else CPU. Pass
+            ``"cpu"`` explicitly for FSDP2 CPU offload.
+        strict: Missing and unexpected keys are errors (True) or only reported (False).
+        key_mapping: Regex substitutions applied to the checkpoint's keys, in order.
+        allow_dtype_cast: Allow floating-point dtype conversion on load.
+        cache_dir: Hugging Face cache to look a hub id up in (default: ``HF_HUB_CACHE``).
+        revision: Revision of a hub id.
+        rules: Model-name rewrites (wrapper segments and prefixes, adapter markers).
+        peft_init_method: Initialiser of LoRA ``A`` matrices being materialised (see
+            `initialize_model_weights`).
+        process_group: Group whose ranks load together.
+
+    Returns:
+        This rank's `LoadReport`.
+
+    Raises:
+        FileNotFoundError: The checkpoint, a hub snapshot, or a shard named by the index is missing.
+        CorruptCheckpointError: A file is truncated, its header is corrupt, or the index disagrees with it
+            (a ValueError).
+        CheckpointMismatchError: Keys, shapes or dtypes do not fit (a ValueError; lists the keys).
+        ValueError: Another rank failed.
+        RuntimeError: Some tensor is still on meta or uninitialised after the load.
+    """
+    start = time.perf_counter()
+    plan: _Plan | None = None
+    error: BaseException | None = None
+    try:
+        plan = _plan(
+            model,
+            path_or_repo_id,
+            strict=strict,
+            key_mapping=key_mapping,
+            rules=rules,
+            allow_dtype_cast=allow_dtype_cast,
+            cache_dir=cache_dir,
+            revision=revision,
+        )
+    except Exception as exc:  # shared with every rank below, so none is left waiting
+        error = exc
+    agree_on_failure(error, f"checking checkpoint {path_or_repo_id}", process_group)
+    assert plan is not None
+    error = None
+    try:
+        _reshard_fsdp(model)
+        if _has_meta(model):
+            dev = torch.device(device) if device is not None else _default_device(model)
+            initialize_model_weights(
+                model, dev, peft_init_method=peft_init_method, skip_keys=plan.report.loaded, rules=rules
+            )
+        plan.report.bytes_read = _read_all(plan)
+    except Exception as exc:  # shared with every rank below, so none is left waiting
+        error = exc
+    finally:
+        plan.reader.close()
+    agree_on_failure(error, f"reading checkpoint {path_or_repo_id}", process_group)
+    reinitialize_non_persistent_buffers(model, None)
+    retie_weights(model)
+    verify_materialized(model, rules)
+    plan.report.seconds = time.perf_counter() - start
+    if plan.report.missing or plan.report.unexpected:
+        logger.warning(
+            "loaded %s with %d missing key(s) %s and %d unexpected key(s) %s",
+            plan.report.checkpoint,
+            len(plan.report.missing),
+            plan.report.missing[:_SHOW],
+            len(plan.report.unexpected),
+            plan.report.unexpected[:_SHOW],
+        )
+    if plan.report.cast:
+        logger.info("cast %d tensor(s) to the model's dtype on load", len(plan.report.cast))
+    return plan.report
+
+
+def load_base_model(
+    model: nn.Module,
+    device: torch.device | str,
+    root_dir: str | os.PathLike[str] | None,
+    model_name: str | os.PathLike[str],
+    load_base_model: bool = True,
+    *,
+    strict: bool = True,
+    key_mapping: Mapping[str, str] | None = None,
+    peft_init_method: str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> nn.Module:
+    """NeMo-AutoModel-compatible entry: load the base weights, recompute buffers, re-tie.
+
+    Args:
+        model: The model (possibly sharded, possibly on meta); mutated in place.
+        device: Device for meta tensors.
+        root_dir: Hugging Face cache folder for hub ids (None: ``HF_HUB_CACHE``).
+        model_name: Checkpoint folder or hub id.
+        load_base_model: False only materialises and initialises meta tensors, recomputes
+            non-persistent buffers and re-ties weights (no checkpoint is read).
+        strict: As in `load_hf_checkpoint`.
+        key_mapping: As in `load_hf_checkpoint`.
+        peft_init_method: As in `initialize_model_weights`.
+        process_group: As in `load_hf_checkpoint`.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        As `load_hf_checkpoint`.
+    """
+    if load_base_model:
+        load_hf_checkpoint(
+            model,
+            model_name,
+            device=device,
+            strict=strict,
+            key_mapping=key_mapping,
+            cache_dir=root_dir,
+            peft_init_method=peft_init_method,
+            process_group=process_group,
+        )
+        return model
+    if _has_meta(model):
+        initialize_model_weights(model, device, peft_init_method=peft_init_method)
+    reinitialize_non_persistent_buffers(model, None)
+    retie_weights(model)
+    verify_materialized(model)
+    return model

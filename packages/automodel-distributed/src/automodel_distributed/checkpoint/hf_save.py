@@ -1,0 +1,327 @@
+"""Save a (sharded) model as a consolidated Hugging Face checkpoint, or its LoRA adapters as HF-PEFT.
+
+Tensors are gathered one at a time (``DTensor.full_tensor()``, every rank in turn) and streamed by
+rank 0 into safetensors files laid out in advance (`SafetensorsStreamWriter`), so no rank ever holds
+more than one full tensor beyond its shards. Files are split at ``max_shard_size`` with transformers'
+names and index (``model-00001-of-00002.safetensors``, ``model.safetensors.index.json``), and the
+folder gets ``config.json`` (plus ``generation_config.json`` when the model has one), so
+``AutoModelForCausalLM.from_pretrained(folder)`` loads it. Saves are atomic (`atomic`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from automodel_distributed.checkpoint._dist import rank_of
+from automodel_distributed.checkpoint.atomic import prepare_staging_dir, publish_staging_dir
+from automodel_distributed.checkpoint.hf_load import _reshard_fsdp
+from automodel_distributed.checkpoint.keys import (
+    DEFAULT_KEY_RULES,
+    KeyRules,
+    checkpoint_key,
+    collect_tensor_slots,
+    is_adapter_key,
+)
+from automodel_distributed.checkpoint.materialize import _hf_model
+from automodel_distributed.checkpoint.safetensors_io import SafetensorsStreamWriter
+
+__all__ = ["parse_size", "plan_shards", "save_hf_checkpoint", "save_peft_adapters"]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+_Entry = tuple[str, torch.Tensor]
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like ``"5GB"`` (decimal) or ``"2GiB"`` (binary), as transformers.
+
+    Raises:
+        ValueError: An unreadable size or one below 1 byte.
+    """
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", size.upper())
+        if match is None:
+            raise ValueError(f"max_shard_size={size!r} is not a size; use e.g. 5GB, 500MB or an int of bytes")
+        value = int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    if value < 1:
+        raise ValueError(f"max_shard_size must be at least 1 byte, got {size!r}")
+    return value
+
+
+def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    return t.numel() * torch.empty((), dtype=dtype or t.dtype).element_size()
+
+
+def plan_shards(
+    sizes: Sequence[tuple[str, int]], max_shard_size: int, prefix: str = "model"
+) -> list[tuple[str, list[str]]]:
+    """Group keys (in order) into files of at most ``max_shard_size`` bytes, named as transformers does.
+
+    A tensor bigger than the limit gets a file of its own.
+
+    Returns:
+        ``[(file name, keys)]``; a single ``<prefix>.safetensors`` when everything fits in one.
+    """
+    groups: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for key, nbytes in sizes:
+        if current and used + nbytes > max_shard_size:
+            groups.append(current)
+            current, used = [], 0
+        current.append(key)
+        used += nbytes
+    if current or not groups:
+        groups.append(current)
+    if len(groups) == 1:
+        return [(f"{prefix}.safetensors", groups[0])]
+    n = len(groups)
+    return [(f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors", keys) for i, keys in enumerate(groups)]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: ``full_tensor()`` for a DTensor (a collective over its mesh), else itself."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        return t.full_tensor()
+    return t
+
+
+def _stream_files(
+    staging: Path,
+    files: Sequence[tuple[str, list[str]]],
+    tensors: dict[str, torch.Tensor],
+    cast_to: Callable[[torch.Tensor], torch.dtype | None],
+    writer: bool,
+    write_hook: Callable[[str], None] | None = None,
+) -> BaseException | None:
+    """Gather every tensor in file order (all ranks) and, on the writer rank, stream it to disk.
+
+    A write error stops the writing but not the gathering, so the other ranks are never left waiting.
+    """
+    error: BaseException | None = None
+    for name, keys in files:
+        stream: SafetensorsStreamWriter | None = None
+        if writer and error is None:
+            try:
+                layout = [(k, cast_to(tensors[k]) or tensors[k].dtype, tuple(tensors[k].shape)) for k in keys]
+                stream = SafetensorsStreamWriter(staging / name, layout, {"format": "pt"})
+            except Exception as exc:  # keep gathering: the other ranks are in the collectives
+                error = exc
+        for key in keys:
+            with torch.no_grad():
+                full = _full(tensors[key])
+            if stream is not None and error is None:
+                try:
+                    stream.write(key, full)
+                    if write_hook is not None:
+                        write_hook(key)
+                except Exception as exc:  # keep gathering: the other ranks are in the collectives
+                    error = exc
+            del full
+        if stream is not None:
+            try:
+                stream.close()
+            except Exception as exc:
+                error = error or exc
+    return error
+
+
+def _hf_class_name(hf: nn.Module) -> str:
+    """The transformers class of ``hf``, skipping FSDP2's dynamic ``FSDP<Class>`` subclass."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    for cls in type(hf).__mro__:
+        if fsdp is not None and issubclass(cls, fsdp.FSDPModule):
+            continue
+        return cls.__name__
+    return type(hf).__name__  # pragma: no cover
+
+
+def _write_configs(staging: Path, model: nn.Module, dtype: torch.dtype | None) -> None:
+    hf = _hf_model(model)
+    config = getattr(hf, "config", None)
+    if hf is None or config is None:
+        return
+    config = copy.deepcopy(config)
+    config.architectures = [_hf_class_name(hf)]
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(staging)
+    generation = getattr(hf, "generation_config", None)
+    can_generate = getattr(hf, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        generation.save_pretrained(staging)
+
+
+def _saved_key(keys: Sequence[str], tied_targets: set[str]) -> str:
+    """The key a tied tensor is saved under: the first that is not a tie target (as transformers)."""
+    return next((k for k in keys if k not in tied_targets), keys[0])
+
+
+def save_hf_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    save_config: bool = True,
+    rules: KeyRules = DEFAULT_KEY_RULES,
+    process_group: dist.ProcessGroup | None = None,
+    _write_hook: Callable[[str], None] | None = None,
+) -> Path:
+    """Save ``model``'s base weights as a consolidated Hugging Face safetensors checkpoint.
+
+    Keys are the model's checkpoint keys (wrapper segments removed; adapters excluded: see
+    `save_peft_adapters`); a tied weight is saved once, under its source name. Rank 0 of
+    ``process_group`` writes; every rank gathers.
+
+    Preconditions: every rank of the model's meshes calls this, with the same arguments. Collectives:
+    one ``full_tensor()`` all-gather per sharded tensor over its mesh, in a fixed order; three
+    ``all_gather_object`` for the atomic publish. Nothing in the model is mutated (FSDP2 modules are
+    resharded first).
+
+    Args:
+        model: The model to save.
+        path: The checkpoint folder to publish.
+        max_shard_size: Largest file size (bytes or e.g. ``"5GB"``); bigger tensors get their own file.
+        dtype: Cast floating-point tensors to this dtype when saving (and record it in config.json).
+        overwrite: Replace an existing folder at ``path``.
+        save_config: Also write config.json (and generation_config.json).
+        rules: Model-name rewrites.
+        process_group: Ranks that save together (default: the world).
+
+    Returns:
+        The published folder.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
+        ValueError: An unreadable ``max_shard_size``; OSError from writing (on every rank).
+    """
+    limit = parse_size(max_shard_size)
+    _reshard_fsdp(model)
+    hf = _hf_model(model)
+    tied_targets = set((getattr(hf, "all_tied_weights_keys", None) or {}).keys())
+    tensors: dict[str, torch.Tensor] = {}
+    for slot in collect_tensor_slots(model, rules):
+        tensors[_saved_key(slot.keys, tied_targets)] = slot.tensor
+
+    def cast_to(t: torch.Tensor) -> torch.dtype | None:
+        return dtype if dtype is not None and t.dtype.is_floating_point else None
+
+    sizes = [(k, _nbytes(t, cast_to(t))) for k, t in tensors.items()]
+    files = plan_shards(sizes, limit)
+    staging = prepare_staging_dir(path, overwrite=overwrite, group=process_group)
+    writer = rank_of(process_group) == 0
+    error = _stream_files(staging, files, tensors, cast_to, writer, _write_hook)
+    if writer and error is None:
+        try:
+            if len(files) > 1:
+                index = {
+                    "metadata": {"total_size": sum(n for _, n in sizes)},
+                    "weight_map": {k: name for name, keys in files for k in keys},
+                }
+                (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            if save_config:
+                _write_configs(staging, model, dtype)
+        except Exception as exc:  # shared with every rank by the publish step
+            error = exc
+    return publish_staging_dir(staging, path, kind="hf", group=process_group, write_error=error)
+
+
+def _adapter_tensors(model: nn.Module, adapter_name: str, rules: KeyRules) -> Iterator[_Entry]:
+    """Adapter parameters as HF-PEFT keys: ``base_model.model.<key>`` with the adapter name removed."""
+    seen: set[int] = set()
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen or not is_adapter_key(fqn, rules):
+            continue
+        parts = fqn.split(".")
+        if adapter_name not in parts:
+            continue
+        seen.add(id(param))
+        key = checkpoint_key(".".join(p for p in parts if p != adapter_name), rules)
+        yield f"base_model.model.{key}", param
+
+
+def _peft_config(model: nn.Module, adapter_name: str) -> Any:
+    configs = getattr(model, "peft_config", None)
+    inner = _hf_model(model)
+    if configs is None and inner is not None:  # adapters injected into a transformers model in place
+        configs = getattr(inner, "peft_config", None)
+    if not isinstance(configs, dict) or adapter_name not in configs:
+        available = sorted(configs) if isinstance(configs, dict) else []
+        raise ValueError(
+            f"{type(model).__name__} has no peft_config for adapter {adapter_name!r} "
+            f"(adapters: {available}); save_peft_adapters needs a model with peft adapters "
+            "(peft.get_peft_model / automodel_peft)"
+        )
+    return configs[adapter_name]
+
+
+def _write_adapter_config(staging: Path, config: Any) -> None:
+    config = copy.deepcopy(config)
+    if hasattr(config, "inference_mode"):
+        config.inference_mode = True
+    save = getattr(config, "save_pretrained", None)
+    if callable(save):
+        save(str(staging))
+        return
+    to_dict = getattr(config, "to_dict", None)
+    data = to_dict() if callable(to_dict) else dict(config)
+    (staging / "adapter_config.json").write_text(
+        json.dumps(data, indent=2, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
+    )
+
+
+def save_peft_adapters(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    adapter_name: str = "default",
+    overwrite: bool = False,
+    rules: KeyRules = DEFAULT_KEY_RULES,
+    process_group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Save the LoRA adapters of a (sharded) peft model in the format ``PeftModel.from_pretrained`` loads.
+
+    Writes ``adapter_model.safetensors`` and ``adapter_config.json``.
+
+    Adapter tensors are the parameters with a name component starting with ``lora_`` (`KeyRules`)
+    that belong to ``adapter_name``; they are saved as ``base_model.model.<module>.lora_A.weight``.
+    The config is the model's ``peft_config[adapter_name]`` (saved with ``inference_mode=True``).
+
+    Preconditions and collectives: as `save_hf_checkpoint`.
+
+    Raises:
+        ValueError: The model has no peft config for ``adapter_name``, or no adapter tensors.
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
+    """
+    config = _peft_config(model, adapter_name)
+    _reshard_fsdp(model)
+    tensors = dict(_adapter_tensors(model, adapter_name, rules))
+    if not tensors:
+        raise ValueError(f"no adapter parameters of adapter {adapter_name!r} found in {type(model).__name__}")
+    staging = prepare_staging_dir(path, overwrite=overwrite, group=process_group)
+    writer = rank_of(process_group) == 0
+    files = [("adapter_model.safetensors", list(tensors))]
+    error = _stream_files(staging, files, tensors, lambda _: None, writer)
+    if writer and error is None:
+        try:
+            _write_adapter_config(staging, config)
+        except Exception as exc:  # shared with every rank by the publish step
+            error = exc
+    return publish_staging_dir(staging, path, kind="peft", group=process_group, write_error=error)

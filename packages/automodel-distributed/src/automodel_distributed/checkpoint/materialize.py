@@ -1,0 +1,381 @@
+"""Materialise a (possibly sharded) meta-device model and initialise its weights.
+
+`materialize_meta_tensors` gives storage to the parameters and buffers still on meta, and to nothing
+else: each meta parameter is swapped in place (``torch.utils.swap_tensors``) for an empty tensor of the
+same kind on the target device, so DTensor placements, FSDP2's references to its sharded parameters and
+tied weights (one object under two names) all survive. Materialised tensors are marked as needing
+initialisation until `initialize_model_weights` or a checkpoint load fills them; `verify_materialized`
+fails loudly on any that are left.
+
+Initialisation uses transformers' own ``initialize_weights`` (``_init_weights`` per module) when the
+model is a transformers model, restricted to the tensors that need it through transformers'
+``_is_hf_initialized`` flags; otherwise each module's ``reset_parameters()`` (torch's defaults). DTensor
+parameters are initialised through DTensor's random ops. Non-persistent buffers are recomputed by
+`reinitialize_non_persistent_buffers`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel_distributed.checkpoint.buffers import reinitialize_non_persistent_buffers
+from automodel_distributed.checkpoint.keys import DEFAULT_KEY_RULES, KeyRules, collect_tensor_slots
+
+__all__ = [
+    "LORA_INIT_METHODS",
+    "initialize_model_weights",
+    "materialize_meta_tensors",
+    "needs_init",
+    "retie_weights",
+    "verify_materialized",
+]
+
+logger = logging.getLogger(__name__)
+
+_NEEDS_INIT = "_automodel_needs_init"
+_HF_FLAG = "_is_hf_initialized"
+
+
+def _lora_kaiming(t: torch.Tensor) -> None:
+    nn.init.kaiming_uniform_(t, a=math.sqrt(5))
+
+
+LORA_INIT_METHODS: Mapping[str, Callable[[torch.Tensor], Any]] = {
+    "kaiming": _lora_kaiming,
+    "kaiming_uniform": _lora_kaiming,
+    "xavier": nn.init.xavier_normal_,
+    "xavier_normal": nn.init.xavier_normal_,
+    "xavier_uniform": nn.init.xavier_uniform_,
+    "gaussian": lambda t: nn.init.normal_(t, std=0.02),
+}
+"""``peft_init_method`` -> initialiser of LoRA ``A`` matrices (``B`` matrices are always zeroed)."""
+
+_LORA_A = ("lora_A", "lora_embedding_A")
+_LORA_B = ("lora_B", "lora_embedding_B")
+
+
+def needs_init(t: torch.Tensor) -> bool:
+    """Whether ``t`` was materialised and has not been initialised or loaded since."""
+    return bool(getattr(t, _NEEDS_INIT, False))
+
+
+def _mark(t: torch.Tensor, value: bool) -> None:
+    if value:
+        setattr(t, _NEEDS_INIT, True)
+    elif hasattr(t, _NEEDS_INIT):
+        delattr(t, _NEEDS_INIT)
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return t.device.type == "meta"
+
+
+def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Uninitialised storage like ``t`` on ``device``; a DTensor keeps its mesh, placements and shape.
+
+    DTensors are rebuilt from an empty local tensor with ``from_local`` (no sharding propagation, no
+    communication), which is much cheaper than ``torch.empty_like`` on the DTensor.
+    """
+    if not _is_dtensor(t):
+        return torch.empty_like(t, device=device)
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        local = t.to_local()  # type: ignore[attr-defined]
+        return DTensor.from_local(
+            torch.empty_like(local, device=device),
+            t.device_mesh,  # type: ignore[attr-defined]
+            t.placements,  # type: ignore[attr-defined]
+            run_check=False,
+            shape=t.shape,
+            stride=t.stride(),
+        )
+
+
+def _swap_param(owners: list[tuple[nn.Module, str]], old: nn.Parameter, device: torch.device) -> None:
+    new = nn.Parameter(_empty_like(old, device), requires_grad=old.requires_grad)
+    saved = dict(old.__dict__)
+    try:
+        torch.utils.swap_tensors(old, new)
+        old.__dict__.update(saved)
+    except RuntimeError:  # e.g. a weakref to the old tensor: fall back to re-registering everywhere
+        new.__dict__.update(saved)
+        for module, name in owners:
+            module._parameters[name] = new
+
+
+def materialize_meta_tensors(
+    model: nn.Module, device: torch.device | str, rules: KeyRules = DEFAULT_KEY_RULES
+) -> list[str]:
+    """Give storage on ``device`` to every parameter and buffer of ``model`` still on meta.
+
+    Tensors not on meta are left alone. A DTensor stays a DTensor with the same mesh and placements;
+    tied parameters stay tied. New storage is uninitialised (``torch.empty``) and marked as needing
+    initialisation. Non-persistent buffers are recomputed at once (`reinitialize_non_persistent_buffers`).
+
+    Preconditions: any parallelism (TP, FSDP2) is already applied. No collectives.
+
+    Returns:
+        Checkpoint keys of the materialised parameters and persistent buffers.
+
+    Raises:
+        ValueError: A meta non-persistent buffer cannot be recomputed.
+    """
+    dev = torch.device(device)
+    done: list[str] = []
+    for slot in collect_tensor_slots(model, rules, include_adapters=True):
+        if not _is_meta(slot.tensor):
+            continue
+        if slot.is_param:
+            assert isinstance(slot.tensor, nn.Parameter)
+            _swap_param(slot.owners, slot.tensor, dev)
+            module, name = slot.owners[0]
+            _mark(module._parameters[name], True)  # type: ignore[arg-type]
+        else:
+            new = _empty_like(slot.tensor, dev)
+            for module, name in slot.owners:
+                module._buffers[name] = new
+            _mark(new, True)
+        done.extend(slot.keys[:1])
+    reinitialize_non_persistent_buffers(model, dev, only_meta=True)
+    return done
+
+
+_WRAPPER_ATTRIBUTES: tuple[str, ...] = ("_orig_mod", "module")
+"""Attributes through which wrappers expose the module they wrap (torch.compile, DDP)."""
+
+
+def _hf_model(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside ``model`` (through peft, compile and DDP wrappers), if any."""
+    current: nn.Module = model
+    for _ in range(8):  # wrappers nest a few levels at most
+        if callable(getattr(current, "initialize_weights", None)):
+            return current
+        get_base = getattr(current, "get_base_model", None)  # peft
+        inner = get_base() if callable(get_base) else None
+        if not isinstance(inner, nn.Module) or inner is current:
+            wrapped = (getattr(current, a, None) for a in _WRAPPER_ATTRIBUTES)
+            inner = next((w for w in wrapped if isinstance(w, nn.Module)), None)
+        if inner is None:
+            return None
+        current = inner
+    return None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = [p for p in module._parameters.values() if p is not None]
+    out += [
+        b for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set
+    ]
+    return out
+
+
+def _zero_padding_row(embedding: nn.Embedding) -> None:
+    """Zero ``weight[padding_idx]`` on the rank(s) that hold that row (DTensor-aware, no collective)."""
+    from automodel_distributed.checkpoint.slices import tensor_boxes
+
+    weight, idx = embedding.weight, embedding.padding_idx
+    assert idx is not None
+    local = weight.to_local() if _is_dtensor(weight) else weight  # type: ignore[attr-defined]
+    _, boxes = tensor_boxes(weight)
+    for box in boxes:
+        row = idx - box.global_start[0]
+        if 0 <= row < box.shape[0]:
+            local[box.local_start[0] + row].narrow(0, box.local_start[1], box.shape[1]).zero_()
+
+
+def _run_hf_init(hf: nn.Module, pending: list[torch.Tensor]) -> None:
+    pending_ids = {id(t) for t in pending}
+    saved_modules: list[tuple[nn.Module, Any]] = []
+    flagged: list[torch.Tensor] = []
+    padded: list[tuple[nn.Embedding, int]] = []
+    for module in hf.modules():
+        saved_modules.append((module, module.__dict__.get(_HF_FLAG, None)))
+        own = _own_tensors(module)
+        todo = [t for t in own if id(t) in pending_ids]
+        setattr(module, _HF_FLAG, not todo)
+        for t in own:
+            if id(t) not in pending_ids and not getattr(t, _HF_FLAG, False):
+                setattr(t, _HF_FLAG, True)
+                flagged.append(t)
+        if (
+            todo
+            and isinstance(module, nn.Embedding)
+            and module.padding_idx is not None
+            and _is_dtensor(module.weight)
+        ):
+            padded.append((module, module.padding_idx))
+            module.padding_idx = None  # transformers would index the DTensor; we zero it locally
+    try:
+        hf.initialize_weights()  # type: ignore[operator]
+    finally:
+        for module, value in saved_modules:
+            if value is None:
+                module.__dict__.pop(_HF_FLAG, None)
+            else:
+                setattr(module, _HF_FLAG, value)
+        for t in flagged:
+            delattr(t, _HF_FLAG)
+        for module, idx in padded:
+            module.padding_idx = idx
+    with torch.no_grad():
+        for module, _ in padded:
+            _zero_padding_row(module)
+
+
+def _run_torch_init(model: nn.Module, pending: list[torch.Tensor]) -> None:
+    pending_ids = {id(t) for t in pending}
+    for module in model.modules():
+        own = [p for p in module._parameters.values() if p is not None]
+        if (
+            own
+            and all(id(p) in pending_ids for p in own)
+            and callable(getattr(module, "reset_parameters", None))
+        ):
+            module.reset_parameters()  # type: ignore[operator]
+            for p in own:
+                _mark(p, False)
+
+
+def _init_lora(model: nn.Module, method: str | None, pending_ids: set[int]) -> None:
+    init_a = LORA_INIT_METHODS.get(method or "kaiming")
+    if init_a is None:
+        raise ValueError(
+            f"peft_init_method={method!r} is not known; use one of {sorted(LORA_INIT_METHODS)} or None"
+        )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) not in pending_ids:
+                continue
+            parts = name.split(".")
+            if any(part in _LORA_A for part in parts):
+                init_a(p)
+                _mark(p, False)
+            elif any(part in _LORA_B for part in parts):
+                nn.init.zeros_(p)
+                _mark(p, False)
+
+
+def initialize_model_weights(
+    model: nn.Module,
+    device: torch.device | str,
+    *,
+    peft_init_method: str | None = None,
+    skip_keys: Iterable[str] = (),
+    rules: KeyRules = DEFAULT_KEY_RULES,
+) -> nn.Module:
+    """Materialise the meta tensors of ``model`` on ``device`` and initialise every tensor needing it.
+
+    Steps: `materialize_meta_tensors`; initialise the tensors marked as needing it, except those whose
+    checkpoint key is in ``skip_keys`` (they are about to be loaded), with transformers'
+    ``initialize_weights`` (or torch's ``reset_parameters`` for other models); LoRA ``A`` matrices with
+    ``peft_init_method`` and ``B`` matrices with zeros; recompute non-persistent buffers; re-tie tied
+    weights (`retie_weights`).
+
+    Preconditions: parallelisms already applied. Collectives: DTensor random ops may synchronise the RNG
+    seed over a DTensor's mesh the first time they run (every rank must call this).
+
+    Args:
+        model: The model; mutated in place.
+        device: Device for the new storage.
+        peft_init_method: Initialiser of LoRA ``A`` matrices (`LORA_INIT_METHODS`); None = kaiming.
+        skip_keys: Checkpoint keys left marked as needing initialisation (the caller loads them).
+        rules: Name rewrites from model FQNs to checkpoint keys.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: A non-persistent buffer cannot be recomputed, or an unknown ``peft_init_method``.
+    """
+    materialize_meta_tensors(model, device, rules)
+    skip = set(skip_keys)
+    slots = collect_tensor_slots(model, rules, include_adapters=True)
+    pending = [s.tensor for s in slots if needs_init(s.tensor) and not skip.intersection(s.keys)]
+    if pending:
+        hf = _hf_model(model)
+        with torch.no_grad():
+            if hf is not None:
+                _run_hf_init(hf, pending)
+                for t in pending:
+                    _mark(t, False)
+            else:
+                _run_torch_init(model, pending)
+        _init_lora(model, peft_init_method, {id(t) for t in pending})
+    reinitialize_non_persistent_buffers(model, None)
+    retie_weights(model)
+    return model
+
+
+def retie_weights(model: nn.Module) -> list[str]:
+    """Make sure weights that transformers declares tied are one tensor.
+
+    Tied parameters survive materialisation (they are swapped in place), so this normally finds
+    nothing to do. An unsharded model whose ties were broken is re-tied with transformers'
+    ``tie_weights``; a sharded one cannot be re-tied after sharding.
+
+    Returns:
+        The ``target <- source`` pairs that had to be re-tied.
+
+    Raises:
+        RuntimeError: A sharded (DTensor) model has broken ties.
+    """
+    hf = _hf_model(model)
+    if hf is None:
+        return []
+    ties = getattr(hf, "all_tied_weights_keys", None) or {}
+    broken = []
+    for target, source in dict(ties).items():
+        try:
+            t, s = hf.get_parameter(target), hf.get_parameter(source)
+        except AttributeError:
+            continue
+        if t is not s:
+            broken.append((f"{target} <- {source}", t))
+    if not broken:
+        return []
+    if any(_is_dtensor(t) for _, t in broken):
+        raise RuntimeError(
+            f"tied weights {[b for b, _ in broken]} are separate tensors in a sharded model; tie them "
+            "before sharding (transformers ties them when the model is built)"
+        )
+    hf.tie_weights()  # type: ignore[operator]
+    return [b for b, _ in broken]
+
+
+def verify_materialized(model: nn.Module, rules: KeyRules = DEFAULT_KEY_RULES) -> None:
+    """Fail if any parameter or buffer is still on meta or was materialised but never initialised.
+
+    No collectives; reads the model only.
+
+    Raises:
+        RuntimeError: Lists the offending names and what to call.
+    """
+    meta, uninit = [], []
+    for slot in collect_tensor_slots(model, rules, include_adapters=True):
+        if _is_meta(slot.tensor):
+            meta.append(slot.fqns[0])
+        elif needs_init(slot.tensor):
+            uninit.append(slot.fqns[0])
+    for name, buf in model.named_buffers():
+        if buf is not None and _is_meta(buf) and name not in meta:
+            meta.append(name)
+    if meta or uninit:
+        raise RuntimeError(
+            f"model is not fully materialised: {len(meta)} tensor(s) still on meta {meta[:10]}, "
+            f"{len(uninit)} materialised but never initialised or loaded {uninit[:10]}. Call "
+            "initialize_model_weights(model, device) or load them from a checkpoint (strict=True lists "
+            "what a checkpoint lacks)."
+        )
