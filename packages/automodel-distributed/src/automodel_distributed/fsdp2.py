@@ -90,7 +90,7 @@ def plan_fsdp_units(
     if isinstance(head, nn.Module) and (fqn := _fqn_of(model, head)):
         units.append((fqn, head))
 
-    def policy(index: int, fqn: str) -> bool | int:
+    def policy(index: int) -> bool | int:
         if reshard_after_forward is not None:
             return reshard_after_forward
         if pipelined:
@@ -98,7 +98,7 @@ def plan_fsdp_units(
         is_last_block = index == len(units) - 1 or (head is not None and index == len(units) - 2)
         return not is_last_block
 
-    return [FSDPUnitPlan(fqn, module, policy(i, fqn)) for i, (fqn, module) in enumerate(units)]
+    return [FSDPUnitPlan(fqn, module, policy(i)) for i, (fqn, module) in enumerate(units)]
 
 
 def apply_fsdp2(
@@ -248,8 +248,22 @@ class FSDP2Manager:
 
         dp_size = self.mesh.dp_shard_cp_size * (self.mesh.dp_replicate_size or 1)
         if dp_size == 1:
-            if self.mp_policy.param_dtype not in (None, torch.float32) and tp_size == 1:
-                logger.info("FSDP2: one data-parallel rank, so no sharding and no mixed-precision cast")
+            ignored = [
+                name
+                for name, active in (
+                    ("mp_policy", self.mp_policy.param_dtype not in (None, torch.float32)),
+                    ("offload_policy", self.offload_policy is not None),
+                    ("enable_fsdp2_prefetch", cfg.enable_fsdp2_prefetch),
+                    ("reshard_after_forward", cfg.reshard_after_forward is not None),
+                )
+                if active
+            ]
+            if ignored:
+                warnings.warn(
+                    f"FSDP2Config.{', FSDP2Config.'.join(ignored)} ignored: one data-parallel rank, so "
+                    "nothing is sharded",
+                    stacklevel=2,
+                )
             return model
         apply_fsdp2(
             model,

@@ -130,12 +130,15 @@ def _world_one() -> dict[str, Any]:
     from automodel_distributed import FSDP2Manager
     from automodel_testing import build_tiny_model
 
-    config = _config({"activation_checkpointing": True})
+    config = _config({"activation_checkpointing": True, "mp_policy": "bf16"})
     ctx = MeshContext.build(config)
-    model = FSDP2Manager(config, ctx.device_mesh).parallelize(build_tiny_model("llama"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = FSDP2Manager(config, ctx.device_mesh).parallelize(build_tiny_model("llama"))
     return {
         "class": type(model).__name__,
         "wrapped": [isinstance(layer, CheckpointWrapper) for layer in model.model.layers],
+        "warned": any("FSDP2Config.mp_policy ignored" in str(w.message) for w in caught),
     }
 
 
@@ -175,4 +178,4 @@ def test_fsdp2_manager_parity(world: int) -> None:
 
 def test_world_size_one_only_checkpoints() -> None:
     (result,) = run_distributed(_world_one, 1)
-    assert result == {"class": "LlamaForCausalLM", "wrapped": [True, True]}
+    assert result == {"class": "LlamaForCausalLM", "wrapped": [True, True], "warned": True}
