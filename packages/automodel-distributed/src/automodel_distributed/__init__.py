@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     )
     from automodel_distributed.ddp import DDPManager
     from automodel_distributed.fsdp2 import FSDP2Manager
+    from automodel_distributed.loss import MaskedCrossEntropy
     from automodel_distributed.megatron_fsdp import MegatronFSDPManager
 
 try:
@@ -60,6 +61,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 _LAZY = {
     "FSDP2Manager": "automodel_distributed.fsdp2",
     "DDPManager": "automodel_distributed.ddp",
+    "MaskedCrossEntropy": "automodel_distributed.loss",
     "MegatronFSDPManager": "automodel_distributed.megatron_fsdp",
     # Checkpoint load / save (automodel_distributed.checkpoint).
     "COMPLETE_MARKER": "automodel_distributed.checkpoint",
@@ -104,6 +106,7 @@ __all__ = [
     "FSDP2Manager",
     "KeyRules",
     "LoadReport",
+    "MaskedCrossEntropy",
     "MegatronFSDPConfig",
     "MegatronFSDPManager",
     "__version__",

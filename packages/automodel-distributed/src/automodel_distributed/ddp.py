@@ -137,6 +137,9 @@ class DDPManager:
         RuntimeError: The default process group is not initialised.
     """
 
+    materialize_before_parallelize = True
+    """DDP replicates real tensors (and broadcasts rank 0's): load weights before `parallelize`."""
+
     def __init__(self, config: DDPConfig) -> None:
         if not isinstance(config, DDPConfig):
             raise ValueError(f"DDPManager needs a DDPConfig, got {type(config).__name__}")

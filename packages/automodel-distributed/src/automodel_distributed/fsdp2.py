@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -168,16 +169,36 @@ class FSDP2Manager:
     Config fields are copied to attributes (``manager.mp_policy``, ``manager.tp_plan``, ...), with
     ``mp_policy`` resolved to the default policy when the config left it ``None``. The config object is
     never modified.
+
+    Args:
+        config: The settings.
+        device_mesh: The FSDP2 mesh from ``MeshContext.build(FSDP2Config(...))``; ``None`` only in a
+            single process without a process group (nothing is sharded then).
+        moe_mesh: The MoE mesh, kept for the expert-parallel parallelizer.
+
+    Raises:
+        ValueError: Not an `FSDP2Config`, a mesh of another layout, or no mesh with several ranks.
     """
 
+    materialize_before_parallelize = False
+    """FSDP2 shards meta models; weights are materialised and loaded after `parallelize`."""
+
     def __init__(
-        self, config: FSDP2Config, device_mesh: DeviceMesh, moe_mesh: DeviceMesh | None = None
+        self, config: FSDP2Config, device_mesh: DeviceMesh | None, moe_mesh: DeviceMesh | None = None
     ) -> None:
         if not isinstance(config, FSDP2Config):
             raise ValueError(f"FSDP2Manager needs an FSDP2Config, got {type(config).__name__}")
         self.config = config
         self.mesh = MeshContext.from_meshes(device_mesh, moe_mesh)
-        if self.mesh.kind is not MeshKind.FSDP2:
+        if device_mesh is None:
+            # A single process without a process group (what MeshContext.build returns there): nothing
+            # to shard, but activation checkpointing and compile still apply.
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                raise ValueError(
+                    "FSDP2Manager got device_mesh=None in a run of "
+                    f"{dist.get_world_size()} ranks; build it with MeshContext.build(FSDP2Config(...))"
+                )
+        elif self.mesh.kind is not MeshKind.FSDP2:
             raise ValueError(
                 "FSDP2Manager needs the FSDP2 mesh (pp, dp_replicate, dp_shard, cp, tp); build it with "
                 f"MeshContext.build(FSDP2Config(...)), got axes {self.mesh.axis_names()}"

@@ -200,6 +200,11 @@ class MegatronFSDPManager:
                 self.zero_dp_strategy,
             )
 
+    @property
+    def materialize_before_parallelize(self) -> bool:
+        """Whether `parallelize` needs real weights (``init_fsdp_with_meta_device=False``)."""
+        return not self.config.init_fsdp_with_meta_device
+
     def _check_can_run(self) -> None:
         if self.device_mesh.device_type != "cuda" or not torch.cuda.is_available():
             where = "no CUDA device is available" if not torch.cuda.is_available() else "the mesh is on 'cpu'"

@@ -154,6 +154,7 @@ def _plan(
     path_or_repo_id: str | os.PathLike[str],
     *,
     strict: bool,
+    allow_unexpected: bool,
     key_mapping: Mapping[str, str] | None,
     rules: KeyRules,
     allow_dtype_cast: bool,
@@ -198,11 +199,12 @@ def _plan(
         _check_buffer_initializers(model)
         unexpected = sorted(k for k in renamed if k not in claimed and not _ignored(k, ignore_unexpected))
         report.missing, report.unexpected = missing, unexpected
-        if shapes or dtypes or (strict and (missing or unexpected)):
+        unexpected_error = strict and not allow_unexpected and bool(unexpected)
+        if shapes or dtypes or (strict and missing) or unexpected_error:
             raise CheckpointMismatchError(
                 str(files.root),
                 missing if strict else [],
-                unexpected if strict else [],
+                unexpected if unexpected_error else [],
                 shapes,
                 dtypes,
                 type(model).__name__,
@@ -290,6 +292,7 @@ def load_hf_checkpoint(
     *,
     device: torch.device | str | None = None,
     strict: bool = True,
+    allow_unexpected: bool = False,
     key_mapping: Mapping[str, str] | None = None,
     allow_dtype_cast: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -326,6 +329,8 @@ def load_hf_checkpoint(
             else of its DTensor mesh (the current CUDA device for a CUDA mesh), else CPU. Pass
             ``"cpu"`` explicitly for FSDP2 CPU offload.
         strict: Missing and unexpected keys are errors (True) or only reported (False).
+        allow_unexpected: Checkpoint keys the model lacks are only reported, even when ``strict``: for
+            a model that holds part of the checkpoint (a pipeline stage). Missing keys still fail.
         key_mapping: Regex substitutions applied to the checkpoint's keys, in order.
         allow_dtype_cast: Allow floating-point dtype conversion on load.
         cache_dir: Hugging Face cache to look a hub id up in (default: ``HF_HUB_CACHE``).
@@ -354,6 +359,7 @@ def load_hf_checkpoint(
             model,
             path_or_repo_id,
             strict=strict,
+            allow_unexpected=allow_unexpected,
             key_mapping=key_mapping,
             rules=rules,
             allow_dtype_cast=allow_dtype_cast,
@@ -382,7 +388,7 @@ def load_hf_checkpoint(
     retie_weights(model)
     verify_materialized(model, rules)
     plan.report.seconds = time.perf_counter() - start
-    if plan.report.missing or plan.report.unexpected:
+    if plan.report.missing or (plan.report.unexpected and not allow_unexpected):
         logger.warning(
             "loaded %s with %d missing key(s) %s and %d unexpected key(s) %s",
             plan.report.checkpoint,
@@ -404,6 +410,7 @@ def load_base_model(
     load_base_model: bool = True,
     *,
     strict: bool = True,
+    allow_unexpected: bool = False,
     key_mapping: Mapping[str, str] | None = None,
     peft_init_method: str | None = None,
     process_group: dist.ProcessGroup | None = None,
@@ -418,6 +425,7 @@ def load_base_model(
         load_base_model: False only materialises and initialises meta tensors, recomputes
             non-persistent buffers and re-ties weights (no checkpoint is read).
         strict: As in `load_hf_checkpoint`.
+        allow_unexpected: As in `load_hf_checkpoint`.
         key_mapping: As in `load_hf_checkpoint`.
         peft_init_method: As in `initialize_model_weights`.
         process_group: As in `load_hf_checkpoint`.
@@ -434,6 +442,7 @@ def load_base_model(
             model_name,
             device=device,
             strict=strict,
+            allow_unexpected=allow_unexpected,
             key_mapping=key_mapping,
             cache_dir=root_dir,
             peft_init_method=peft_init_method,

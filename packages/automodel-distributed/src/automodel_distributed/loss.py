@@ -1,0 +1,107 @@
+"""Masked cross entropy: the loss the orchestration layer falls back to.
+
+`MaskedCrossEntropy` takes logits and labels that are already aligned (the data pipeline shifts
+labels for causal language modelling, as in NeMo AutoModel), ignores positions whose label is
+``ignore_index`` or whose ``mask`` is zero, and can normalise a summed loss by a token count known to
+the trainer (the label tokens of the whole global batch, so that gradient accumulation and data
+parallelism give the same gradients as one big batch).
+
+DTensor logits (tensor-parallel output with a sharded vocabulary) are gathered with ``full_tensor()``
+before the loss: simple and exact; use ``loss_parallel`` yourself when the vocabulary is large.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MaskedCrossEntropy"]
+
+Reduction = Literal["sum", "mean", "none"]
+
+
+class MaskedCrossEntropy(nn.Module):
+    """Cross entropy over the unmasked label tokens.
+
+    Args:
+        fp32_upcast: Compute in float32 (bf16 logits lose precision in log-softmax).
+        ignore_index: Label value that marks positions without a loss.
+        reduction: ``"sum"`` (divided by ``num_label_tokens`` when given), ``"mean"`` over the unmasked
+            tokens, or ``"none"`` (one value per position, 0 where masked).
+
+    Raises:
+        ValueError: An unknown ``reduction``, or ``num_label_tokens`` with a reduction other than
+            ``"sum"``.
+    """
+
+    def __init__(
+        self, fp32_upcast: bool = True, ignore_index: int = -100, reduction: Reduction = "sum"
+    ) -> None:
+        super().__init__()
+        if reduction not in ("sum", "mean", "none"):
+            raise ValueError(f"MaskedCrossEntropy.reduction={reduction!r}; use 'sum', 'mean' or 'none'")
+        self.fp32_upcast = fp32_upcast
+        self.ignore_index = ignore_index
+        self.reduction: Reduction = reduction
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        num_label_tokens: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The loss of ``logits`` ``[..., vocab]`` against ``labels`` ``[...]``.
+
+        Args:
+            logits: Unnormalised scores; a DTensor is gathered first.
+            labels: Target ids, same leading shape as ``logits``.
+            mask: Optional, same shape as ``labels``; positions where it is 0 are ignored.
+            num_label_tokens: With ``reduction="sum"``, divide by this count (0 gives a zero loss that
+                keeps the graph, so every rank still runs backward).
+
+        Returns:
+            A scalar (``"sum"``/``"mean"``) or a tensor shaped like ``labels`` (``"none"``).
+
+        Raises:
+            ValueError: Shapes that do not match, or ``num_label_tokens`` without ``reduction="sum"``.
+        """
+        if hasattr(logits, "full_tensor"):
+            logits = logits.full_tensor()
+        if logits.shape[:-1] != labels.shape:
+            raise ValueError(
+                f"MaskedCrossEntropy: logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)} "
+                "(expected logits [..., vocab] and labels [...])"
+            )
+        if mask is not None:
+            if mask.shape != labels.shape:
+                raise ValueError(
+                    f"MaskedCrossEntropy: mask {tuple(mask.shape)} does not match labels "
+                    f"{tuple(labels.shape)}"
+                )
+            labels = labels.masked_fill(mask == 0, self.ignore_index)
+        if self.fp32_upcast:
+            logits = logits.float()
+        flat = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=self.ignore_index,
+            reduction="none" if self.reduction == "none" else "sum",
+        )
+        if self.reduction == "none":
+            if num_label_tokens is not None:
+                raise ValueError("MaskedCrossEntropy: num_label_tokens needs reduction='sum'")
+            return flat.reshape(labels.shape)
+        if self.reduction == "mean":
+            if num_label_tokens is not None:
+                raise ValueError("MaskedCrossEntropy: num_label_tokens needs reduction='sum'")
+            count = (labels != self.ignore_index).sum()
+            return flat / count.clamp(min=1)
+        if num_label_tokens is None:
+            return flat
+        if int(num_label_tokens) == 0:
+            return flat * 0.0
+        return flat / num_label_tokens

@@ -1,0 +1,765 @@
+"""Infrastructure instantiation and application: the documented orchestration functions.
+
+Two phases, as in NeMo AutoModel (``nemo_automodel._transformers.infrastructure``):
+
+1. `instantiate_infrastructure` turns config objects (a strategy config, `PipelineConfig`, `QATConfig`,
+   `MoEParallelizerConfig`) and a `MeshContext` into runtime objects: ``(model_wrapper, autopipeline,
+   parallelize_fn, qat_quantizer)``.
+2. `apply_model_infrastructure` applies them to a model, usually built on the meta device, in a fixed
+   order (docs/concepts.md explains each step and why): adapters, FP8 and QAT on meta; load first only
+   when nothing will be sharded; the loss fallback; sharding (pipeline stages, EP + FSDP, or the
+   manager's ``parallelize``); compile; materialise and load the checkpoint straight into the shards;
+   freeze everything but the adapters; move to the device.
+
+Every step is one call into a leaf package. Optional packages (pipelining, MoE, quantization, PEFT) are
+imported only when the step that needs them runs; a missing one raises `ImportError` naming the
+distribution to install. Nothing here knows a model family.
+
+Differences from the reference system, on purpose: caller configs are never mutated (copies are made);
+FP8 and QAT failures raise instead of being logged and skipped; a QAT model that is not bfloat16 raises
+`ValueError` (a user error) rather than ``NotImplementedError``; a meta model is always materialised
+(never returned on meta); ``compile_config`` is honoured under FSDP2 (per block, in place) and pipeline
+parallelism instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import warnings
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from automodel_distributed.config import (
+    CompileConfig,
+    DDPConfig,
+    DistributedConfig,
+    FSDP2Config,
+    MegatronFSDPConfig,
+)
+from automodel_distributed.loss import MaskedCrossEntropy
+from automodel_infra._optional import import_component
+from automodel_mesh import MeshContext
+
+if TYPE_CHECKING:
+    from automodel_distributed.ddp import DDPManager
+    from automodel_distributed.fsdp2 import FSDP2Manager
+    from automodel_distributed.megatron_fsdp import MegatronFSDPManager
+    from automodel_moe.config import MoEParallelizerConfig
+    from automodel_pipelining.autopipeline import AutoPipeline
+    from automodel_pipelining.config import PipelineConfig
+    from automodel_quant.qat import QATConfig
+
+    Manager = FSDP2Manager | MegatronFSDPManager | DDPManager
+
+__all__ = [
+    "Infrastructure",
+    "_apply_peft_and_lower_precision",
+    "_instantiate_distributed",
+    "_instantiate_pipeline",
+    "_instantiate_qat",
+    "_shard_ep_fsdp",
+    "_shard_pp",
+    "apply_model_infrastructure",
+    "instantiate_infrastructure",
+    "logger",
+    "parallelize_for_pp",
+]
+
+logger = logging.getLogger(__name__)
+
+_LEGACY_WARNED = False
+_REFERENCE_ONLY_KWARGS = ("inject_te_attention", "freeze_config")
+
+
+class Infrastructure(NamedTuple):
+    """What `instantiate_infrastructure` returns; unpacks as the documented 4-tuple."""
+
+    model_wrapper: Any
+    """`FSDP2Manager`, `MegatronFSDPManager`, `DDPManager`, or ``None``."""
+    autopipeline: Any
+    """`AutoPipeline` when the mesh has ``pp > 1``, else ``None``."""
+    parallelize_fn: Callable[..., Any] | None
+    """The MoE parallelizer (``ep > 1``), `parallelize_for_pp` bound to the manager (pipelining), or None."""
+    qat_quantizer: Any
+    """A torchao QAT quantizer, or ``None``."""
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _count_params(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; works on meta (``numel`` needs no storage)."""
+    trainable = total = 0
+    for param in model.parameters():
+        total += param.numel()
+        if param.requires_grad:
+            trainable += param.numel()
+    return trainable, total
+
+
+def _parts(model: Any) -> list[nn.Module]:
+    """The modules to materialise and load: the pipeline's stage modules, or the model itself."""
+    parts = getattr(model, "parts", None)
+    return list(parts) if parts is not None and not isinstance(model, nn.Module) else [model]
+
+
+def _accepts_logits_to_keep(model: nn.Module) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # builtins / C extensions without a signature
+        return False
+
+
+def _warn_legacy(names: list[str]) -> None:
+    global _LEGACY_WARNED
+    if _LEGACY_WARNED:
+        return
+    _LEGACY_WARNED = True
+    warnings.warn(
+        f"instantiate_infrastructure({', '.join(f'{n}=' for n in names)}) is deprecated: pass "
+        "mesh=MeshContext.build(strategy_config, ParallelismSizes(...)) (or MeshContext.from_meshes(...))",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+def _effective_activation_checkpointing(
+    config: DistributedConfig | None, activation_checkpointing: bool | str
+) -> tuple[DistributedConfig | None, bool | str]:
+    """Merge the flag into (a copy of) the strategy config; return it and the effective setting.
+
+    The flag turns checkpointing on (``True``/``"full"``/``"selective"``); ``False`` leaves the
+    strategy config's own setting. The caller's config object is never modified.
+    """
+    if activation_checkpointing not in (False, True, "full", "selective"):
+        raise ValueError(
+            f"activation_checkpointing={activation_checkpointing!r}; use False, True, 'full' or 'selective'"
+        )
+    own = getattr(config, "activation_checkpointing", False) if config is not None else False
+    if activation_checkpointing and config is not None and own != activation_checkpointing:
+        if own not in (False, None):
+            raise ValueError(
+                f"activation_checkpointing={activation_checkpointing!r} contradicts "
+                f"{type(config).__name__}.activation_checkpointing={own!r}; set one of them"
+            )
+        config = dataclasses.replace(config, activation_checkpointing=cast(Any, activation_checkpointing))
+        own = activation_checkpointing
+    return config, own or activation_checkpointing
+
+
+# --------------------------------------------------------------------------------------------- steps
+
+
+def _apply_peft_and_lower_precision(
+    model: nn.Module,
+    tp_size: int,
+    autopipeline: AutoPipeline | None,
+    peft_config: Any,
+    quantization_config: Any,
+    fp8_config: Any,
+    qat_quantizer: Any,
+) -> nn.Module:
+    """Add LoRA adapters, then convert to FP8 training, then prepare QAT, in place.
+
+    Runs before any sharding (so tensor-parallel plans see the adapted and converted module types) and
+    works on the meta device. Adapters are added without freezing the base: freezing happens after the
+    checkpoint is loaded, when every parameter exists.
+
+    Args:
+        model: The unsharded model; mutated (modules swapped, adapters added).
+        tp_size: Tensor-parallel degree (logged; LoRA layers get LoRA-aware TP styles later).
+        autopipeline: The pipeline, if any (logged).
+        peft_config: `automodel_peft.PeftConfig`, a ``peft.LoraConfig`` or a dict, or None.
+        quantization_config: Quantized base weights for QLoRA (bitsandbytes), or None.
+        fp8_config: `automodel_quant.fp8.FP8Config` (or its dict), or None.
+        qat_quantizer: A torchao QAT quantizer from `_instantiate_qat`, or None.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ImportError: automodel-peft / automodel-quant is not installed.
+        ValueError: From the leaf packages: a bad PEFT config, QAT on a model that is not bfloat16,
+            FP8 on hardware without float8 support.
+    """
+    if peft_config is not None:
+        peft = import_component("automodel_peft", "peft_config")
+        if tp_size > 1 or autopipeline is not None:
+            logger.info(
+                "LoRA with %s", "tensor parallelism (LoRA-aware TP styles)" if tp_size > 1 else "pipelining"
+            )
+        count = peft.apply_lora_to_linear_modules(
+            model, peft_config, quantization_config=quantization_config, skip_freeze=True
+        )
+        logger.info("LoRA: %d linear modules adapted", count)
+    elif quantization_config is not None:
+        raise ValueError(
+            "quantization_config (quantized base weights) is only used with peft_config (QLoRA); "
+            "pass a peft_config or drop quantization_config"
+        )
+    if fp8_config is not None:
+        fp8 = import_component("automodel_quant.fp8", "fp8_config")
+        model = fp8.apply_fp8_to_model(model, config=fp8_config)
+    if qat_quantizer is not None:
+        qat = import_component("automodel_quant.qat", "qat_quantizer")
+        model, mode = qat.prepare_qat_model(model, qat_quantizer)
+        logger.info("QAT prepared (mode %s)", mode)
+    return model
+
+
+def _shard_pp(
+    autopipeline: AutoPipeline,
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    parallelize_fn: Any,
+) -> nn.Module | AutoPipeline:
+    """Split ``model`` into this rank's pipeline stages and parallelize each (`AutoPipeline.build`).
+
+    Records ``trainable_params_before_pp`` / ``total_params_before_pp`` on ``autopipeline`` first (the
+    build moves the model's modules into the stages).
+
+    Mesh axes: ``pp`` for stage placement; ``parallelize_fn`` uses the others.
+
+    Returns:
+        ``autopipeline`` (its ``parts`` are this rank's stage modules), or ``model`` unchanged in a
+        single-process run.
+    """
+    trainable, total = _count_params(model)
+    autopipeline.trainable_params_before_pp = trainable
+    autopipeline.total_params_before_pp = total
+    if _world_size() == 1:
+        logger.info("pipeline parallelism skipped: one process")
+        return model
+    return autopipeline.build(model, loss_fn=loss_fn, parallelize_fn=parallelize_fn)
+
+
+def _shard_ep_fsdp(model: nn.Module, model_wrapper: Any, parallelize_fn: Any, mesh: MeshContext) -> nn.Module:
+    """Apply EP + FSDP sharding (non-PP path).
+
+    With a ``parallelize_fn`` (the MoE parallelizer) and several ranks it is called in place with the
+    meshes and `MeshContext.parallelize_axis_kwargs`; otherwise the manager's ``parallelize`` runs (a
+    ``(model, optimizer)`` result is reduced to the model). With neither, nothing happens.
+
+    Returns:
+        The sharded (possibly wrapped) model.
+    """
+    if parallelize_fn is not None and mesh.world_size > 1:
+        parallelize_fn(
+            model, world_mesh=mesh.device_mesh, moe_mesh=mesh.moe_mesh, **mesh.parallelize_axis_kwargs()
+        )
+        return model
+    parallelize = getattr(model_wrapper, "parallelize", None)
+    if callable(parallelize):
+        result = parallelize(model)
+        return result[0] if isinstance(result, tuple) else result
+    return model
+
+
+def _instantiate_distributed(config: DistributedConfig | None, mesh: MeshContext) -> Manager | None:
+    """Instantiate the appropriate distributed manager from config.
+
+    Args:
+        config: Distributed config (FSDP2Config, MegatronFSDPConfig, or DDPConfig).
+        mesh: MeshContext holding device_mesh and moe_mesh references.
+
+    Returns:
+        The instantiated manager, or None if config is None.
+
+    Raises:
+        ValueError: If device_mesh is required but not provided, or the config is of an unknown type.
+        RuntimeError: `DDPConfig` without an initialised process group.
+    """
+    if config is None:
+        return None
+    if isinstance(config, FSDP2Config):
+        if mesh.device_mesh is None and _world_size() > 1:
+            raise ValueError(
+                "device_mesh is required for FSDP2Config: pass mesh=MeshContext.build(FSDP2Config(...), "
+                "ParallelismSizes(...))"
+            )
+        from automodel_distributed.fsdp2 import FSDP2Manager
+
+        return FSDP2Manager(config, device_mesh=mesh.device_mesh, moe_mesh=mesh.moe_mesh)
+    if isinstance(config, MegatronFSDPConfig):
+        if mesh.device_mesh is None:
+            raise ValueError(
+                "device_mesh is required for MegatronFSDPConfig: pass "
+                "mesh=MeshContext.build(MegatronFSDPConfig(...), ParallelismSizes(...))"
+            )
+        from automodel_distributed.megatron_fsdp import MegatronFSDPManager
+
+        return MegatronFSDPManager(config, device_mesh=mesh.device_mesh)
+    if isinstance(config, DDPConfig):
+        from automodel_distributed.ddp import DDPManager
+
+        return DDPManager(config)
+    raise ValueError(
+        f"Unknown distributed config type: {type(config).__name__}; use FSDP2Config, MegatronFSDPConfig or "
+        "DDPConfig (from automodel_distributed.config)"
+    )
+
+
+def _instantiate_pipeline(
+    config: PipelineConfig | None,
+    mesh: MeshContext,
+    device: torch.device | None = None,
+    strategy_config: DistributedConfig | None = None,
+) -> AutoPipeline | None:
+    """Instantiate AutoPipeline from config.
+
+    Args:
+        config: Pipeline config. If None or pp_size <= 1, returns None.
+        mesh: MeshContext holding device_mesh, moe_mesh, and axis names.
+        device: Target device for pipeline computation.
+        strategy_config: The strategy config; its ``defer_fsdp_grad_sync`` also governs gradient
+            reduction across microbatches (one knob for both).
+
+    Returns:
+        AutoPipeline instance, or None if pipeline parallelism is not enabled.
+
+    Raises:
+        ImportError: automodel-pipelining is not installed.
+    """
+    if config is None or mesh.device_mesh is None or mesh.pp_size <= 1:
+        return None
+    pipelining = import_component("automodel_pipelining.autopipeline", "pipeline_config")
+    defer = getattr(strategy_config, "defer_fsdp_grad_sync", True)
+    autopipeline: AutoPipeline = pipelining.AutoPipeline.from_config(
+        config, mesh, defer_fsdp_grad_sync=bool(defer), device=device
+    )
+    return autopipeline
+
+
+def _instantiate_qat(config: QATConfig | None) -> Any:
+    """The torchao QAT quantizer of ``config`` (``config.create_quantizer()``), or None."""
+    if config is None:
+        return None
+    return config.create_quantizer()
+
+
+def parallelize_for_pp(model: nn.Module, *, model_wrapper: Manager | None = None, **kwargs: Any) -> nn.Module:
+    """Parallelize model for pipeline parallelism (non-MoE case).
+
+    This function adapts the pipeline parallelism interface to use model_wrapper.parallelize(). For MoE
+    models, use ``automodel_moe.parallelizer.parallelize_model`` directly.
+
+    Args:
+        model: The model (a pipeline stage) to parallelize; mutated in place.
+        model_wrapper: Distributed manager instance.
+        **kwargs: Additional arguments (world_mesh, moe_mesh, axis names) passed by AutoPipeline but
+            unused for non-MoE parallelization (the manager has its own mesh).
+
+    Returns:
+        The parallelized model.
+    """
+    del kwargs
+    parallelize = getattr(model_wrapper, "parallelize", None)
+    if callable(parallelize):
+        result = parallelize(model)
+        return result[0] if isinstance(result, tuple) else result
+    return model
+
+
+def _moe_parallelize_fn(
+    moe_config: MoEParallelizerConfig | None,
+    model_wrapper: Manager | None,
+    strategy_config: DistributedConfig | None,
+    activation_checkpointing: bool | str,
+) -> Callable[..., Any]:
+    """The expert-parallel parallelizer, bound to the MoE config and the strategy's FSDP settings."""
+    moe_cfg_module = import_component("automodel_moe.config", "expert parallelism (ep_size > 1)")
+    moe_parallelizer = import_component("automodel_moe.parallelizer", "expert parallelism (ep_size > 1)")
+    cfg = moe_config if moe_config is not None else moe_cfg_module.MoEParallelizerConfig()
+    kwargs = cfg.to_dict()
+    if kwargs.get("mp_policy") is None and getattr(model_wrapper, "mp_policy", None) is not None:
+        kwargs["mp_policy"] = model_wrapper.mp_policy  # type: ignore[union-attr]
+    if isinstance(strategy_config, FSDP2Config):
+        # FSDP2Config is canonical for the FSDP settings both configs have.
+        kwargs.setdefault("offload_policy", getattr(model_wrapper, "offload_policy", None))
+        if strategy_config.reshard_after_forward is not None:
+            kwargs["reshard_after_forward"] = bool(strategy_config.reshard_after_forward)
+    return partial(
+        moe_parallelizer.parallelize_model, activation_checkpointing=bool(activation_checkpointing), **kwargs
+    )
+
+
+def instantiate_infrastructure(
+    *,
+    distributed_config: DistributedConfig | None = None,
+    pipeline_config: PipelineConfig | None = None,
+    qat_config: QATConfig | None = None,
+    moe_config: MoEParallelizerConfig | None = None,
+    activation_checkpointing: bool = False,
+    device: torch.device | None = None,
+    mesh: MeshContext | None = None,
+    device_mesh: Any = None,
+    moe_mesh: Any = None,
+    ep_size: int = 1,
+) -> Infrastructure:
+    """Instantiate infrastructure objects from config classes.
+
+    Converts config objects into the runtime objects `apply_model_infrastructure` needs. Nothing is
+    communicated and no config object is modified.
+
+    Args:
+        distributed_config: Distributed training config (FSDP2Config, MegatronFSDPConfig, or DDPConfig).
+        pipeline_config: Pipeline parallelism config (used when the mesh has ``pp > 1``).
+        qat_config: Quantization-aware training config.
+        moe_config: MoE parallelizer config (for expert parallel models, used when ``ep > 1``).
+        activation_checkpointing: Enable activation checkpointing for transformer blocks (``True``,
+            ``"full"`` or ``"selective"``). ``False`` keeps the strategy config's own setting.
+        device: Target device for the model (pipeline activations live there).
+        mesh: MeshContext holding device meshes, sizes, and axis names. If None, built from the legacy
+            device_mesh / moe_mesh params.
+        device_mesh: (deprecated) Device mesh for distributed operations.
+        moe_mesh: (deprecated) Optional MOE mesh for expert parallelism.
+        ep_size: (deprecated) Expert parallelism size; checked against ``moe_mesh``. Ignored when
+            mesh is provided.
+
+    Returns:
+        ``Infrastructure(model_wrapper, autopipeline, parallelize_fn, qat_quantizer)``, a 4-tuple:
+        the manager (or None); the `AutoPipeline` (or None); the parallelization function (the MoE
+        parallelizer when ``ep_size > 1``, which then replaces the manager's ``parallelize``; the
+        manager's ``parallelize`` adapted for pipeline stages under PP; else None); the QAT quantizer (or
+        None).
+
+    Raises:
+        ValueError: An unknown config type, a mesh that the strategy cannot use, a pipeline axis without
+            a ``pipeline_config``, contradicting activation-checkpointing settings, or both ``mesh`` and
+            the deprecated mesh parameters.
+        ImportError: An optional component the configs need is not installed.
+    """
+    legacy = [n for n, v in (("device_mesh", device_mesh), ("moe_mesh", moe_mesh)) if v is not None]
+    if ep_size != 1:
+        legacy.append("ep_size")
+    if legacy:
+        _warn_legacy(legacy)
+    if mesh is not None:
+        if device_mesh is not None or moe_mesh is not None:
+            raise ValueError("pass mesh= or the deprecated device_mesh= / moe_mesh=, not both")
+        if not isinstance(mesh, MeshContext):
+            raise ValueError(f"mesh must be an automodel_mesh.MeshContext, got {type(mesh).__name__}")
+    else:
+        mesh = MeshContext.from_meshes(device_mesh, moe_mesh)
+        if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+            raise ValueError(f"ep_size must be an int >= 1, got {ep_size!r}")
+        if ep_size != 1 and ep_size != mesh.ep_size:
+            raise ValueError(
+                f"ep_size={ep_size} but moe_mesh gives ep={mesh.ep_size}; pass "
+                "mesh=MeshContext.build(FSDP2Config(...), ParallelismSizes(ep_size=...))"
+            )
+    if distributed_config is not None and not isinstance(
+        distributed_config, FSDP2Config | MegatronFSDPConfig | DDPConfig
+    ):
+        raise ValueError(
+            f"Unknown distributed config type: {type(distributed_config).__name__}; use FSDP2Config, "
+            "MegatronFSDPConfig or DDPConfig (from automodel_distributed.config)"
+        )
+    distributed_config, ac = _effective_activation_checkpointing(distributed_config, activation_checkpointing)
+    ep_enabled = mesh.ep_size > 1
+    if ac and distributed_config is None and not ep_enabled:
+        raise ValueError(
+            "activation_checkpointing needs a distributed_config to apply it (e.g. FSDP2Config() or "
+            "DDPConfig()); pass one or drop activation_checkpointing"
+        )
+    if mesh.pp_size > 1 and pipeline_config is None:
+        raise ValueError(
+            f"the mesh has pp_size={mesh.pp_size} but pipeline_config is None; pass a PipelineConfig "
+            "(automodel_pipelining.config) or build the mesh with pp_size=1"
+        )
+    if pipeline_config is not None and mesh.pp_size <= 1:
+        logger.info("pipeline_config ignored: the mesh has pp_size=1")
+    if moe_config is not None and not ep_enabled:
+        logger.info("moe_config ignored: ep_size is 1 (the strategy shards the MoE model like a dense one)")
+
+    model_wrapper = _instantiate_distributed(distributed_config, mesh)
+    autopipeline = _instantiate_pipeline(pipeline_config, mesh, device, distributed_config)
+    parallelize_fn: Callable[..., Any] | None
+    if ep_enabled:
+        parallelize_fn = _moe_parallelize_fn(moe_config, model_wrapper, distributed_config, ac)
+    elif autopipeline is not None and model_wrapper is not None:
+        parallelize_fn = partial(parallelize_for_pp, model_wrapper=model_wrapper)
+    else:
+        parallelize_fn = None
+    qat_quantizer = _instantiate_qat(qat_config)
+    return Infrastructure(model_wrapper, autopipeline, parallelize_fn, qat_quantizer)
+
+
+# --------------------------------------------------------------------------------------------- apply
+
+
+def _check_apply_inputs(
+    model: nn.Module,
+    is_meta_device: object,
+    load_base_model: object,
+    pretrained_model_name_or_path: object,
+    compile_config: object,
+    extra: Mapping[str, Any],
+) -> None:
+    """Reject bad inputs before anything is modified or communicated (identically on every rank)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(is_meta_device, bool):
+        raise ValueError(f"is_meta_device must be a bool, got {is_meta_device!r}")
+    if not isinstance(load_base_model, bool):
+        raise ValueError(f"load_base_model must be a bool, got {load_base_model!r}")
+    if load_base_model and not pretrained_model_name_or_path:
+        raise ValueError(
+            "load_base_model=True needs pretrained_model_name_or_path (a checkpoint folder or a cached "
+            "hub id)"
+        )
+    if compile_config is not None and not isinstance(compile_config, CompileConfig | Mapping):
+        raise ValueError(
+            f"compile_config must be an automodel_distributed.CompileConfig (or its dict), got "
+            f"{type(compile_config).__name__}"
+        )
+    if extra.get("inject_te_attention"):
+        raise ValueError(
+            "inject_te_attention=True: Transformer Engine attention is not supported by automodel; drop it"
+        )
+    if extra.get("freeze_config") is not None:
+        raise ValueError(
+            "freeze_config (multimodal tower freezing) is not supported by automodel; freeze parameters "
+            "with requires_grad_(False) before calling apply_model_infrastructure"
+        )
+    unknown = sorted(set(extra) - {*_REFERENCE_ONLY_KWARGS, "weights_already_loaded"})
+    if unknown:
+        warnings.warn(f"apply_model_infrastructure ignores the keyword(s) {unknown}", stacklevel=3)
+
+
+def _nothing_sharded(mesh: MeshContext, autopipeline: Any, model_wrapper: Any) -> bool:
+    """Whether every rank will hold whole parameters, so weights can be loaded before sharding."""
+    if getattr(model_wrapper, "materialize_before_parallelize", False):
+        return True
+    return autopipeline is None and mesh.tp_size <= 1 and mesh.ep_size <= 1 and mesh.dp_shard_cp_size <= 1
+
+
+def _load_or_init(
+    part: nn.Module,
+    *,
+    device: torch.device | str,
+    load: bool,
+    path: str,
+    cache_dir: str | None,
+    peft_init_method: str | None,
+    process_group: Any,
+    pipelined: bool,
+) -> None:
+    """Materialise ``part`` and load the checkpoint into it (or initialise it), in place."""
+    from automodel_distributed.checkpoint import load_base_model
+
+    load_base_model(
+        part,
+        device,
+        cache_dir,
+        path,
+        load_base_model=load,
+        # A pipeline stage holds part of the checkpoint; every tensor it has must still be found.
+        allow_unexpected=pipelined,
+        peft_init_method=peft_init_method,
+        process_group=process_group,
+    )
+
+
+def apply_model_infrastructure(
+    model: nn.Module,
+    *,
+    is_meta_device: bool,
+    device: torch.device | str,
+    model_wrapper: Any = None,
+    mesh: MeshContext | None = None,
+    peft_config: Any = None,
+    quantization_config: Any = None,
+    fp8_config: Any = None,
+    qat_quantizer: Any = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    autopipeline: AutoPipeline | None = None,
+    parallelize_fn: Callable[..., Any] | None = None,
+    compile_config: CompileConfig | Mapping[str, Any] | None = None,
+    load_base_model: bool = False,
+    cache_dir: str | None = None,
+    pretrained_model_name_or_path: str = "",
+    **_kwargs: Any,
+) -> Any:
+    """Apply sharding, PEFT, quantization, and checkpoint loading to a model.
+
+    The steps, in order (docs/concepts.md gives the reasons):
+
+    1. LoRA adapters, then FP8, then QAT (`_apply_peft_and_lower_precision`; on meta when the model is).
+    2. If nothing will be sharded (single device, or a strategy that replicates real tensors such as
+       DDP): materialise and load the checkpoint now.
+    3. Loss fallback: `MaskedCrossEntropy` when ``loss_fn`` is None or the model cannot compute logits
+       for a subset of positions (no ``logits_to_keep``); the loss only matters under pipelining.
+    4. Shard: the pipeline split with each stage parallelized (`_shard_pp`), else EP + FSDP or the
+       manager's ``parallelize`` (`_shard_ep_fsdp`).
+    5. Compile: per transformer block in place under FSDP2 (``FSDP2Config.enable_compile`` or
+       ``compile_config``), the whole model otherwise.
+    6. Materialise the meta parameters on each rank's shards and load the checkpoint straight into
+       them (each rank reads only its slices); initialise what the checkpoint does not hold (adapters).
+    7. With PEFT, freeze everything but the adapters; move an unsharded model to ``device``.
+
+    Preconditions: the process group and the mesh exist (`MeshContext.build`); every rank calls this
+    with the same arguments. Collectives: those of sharding (mesh axes of the strategy) and of loading
+    (a failure flag is all-reduced, so a bad checkpoint raises on every rank instead of hanging).
+
+    Args:
+        model: The model to apply infrastructure to; mutated in place (and moved into pipeline stages
+            under PP; use the returned object afterwards).
+        is_meta_device: Whether model was initialized on meta device.
+        device: Target device for model.
+        model_wrapper: Model wrapper (FSDP2Manager, DDPManager, etc.). Default: None
+        mesh: MeshContext with parallelism sizes and mesh references. Default: None (the manager's own
+            mesh, else single-device defaults).
+        peft_config: PEFT/LoRA configuration (`automodel_peft.PeftConfig`, ``peft.LoraConfig`` or dict).
+        quantization_config: Quantized base weights for QLoRA. Default: None
+        fp8_config: FP8 configuration. Default: None
+        qat_quantizer: QAT quantizer instance. Default: None
+        loss_fn: Loss function for the last pipeline stage (may be replaced with MaskedCrossEntropy).
+        autopipeline: AutoPipeline instance for pipeline parallelism. Default: None
+        parallelize_fn: Function to apply parallelization (EP + FSDP2). Default: None
+        compile_config: Compilation configuration (`automodel_distributed.CompileConfig`). Default: None
+        load_base_model: Whether to load base model weights (True for from_pretrained). Default: False
+        cache_dir: Hugging Face cache directory for hub ids. Default: None
+        pretrained_model_name_or_path: Checkpoint folder or cached hub id. Default: ""
+        **_kwargs: ``weights_already_loaded=True`` skips loading (the weights are real and loaded);
+            other keywords are ignored with a warning; the reference system's ``inject_te_attention``
+            and ``freeze_config`` raise `ValueError` (not supported).
+
+    Returns:
+        The model with all infrastructure applied: an ``nn.Module`` (possibly a DDP wrapper), or the
+        `AutoPipeline` (whose ``parts`` are this rank's stages) under pipeline parallelism.
+
+    Raises:
+        ValueError: Bad arguments (before anything is modified), or a leaf package's error (a TP plan
+            that does not fit, QAT on fp32 weights, a checkpoint of another architecture, ...).
+        FileNotFoundError: The checkpoint does not exist (before anything is modified).
+        ImportError: An optional component is needed but not installed.
+    """
+    _check_apply_inputs(
+        model, is_meta_device, load_base_model, pretrained_model_name_or_path, compile_config, _kwargs
+    )
+    if isinstance(compile_config, Mapping):
+        compile_config = CompileConfig.from_dict(compile_config)
+    if mesh is None:
+        mesh = getattr(model_wrapper, "mesh", None) or MeshContext()
+    path = str(pretrained_model_name_or_path or "")
+    weights_already_loaded = bool(_kwargs.get("weights_already_loaded", False))
+    need_load = load_base_model and not weights_already_loaded
+    if need_load:
+        from automodel_distributed.checkpoint import resolve_checkpoint
+
+        resolve_checkpoint(path, cache_dir=cache_dir)  # FileNotFoundError now, before any change
+    peft_init = getattr(peft_config, "lora_A_init", None)
+    if isinstance(peft_config, Mapping):
+        peft_init = peft_config.get("lora_A_init")
+    process_group = mesh.process_group
+
+    # 1. Adapters, FP8, QAT: before sharding, so plans and FSDP units see the final module types.
+    model = _apply_peft_and_lower_precision(
+        model, mesh.tp_size, autopipeline, peft_config, quantization_config, fp8_config, qat_quantizer
+    )
+
+    # 2. Load first when every rank will hold whole tensors anyway.
+    loaded = False
+    if _nothing_sharded(mesh, autopipeline, model_wrapper) and (is_meta_device or need_load):
+        _load_or_init(
+            model,
+            device=device,
+            load=need_load,
+            path=path,
+            cache_dir=cache_dir,
+            peft_init_method=peft_init,
+            process_group=process_group,
+            pipelined=False,
+        )
+        loaded = True
+
+    # 3. The loss of the last pipeline stage.
+    if loss_fn is None or (
+        not _accepts_logits_to_keep(model) and not isinstance(loss_fn, MaskedCrossEntropy)
+    ):
+        loss_fn = MaskedCrossEntropy()
+
+    # 4. Shard.
+    pipelined = autopipeline is not None
+    result: Any
+    if autopipeline is not None:
+        result = _shard_pp(autopipeline, model, loss_fn, parallelize_fn)
+    else:
+        result = _shard_ep_fsdp(model, model_wrapper, parallelize_fn, mesh)
+    pipelined = pipelined and result is autopipeline
+    parts = _parts(result)
+
+    # 5. Compile, after sharding (compiled blocks keep their parameter names).
+    result, parts = _compile(result, parts, model_wrapper, compile_config)
+
+    # 6. Materialise the shards and load the checkpoint into them.
+    if not loaded and (is_meta_device or need_load):
+        init_device: torch.device | str = "cpu" if getattr(model_wrapper, "offload_policy", None) else device
+        for part in parts:
+            _load_or_init(
+                part,
+                device=init_device,
+                load=need_load,
+                path=path,
+                cache_dir=cache_dir,
+                peft_init_method=peft_init,
+                process_group=process_group,
+                pipelined=pipelined,
+            )
+
+    # 7. Freeze the base under PEFT; place unsharded models.
+    if peft_config is not None:
+        for part in parts:
+            for name, param in part.named_parameters():
+                if "lora_" not in name:
+                    param.requires_grad_(False)
+    if not pipelined and not getattr(model_wrapper, "offload_policy", None):
+        _move_unsharded(result, device)
+    for part in parts:
+        trainable, total = _count_params(part)
+        logger.info("%s: %d trainable of %d parameters on this rank", type(part).__name__, trainable, total)
+    return result
+
+
+def _compile(
+    result: Any, parts: list[nn.Module], model_wrapper: Any, compile_config: CompileConfig | None
+) -> tuple[Any, list[nn.Module]]:
+    """Compile blocks in place (FSDP2, pipeline stages) or the whole model (other strategies)."""
+    from automodel_distributed.compile import compile_blocks, compile_model
+    from automodel_distributed.fsdp2 import FSDP2Manager
+
+    enabled = compile_config is not None and compile_config.enabled
+    per_block = isinstance(model_wrapper, FSDP2Manager) or len(parts) != 1 or parts[0] is not result
+    if per_block:
+        for part in parts:
+            if enabled:
+                compile_blocks(part, compile_config)
+            if isinstance(model_wrapper, FSDP2Manager):
+                model_wrapper.maybe_compile(part)
+        return result, parts
+    if enabled:
+        assert compile_config is not None
+        result = compile_model(result, compile_config)
+        return result, [result]
+    return result, parts
+
+
+def _move_unsharded(model: nn.Module, device: torch.device | str) -> None:
+    """``model.to(device)`` unless it holds DTensors (their shards already live where the mesh says)."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return
+    model.to(device)
