@@ -264,8 +264,15 @@ class MeshContext:
 
     @property
     def device_type(self) -> str:
-        """``"cuda"`` or ``"cpu"``: the device type of the meshes (``"cpu"`` without a mesh)."""
-        return self.device_mesh.device_type if self.device_mesh is not None else "cpu"
+        """``"cuda"`` or ``"cpu"``: the device type of the meshes, else of the process group's backend.
+
+        A DDP context has no mesh: its NCCL process group means ``"cuda"``. An empty context is ``"cpu"``.
+        """
+        if self.device_mesh is not None:
+            return self.device_mesh.device_type
+        if self.process_group is not None:
+            return device_type_for_backend(str(dist.get_backend(self.process_group)))
+        return "cpu"
 
     @property
     def is_member(self) -> bool:
