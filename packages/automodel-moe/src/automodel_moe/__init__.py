@@ -1,7 +1,10 @@
 """automodel-moe: expert parallelism with FSDP2 for Hugging Face mixture-of-experts models.
 
 The config and the family registry are light and imported eagerly; the parallelizer, the experts module
-and the checkpoint helpers pull in DTensor/FSDP and are loaded on first attribute access.
+and the checkpoint functions pull in DTensor/FSDP and are loaded on first attribute access.
+`load_hf_checkpoint` / `save_hf_checkpoint` are automodel-distributed's (re-exported here for
+convenience): they convert transformers' per-expert on-disk layout to and from the fused in-memory
+experts, and each rank reads only the experts and slices it holds.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from automodel_moe.config import MoEParallelizerConfig
 from automodel_moe.registry import MOE_FAMILIES, MoEFamily, find_moe_family, register_moe_family
 
 if TYPE_CHECKING:
-    from automodel_moe.checkpoint import gather_hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
+    from automodel_distributed.checkpoint import load_hf_checkpoint, save_hf_checkpoint
     from automodel_moe.experts import ExpertParallelExperts
     from automodel_moe.parallelizer import parallelize_model
 
@@ -26,9 +29,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 _LAZY = {
     "parallelize_model": "automodel_moe.parallelizer",
     "ExpertParallelExperts": "automodel_moe.experts",
-    "load_hf_checkpoint": "automodel_moe.checkpoint",
-    "save_hf_checkpoint": "automodel_moe.checkpoint",
-    "gather_hf_state_dict": "automodel_moe.checkpoint",
+    "load_hf_checkpoint": "automodel_distributed.checkpoint",
+    "save_hf_checkpoint": "automodel_distributed.checkpoint",
 }
 
 __all__ = [
@@ -38,7 +40,6 @@ __all__ = [
     "MoEParallelizerConfig",
     "__version__",
     "find_moe_family",
-    "gather_hf_state_dict",
     "load_hf_checkpoint",
     "parallelize_model",
     "register_moe_family",

@@ -107,7 +107,7 @@ def _parity(family: str, ep: int, *, ac: bool = False) -> dict[str, Any]:
 def _checkpoint_roundtrip(family: str, ep: int, folder: str) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    from automodel_moe.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+    from automodel_moe import load_hf_checkpoint, save_hf_checkpoint
     from automodel_moe.parallelizer import parallelize_model
     from automodel_testing import save_tiny_checkpoint
 
@@ -168,7 +168,7 @@ def _two_ranks(folder: str) -> dict[str, Any]:
     results["mixtral/ep2/ac"] = _parity("mixtral", 2, ac=True)
     results["qwen3_moe/ep2/ac"] = _parity("qwen3_moe", 2, ac=True)
     for family in ("qwen3_moe", "mixtral"):
-        results[f"{family}/ckpt"] = _checkpoint_roundtrip(family, 2, folder)
+        results[f"{family}/ckpt"] = _checkpoint_roundtrip(family, 2, str(pathlib.Path(folder, family)))
     results["errors"] = _errors()
     return results
 

@@ -2,7 +2,8 @@
 
 - `initialize_model_weights` / `materialize_meta_tensors`: give a meta model storage and initial values.
 - `load_hf_checkpoint` / `load_base_model`: read a Hugging Face checkpoint into a sharded model, each rank
-  reading only the byte ranges of its own slices.
+  reading only the byte ranges of its own slices (also tensors transformers fuses on load, such as MoE
+  experts: `convert`).
 - `save_hf_checkpoint` / `save_peft_adapters`: consolidated safetensors and HF-PEFT adapters.
 - `save_distributed_checkpoint` / `load_distributed_checkpoint` / `latest_checkpoint`: resumable
   torch.distributed.checkpoint snapshots of model and optimizer, on any world size.
@@ -20,6 +21,7 @@ from automodel_distributed.checkpoint.buffers import (
     register_buffer_initializer,
     reinitialize_non_persistent_buffers,
 )
+from automodel_distributed.checkpoint.convert import UnsupportedConversionError
 from automodel_distributed.checkpoint.dcp import (
     CheckpointInfo,
     load_distributed_checkpoint,
@@ -51,6 +53,7 @@ __all__ = [
     "CorruptCheckpointError",
     "KeyRules",
     "LoadReport",
+    "UnsupportedConversionError",
     "checkpoint_key",
     "initialize_model_weights",
     "is_complete_checkpoint",

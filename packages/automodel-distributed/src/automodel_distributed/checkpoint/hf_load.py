@@ -3,13 +3,17 @@
 Order of work, chosen so a bad checkpoint fails before it can do harm:
 
 1. Resolve the files (folder, file or cached hub id) and read every header (`open_checkpoint`).
-2. Match checkpoint keys to the model's tensors (`collect_tensor_slots`, key rules and mapping) and check
-   missing keys, unexpected keys, shapes and dtypes. All of this is metadata, identical on every rank.
+2. Match checkpoint keys to the model's tensors (`collect_tensor_slots`, key rules and mapping, then
+   transformers' own conversion mapping: `convert.plan_conversions`, so a fused MoE ``experts.gate_up_proj``
+   is described as a stack/concat of the per-expert checkpoint tensors) and check missing keys,
+   unexpected keys, shapes and dtypes. All of this is metadata, identical on every rank.
 3. Agree (an ``all_reduce`` of a failure flag): if any rank failed so far, every rank raises, and the
    model is untouched.
 4. Materialise meta tensors and initialise those the checkpoint does not cover.
 5. Each rank reads, for every tensor, exactly the boxes of its local shard (`tensor_boxes`) into the
-   local tensor (byte ranges with ``preadv``; no collective).
+   local tensor (byte ranges with ``preadv``; no collective). For a fused tensor each box is cut into the
+   pieces of the checkpoint tensors it covers (`convert.pieces`): an expert-parallel rank reads only its
+   own experts.
 6. Agree again, so an error on one rank in steps 4-5 is raised on all; then verify that no tensor is
    left on meta or uninitialised.
 """
@@ -34,6 +38,14 @@ from automodel_distributed.checkpoint.buffers import (
     buffer_initializer_for,
     reinitialize_non_persistent_buffers,
 )
+from automodel_distributed.checkpoint.convert import (
+    Node,
+    Source,
+    model_conversions,
+    pieces,
+    plan_conversions,
+    sources,
+)
 from automodel_distributed.checkpoint.keys import (
     DEFAULT_KEY_RULES,
     KeyRules,
@@ -49,8 +61,8 @@ from automodel_distributed.checkpoint.materialize import (
     retie_weights,
     verify_materialized,
 )
-from automodel_distributed.checkpoint.reader import CheckpointReader, StoredTensor, open_checkpoint
-from automodel_distributed.checkpoint.slices import tensor_boxes
+from automodel_distributed.checkpoint.reader import CheckpointReader, open_checkpoint
+from automodel_distributed.checkpoint.slices import Box, tensor_boxes
 
 __all__ = ["CheckpointMismatchError", "LoadReport", "load_base_model", "load_hf_checkpoint"]
 
@@ -134,7 +146,7 @@ class LoadReport:
 @dataclass
 class _Plan:
     reader: CheckpointReader
-    pairs: list[tuple[TensorSlot, StoredTensor]]
+    pairs: list[tuple[TensorSlot, Node]]
     report: LoadReport
     initialise: list[TensorSlot]
 
@@ -166,38 +178,57 @@ def _plan(
     try:
         hf = _hf_model(model)
         mapping = {**(getattr(hf, "_checkpoint_conversion_mapping", None) or {}), **(key_mapping or {})}
-        renamed = apply_key_mapping(reader.tensors, mapping)  # model-side key -> file key
+        renamed = apply_key_mapping(reader.tensors, mapping)  # key after key_mapping -> file key
         ignore_missing = getattr(hf, "_keys_to_ignore_on_load_missing", None)
         ignore_unexpected = getattr(hf, "_keys_to_ignore_on_load_unexpected", None)
         slots = collect_tensor_slots(model, rules)
+        # transformers' own renamings and converters (fused MoE experts): model key -> source(s)
+        conversions = plan_conversions(
+            {k: reader.tensors[f].shape for k, f in renamed.items()},
+            [k for slot in slots for k in slot.keys],
+            model_conversions(hf),
+            getattr(hf, "base_model_prefix", None),
+            origin=renamed,
+        )
+        sources_of: dict[str, Node] = {
+            k: Source(f, reader.tensors[f].shape) for k, f in conversions.direct.items()
+        }
+        sources_of.update(conversions.fused)
         report = LoadReport(files.root, files.format)
-        pairs: list[tuple[TensorSlot, StoredTensor]] = []
+        pairs: list[tuple[TensorSlot, Node]] = []
         initialise: list[TensorSlot] = []
         claimed: set[str] = set()
         missing: list[str] = []
         shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         dtypes: dict[str, tuple[str, str]] = {}
         for slot in slots:
-            present = [k for k in slot.keys if k in renamed]
-            claimed.update(present)
+            present = [k for k in slot.keys if k in sources_of]
+            claimed.update(s.key for k in present for s in sources(sources_of[k]))
             if not present:
                 if not all(_ignored(k, ignore_missing) for k in slot.keys):
                     missing.append(slot.keys[0])
                 initialise.append(slot)
                 continue
             key = present[0]
-            stored = reader.tensors[renamed[key]]
-            if stored.shape != tuple(slot.tensor.shape):
-                shapes[key] = (stored.shape, tuple(slot.tensor.shape))
-            elif _dtype_problem(stored.dtype, slot.tensor.dtype, allow_dtype_cast):
-                dtypes[key] = (str(stored.dtype), str(slot.tensor.dtype))
+            node = sources_of[key]
+            stored_dtypes = {reader.tensors[s.key].dtype for s in sources(node)}
+            bad_dtype = next(
+                (d for d in stored_dtypes if _dtype_problem(d, slot.tensor.dtype, allow_dtype_cast)), None
+            )
+            if node.shape != tuple(slot.tensor.shape):
+                shapes[key] = (node.shape, tuple(slot.tensor.shape))
+            elif bad_dtype is not None:
+                dtypes[key] = (str(bad_dtype), str(slot.tensor.dtype))
             else:
-                pairs.append((slot, stored))
+                pairs.append((slot, node))
                 report.loaded.append(key)
-                if stored.dtype != slot.tensor.dtype:
-                    report.cast[key] = (str(stored.dtype), str(slot.tensor.dtype))
+                cast = next((d for d in stored_dtypes if d != slot.tensor.dtype), None)
+                if cast is not None:
+                    report.cast[key] = (str(cast), str(slot.tensor.dtype))
         _check_buffer_initializers(model)
-        unexpected = sorted(k for k in renamed if k not in claimed and not _ignored(k, ignore_unexpected))
+        unexpected = sorted(
+            k for k, f in renamed.items() if f not in claimed and not _ignored(k, ignore_unexpected)
+        )
         report.missing, report.unexpected = missing, unexpected
         unexpected_error = strict and not allow_unexpected and bool(unexpected)
         if shapes or dtypes or (strict and missing) or unexpected_error:
@@ -253,15 +284,25 @@ def _reshard_fsdp(model: nn.Module) -> None:
 
 def _read_all(plan: _Plan) -> int:
     total = 0
+
+    def position(node: Node) -> tuple[str, int]:
+        stored = plan.reader.tensors[next(sources(node)).key]
+        return str(stored.path), stored.entry.begin if stored.entry else 0
+
     # File by file, in file order: sequential reads, one open file at a time per rank.
-    order = sorted(plan.pairs, key=lambda p: (str(p[1].path), p[1].entry.begin if p[1].entry else 0))
+    order = sorted(plan.pairs, key=lambda p: position(p[1]))
     with torch.no_grad():
-        for slot, stored in order:
+        for slot, node in order:
             local = _local(slot.tensor)
             _, boxes = tensor_boxes(slot.tensor)
             for box in boxes:
-                region = tuple(slice(s, s + n) for s, n in zip(box.local_start, box.shape, strict=True))
-                total += plan.reader.read(stored.key, box, local[region])
+                region = local[
+                    tuple(slice(s, s + n) for s, n in zip(box.local_start, box.shape, strict=True))
+                ]
+                # A fused tensor's box touches only some of its sources (an EP rank's own experts).
+                for piece in pieces(node, box.global_start, box.shape):
+                    source_box = Box(piece.start, (0,) * len(piece.start), piece.shape)
+                    total += plan.reader.read(piece.key, source_box, region[piece.index])
             _mark(slot.tensor, False)
     return total
 
@@ -314,6 +355,13 @@ def load_hf_checkpoint(
     ``lm_head.weight`` is fine). Floating-point tensors are cast to the model's dtype (the dtype the
     model was built with is the intent; pass ``allow_dtype_cast=False`` to require an exact match);
     any other dtype difference is an error.
+
+    Checkpoints whose layout differs from the model's in the way transformers describes with its weight
+    conversion mapping (``get_model_conversion_mapping``: renamings, and ``MergeModulelist`` /
+    ``Concatenate`` converters such as the per-expert MoE weights of Qwen3-MoE or Mixtral that the model
+    keeps fused) load as with ``from_pretrained``, still slice by slice. A converter with another
+    operation raises `convert.UnsupportedConversionError` (a ValueError naming it) before anything is
+    written.
 
     Preconditions: parallelisms applied (load after ``FSDP2Manager.parallelize``); every rank of
     ``process_group`` calls this with the same checkpoint. Collectives over ``process_group`` (default:
@@ -434,7 +482,9 @@ def load_base_model(
         ``model``.
 
     Raises:
-        As `load_hf_checkpoint`.
+        FileNotFoundError: As in `load_hf_checkpoint`.
+        ValueError: As in `load_hf_checkpoint` (a mismatch, a corrupt file, another rank failed).
+        RuntimeError: As in `load_hf_checkpoint`.
     """
     if load_base_model:
         load_hf_checkpoint(

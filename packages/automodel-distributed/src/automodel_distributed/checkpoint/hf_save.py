@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from automodel_distributed.checkpoint._dist import rank_of
 from automodel_distributed.checkpoint.atomic import prepare_staging_dir, publish_staging_dir
+from automodel_distributed.checkpoint.convert import DiskTensor, disk_layout
 from automodel_distributed.checkpoint.hf_load import _reshard_fsdp
 from automodel_distributed.checkpoint.keys import (
     DEFAULT_KEY_RULES,
@@ -60,10 +62,6 @@ def parse_size(size: int | str) -> int:
     if value < 1:
         raise ValueError(f"max_shard_size must be at least 1 byte, got {size!r}")
     return value
-
-
-def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
-    return t.numel() * torch.empty((), dtype=dtype or t.dtype).element_size()
 
 
 def plan_shards(
@@ -108,23 +106,37 @@ def _stream_files(
     cast_to: Callable[[torch.Tensor], torch.dtype | None],
     writer: bool,
     write_hook: Callable[[str], None] | None = None,
+    parts: Mapping[str, DiskTensor] | None = None,
 ) -> BaseException | None:
     """Gather every tensor in file order (all ranks) and, on the writer rank, stream it to disk.
 
-    A write error stops the writing but not the gathering, so the other ranks are never left waiting.
+    ``parts`` names keys that are a piece of their model tensor (one expert of a fused tensor): the
+    model tensor is gathered once for its consecutive pieces. A write error stops the writing but not
+    the gathering, so the other ranks are never left waiting.
     """
     error: BaseException | None = None
+    parts = parts or {}
+    gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (model tensor, its full value)
+
+    def shape_of(key: str) -> tuple[int, ...]:
+        return parts[key].shape if key in parts else tuple(tensors[key].shape)
+
     for name, keys in files:
         stream: SafetensorsStreamWriter | None = None
         if writer and error is None:
             try:
-                layout = [(k, cast_to(tensors[k]) or tensors[k].dtype, tuple(tensors[k].shape)) for k in keys]
+                layout = [(k, cast_to(tensors[k]) or tensors[k].dtype, shape_of(k)) for k in keys]
                 stream = SafetensorsStreamWriter(staging / name, layout, {"format": "pt"})
             except Exception as exc:  # keep gathering: the other ranks are in the collectives
                 error = exc
         for key in keys:
-            with torch.no_grad():
-                full = _full(tensors[key])
+            source = tensors[key]
+            if gathered is None or gathered[0] is not source:
+                gathered = None  # free the previous full tensor before gathering the next
+                with torch.no_grad():
+                    gathered = (source, _full(source))
+            index = parts[key].index if key in parts else None
+            full = gathered[1] if index is None else gathered[1][index]
             if stream is not None and error is None:
                 try:
                     stream.write(key, full)
@@ -138,6 +150,7 @@ def _stream_files(
                 stream.close()
             except Exception as exc:
                 error = error or exc
+    gathered = None
     return error
 
 
@@ -187,8 +200,10 @@ def save_hf_checkpoint(
     """Save ``model``'s base weights as a consolidated Hugging Face safetensors checkpoint.
 
     Keys are the model's checkpoint keys (wrapper segments removed; adapters excluded: see
-    `save_peft_adapters`); a tied weight is saved once, under its source name. Rank 0 of
-    ``process_group`` writes; every rank gathers.
+    `save_peft_adapters`); a tied weight is saved once, under its source name. Tensors that transformers
+    keeps fused in memory but stores apart (MoE experts) are written in the layout ``save_pretrained``
+    writes (``experts.{e}.gate_proj.weight``...; `convert.disk_layout`), each fused tensor gathered once.
+    Rank 0 of ``process_group`` writes; every rank gathers.
 
     Preconditions: every rank of the model's meshes calls this, with the same arguments. Collectives:
     one ``full_tensor()`` all-gather per sharded tensor over its mesh, in a fixed order; three
@@ -216,18 +231,32 @@ def save_hf_checkpoint(
     _reshard_fsdp(model)
     hf = _hf_model(model)
     tied_targets = set((getattr(hf, "all_tied_weights_keys", None) or {}).keys())
-    tensors: dict[str, torch.Tensor] = {}
+    by_model_key: dict[str, torch.Tensor] = {}
     for slot in collect_tensor_slots(model, rules):
-        tensors[_saved_key(slot.keys, tied_targets)] = slot.tensor
+        by_model_key[_saved_key(slot.keys, tied_targets)] = slot.tensor
+    # transformers' on-disk names (per-expert MoE weights), as save_pretrained writes them
+    layout = disk_layout(hf, {k: tuple(t.shape) for k, t in by_model_key.items()})
+    tensors: dict[str, torch.Tensor] = {}
+    parts: dict[str, DiskTensor] = {}
+    for key, tensor in by_model_key.items():
+        for disk in layout[key] if layout is not None else [DiskTensor(key, key, None, tuple(tensor.shape))]:
+            tensors[disk.key] = tensor
+            if disk.index is not None:
+                parts[disk.key] = disk
 
     def cast_to(t: torch.Tensor) -> torch.dtype | None:
         return dtype if dtype is not None and t.dtype.is_floating_point else None
 
-    sizes = [(k, _nbytes(t, cast_to(t))) for k, t in tensors.items()]
+    def nbytes(key: str) -> int:
+        t = tensors[key]
+        numel = math.prod(parts[key].shape) if key in parts else t.numel()
+        return numel * torch.empty((), dtype=cast_to(t) or t.dtype).element_size()
+
+    sizes = [(k, nbytes(k)) for k in tensors]
     files = plan_shards(sizes, limit)
     staging = prepare_staging_dir(path, overwrite=overwrite, group=process_group)
     writer = rank_of(process_group) == 0
-    error = _stream_files(staging, files, tensors, cast_to, writer, _write_hook)
+    error = _stream_files(staging, files, tensors, cast_to, writer, _write_hook, parts)
     if writer and error is None:
         try:
             if len(files) > 1:

@@ -1,0 +1,438 @@
+"""Model tensors built from several checkpoint tensors, read from transformers' own conversion mapping.
+
+transformers 5 keeps some weights fused in memory that checkpoints store apart: MoE experts are one
+``experts.gate_up_proj`` ``[E, 2I, H]`` in the model but ``experts.{e}.gate_proj.weight`` and
+``experts.{e}.up_proj.weight`` (``[I, H]`` each) on disk. transformers describes this as data
+(``transformers.conversion_mapping.get_model_conversion_mapping``): renamings plus ``WeightConverter``s,
+each a list of operations (``MergeModulelist`` stacks a list of tensors, ``Concatenate`` joins tensors).
+
+We do not run those operations on tensors. We run them on *descriptions*: a `Source` is one checkpoint
+tensor, a `Stack` / `Cat` says how parts make up a bigger tensor. From the description, `pieces` tells
+for any box of the model tensor (a rank's shard) which checkpoint tensors, and which boxes of them, it
+needs, and where each lands: a rank that holds experts 4..7 reads only those experts' bytes. An
+operation we cannot describe raises `UnsupportedConversionError` naming it (only when a checkpoint key
+actually needs it).
+
+Key renaming itself is transformers' (``core_model_loading.rename_source_key``), so every renaming class
+it has (prefix changes, capture groups, scoping to sub-models) behaves as in ``from_pretrained``.
+
+Saving inverts the description: `disk_layout` asks transformers for the on-disk names and shapes of a
+model (``revert_weight_conversion`` on meta tensors, so nothing is computed), describes them with the
+same code as loading, and checks that they rebuild every model tensor exactly; each on-disk tensor is
+then an index into a full model tensor.
+
+Pure functions of names and shapes; nothing is read, mutated or communicated.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Cat",
+    "ConversionPlan",
+    "DiskTensor",
+    "Node",
+    "Piece",
+    "Source",
+    "Stack",
+    "UnsupportedConversionError",
+    "disk_layout",
+    "model_conversions",
+    "pieces",
+    "plan_conversions",
+    "sources",
+]
+
+logger = logging.getLogger(__name__)
+
+Index = tuple[int | slice, ...]
+
+
+class UnsupportedConversionError(ValueError):
+    """A transformers weight conversion that this loader cannot express as slices of checkpoint tensors."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor, whole.
+
+    Attributes:
+        key: Its key in the checkpoint files.
+        shape: Its shape.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Parts of equal shape stacked along a new dim ``dim`` (``torch.stack``)."""
+
+    dim: int
+    parts: tuple[Node, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Cat:
+    """Parts joined along an existing dim ``dim`` (``torch.cat``)."""
+
+    dim: int
+    parts: tuple[Node, ...]
+    shape: tuple[int, ...]
+
+
+Node = Source | Stack | Cat
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of one checkpoint tensor and where it lands in a requested box of a model tensor.
+
+    Attributes:
+        key: The checkpoint tensor.
+        start: First index per dim of the box in the checkpoint tensor.
+        shape: The box's shape.
+        index: Indexes the requested box to give the destination view (ints where a dim was stacked).
+    """
+
+    key: str
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    index: Index
+
+
+def _stack(dim: int, parts: Sequence[Node]) -> Stack:
+    if not parts:
+        raise ValueError("cannot stack an empty list of checkpoint tensors")
+    first = parts[0].shape
+    d = dim if dim >= 0 else dim + len(first) + 1
+    odd = [_describe(p) for p in parts if p.shape != first]
+    if odd or not 0 <= d <= len(first):
+        raise ValueError(
+            f"cannot stack checkpoint tensors along dim {dim}: {_describe(parts[0])} vs {odd[:3]}"
+        )
+    return Stack(d, tuple(parts), (*first[:d], len(parts), *first[d:]))
+
+
+def _cat(dim: int, parts: Sequence[Node]) -> Cat:
+    if not parts:
+        raise ValueError("cannot concatenate an empty list of checkpoint tensors")
+    first = parts[0].shape
+    d = dim if dim >= 0 else dim + len(first)
+    if not 0 <= d < len(first):
+        raise ValueError(f"cannot concatenate {_describe(parts[0])} along dim {dim}")
+    odd = [
+        _describe(p)
+        for p in parts
+        if len(p.shape) != len(first) or p.shape[:d] != first[:d] or p.shape[d + 1 :] != first[d + 1 :]
+    ]
+    if odd:
+        raise ValueError(
+            f"cannot concatenate checkpoint tensors along dim {dim}: {_describe(parts[0])} vs {odd[:3]}"
+        )
+    size = sum(p.shape[d] for p in parts)
+    return Cat(d, tuple(parts), (*first[:d], size, *first[d + 1 :]))
+
+
+def _describe(node: Node) -> str:
+    if isinstance(node, Source):
+        return f"{node.key} {list(node.shape)}"
+    kind = "stack" if isinstance(node, Stack) else "cat"
+    return f"{kind}(dim={node.dim}, {len(node.parts)} parts, first {_describe(node.parts[0])})"
+
+
+def sources(node: Node) -> Iterator[Source]:
+    """Every checkpoint tensor of ``node``, in order."""
+    if isinstance(node, Source):
+        yield node
+        return
+    for part in node.parts:
+        yield from sources(part)
+
+
+def pieces(node: Node, start: Sequence[int], shape: Sequence[int]) -> Iterator[Piece]:
+    """The checkpoint boxes that make up the box ``[start, start + shape)`` of the tensor ``node`` describes.
+
+    Args:
+        node: The description.
+        start: First index per dim of the requested box.
+        shape: Its size per dim.
+
+    Yields:
+        One `Piece` per checkpoint tensor the box touches (parts outside the box are not yielded).
+    """
+    start, shape = tuple(start), tuple(shape)
+    if any(n == 0 for n in shape):
+        return
+    if isinstance(node, Source):
+        yield Piece(node.key, start, shape, tuple(slice(0, n) for n in shape))
+        return
+    d = node.dim
+    if isinstance(node, Stack):
+        inner_start, inner_shape = start[:d] + start[d + 1 :], shape[:d] + shape[d + 1 :]
+        for i in range(start[d], start[d] + shape[d]):
+            for p in pieces(node.parts[i], inner_start, inner_shape):
+                yield Piece(p.key, p.start, p.shape, (*p.index[:d], i - start[d], *p.index[d:]))
+        return
+    offset, lo_box, hi_box = 0, start[d], start[d] + shape[d]
+    for part in node.parts:
+        size = part.shape[d]
+        lo, hi = max(lo_box, offset), min(hi_box, offset + size)
+        if lo < hi:
+            sub_start = (*start[:d], lo - offset, *start[d + 1 :])
+            sub_shape = (*shape[:d], hi - lo, *shape[d + 1 :])
+            shift = lo - lo_box
+            for p in pieces(part, sub_start, sub_shape):
+                at = p.index[d]
+                moved = at + shift if isinstance(at, int) else slice(at.start + shift, at.stop + shift)
+                yield Piece(p.key, p.start, p.shape, (*p.index[:d], moved, *p.index[d + 1 :]))
+        offset += size
+
+
+def model_conversions(model: nn.Module | None) -> list[Any]:
+    """The weight transforms transformers has for ``model`` (renamings and converters), in order.
+
+    Returns an empty list for a model that is not a transformers ``PreTrainedModel`` or has none.
+    """
+    if model is None or not callable(getattr(model, "is_custom_code", None)):
+        return []
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    hf: Any = model  # a PreTrainedModel (checked above by duck typing: it may be FSDP<Class>)
+    return list(get_model_conversion_mapping(hf) or [])
+
+
+@dataclass
+class ConversionPlan:
+    """How checkpoint keys become model tensors.
+
+    Attributes:
+        direct: Model key -> checkpoint key, for tensors loaded as they are (possibly renamed).
+        fused: Model key -> description of a tensor built from several checkpoint tensors.
+        unmatched: Checkpoint keys that name no model tensor (after renaming).
+    """
+
+    direct: dict[str, str] = field(default_factory=dict)
+    fused: dict[str, Node] = field(default_factory=dict)
+    unmatched: list[str] = field(default_factory=list)
+
+
+def _op_name(op: Any) -> str:
+    return f"{type(op).__module__}.{type(op).__qualname__}"
+
+
+def _describe_converter(converter: Any, collected: Mapping[str, list[Node]], target: str) -> Node:
+    """Run ``converter``'s operations on descriptions instead of tensors."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    targets = list(converter.target_patterns)
+    if len(targets) != 1:
+        raise UnsupportedConversionError(
+            f"model tensor {target!r}: transformers converter {converter!r} makes {len(targets)} tensors "
+            "from one; only many-to-one conversions (stack/concatenate) can be read slice by slice. Load "
+            "this checkpoint with from_pretrained and save it with save_hf_checkpoint first."
+        )
+    state: dict[str, Node | list[Node]] = {k: list(v) for k, v in collected.items()}
+    for op in converter.operations:
+        # Exact types: a subclass may change what convert() does.
+        if type(op) is MergeModulelist:
+            size = len(state)
+            merged: dict[str, Node | list[Node]] = {}
+            for pattern, value in state.items():
+                name = targets[0] if size == 1 else pattern
+                merged[name] = value if not isinstance(value, list) else _stack(op.dim, value)
+            state = merged
+        elif type(op) is Concatenate:
+            # In source-pattern order; a lone merged input was already renamed to the target by
+            # MergeModulelist (a checkpoint lacking every tensor of one pattern): keep it, so the
+            # result is a shape mismatch that names the model tensor.
+            ordered = [p for p in converter.source_patterns if p in state] or list(state)
+            parts: list[Node] = []
+            for pattern in ordered:
+                value = state[pattern]
+                parts.extend(value if isinstance(value, list) else [value])
+            state = {targets[0]: _cat(op.dim, parts)}
+        else:
+            raise UnsupportedConversionError(
+                f"model tensor {target!r}: transformers operation {_op_name(op)} (in {converter!r}) cannot "
+                "be read slice by slice; supported: MergeModulelist, Concatenate. Load this checkpoint with "
+                "from_pretrained and save it with save_hf_checkpoint first."
+            )
+    values = list(state.values())
+    if len(values) != 1:
+        raise UnsupportedConversionError(
+            f"model tensor {target!r}: {converter!r} leaves {len(values)} tensors, expected one"
+        )
+    value = values[0]
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise UnsupportedConversionError(
+                f"model tensor {target!r}: {converter!r} leaves a list of {len(value)} tensors, expected one"
+            )
+        value = value[0]
+    return value
+
+
+def plan_conversions(
+    keys: Mapping[str, tuple[int, ...]],
+    model_keys: Sequence[str],
+    transforms: Sequence[Any],
+    base_model_prefix: str | None = None,
+    origin: Mapping[str, str] | None = None,
+) -> ConversionPlan:
+    """Match checkpoint keys to model keys with transformers' transforms, as ``from_pretrained`` does.
+
+    Each key is renamed by every renaming and at most one converter
+    (``transformers.core_model_loading.rename_source_key``); the ``base_model_prefix`` is added or
+    dropped when that names a model key. A key the transforms rename to a non-model key, while the key
+    itself is a model key, keeps its name (as transformers). Keys one converter gathers for one model
+    key are ordered like transformers orders them (natural order: expert 2 before expert 10).
+
+    Args:
+        keys: Checkpoint key -> shape.
+        model_keys: Every model key (checkpoint names of the model's tensors).
+        transforms: From `model_conversions`.
+        base_model_prefix: The model's ``base_model_prefix`` (e.g. ``"model"``).
+        origin: Key -> the key to record in the plan (the file's own key when ``keys`` were renamed by
+            a user ``key_mapping`` first); default: the key itself.
+
+    Returns:
+        The plan (its checkpoint keys are ``origin``'s values).
+
+    Raises:
+        UnsupportedConversionError: A converter that checkpoint keys need uses an operation that cannot
+            be described (the message names it).
+        ValueError: The gathered tensors cannot be stacked or concatenated (their shapes disagree).
+    """
+    plan = ConversionPlan()
+    own = origin or {}
+    if not transforms:
+        known = set(model_keys)
+        for key in keys:
+            if key in known:
+                plan.direct[key] = own.get(key, key)
+            else:
+                plan.unmatched.append(own.get(key, key))
+        return plan
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    # transformers' lookups only test `.get(key) is not None`
+    lookup: dict[str, bool] = dict.fromkeys(model_keys, True)
+    gathered: dict[str, tuple[Any, dict[str, list[Node]]]] = {}
+    for key in sorted(keys, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, base_model_prefix, lookup)
+        if renamed not in lookup and key in lookup:
+            renamed, pattern = key, None
+        if renamed not in lookup:
+            plan.unmatched.append(own.get(key, key))
+        elif pattern is None:
+            if renamed in plan.direct:
+                raise ValueError(
+                    f"checkpoint keys {plan.direct[renamed]!r} and {own.get(key, key)!r} both name model "
+                    f"tensor {renamed!r} after transformers' renamings; remove one from the checkpoint"
+                )
+            plan.direct[renamed] = own.get(key, key)
+        else:
+            converter, collected = gathered.setdefault(renamed, (by_pattern[pattern], {}))
+            collected.setdefault(pattern, []).append(Source(own.get(key, key), tuple(keys[key])))
+    for target, (converter, collected) in gathered.items():
+        try:
+            plan.fused[target] = _describe_converter(converter, collected, target)
+        except UnsupportedConversionError:
+            raise
+        except ValueError as exc:
+            counts = {pattern: len(found) for pattern, found in collected.items()}
+            raise ValueError(
+                f"model tensor {target!r} cannot be built from its checkpoint tensors (found per pattern: "
+                f"{counts}): {exc}. Is an expert missing from the checkpoint, or is it for another config?"
+            ) from None
+    return plan
+
+
+@dataclass(frozen=True)
+class DiskTensor:
+    """One tensor of the on-disk layout.
+
+    Attributes:
+        key: Its key on disk.
+        model_key: The model tensor it comes from.
+        index: Indexes the full model tensor to give it (None: the whole tensor).
+        shape: Its shape.
+    """
+
+    key: str
+    model_key: str
+    index: Index | None
+    shape: tuple[int, ...]
+
+
+def disk_layout(
+    model: nn.Module | None, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, list[DiskTensor]] | None:
+    """The tensors ``save_pretrained`` would write for each model tensor, as indexes into it.
+
+    Asks transformers for the on-disk names and shapes (``revert_weight_conversion`` on meta tensors: it
+    uses the transforms the model was loaded with, else its registered ones), then describes them with
+    `plan_conversions` and checks that they rebuild exactly the model's keys and shapes.
+
+    Args:
+        model: The transformers model (None: no conversion).
+        shapes: Model key -> shape, for every tensor to save.
+
+    Returns:
+        Model key -> its on-disk tensors, in order; None when the model has no conversions.
+
+    Raises:
+        ValueError: transformers' reverted layout does not rebuild the model's tensors (a bug to report:
+            the message names the keys).
+    """
+    if model is None or not callable(getattr(model, "is_custom_code", None)):
+        return None
+    from transformers.core_model_loading import revert_weight_conversion
+
+    meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+    hf: Any = model
+    reverted = revert_weight_conversion(hf, dict(meta))
+    if set(reverted) == set(meta) and all(tuple(reverted[k].shape) == shapes[k] for k in shapes):
+        return None
+    disk_shapes = {k: tuple(t.shape) for k, t in reverted.items()}
+    plan = plan_conversions(
+        disk_shapes, list(shapes), model_conversions(model), getattr(model, "base_model_prefix", None)
+    )
+    covered = set(plan.direct) | set(plan.fused)
+    wrong = sorted(set(shapes) ^ covered)
+    wrong += sorted(k for k, node in plan.fused.items() if node.shape != shapes[k])
+    wrong += sorted(k for k, d in plan.direct.items() if disk_shapes[d] != shapes[k])
+    if wrong or plan.unmatched:
+        raise ValueError(
+            f"transformers' on-disk layout of {type(model).__name__} does not rebuild the model: keys "
+            f"{wrong[:10]} and unmatched on-disk keys {plan.unmatched[:10]}"
+        )
+    out: dict[str, list[DiskTensor]] = {}
+    for key, shape in shapes.items():
+        if key in plan.direct:
+            out[key] = [DiskTensor(plan.direct[key], key, None, shape)]
+            continue
+        full = [
+            DiskTensor(p.key, key, p.index, p.shape)
+            for p in pieces(plan.fused[key], (0,) * len(shape), shape)
+        ]
+        out[key] = full
+    return out
