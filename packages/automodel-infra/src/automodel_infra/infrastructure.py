@@ -147,7 +147,11 @@ def _effective_activation_checkpointing(
             f"activation_checkpointing={activation_checkpointing!r}; use False, True, 'full' or 'selective'"
         )
     own = getattr(config, "activation_checkpointing", False) if config is not None else False
-    if activation_checkpointing and config is not None and own != activation_checkpointing:
+
+    def mode(value: object) -> object:  # True and "full" mean the same (configs normalise to "full")
+        return "full" if value is True else value
+
+    if activation_checkpointing and config is not None and mode(own) != mode(activation_checkpointing):
         if own not in (False, None):
             raise ValueError(
                 f"activation_checkpointing={activation_checkpointing!r} contradicts "
@@ -190,8 +194,8 @@ def _apply_peft_and_lower_precision(
 
     Raises:
         ImportError: automodel-peft / automodel-quant is not installed.
-        ValueError: From the leaf packages: a bad PEFT config, QAT on a model that is not bfloat16,
-            FP8 on hardware without float8 support.
+        ValueError: QAT with ``tp_size > 1``; from the leaf packages: a bad PEFT config, QAT on a model
+            that is not bfloat16, FP8 on hardware without float8 support.
     """
     if peft_config is not None:
         peft = import_component("automodel_peft", "peft_config")
@@ -211,6 +215,13 @@ def _apply_peft_and_lower_precision(
     if fp8_config is not None:
         fp8 = import_component("automodel_quant.fp8", "fp8_config")
         model = fp8.apply_fp8_to_model(model, config=fp8_config)
+    if qat_quantizer is not None and tp_size > 1:
+        # torch's TP styles partition every submodule of a matched linear, torchao's fake quantizers
+        # included, and per-group weight scales would be computed on shards: refuse rather than guess.
+        raise ValueError(
+            f"QAT with tensor parallelism (tp_size={tp_size}) is not supported; use tp_size=1 and shard the "
+            "QAT model with FSDP2/HSDP or pipeline parallelism, or drop qat_config"
+        )
     if qat_quantizer is not None:
         qat = import_component("automodel_quant.qat", "qat_quantizer")
         model, mode = qat.prepare_qat_model(model, qat_quantizer)
@@ -538,11 +549,22 @@ def _check_apply_inputs(
         warnings.warn(f"apply_model_infrastructure ignores the keyword(s) {unknown}", stacklevel=3)
 
 
-def _nothing_sharded(mesh: MeshContext, autopipeline: Any, model_wrapper: Any) -> bool:
-    """Whether every rank will hold whole parameters, so weights can be loaded before sharding."""
+def _load_before_shard(mesh: MeshContext, autopipeline: Any, model_wrapper: Any, peft_config: Any) -> bool:
+    """Whether to load the weights before sharding.
+
+    True when the strategy needs real tensors (DDP), or every rank will hold whole parameters and there
+    are no adapters (a single-device full fine-tune). With adapters the base is loaded after sharding,
+    as on many ranks, so that one code path (and one adapter initialisation) serves every world size.
+    """
     if getattr(model_wrapper, "materialize_before_parallelize", False):
         return True
-    return autopipeline is None and mesh.tp_size <= 1 and mesh.ep_size <= 1 and mesh.dp_shard_cp_size <= 1
+    return (
+        peft_config is None
+        and autopipeline is None
+        and mesh.tp_size <= 1
+        and mesh.ep_size <= 1
+        and mesh.dp_shard_cp_size <= 1
+    )
 
 
 def _load_or_init(
@@ -597,17 +619,20 @@ def apply_model_infrastructure(
     The steps, in order (docs/concepts.md gives the reasons):
 
     1. LoRA adapters, then FP8, then QAT (`_apply_peft_and_lower_precision`; on meta when the model is).
-    2. If nothing will be sharded (single device, or a strategy that replicates real tensors such as
-       DDP): materialise and load the checkpoint now.
-    3. Loss fallback: `MaskedCrossEntropy` when ``loss_fn`` is None or the model cannot compute logits
-       for a subset of positions (no ``logits_to_keep``); the loss only matters under pipelining.
+    2. If nothing will be sharded and there are no adapters (single device), or the strategy
+       replicates real tensors (DDP): materialise and load the checkpoint now.
+    3. With PEFT, freeze everything but the adapters (before DDP decides which parameters get
+       gradients). Loss fallback: `MaskedCrossEntropy` when ``loss_fn`` is None or the model cannot
+       compute logits for a subset of positions (no ``logits_to_keep``); the loss only matters under
+       pipelining.
     4. Shard: the pipeline split with each stage parallelized (`_shard_pp`), else EP + FSDP or the
        manager's ``parallelize`` (`_shard_ep_fsdp`).
     5. Compile: per transformer block in place under FSDP2 (``FSDP2Config.enable_compile`` or
        ``compile_config``), the whole model otherwise.
     6. Materialise the meta parameters on each rank's shards and load the checkpoint straight into
        them (each rank reads only its slices); initialise what the checkpoint does not hold (adapters).
-    7. With PEFT, freeze everything but the adapters; move an unsharded model to ``device``.
+    7. With PEFT, freeze everything but the adapters again (parameters created while sharding or
+       loading start trainable); move an unsharded model to ``device``.
 
     Preconditions: the process group and the mesh exist (`MeshContext.build`); every rank calls this
     with the same arguments. Collectives: those of sharding (mesh axes of the strategy) and of loading
@@ -670,9 +695,9 @@ def apply_model_infrastructure(
         model, mesh.tp_size, autopipeline, peft_config, quantization_config, fp8_config, qat_quantizer
     )
 
-    # 2. Load first when every rank will hold whole tensors anyway.
+    # 2. Load first when every rank will hold whole tensors anyway (or the strategy needs real ones).
     loaded = False
-    if _nothing_sharded(mesh, autopipeline, model_wrapper) and (is_meta_device or need_load):
+    if _load_before_shard(mesh, autopipeline, model_wrapper, peft_config) and (is_meta_device or need_load):
         _load_or_init(
             model,
             device=device,
@@ -685,7 +710,11 @@ def apply_model_infrastructure(
         )
         loaded = True
 
-    # 3. The loss of the last pipeline stage.
+    # 3. Freeze the base under PEFT now: DDP decides at wrap time which parameters get gradients, and
+    #    a base frozen only after wrapping leaves it waiting for gradients that never come.
+    if peft_config is not None:
+        _freeze_all_but_adapters([model])
+    # The loss of the last pipeline stage.
     if loss_fn is None or (
         not _accepts_logits_to_keep(model) and not isinstance(loss_fn, MaskedCrossEntropy)
     ):
@@ -719,12 +748,10 @@ def apply_model_infrastructure(
                 pipelined=pipelined,
             )
 
-    # 7. Freeze the base under PEFT; place unsharded models.
+    # 7. Freeze again under PEFT (parameters created while sharding or loading start trainable); place
+    #    unsharded models.
     if peft_config is not None:
-        for part in parts:
-            for name, param in part.named_parameters():
-                if "lora_" not in name:
-                    param.requires_grad_(False)
+        _freeze_all_but_adapters(parts)
     if not pipelined and not getattr(model_wrapper, "offload_policy", None):
         _move_unsharded(result, device)
     for part in parts:
@@ -746,7 +773,7 @@ def _compile(
         for part in parts:
             if enabled:
                 compile_blocks(part, compile_config)
-            if isinstance(model_wrapper, FSDP2Manager):
+            elif isinstance(model_wrapper, FSDP2Manager):  # FSDP2Config.enable_compile; never twice
                 model_wrapper.maybe_compile(part)
         return result, parts
     if enabled:
@@ -754,6 +781,14 @@ def _compile(
         result = compile_model(result, compile_config)
         return result, [result]
     return result, parts
+
+
+def _freeze_all_but_adapters(modules: list[nn.Module]) -> None:
+    """``requires_grad=False`` on every parameter whose name has no ``lora_`` segment, in place."""
+    for module in modules:
+        for name, param in module.named_parameters():
+            if "lora_" not in name:
+                param.requires_grad_(False)
 
 
 def _move_unsharded(model: nn.Module, device: torch.device | str) -> None:
