@@ -8,9 +8,12 @@ Test tiers, disjoint so that each test runs once in the default run:
 
 - ``unit(package=...)``: ``-m "not gpu and not distributed"`` over one package's tests, in an
   environment holding only that package, its declared dependencies and its ``test`` group;
-- ``distributed``: ``-m "distributed and not gpu"`` over every package's tests and ``tests/``, in the
-  whole workspace;
-- ``e2e``: ``tests/`` (cross-package), ``-m "not gpu and not distributed"``, whole workspace;
+- ``distributed``: ``-m "distributed and not gpu and not faults"`` over every package's tests and
+  ``tests/``, in the whole workspace;
+- ``e2e``: ``tests/`` (cross-package), ``-m "not gpu and not distributed and not faults"``, whole workspace;
+- ``faults``: ``tests/faults/`` (``-m "faults and not gpu"``): property tests of every config and mesh
+  layout, the bad-configuration corpus, faults injected into real gloo ranks; prints the ledger table
+  of docs/faults.md and writes it as JSON;
 - ``gpu(gpus=N)``: ``-m gpu`` with N CUDA devices; skips when the machine has fewer. Not a default.
 
 pytest exits with 5 when it selects no test. That is accepted only where there is nothing to run yet
@@ -58,6 +61,7 @@ nox.options.sessions = [
     "lean_import",
     "distributed",
     "e2e",
+    "faults",
     "wheels",
     "docs",
 ]
@@ -201,10 +205,27 @@ def lean_import(session: nox.Session) -> None:
 @nox.session
 @_timed
 def docs(session: nox.Session) -> None:
-    """Build the documentation site; warnings (broken links, pages missing from the nav) fail it."""
+    """Build the documentation site; warnings (broken links, pages missing from the nav) fail it.
+
+    The API pages come from mkdocstrings reading ``packages/*/src`` statically (griffe), so the docs
+    group alone is enough: neither torch nor our packages are installed here.
+    """
     _uv_sync(session, "--only-group", "docs")
     site = Path(session.create_tmp()) / "site"
-    session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(site), env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+@nox.session(default=False)
+@_timed
+def benchmarks(session: nox.Session) -> None:
+    """Every benchmark, one table of ratios against baselines measured in the same run (not a default).
+
+    ``uvx nox -s benchmarks -- --only nemo imports`` runs some sections; ``-- --json out.json`` also
+    writes the rows. The NeMo AutoModel rows install ``nemo-automodel`` from PyPI into a scratch venv
+    (a network is needed; without one those rows say why).
+    """
+    _uv_sync(session, *WORKSPACE_SYNC)
+    session.run("python", "benchmarks/run_all.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 # --- tests ---------------------------------------------------------------------------------------------
@@ -260,7 +281,7 @@ def distributed(session: nox.Session) -> None:
     _pytest(
         session,
         folders,
-        "distributed and not gpu",
+        "distributed and not gpu and not faults",
         allow_empty=True,
         what="the distributed tier",
         why_empty="no test is marked `distributed` yet",
@@ -276,11 +297,33 @@ def e2e(session: nox.Session) -> None:
     _pytest(
         session,
         [tests],
-        "not gpu and not distributed",
+        "not gpu and not distributed and not faults",
         allow_empty=not _has_test_files(tests),
         what="tests/",
         why_empty="there are no cross-package test files yet",
     )
+
+
+@nox.session
+@_timed
+def faults(session: nox.Session) -> None:
+    """Bad inputs, injected faults and hangs (tests/faults); prints and writes the docs/faults.md ledger."""
+    _uv_sync(session, *WORKSPACE_SYNC)
+    report = Path(session.create_tmp()) / "faults-report.json"
+    report.unlink(missing_ok=True)
+    _pytest(
+        session,
+        [ROOT / "tests" / "faults"],
+        "faults and not gpu",
+        allow_empty=False,
+        what="the faults tier",
+        why_empty="",
+        env={"AUTOMODEL_FAULTS_REPORT": str(report)},
+    )
+    if not report.is_file():
+        _fail(f"the faults run wrote no ledger at {report}")
+    totals = json.loads(report.read_text(encoding="utf-8"))["totals"]
+    session.log(f"faults ledger ({report}): {totals}")
 
 
 @nox.session

@@ -296,7 +296,9 @@ class MegatronFSDPConfig(_ConfigMixin):
                 f"MegatronFSDPConfig.zero_dp_strategy must be 0, 1, 2 or 3, got {self.zero_dp_strategy!r}"
             )
         units = self.megatron_fsdp_unit_modules
-        if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
+        if units is not None and (
+            not isinstance(units, list | tuple) or not all(isinstance(u, str) for u in units)
+        ):
             raise ValueError(
                 "MegatronFSDPConfig.megatron_fsdp_unit_modules must be a list of import paths "
                 f"('pkg.module.ClassName'), got {units!r}"
@@ -369,6 +371,8 @@ class CompileConfig(_ConfigMixin):
         limit = self.dynamo_cache_size_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"CompileConfig.dynamo_cache_size_limit must be an int >= 1, got {limit!r}")
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise ValueError(f"CompileConfig.backend must be a backend name or None, got {self.backend!r}")
         if self.options is not None and not isinstance(self.options, dict):
             raise ValueError(
                 f"CompileConfig.options must be a dict or None, got {type(self.options).__name__}"

@@ -288,11 +288,20 @@ def _instantiate_distributed(config: DistributedConfig | None, mesh: MeshContext
         The instantiated manager, or None if config is None.
 
     Raises:
-        ValueError: If device_mesh is required but not provided, or the config is of an unknown type.
+        ValueError: If device_mesh is required but not provided, the mesh is laid out for another
+            strategy (e.g. a tensor-parallel mesh for DDP), or the config is of an unknown type.
         RuntimeError: `DDPConfig` without an initialised process group.
     """
     if config is None:
         return None
+    if mesh.kind is not None and isinstance(config, FSDP2Config | MegatronFSDPConfig | DDPConfig):
+        wanted = config.mesh_kind()
+        if mesh.kind is not wanted:
+            raise ValueError(
+                f"{type(config).__name__} needs a {wanted.value} mesh, but the mesh is laid out for "
+                f"{mesh.kind.value} (axes {mesh.axis_names()}); build it with "
+                f"MeshContext.build({type(config).__name__}(...), ParallelismSizes(...))"
+            )
     if isinstance(config, FSDP2Config):
         if mesh.device_mesh is None and _world_size() > 1:
             raise ValueError(
@@ -574,11 +583,16 @@ def _load_or_init(
     load: bool,
     path: str,
     cache_dir: str | None,
+    adapters: bool,
     peft_init_method: str | None,
     process_group: Any,
     pipelined: bool,
 ) -> None:
-    """Materialise ``part`` and load the checkpoint into it (or initialise it), in place."""
+    """Materialise ``part`` and load the checkpoint into it (or initialise it), in place.
+
+    With adapters, they are (re)initialised after the base weights are final: DoRA magnitudes are the
+    row norms of the loaded weights, and random A matrices come from one rank so every rank agrees.
+    """
     from automodel_distributed.checkpoint import load_base_model
 
     load_base_model(
@@ -592,6 +606,9 @@ def _load_or_init(
         peft_init_method=peft_init_method,
         process_group=process_group,
     )
+    if adapters:
+        peft = import_component("automodel_peft", "peft_config")
+        peft.init_adapter_weights(part, lora_A_init=peft_init_method)
 
 
 def apply_model_infrastructure(
@@ -669,6 +686,8 @@ def apply_model_infrastructure(
         ValueError: Bad arguments (before anything is modified), or a leaf package's error (a TP plan
             that does not fit, QAT on fp32 weights, a checkpoint of another architecture, ...).
         FileNotFoundError: The checkpoint does not exist (before anything is modified).
+        CheckpointMismatchError: The checkpoint's keys or shapes do not fit the model (a ValueError,
+            raised before anything is modified or communicated).
         ImportError: An optional component is needed but not installed.
     """
     _check_apply_inputs(
@@ -682,9 +701,11 @@ def apply_model_infrastructure(
     weights_already_loaded = bool(_kwargs.get("weights_already_loaded", False))
     need_load = load_base_model and not weights_already_loaded
     if need_load:
-        from automodel_distributed.checkpoint import resolve_checkpoint
+        from automodel_distributed.checkpoint import check_hf_checkpoint
 
-        resolve_checkpoint(path, cache_dir=cache_dir)  # FileNotFoundError now, before any change
+        # Files, keys and shapes against the unsharded model, from metadata, before any change or
+        # collective: a wrong checkpoint fails here on every rank, alone, instead of after sharding.
+        check_hf_checkpoint(model, path, cache_dir=cache_dir)
     peft_init = getattr(peft_config, "lora_A_init", None)
     if isinstance(peft_config, Mapping):
         peft_init = peft_config.get("lora_A_init")
@@ -704,6 +725,7 @@ def apply_model_infrastructure(
             load=need_load,
             path=path,
             cache_dir=cache_dir,
+            adapters=peft_config is not None,
             peft_init_method=peft_init,
             process_group=process_group,
             pipelined=False,
@@ -743,6 +765,7 @@ def apply_model_infrastructure(
                 load=need_load,
                 path=path,
                 cache_dir=cache_dir,
+                adapters=peft_config is not None,
                 peft_init_method=peft_init,
                 process_group=process_group,
                 pipelined=pipelined,

@@ -467,6 +467,30 @@ def test_lora_at_world_1(checkpoint: pathlib.Path, reference_logits: torch.Tenso
     assert peft_config.dim == 4 and peft_config.target_modules == ["q_proj", "v_proj"]  # not mutated
 
 
+@pytest.mark.parametrize("is_meta_device", [True, False])
+def test_dora_magnitudes_are_the_row_norms_of_the_loaded_weights(
+    checkpoint: pathlib.Path, reference_logits: torch.Tensor, is_meta_device: bool
+) -> None:
+    from automodel_peft import PeftConfig
+
+    model = apply_model_infrastructure(
+        build_tiny_model("llama", meta=is_meta_device, seed=5),
+        is_meta_device=is_meta_device,
+        device="cpu",
+        peft_config=PeftConfig(target_modules=["q_proj", "v_proj"], dim=4, use_dora=True),
+        load_base_model=True,
+        pretrained_model_name_or_path=str(checkpoint),
+    )
+    layers = [m for m in model.modules() if hasattr(m, "lora_magnitude_vector")]
+    assert len(layers) == 4
+    for layer in layers:
+        norms = torch.linalg.norm(layer.get_base_layer().weight.detach(), dim=1)
+        assert torch.equal(layer.lora_magnitude_vector["default"].weight.detach(), norms)
+    # B is zero and the magnitudes are the base norms: DoRA starts as the loaded base model.
+    torch.testing.assert_close(_logits(model), reference_logits, atol=1e-5, rtol=0)
+    assert torch.isfinite(model(**_batch()).loss)
+
+
 def test_fp8_at_world_1_converts_before_loading(checkpoint: pathlib.Path) -> None:
     from transformers import AutoModelForCausalLM
 

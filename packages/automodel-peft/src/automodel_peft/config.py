@@ -40,7 +40,9 @@ def _parse_dtype(value: object) -> torch.dtype | None:
 def _as_list(value: object, name: str) -> list[str]:
     if value is None:
         return []
-    items = [value] if isinstance(value, str) else list(value)  # type: ignore[call-overload]
+    if not isinstance(value, str | list | tuple):
+        raise ValueError(f"PeftConfig.{name} must be a list of module names or patterns, got {value!r}")
+    items = [value] if isinstance(value, str) else list(value)
     bad = [item for item in items if not isinstance(item, str) or not item]
     if bad:
         raise ValueError(f"PeftConfig.{name} must hold non-empty module names or patterns, got {bad!r}")
@@ -101,6 +103,15 @@ class PeftConfig:
     """Accepted for compatibility; ignored with a warning (LoRA on grouped MoE experts is not supported)."""
 
     def __post_init__(self) -> None:
+        for name in (
+            "match_all_linear",
+            "use_dora",
+            "use_memory_efficient_lora",
+            "use_triton",
+            "moe_rank_scaling",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PeftConfig.{name} must be a bool, got {getattr(self, name)!r}")
         self.target_modules = _as_list(self.target_modules, "target_modules")
         self.exclude_modules = _as_list(self.exclude_modules, "exclude_modules")
         if self.target_modules and self.exclude_modules:
@@ -127,7 +138,11 @@ class PeftConfig:
             raise ValueError(f"PeftConfig.dim={self.dim!r} must be a positive int (the LoRA rank)")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not self.alpha > 0:
             raise ValueError(f"PeftConfig.alpha={self.alpha!r} must be a positive number")
-        if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, int | float)
+            or not 0.0 <= self.dropout < 1.0
+        ):
             raise ValueError(f"PeftConfig.dropout={self.dropout!r} must be in [0, 1)")
         if self.dropout_position not in DROPOUT_POSITIONS:
             raise ValueError(

@@ -30,6 +30,7 @@ from automodel_distributed.checkpoint.dcp import (
 from automodel_distributed.checkpoint.hf_load import (
     CheckpointMismatchError,
     LoadReport,
+    check_hf_checkpoint,
     load_base_model,
     load_hf_checkpoint,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "KeyRules",
     "LoadReport",
     "UnsupportedConversionError",
+    "check_hf_checkpoint",
     "checkpoint_key",
     "initialize_model_weights",
     "is_complete_checkpoint",

@@ -64,7 +64,13 @@ from automodel_distributed.checkpoint.materialize import (
 from automodel_distributed.checkpoint.reader import CheckpointReader, open_checkpoint
 from automodel_distributed.checkpoint.slices import Box, tensor_boxes
 
-__all__ = ["CheckpointMismatchError", "LoadReport", "load_base_model", "load_hf_checkpoint"]
+__all__ = [
+    "CheckpointMismatchError",
+    "LoadReport",
+    "check_hf_checkpoint",
+    "load_base_model",
+    "load_hf_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -325,6 +331,47 @@ def _default_device(model: nn.Module) -> torch.device:
                 return torch.device("cuda", torch.cuda.current_device())
             return torch.device(kind)
     return torch.device("cpu")
+
+
+def check_hf_checkpoint(
+    model: nn.Module,
+    path_or_repo_id: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    key_mapping: Mapping[str, str] | None = None,
+    allow_dtype_cast: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    rules: KeyRules = DEFAULT_KEY_RULES,
+) -> LoadReport:
+    """Check that a checkpoint fits ``model`` from metadata alone: no tensor is read, nothing is written.
+
+    The same checks as `load_hf_checkpoint` (files, headers, index, keys, shapes, dtypes), without any
+    collective, so a caller can reject a wrong checkpoint on every rank before it shards anything.
+    ``model`` may be on the meta device.
+
+    Returns:
+        The `LoadReport` of what a load would read (``loaded``, ``missing``, ``unexpected``, ``cast``).
+
+    Raises:
+        FileNotFoundError: The checkpoint, a hub snapshot, or a shard named by the index is missing.
+        CorruptCheckpointError: A truncated file, a corrupt header, or an index that disagrees.
+        CheckpointMismatchError: Keys, shapes or dtypes do not fit.
+        UnsupportedConversionError: A key needs a transformers conversion this loader cannot express.
+    """
+    plan = _plan(
+        model,
+        path_or_repo_id,
+        strict=strict,
+        allow_unexpected=False,
+        key_mapping=key_mapping,
+        rules=rules,
+        allow_dtype_cast=allow_dtype_cast,
+        cache_dir=cache_dir,
+        revision=revision,
+    )
+    plan.reader.close()
+    return plan.report
 
 
 def load_hf_checkpoint(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -54,6 +55,9 @@ class BnBQuantizationConfig:
     """bitsandbytes >= 0.46 also runs on CPU (slowly); by default quantizing on a CPU device raises."""
 
     def __post_init__(self) -> None:
+        for name in ("load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "allow_cpu"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BnBQuantizationConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.load_in_4bit == self.load_in_8bit:
             raise ValueError(
                 f"BnBQuantizationConfig: set exactly one of load_in_4bit / load_in_8bit, got "
@@ -68,13 +72,24 @@ class BnBQuantizationConfig:
             self.bnb_4bit_compute_dtype, "BnBQuantizationConfig.bnb_4bit_compute_dtype"
         )
         self.bnb_4bit_quant_storage = _parse_storage(self.bnb_4bit_quant_storage)
-        if not self.llm_int8_threshold > 0:
+        threshold = self.llm_int8_threshold
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, int | float)
+            or not 0 < threshold < math.inf
+        ):
             raise ValueError(
                 f"BnBQuantizationConfig.llm_int8_threshold={self.llm_int8_threshold} must be > 0"
             )
-        if isinstance(self.llm_int8_skip_modules, str):
-            self.llm_int8_skip_modules = [self.llm_int8_skip_modules]
-        self.llm_int8_skip_modules = list(self.llm_int8_skip_modules or [])
+        skip = self.llm_int8_skip_modules
+        skip = [skip] if isinstance(skip, str) else skip
+        if skip is not None and (
+            not isinstance(skip, list | tuple) or not all(isinstance(m, str) and m for m in skip)
+        ):
+            raise ValueError(
+                f"BnBQuantizationConfig.llm_int8_skip_modules must be a list of module names, got {skip!r}"
+            )
+        self.llm_int8_skip_modules = list(skip or [])
 
     @property
     def bits(self) -> int:

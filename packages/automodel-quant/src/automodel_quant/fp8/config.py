@@ -52,6 +52,9 @@ class FP8Config:
     because a float8 vocabulary projection costs accuracy for little speed."""
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"FP8Config.{f.name} must be a bool, got {getattr(self, f.name)!r}")
         if self.recipe_name is not None and self.recipe_name not in FP8_RECIPES:
             raise ValueError(
                 f"FP8Config.recipe_name={self.recipe_name!r} is unknown; use None or one of "
@@ -59,6 +62,10 @@ class FP8Config:
             )
         if isinstance(self.filter_fqns, str):
             self.filter_fqns = [self.filter_fqns]
+        if self.filter_fqns is not None and not isinstance(self.filter_fqns, list | tuple):
+            raise ValueError(
+                f"FP8Config.filter_fqns must be a list of FQN substrings, got {self.filter_fqns!r}"
+            )
         self.filter_fqns = list(self.filter_fqns or [])
         bad = [f for f in self.filter_fqns if not isinstance(f, str) or not f]
         if bad:

@@ -65,6 +65,11 @@ class QATConfig:
         on_unsupported_layer: UnsupportedLayerPolicy = "skip",
         **extra_quantizer_kwargs: Any,
     ) -> None:
+        if quantizer_kwargs is not None and not isinstance(quantizer_kwargs, Mapping):
+            raise ValueError(
+                "QATConfig.quantizer_kwargs must be a dict of quantizer arguments or None, got "
+                f"{quantizer_kwargs!r}"
+            )
         overlap = sorted(set(quantizer_kwargs or {}) & set(extra_quantizer_kwargs))
         if overlap:
             raise ValueError(
@@ -76,7 +81,7 @@ class QATConfig:
         self.__post_init__()
 
     def __post_init__(self) -> None:
-        if self.quantizer_type not in QAT_MODES:
+        if not isinstance(self.quantizer_type, str) or self.quantizer_type not in QAT_MODES:
             raise ValueError(
                 f"QATConfig.quantizer_type={self.quantizer_type!r} is unknown; use one of "
                 f"{list(QAT_QUANTIZER_TYPES)}"
