@@ -1,0 +1,94 @@
+"""``automodel plan``: mesh layout, the steps in order and per-rank memory, with no process started."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from automodel_all.cli.main import build_parser, job_from_args, main
+from automodel_all.cli.plan import plan
+
+
+def _plan(*argv: str) -> str:
+    args = build_parser().parse_args(["plan", *argv])
+    return plan(job_from_args(args), world_size=args.world_size)
+
+
+def _mib(report: str, what: str) -> float:
+    match = re.search(rf"^\s+{what}\s+([\d.]+) MiB", report, re.MULTILINE)
+    assert match, report
+    return float(match.group(1))
+
+
+def test_fsdp2_shards_everything_over_the_data_parallel_ranks() -> None:
+    two = _plan("--world-size", "2")
+    four = _plan("--world-size", "4", "--global-batch-size", "16")
+    assert "dense mesh (pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1)" in two
+    assert "fully_shard each of 4 transformer blocks" in two
+    # AdamW keeps two fp32 states: twice the fp32 parameters; sharding over 4 ranks halves each figure.
+    assert _mib(two, "optimizer") == pytest.approx(2 * _mib(two, "parameters"), rel=1e-3)
+    assert _mib(four, "total") == pytest.approx(_mib(two, "total") / 2, rel=1e-2)
+
+
+def test_ddp_replicates_and_tp_pp_lora_steps_are_listed_in_order() -> None:
+    ddp = _plan("--strategy", "ddp", "--world-size", "4")
+    fsdp = _plan("--world-size", "4")
+    assert "no device mesh: data parallel over 4 rank(s)" in ddp
+    assert "wrap in DistributedDataParallel over 4 ranks" in ddp
+    assert _mib(ddp, "parameters") == pytest.approx(4 * _mib(fsdp, "parameters"), rel=1e-2)
+
+    report = _plan("--world-size", "8", "--tp", "2", "--pp", "2", "--lora", "--activation-checkpointing")
+    assert "dense mesh (pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2)" in report
+    steps = [
+        "add LoRA adapters",
+        "split into 2 pipeline stages over pp=2",
+        "tensor-parallel plan over tp=2",
+        "activation checkpointing (full)",
+        "fully_shard each of 4 transformer blocks",
+        "materialise the meta parameters",
+        "freeze every parameter but the adapters",
+    ]
+    positions = [report.index(step) for step in steps]
+    assert positions == sorted(positions), report
+    # Only the adapters train: gradients and optimizer state are tiny next to the frozen base.
+    assert _mib(report, "gradients") < _mib(report, "parameters") / 5
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--tp", "3", "--world-size", "6"], "tp_size=3 does not divide the model's num_attention_heads=4"),
+        (["--tp", "2", "--world-size", "3"], "not divisible by pp_size * cp_size * tp_size"),
+        (
+            ["--pp", "8", "--world-size", "8", "--global-batch-size", "8"],
+            "exceeds the model's num_hidden_layers=4",
+        ),
+        (["--strategy", "megatron_fsdp", "--device", "cpu"], "megatron_fsdp needs CUDA"),
+        (["--ep", "2", "--world-size", "2"], "needs a mixture-of-experts model"),
+    ],
+)
+def test_impossible_layouts_fail_with_a_clear_error(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("automodel plan: error: --"), err
+    assert expected in err
+
+
+def test_every_example_job_file_is_valid_and_the_runnable_ones_plan() -> None:
+    from pathlib import Path
+
+    from automodel_all.cli.config import build_job
+    from automodel_all.cli.yaml_source import load_yaml
+
+    examples = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
+    assert {p.name for p in examples} >= {"default.yaml", "llama_fsdp2_lora.yaml", "tp_pp.yaml"}
+    for path in examples:
+        build_job(load_yaml(path))  # every section and key exists and has the right type
+    report = _plan(str(examples[0].parent / "tp_pp.yaml"), "--world-size", "8")
+    assert "dense mesh (pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2)" in report
+    assert "split into 4 pipeline stages over pp=2 (schedule interleaved_1f1b" in report
+    assert "fully_shard each of 8 transformer blocks" in report
+    assert "fsdp2 on 2 rank(s)" in _plan(str(examples[0].parent / "default.yaml"), "--device", "cpu")
