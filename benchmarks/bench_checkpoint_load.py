@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from automodel_testing import make_batch, run_distributed, save_tiny_checkpoint
+from _launch import launch
+from automodel_testing import make_batch, save_tiny_checkpoint
 
 MODEL: dict[str, Any] = {
     "hidden_size": 768,
@@ -120,7 +121,8 @@ def ours(path: str, mmap_threshold: int | None, steps: int) -> dict[str, Any]:
     """FSDP2 over all ranks: meta model -> parallelize -> load_hf_checkpoint -> one SGD step.
 
     With ``mmap_threshold`` set, glibc's mmap threshold is fixed first (`configure_host_allocator`), as
-    FSDP2Manager would do on a CPU mesh.
+    FSDP2Manager does on a CPU mesh by default (``FSDP2Config.tune_host_allocator``); without it the
+    manager is told to leave glibc's defaults alone, for the baseline row.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -135,7 +137,8 @@ def ours(path: str, mmap_threshold: int | None, steps: int) -> dict[str, Any]:
 
         configure_host_allocator(mmap_threshold=mmap_threshold, trim_threshold=mmap_threshold)
     config = FSDP2Config(
-        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+        tune_host_allocator=False,  # set explicitly above, with this run's threshold
     )
     ctx = MeshContext.build(config, ParallelismSizes())
     assert ctx.device_mesh is not None
@@ -184,6 +187,26 @@ def _report(title: str, per_rank: list[dict[str, Any]], base: dict[str, Any], ph
             print(f"  rank {rank} peak after: " + ", ".join(f"{k} {v:.0f}" for k, v in r["phases"].items()))
 
 
+def write_checkpoint(folder: Path) -> tuple[Path, float]:
+    """Generate the 124.7M-parameter Llama checkpoint into ``folder``; return its path and size in MiB."""
+    path = folder / "llama-125m"
+    save_tiny_checkpoint("llama", path, seed=0, **MODEL)
+    return path, sum(f.stat().st_size for f in path.glob("*.safetensors")) / MiB
+
+
+def measure_baseline(path: Path) -> dict[str, Any]:
+    """Plain transformers in one fresh process (no process group)."""
+    (base,) = launch(baseline, 1, str(path), init_process_group=False, timeout_s=1200)
+    return dict(base)
+
+
+def measure_ours(
+    path: Path, ranks: int, mmap_threshold: int | None = None, steps: int = 0
+) -> list[dict[str, Any]]:
+    """FSDP2 over ``ranks`` processes; one result per rank."""
+    return launch(ours, ranks, str(path), mmap_threshold, steps, timeout_s=1200)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -200,12 +223,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
-        path = Path(tmp) / "llama-125m"
         start = time.perf_counter()
-        save_tiny_checkpoint("llama", path, seed=0, **MODEL)
-        size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / MiB
+        path, size = write_checkpoint(Path(tmp))
         print(f"checkpoint: {size:.0f} MiB fp32 safetensors, written in {time.perf_counter() - start:.1f} s")
-        (base,) = run_distributed(baseline, 1, str(path), init_process_group=False, timeout_s=1200)
+        base = measure_baseline(path)
         print(
             f"transformers from_pretrained + step, 1 process: peak growth {base['peak']:.0f} MiB, "
             f"load {base['load_s']:.2f} s, loss {base['loss']:.4f}"
@@ -215,9 +236,7 @@ def main() -> None:
         modes = {"both": (False, True), "tuned": (True,), "default": (False,)}[args.allocator]
         for tuned in modes:
             threshold = int(args.mmap_threshold_mib * MiB) if tuned else None
-            per_rank = run_distributed(
-                ours, args.ranks, str(path), threshold, args.steps, timeout_s=1200, pg_timeout_s=600
-            )
+            per_rank = measure_ours(path, args.ranks, threshold, args.steps)
             allocator = (
                 f"mmap threshold fixed at {args.mmap_threshold_mib:g} MiB" if tuned else "glibc defaults"
             )

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from _launch import launch
 from automodel_mesh import MeshContext, ParallelismSizes
-from automodel_testing import build_tiny_model, make_batch, run_distributed
+from automodel_testing import build_tiny_model, make_batch
 
 MODEL = {
     "hidden_size": 256,
@@ -113,18 +114,26 @@ def _bench(layout: str, steps: int, rounds: int) -> dict[str, Any]:
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def measure(steps: int = 10, rounds: int = 3) -> dict[str, dict[str, float]]:
+    """Median step seconds (max over the 2 ranks) of ours and the hand-written version, per layout."""
+    out = {}
+    for layout in ("fsdp2", "tp2"):
+        per_rank = launch(_bench, 2, layout, steps, rounds, timeout_s=1200)
+        out[layout] = {
+            "ours": max(r["ours"] for r in per_rank),
+            "theirs": max(r["theirs"] for r in per_rank),
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     print("layout   ranks  manager/hand-written  (median step, alternating rounds)")
-    for layout in ("fsdp2", "tp2"):
-        per_rank = run_distributed(
-            _bench, 2, layout, args.steps, args.rounds, timeout_s=1200, pg_timeout_s=300
-        )
-        ours = max(r["ours"] for r in per_rank)
-        theirs = max(r["theirs"] for r in per_rank)
+    for layout, r in measure(args.steps, args.rounds).items():
+        ours, theirs = r["ours"], r["theirs"]
         print(
             f"{layout:<8} {2:>5}  {ours / theirs:>19.3f}  ({ours * 1e3:.0f} ms vs {theirs * 1e3:.0f} ms, CPU)"
         )

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from automodel_testing import build_tiny_model, causal_lm_loss, make_batch, run_distributed
+from _launch import launch
+from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
 
 MODEL = {
     "hidden_size": 256,
@@ -151,14 +152,22 @@ def _both(steps: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def measure(steps: int = 6) -> dict[str, float]:
+    """Step seconds of replicated experts and of ep 2 (max over ranks), and the all-to-all share."""
+    results = launch(_both, 2, steps, timeout_s=900)
+    return {
+        "replicated_s": max(r["replicated"]["step_s"] for r in results),
+        "ep_s": max(r["ep"]["step_s"] for r in results),
+        "a2a_share": max(r["ep"]["a2a_share"] for r in results),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
-    results = run_distributed(_both, 2, args.steps, timeout_s=900)
-    base = max(r["replicated"]["step_s"] for r in results)
-    ep = max(r["ep"]["step_s"] for r in results)
-    share = max(r["ep"]["a2a_share"] for r in results)
+    r = measure(args.steps)
+    base, ep, share = r["replicated_s"], r["ep_s"], r["a2a_share"]
     print(f"replicated experts (FSDP2, 2 ranks): step {base * 1e3:.1f} ms")
     print(f"ep 2 (EP + FSDP2, 2 ranks):          step {ep * 1e3:.1f} ms")
     print(f"ratio ep / replicated step time: {ep / base:.2f}x")

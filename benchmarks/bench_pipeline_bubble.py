@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from automodel_testing import build_tiny_model, causal_lm_loss, make_batch, run_distributed
+from _launch import launch
+from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
 
 MODEL = {
     "hidden_size": 256,
@@ -102,6 +103,26 @@ def measure(microbatches: int, seq_len: int, steps: int, warmup: int) -> list[di
     return rows
 
 
+def summarize(pp: int, microbatches: int, seq_len: int, steps: int, warmup: int) -> list[dict[str, Any]]:
+    """Launch `measure` on ``pp`` ranks; per schedule: theory, measured bubble, idle per rank, step time."""
+    per_rank = launch(measure, pp, microbatches, seq_len, steps, warmup, timeout_s=1200)
+    out = []
+    for index, (schedule, _v) in enumerate(SCHEDULES):
+        rows = [ranks[index] for ranks in per_rank]
+        v = rows[0]["stages_per_rank"]
+        out.append(
+            {
+                "schedule": schedule,
+                "v": v,
+                "theory": theoretical_bubble(schedule, pp, microbatches, v),
+                "measured": statistics.mean(r["idle"] for r in rows),
+                "idle": [r["idle"] for r in rows],
+                "step_s": max(r["step_s"] for r in rows),
+            }
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (one per core is best)")
@@ -110,31 +131,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    per_rank = run_distributed(
-        measure, args.pp, args.microbatches, args.seq_len, args.steps, args.warmup, timeout_s=1200
-    )
-    p, m = args.pp, args.microbatches
+    rows = summarize(args.pp, args.microbatches, args.seq_len, args.steps, args.warmup)
     print(
         f"\nLlama h{MODEL['hidden_size']} x {MODEL['num_hidden_layers']} layers, seq {args.seq_len}, "
-        f"p={p} pipeline ranks, m={m} microbatches of 1, {args.steps} timed steps"
+        f"p={args.pp} pipeline ranks, m={args.microbatches} microbatches of 1, {args.steps} timed steps"
     )
     header = (
         f"{'schedule':<18}{'v':>3}{'theory':>9}{'measured':>10}{'ratio':>8}"
         f"{'per-rank idle':>22}{'step s':>9}{'vs gpipe':>10}"
     )
     print(header)
-    gpipe_step = None
-    for index, (schedule, _v) in enumerate(SCHEDULES):
-        rows = [ranks[index] for ranks in per_rank]
-        v = rows[0]["stages_per_rank"]
-        theory = theoretical_bubble(schedule, p, m, v)
-        measured = statistics.mean(r["idle"] for r in rows)
-        step = max(r["step_s"] for r in rows)
-        gpipe_step = gpipe_step or step
-        ranks = " ".join(f"{r['idle']:.3f}" for r in rows)
+    gpipe_step = rows[0]["step_s"]
+    for row in rows:
+        ranks = " ".join(f"{idle:.3f}" for idle in row["idle"])
         print(
-            f"{schedule:<18}{v:>3}{theory:>9.3f}{measured:>10.3f}{measured / theory:>8.2f}"
-            f"{ranks:>22}{step:>9.3f}{step / gpipe_step:>10.2f}"
+            f"{row['schedule']:<18}{row['v']:>3}{row['theory']:>9.3f}{row['measured']:>10.3f}"
+            f"{row['measured'] / row['theory']:>8.2f}{ranks:>22}{row['step_s']:>9.3f}"
+            f"{row['step_s'] / gpipe_step:>10.2f}"
         )
 
 

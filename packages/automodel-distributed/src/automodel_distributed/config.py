@@ -188,6 +188,12 @@ class FSDP2Config(_ConfigMixin):
     """Blocks to prefetch ahead in forward when prefetch is on."""
     multimodal: MultimodalDistributedConfig = field(default_factory=MultimodalDistributedConfig)
     """Sharding policy for frozen multimodal towers."""
+    tune_host_allocator: bool = True
+    """On a CPU mesh or with CPU offload, fix glibc's mmap and trim thresholds when the manager is created
+    (`automodel_distributed.checkpoint.host_memory.configure_host_allocator`, process-wide), so the
+    buffers FSDP2 allocates and frees every step go back to the OS instead of piling up in malloc arenas
+    (about half the peak host memory per rank in benchmarks/bench_checkpoint_load.py). Not in NeMo
+    AutoModel; False leaves the allocator alone."""
 
     def __post_init__(self) -> None:
         _check_bool(
@@ -198,6 +204,7 @@ class FSDP2Config(_ConfigMixin):
             "enable_async_tensor_parallel",
             "enable_compile",
             "enable_fsdp2_prefetch",
+            "tune_host_allocator",
         )
         self.activation_checkpointing = normalize_activation_checkpointing(
             self.activation_checkpointing, field_name="FSDP2Config.activation_checkpointing"

@@ -211,6 +211,12 @@ class FSDP2Manager:
             config.mp_policy if config.mp_policy is not None else default_mp_policy()
         )
         self.offload_policy: OffloadPolicy | None = _offload_for_host(config.offload_policy)
+        host_buffers = self.mesh.device_type == "cpu" or self.offload_policy is not None
+        if config.tune_host_allocator and device_mesh is not None and host_buffers:
+            # Before the model is materialised: the setting applies to allocations made afterwards.
+            from automodel_distributed.checkpoint.host_memory import configure_host_allocator
+
+            configure_host_allocator()
 
     # ------------------------------------------------------------------ parallelize
 

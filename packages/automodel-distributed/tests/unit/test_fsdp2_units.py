@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from automodel_distributed import DDPConfig, FSDP2Config
 from automodel_distributed.fsdp2 import FSDP2Manager, plan_fsdp_units
@@ -40,5 +41,7 @@ def test_explicit_and_pipelined_resharding() -> None:
 def test_manager_rejects_other_configs_and_meshes() -> None:
     with pytest.raises(ValueError, match="FSDP2Manager needs an FSDP2Config, got DDPConfig"):
         FSDP2Manager(DDPConfig(), None)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="needs the FSDP2 mesh"):
-        FSDP2Manager(FSDP2Config(), MeshContext().device_mesh)  # type: ignore[arg-type]
+    # No mesh in a single process without a process group: nothing to shard, the model is returned as is.
+    model = torch.nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="one data-parallel rank"):
+        assert FSDP2Manager(FSDP2Config(), MeshContext().device_mesh).parallelize(model) is model

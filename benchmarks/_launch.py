@@ -1,0 +1,100 @@
+"""Run a module-level function on N gloo ranks under ``torchrun`` and collect what each rank returns.
+
+The benchmarks use this instead of `automodel_testing.run_distributed`: that helper is built for tests
+(it stops ranks that take more than a few seconds to exit after returning, which a heavily loaded
+machine can exceed), while a benchmark should simply wait for the job as a user's ``torchrun`` would.
+
+    results = launch(fn, 2, arg1, arg2, timeout_s=600)   # fn(arg1, arg2) on ranks 0 and 1
+
+``fn`` must be defined at module level in a file (a benchmark script, even when it runs as
+``__main__``); the worker imports that file under another name, so its ``if __name__ == "__main__"``
+block does not run again. Arguments and results travel as pickles through a temporary folder. Each rank
+runs with ``OMP_NUM_THREADS=1`` and one torch thread, in a default ``gloo`` process group unless
+``init_process_group=False``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LaunchError", "launch"]
+
+
+class LaunchError(RuntimeError):
+    """The torchrun job failed; the message holds the tail of its output."""
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 900.0,
+    init_process_group: bool = True,
+    pg_timeout_s: float = 600.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return the per-rank results in order."""
+    module = sys.modules[fn.__module__]
+    source = getattr(module, "__file__", None)
+    if source is None:
+        raise ValueError(f"{fn!r} must be defined in a file")
+    with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
+        job = Path(tmp)
+        (job / "job.pkl").write_bytes(
+            pickle.dumps(
+                (str(Path(source).resolve()), fn.__name__, args, kwargs, init_process_group, pg_timeout_s)
+            )
+        )
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+            "--no-python", sys.executable, __file__, str(job),
+        ]  # fmt: skip
+        try:
+            proc = subprocess.run(
+                command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise LaunchError(
+                f"{fn.__name__} on {world_size} ranks did not finish in {timeout_s:.0f} s"
+            ) from exc
+        if proc.returncode != 0:
+            tail = (proc.stdout + proc.stderr)[-4000:]
+            raise LaunchError(f"{fn.__name__} on {world_size} ranks failed (exit {proc.returncode}):\n{tail}")
+        return [pickle.loads((job / f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def _worker(job: Path) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    source, name, args, kwargs, init_pg, pg_timeout_s = pickle.loads((job / "job.pkl").read_bytes())
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("_bench_target", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_bench_target"] = module
+    spec.loader.exec_module(module)
+    rank = int(os.environ["RANK"])
+    if init_pg:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=pg_timeout_s))
+    try:
+        result = getattr(module, name)(*args, **kwargs)
+    finally:
+        if init_pg and dist.is_initialized():
+            dist.destroy_process_group()
+    (job / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
