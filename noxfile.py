@@ -354,19 +354,28 @@ def gpu(session: nox.Session, gpus: int) -> None:
 # --- wheels --------------------------------------------------------------------------------------------
 
 _INSTALLED_CHECK = r"""
-import importlib, importlib.metadata as md, importlib.util, json, sys
+import importlib, importlib.metadata as md, importlib.util, json, os, sys
 name, must_be_absent = sys.argv[1], sys.argv[2:]
 module = importlib.import_module(name)
 records = {}
 for dist in md.distributions():
     if dist.metadata["Name"].startswith("automodel"):
         lines = (dist.read_text("RECORD") or "").splitlines()
-        records[dist.metadata["Name"]] = sorted(line for line in lines if ".dist-info/" not in line)
+        # Console scripts are generated at install time, outside site-packages ("../../../bin/..").
+        records[dist.metadata["Name"]] = sorted(
+            line for line in lines if ".dist-info/" not in line and not line.startswith("../")
+        )
+scripts = {
+    ep.name: os.path.isfile(os.path.join(os.path.dirname(sys.executable), ep.name))
+    for dist in md.distributions() if dist.metadata["Name"].startswith("automodel")
+    for ep in dist.entry_points if ep.group == "console_scripts"
+}
 print(json.dumps({
     "file": module.__file__,
     "version": getattr(module, "__version__", None),
     "present": [m for m in must_be_absent if importlib.util.find_spec(m) is not None],
     "records": records,
+    "scripts": scripts,
 }))
 """
 
@@ -480,6 +489,9 @@ def _install_alone(
         errors.append(f"{import_name}.__version__ is {report['version']}, the wheel is {version}")
     if report["present"]:
         errors.append(f"importable but not a dependency of {distribution}: {', '.join(report['present'])}")
+    missing_scripts = sorted(name for name, present in report["scripts"].items() if not present)
+    if missing_scripts:
+        errors.append(f"console scripts not installed: {', '.join(missing_scripts)}")
     for name, lines in report["records"].items():
         expected = built.get(graph.normalize(name))
         if expected is None or lines != expected[2]:
