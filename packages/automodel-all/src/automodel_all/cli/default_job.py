@@ -1,7 +1,7 @@
 """The embedded default job: a corpus, a tokenizer and a model that need nothing downloaded.
 
-- Corpus: the documentation topics that ship with Python (``pydoc_data.topics``, about 450 KB of English
-  text about the language), one document per topic, in sorted order.
+- Corpus: the documentation topics that ship with Python (``pydoc_data.topics``, English text about the
+  language), one document per topic, in sorted order, prose lines only.
 - Tokenizer: a byte-level BPE of `DEFAULT_VOCAB_SIZE` tokens trained on that corpus with the
   ``tokenizers`` library (a dependency of transformers), saved as a ``PreTrainedTokenizerFast`` that
   ``AutoTokenizer.from_pretrained`` loads.
@@ -23,11 +23,26 @@ EOS_TOKEN = "<|endoftext|>"
 """End-of-document token of the default tokenizer (also its BOS and padding token)."""
 
 
+def _is_prose(line: str) -> bool:
+    # The topics hold reST tables and grammar rules ("+-----+", "| ... |", "::="); a model trained on
+    # them learns to draw tables. Keep lines that are mostly words.
+    visible = [c for c in line if not c.isspace()]
+    return bool(visible) and sum(c.isalpha() for c in visible) >= 0.7 * len(visible)
+
+
 def builtin_corpus() -> list[str]:
-    """Documents made from text that ships with Python: the ``pydoc_data`` topics, sorted by name."""
+    """Documents made from text that ships with Python: the ``pydoc_data`` topics, sorted by name.
+
+    Only prose lines are kept (no tables or grammar rules), with their indentation removed.
+    """
     from pydoc_data.topics import topics
 
-    return [topics[name].strip() for name in sorted(topics) if topics[name].strip()]
+    documents = []
+    for name in sorted(topics):
+        text = "\n".join(line.strip() for line in topics[name].splitlines() if _is_prose(line))
+        if text:
+            documents.append(text)
+    return documents
 
 
 def train_tokenizer(documents: list[str], folder: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
