@@ -635,6 +635,8 @@ def apply_model_infrastructure(
 
     The steps, in order (docs/concepts.md gives the reasons):
 
+    0. Check every argument, and the checkpoint against the unsharded model (files, keys, shapes; from
+       metadata), before anything is modified or communicated.
     1. LoRA adapters, then FP8, then QAT (`_apply_peft_and_lower_precision`; on meta when the model is).
     2. If nothing will be sharded and there are no adapters (single device), or the strategy
        replicates real tensors (DDP): materialise and load the checkpoint now.
