@@ -637,7 +637,9 @@ def apply_model_infrastructure(
 
     0. Check every argument, and the checkpoint against the unsharded model (files, keys, shapes; from
        metadata), before anything is modified or communicated.
-    1. LoRA adapters, then FP8, then QAT (`_apply_peft_and_lower_precision`; on meta when the model is).
+    1. LoRA adapters, then FP8, then QAT (`_apply_peft_and_lower_precision`; on meta when the model is);
+       with ``cp_size > 1``, the context-parallel attention hooks
+       (`automodel_distributed.context_parallel.apply_context_parallel`).
     2. If nothing will be sharded and there are no adapters (single device), or the strategy
        replicates real tensors (DDP): materialise and load the checkpoint now.
     3. With PEFT, freeze everything but the adapters (before DDP decides which parameters get
@@ -717,6 +719,14 @@ def apply_model_infrastructure(
     model = _apply_peft_and_lower_precision(
         model, mesh.tp_size, autopipeline, peft_config, quantization_config, fp8_config, qat_quantizer
     )
+
+    # Context parallelism: attention hooks on the unsharded model (sharding keeps the attention modules,
+    # so the hooks travel with them into FSDP units and pipeline stages); a model that cannot run ring
+    # attention fails here, before any collective.
+    if mesh.cp_size > 1:
+        from automodel_distributed.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model)
 
     # 2. Load first when every rank will hold whole tensors anyway (or the strategy needs real ones).
     loaded = False

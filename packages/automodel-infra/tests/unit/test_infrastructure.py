@@ -259,6 +259,22 @@ def test_pp_mesh_without_pipeline_config(fake_world: int) -> None:
         instantiate_infrastructure(distributed_config=FSDP2Config(), mesh=ctx)
 
 
+def test_context_parallel_hooks_the_attention_of_sdpa_models_only(fake_world: int) -> None:
+    from automodel_mesh import MeshContext, ParallelismSizes
+
+    mesh = MeshContext.build(FSDP2Config(), ParallelismSizes(cp_size=2))
+    model = apply_model_infrastructure(
+        build_tiny_model("llama", meta=True), is_meta_device=True, device="cpu", mesh=mesh
+    )
+    attentions = [layer.self_attn for layer in model.model.layers]
+    assert attentions and all(len(a._forward_pre_hooks) == 1 for a in attentions)
+
+    eager = build_tiny_model("llama", meta=True, attn_implementation="eager")
+    with pytest.raises(ValueError, match="sdpa"):
+        apply_model_infrastructure(eager, is_meta_device=True, device="cpu", mesh=mesh)
+    assert all(p.is_meta for p in eager.parameters())  # refused before anything was materialised
+
+
 def test_mesh_must_be_a_mesh_context() -> None:
     with pytest.raises(ValueError, match="MeshContext"):
         instantiate_infrastructure(mesh="fsdp2")  # type: ignore[arg-type]

@@ -177,11 +177,6 @@ def _setup(job: JobConfig) -> _Run:
         pretrained_model_name_or_path=path,
     )
     parts = _parts(model)
-    if layout.cp > 1:
-        from automodel_distributed.context_parallel import apply_context_parallel
-
-        for part in parts:
-            apply_context_parallel(part)
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     # Built right after sharding, before any forward (an FSDP2 root would otherwise stay unsharded).
     optimizer = torch.optim.AdamW(
