@@ -729,19 +729,18 @@ def apply_model_infrastructure(
         apply_context_parallel(model)
 
     # 2. Load first when every rank will hold whole tensors anyway (or the strategy needs real ones).
+    load_or_init = partial(
+        _load_or_init,
+        load=need_load,
+        path=path,
+        cache_dir=cache_dir,
+        adapters=peft_config is not None,
+        peft_init_method=peft_init,
+        process_group=process_group,
+    )
     loaded = False
     if _load_before_shard(mesh, autopipeline, model_wrapper, peft_config) and (is_meta_device or need_load):
-        _load_or_init(
-            model,
-            device=device,
-            load=need_load,
-            path=path,
-            cache_dir=cache_dir,
-            adapters=peft_config is not None,
-            peft_init_method=peft_init,
-            process_group=process_group,
-            pipelined=False,
-        )
+        load_or_init(model, device=device, pipelined=False)
         loaded = True
 
     # 3. Freeze the base under PEFT now: DDP decides at wrap time which parameters get gradients, and
@@ -771,17 +770,7 @@ def apply_model_infrastructure(
     if not loaded and (is_meta_device or need_load):
         init_device: torch.device | str = "cpu" if getattr(model_wrapper, "offload_policy", None) else device
         for part in parts:
-            _load_or_init(
-                part,
-                device=init_device,
-                load=need_load,
-                path=path,
-                cache_dir=cache_dir,
-                adapters=peft_config is not None,
-                peft_init_method=peft_init,
-                process_group=process_group,
-                pipelined=pipelined,
-            )
+            load_or_init(part, device=init_device, pipelined=pipelined)
 
     # 7. Freeze again under PEFT (parameters created while sharding or loading start trainable); place
     #    unsharded models.
