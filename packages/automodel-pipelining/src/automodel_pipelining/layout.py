@@ -3,16 +3,22 @@
 The layout is read from what transformers declares: the model's ``_pp_plan`` (full FQNs, e.g.
 ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``) or its config's
 ``base_model_pp_plan`` (relative to ``base_model_prefix``), then ``get_output_embeddings()`` for the LM
-head. Models that declare neither fall back to the conventional names in `FALLBACK_NAMES`. No model family
-is named here. Everything only reads the model (meta-device models work).
+head. Models that declare neither fall back to the conventional names in `FALLBACK_NAMES`. Other modules
+with parameters beside the layers (learned position embeddings, input and output projections) go to the
+stage that runs them: the order is read from one forward of the base model on the meta device with its
+layers replaced by pass-throughs (`_call_order`). No model family is named here. Nothing is mutated
+(meta-device models work).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import copy
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = [
@@ -22,6 +28,8 @@ __all__ = [
     "find_hf_model",
     "resolve_decoder_layout",
 ]
+
+logger = logging.getLogger(__name__)
 
 FALLBACK_NAMES: Mapping[str, tuple[str, ...]] = {
     "embed": ("embed_tokens", "wte", "word_embeddings", "embeddings"),
@@ -75,7 +83,16 @@ class DecoderLayout:
     head: str | None
     """The LM head (last stage); ``None`` for a bare base model."""
     first_extras: tuple[str, ...] = ()
-    """Other modules with parameters beside the layers (e.g. encoders); placed on the first stage."""
+    """Other modules with parameters the model runs before its layers (learned position embeddings, an
+    input projection); placed on the first stage."""
+    last_extras: tuple[str, ...] = ()
+    """Other modules with parameters the model runs after its layers (an output projection); placed on
+    the last stage."""
+    unplaced: tuple[str, ...] = ()
+    """Other modules with parameters whose stage is unknown (the model's forward does not run on fake
+    tensors); an automatic split refuses the model, an explicit one places them."""
+    unplaced_reason: str = ""
+    """Why their stage is unknown."""
     shared: tuple[str, ...] = ()
     """Parameter-free modules every stage needs (rotary embeddings); each stage gets its own copy."""
 
@@ -97,7 +114,7 @@ class DecoderLayout:
     @property
     def last_stage_fqns(self) -> tuple[str, ...]:
         """Modules that go to the last stage besides its layers."""
-        return tuple(f for f in (self.norm, self.head) if f is not None)
+        return tuple(f for f in (self.norm, *self.last_extras, self.head) if f is not None)
 
     def relative(self, fqn: str | None) -> str | None:
         """``fqn`` relative to the base model (``None`` stays ``None``)."""
@@ -160,9 +177,10 @@ def _from_plan(hf_model: nn.Module, plan: Mapping[str, tuple[Any, Any]]) -> dict
     return found
 
 
-def _from_names(hf_model: nn.Module) -> dict[str, str]:
-    prefix = getattr(hf_model, "base_model_prefix", "") or ""
-    base = prefix if isinstance(getattr(hf_model, prefix, None), nn.Module) else ""
+def _from_names(hf_model: nn.Module, base: str | None = None) -> dict[str, str]:
+    if base is None:
+        prefix = getattr(hf_model, "base_model_prefix", "") or ""
+        base = prefix if isinstance(getattr(hf_model, prefix, None), nn.Module) else ""
     base_module = _get(hf_model, base) if base else hf_model
     found: dict[str, str] = {}
     if base_module is None:
@@ -176,6 +194,27 @@ def _from_names(hf_model: nn.Module) -> dict[str, str]:
             if role != "layers" and isinstance(module, nn.Module):
                 found[role] = _join(base, name)
                 break
+    return found
+
+
+def _from_blocks(hf_model: nn.Module) -> dict[str, str]:
+    """Roles from the container of the blocks transformers declares (``_no_split_modules``).
+
+    The layer container is the largest ``nn.ModuleList`` whose children are all of a declared block
+    class; the base model is its parent, searched for the other roles by name.
+    """
+    declared = {str(n) for m in hf_model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    best: tuple[int, str] | None = None
+    for fqn, module in hf_model.named_modules():
+        children = list(module.children())
+        blocks = bool(children) and all(type(c).__name__ in declared for c in children)
+        if isinstance(module, nn.ModuleList) and blocks and (best is None or len(children) > best[0]):
+            best = (len(children), fqn)
+    if best is None:
+        return {}
+    layers = best[1]
+    found = _from_names(hf_model, layers.rpartition(".")[0])
+    found["layers"] = layers
     return found
 
 
@@ -202,6 +241,8 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
     """
     prefix, hf_model = find_hf_model(model)
     roles = _from_plan(hf_model, _plan_of(hf_model)) or _from_names(hf_model)
+    if "layers" not in roles:
+        roles = _from_blocks(hf_model)
     if "layers" not in roles:
         raise ValueError(
             f"cannot find the decoder layers of {type(hf_model).__name__}: it declares no _pp_plan / "
@@ -234,6 +275,7 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
         if parent not in path:  # only direct children of the path; deeper modules travel with them
             continue
         (extras if _has_params(module) else shared).append(fqn)
+    after, unknown, reason = _run_after_layers(hf_model, base, roles["layers"], extras)
 
     def full(fqn: str | None) -> str | None:
         return None if fqn is None else _join(prefix, fqn)
@@ -245,6 +287,94 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
         embed=full(roles.get("embed")),
         norm=full(roles.get("norm")),
         head=full(roles.get("head")),
-        first_extras=tuple(_join(prefix, f) for f in extras),
+        first_extras=tuple(_join(prefix, f) for f in extras if f not in after and f not in unknown),
+        last_extras=tuple(_join(prefix, f) for f in extras if f in after),
+        unplaced=tuple(_join(prefix, f) for f in unknown),
+        unplaced_reason=reason,
         shared=tuple(_join(prefix, f) for f in shared),
     )
+
+
+class _PassThrough(nn.Module):
+    """A decoder layer's stand-in in `_run_after_layers`: returns its hidden-states input."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        for value in (*args, kwargs.get("hidden_states")):
+            if isinstance(value, torch.Tensor):
+                return value
+        raise TypeError("a decoder layer was called without its hidden states")
+
+
+def _call_log(base_module: nn.Module, layers: str, names: Sequence[str], layer_stand_ins: bool) -> list[str]:
+    """The order in which the base model's forward first calls the modules ``names`` and its layers.
+
+    One forward on a one-row batch of fake tensors (no compute, no memory) on the device of the
+    parameters, recorded by forward pre-hooks (removed again) on each module and its descendants (a
+    ``ModuleList`` of projections is called through its children). With ``layer_stand_ins`` the forward
+    runs on a shell copy of the base model whose layers are pass-throughs (expert routing, which fake
+    tensors cannot run, is skipped).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    log: list[str] = []
+    target = base_module
+    container = base_module.get_submodule(layers)
+    if layer_stand_ins:
+        target = copy.copy(base_module)
+        target._modules = dict(base_module._modules)
+        target._modules[layers] = nn.ModuleList(_PassThrough() for _ in container.children())
+        container = target._modules[layers]
+    first = next(iter(container.children()))
+    hooks = [first.register_forward_pre_hook(lambda *_: log.append(_LAYERS_MARK))]
+    for name in names:
+        for module in base_module.get_submodule(name).modules():
+            hooks.append(module.register_forward_pre_hook(lambda *_, n=name: log.append(n)))
+    param = next(base_module.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    try:
+        # Fake tensors: transformers skips its data-dependent checks (padding, packing) on them.
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            type(base_module).forward(target, input_ids=torch.zeros(1, 8, dtype=torch.long, device=device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return log
+
+
+def _run_after_layers(
+    hf_model: nn.Module, base: str, layers: str, extras: Sequence[str]
+) -> tuple[set[str], list[str], str]:
+    """Which of ``extras`` the model's forward calls after its layers (they go to the last stage).
+
+    Extras inside the base model are placed by one fake-tensor forward (`_call_log`: with the real
+    layers, else with pass-through layers); extras outside it (children of the causal-LM wrapper) run
+    after it.
+
+    Returns:
+        ``(after, unknown, why)``: the extras called after the layers; those whose order is unknown
+        because the forward does not run on fake tensors (a guess could skip them silently), and why.
+    """
+    inside = [f for f in extras if f.rpartition(".")[0] == base]
+    outside = {f for f in extras if f not in inside}
+    if not inside:
+        return outside, [], ""
+    base_module = hf_model.get_submodule(base) if base else hf_model
+    relative = layers[len(base) + 1 :] if base else layers
+    names = [f.rpartition(".")[2] for f in inside]
+    errors = []
+    for layer_stand_ins in (False, True):
+        try:
+            log = _call_log(base_module, relative, names, layer_stand_ins)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        if _LAYERS_MARK in log:
+            after = log[log.index(_LAYERS_MARK) + 1 :]
+            before = log[: log.index(_LAYERS_MARK)]
+            placed = {f for f, n in zip(inside, names, strict=True) if n in after and n not in before}
+            return outside | placed, [], ""
+    why = f"the forward of {type(base_module).__name__} does not run on fake tensors ({'; '.join(errors)})"
+    return outside, inside, why[:400]
+
+
+_LAYERS_MARK = "<layers>"

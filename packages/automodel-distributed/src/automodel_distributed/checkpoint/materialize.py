@@ -25,8 +25,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel_distributed.checkpoint.buffers import reinitialize_non_persistent_buffers
-from automodel_distributed.checkpoint.keys import DEFAULT_KEY_RULES, KeyRules, collect_tensor_slots
+from automodel_distributed.checkpoint.buffers import (
+    assign_buffer,
+    fresh_buffers,
+    reinitialize_non_persistent_buffers,
+)
+from automodel_distributed.checkpoint.keys import (
+    DEFAULT_KEY_RULES,
+    KeyRules,
+    TensorSlot,
+    collect_tensor_slots,
+)
 
 __all__ = [
     "LORA_INIT_METHODS",
@@ -154,9 +163,14 @@ _WRAPPER_ATTRIBUTES: tuple[str, ...] = ("_orig_mod", "module")
 
 def _hf_model(model: nn.Module) -> nn.Module | None:
     """The transformers model inside ``model`` (through peft, compile and DDP wrappers), if any."""
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
     current: nn.Module = model
     for _ in range(8):  # wrappers nest a few levels at most
-        if callable(getattr(current, "initialize_weights", None)):
+        # peft's wrappers forward attribute lookups (initialize_weights too) to the model they wrap.
+        if isinstance(pretrained, type) and isinstance(current, pretrained):
+            return current
+        if pretrained is None and callable(getattr(current, "initialize_weights", None)):
             return current
         get_base = getattr(current, "get_base_model", None)  # peft
         inner = get_base() if callable(get_base) else None
@@ -303,20 +317,47 @@ def initialize_model_weights(
     materialize_meta_tensors(model, device, rules)
     skip = set(skip_keys)
     slots = collect_tensor_slots(model, rules, include_adapters=True)
-    pending = [s.tensor for s in slots if needs_init(s.tensor) and not skip.intersection(s.keys)]
+    pending = [s for s in slots if needs_init(s.tensor) and not skip.intersection(s.keys)]
+    pending = _init_buffers_as_built(model, pending)
     if pending:
+        tensors = [s.tensor for s in pending]
         hf = _hf_model(model)
         with torch.no_grad():
             if hf is not None:
-                _run_hf_init(hf, pending)
-                for t in pending:
-                    _mark(t, False)
+                versions = {id(t): t._version for t in tensors}
+                _run_hf_init(hf, tensors)
+                for slot in pending:
+                    # transformers' _init_weights covers every parameter; a buffer it did not write keeps
+                    # its mark, so verify_materialized names it instead of training on garbage.
+                    if slot.is_param or slot.tensor._version != versions[id(slot.tensor)]:
+                        _mark(slot.tensor, False)
             else:
-                _run_torch_init(model, pending)
-        _init_lora(model, peft_init_method, {id(t) for t in pending})
+                _run_torch_init(model, tensors)
+        _init_lora(model, peft_init_method, {id(t) for t in tensors})
     reinitialize_non_persistent_buffers(model, None)
     retie_weights(model)
     return model
+
+
+def _init_buffers_as_built(model: nn.Module, pending: list[TensorSlot]) -> list[TensorSlot]:
+    """Give pending persistent buffers the values a fresh construction of the model computes.
+
+    Returns the slots still pending (parameters, and buffers the fresh model does not have).
+    """
+    if all(slot.is_param for slot in pending):
+        return pending
+    fresh = fresh_buffers(model)
+    left: list[TensorSlot] = []
+    for slot in pending:
+        value = None if slot.is_param else next((fresh[k] for k in slot.keys if k in fresh), None)
+        if value is None or value.shape != slot.tensor.shape:
+            left.append(slot)
+            continue
+        first, name = slot.owners[0]
+        assign_buffer(first, name, value, slot.tensor.device)
+        for module, other in slot.owners[1:]:  # one tensor shared by every owner, as before
+            module._buffers[other] = first._buffers[name]
+    return left
 
 
 def retie_weights(model: nn.Module) -> list[str]:
