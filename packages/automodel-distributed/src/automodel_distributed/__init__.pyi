@@ -25,7 +25,6 @@ from .checkpoint import (
     retie_weights,
     save_distributed_checkpoint,
     save_hf_checkpoint,
-    save_peft_adapters,
     verify_materialized,
 )
 from .config import (
@@ -77,6 +76,5 @@ __all__ = [
     "retie_weights",
     "save_distributed_checkpoint",
     "save_hf_checkpoint",
-    "save_peft_adapters",
     "verify_materialized",
 ]

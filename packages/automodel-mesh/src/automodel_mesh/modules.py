@@ -1,21 +1,54 @@
-"""Module-tree helpers every automodel package shares (one home for them; torch only, read-only).
+"""Module-tree and tensor helpers every automodel package shares (one home for them; torch only).
 
 Wrappers change module and parameter names without changing the weights: activation checkpointing
 inserts ``_checkpoint_wrapped_module.``, ``torch.compile`` ``_orig_mod.``, FSDP1 ``_fsdp_wrapped_module.``
-(`WRAPPER_SEGMENTS`). peft wraps a transformers model behind ``get_base_model()`` (`find_hf_model`).
-Nothing here mutates a module.
+(`WRAPPER_SEGMENTS`). peft wraps a transformers model behind ``get_base_model()`` (`find_hf_model`) and
+keeps LoRA weights in sub-modules named as in `ADAPTER_SEGMENTS`: the one rule, for every package, of
+which parameters are adapters (automodel-peft owns what is done with them). Nothing here mutates a module.
 """
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING, TypeGuard
+
 from torch import nn
 
-__all__ = ["WRAPPER_SEGMENTS", "find_hf_model", "fqn_of", "join_fqn", "strip_wrapper_segments", "unwrap"]
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "ADAPTER_SEGMENTS",
+    "WRAPPER_SEGMENTS",
+    "find_hf_model",
+    "fqn_of",
+    "is_adapter_fqn",
+    "is_dtensor",
+    "join_fqn",
+    "output_head_fqns",
+    "strip_wrapper_segments",
+    "unwrap",
+]
 
 WRAPPER_SEGMENTS: tuple[str, ...] = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 """Dotted name components that wrappers insert between a module and its parent: torch's
 ``checkpoint_wrapper``, ``torch.compile`` (``OptimizedModule``) and FSDP1. Every package that compares
 names across wrapped and unwrapped models removes exactly these."""
+
+ADAPTER_SEGMENTS: tuple[str, ...] = (
+    "lora_A",
+    "lora_B",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+)
+"""The sub-modules that hold a peft LoRA layer's adapter weights: exactly what peft declares as
+``LoraLayer.adapter_layer_names`` (automodel-peft's tests check the two agree)."""
+
+
+def is_adapter_fqn(fqn: str) -> bool:
+    """Whether a parameter or module name lies inside a LoRA adapter (``...q_proj.lora_A.default.weight``)."""
+    return any(part in ADAPTER_SEGMENTS for part in fqn.split("."))
 
 
 def strip_wrapper_segments(fqn: str) -> str:
@@ -73,3 +106,26 @@ def find_hf_model(model: nn.Module) -> tuple[str, nn.Module]:
         if path is None:
             return prefix, current
         prefix, current = join_fqn(prefix, path), inner
+
+
+def output_head_fqns(model: nn.Module) -> set[str]:
+    """Every name of the output head: ``get_output_embeddings()``, else the modules named ``lm_head``."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = None
+    if callable(get_head):
+        try:
+            head = get_head()
+        except (AttributeError, NotImplementedError):  # models without a head
+            head = None
+    found = {fqn for fqn, m in model.named_modules() if head is not None and m is head}
+    return found or {fqn for fqn, _ in model.named_modules() if fqn.rpartition(".")[2] == "lm_head"}
+
+
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is a ``DTensor``, without importing ``torch.distributed.tensor``.
+
+    That import costs seconds; if nothing imported it yet, nothing can be a DTensor, so single-process
+    code paths never pay for it.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)

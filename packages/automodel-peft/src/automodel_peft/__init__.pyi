@@ -3,6 +3,7 @@
 from ._names import hf_checkpoint_key
 from .apply import (
     AdapterState,
+    adapter_initializer,
     apply_lora,
     apply_lora_to_linear_modules,
     freeze_base,
@@ -28,6 +29,7 @@ __all__ = [
     "ModuleMatcher",
     "PeftConfig",
     "__version__",
+    "adapter_initializer",
     "adapter_state_dict",
     "apply_lora",
     "apply_lora_to_linear_modules",
