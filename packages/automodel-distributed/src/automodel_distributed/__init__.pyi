@@ -38,6 +38,7 @@ from .ddp import DDPManager
 from .fsdp2 import FSDP2Manager
 from .loss import MaskedCrossEntropy
 from .megatron_fsdp import MegatronFSDPManager
+from .strategy import NoStrategy, StrategyManager, as_strategy
 
 __version__: str
 
@@ -59,7 +60,10 @@ __all__ = [
     "MaskedCrossEntropy",
     "MegatronFSDPConfig",
     "MegatronFSDPManager",
+    "NoStrategy",
+    "StrategyManager",
     "__version__",
+    "as_strategy",
     "check_hf_checkpoint",
     "checkpoint_key",
     "initialize_model_weights",

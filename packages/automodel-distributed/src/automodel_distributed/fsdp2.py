@@ -188,8 +188,9 @@ def _enclosing_reshard(unit: FSDPUnitPlan, dense: Sequence[FSDPUnitPlan]) -> boo
 def _divide_gradients(module: FSDPModule, factor: float, mesh: DeviceMesh) -> None:
     module.set_gradient_divide_factor(factor)
     # A divide factor other than the group size needs PREMUL_SUM, which only NCCL has: elsewhere (gloo)
-    # FSDP sums and divides the gradient itself.
-    if dist.get_backend(mesh.get_group()) != "nccl":
+    # FSDP sums and divides the gradient itself. A one-rank mesh runs no collective (FSDP divides once
+    # itself; forcing the sum there would divide twice).
+    if mesh.size() > 1 and dist.get_backend(mesh.get_group()) != "nccl":
         module.set_force_sum_reduction_for_comms(True)
 
 

@@ -8,15 +8,12 @@ The functions live in `automodel_infra.infrastructure`, which imports ``torch.di
 strategy managers; they are loaded on first access so that ``import automodel_infra`` stays cheap.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
 import lazy_loader
 
-# The names of __init__.pyi (what type checkers read) are loaded on first attribute access (SPEC 1).
+from automodel_mesh.version import installed_version
+
+# The names of __init__.pyi (what type checkers read) load on first access (SPEC 1).
 __getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
 __all__ += ["__version__"]
 
-try:
-    __version__ = version("automodel-infra")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-    __version__ = "0.0.0"
+__version__ = installed_version("automodel-infra")

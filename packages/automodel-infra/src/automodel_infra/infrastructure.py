@@ -610,27 +610,28 @@ def apply_model_infrastructure(
 ) -> Any:
     """Apply sharding, PEFT, quantization, and checkpoint loading to a model.
 
-    The steps, in order (docs/concepts.md gives the reasons):
+    The steps, in order (docs/concepts.md gives the reasons); each is one call, into the strategy
+    manager's `StrategyManager` methods (`NoStrategy` without one), `automodel_peft`, or a leaf function:
 
     0. Check every argument, and the checkpoint against the unsharded model (files, keys, shapes; from
        metadata), before anything is modified or communicated.
     1. LoRA adapters, then FP8, then QAT (`_apply_peft_and_lower_precision`; on meta when the model is);
        with ``cp_size > 1``, the context-parallel attention hooks
        (`automodel_distributed.context_parallel.apply_context_parallel`).
-    2. If nothing will be sharded and there are no adapters (single device), or the strategy
-       replicates real tensors (DDP): materialise and load the checkpoint now.
-    3. With PEFT, freeze everything but the adapters (before DDP decides which parameters get
-       gradients). Loss fallback: `MaskedCrossEntropy` when ``loss_fn`` is None or the model cannot
-       compute logits for a subset of positions (no ``logits_to_keep``); the loss only matters under
-       pipelining.
-    4. Shard: the pipeline split with each stage parallelized (`_shard_pp`), else EP + FSDP or the
-       manager's ``parallelize`` (`_shard_ep_fsdp`).
-    5. Compile: per transformer block in place under FSDP2 (``FSDP2Config.enable_compile`` or
-       ``compile_config``), the whole model otherwise.
-    6. Materialise the meta parameters on each rank's shards and load the checkpoint straight into
-       them (each rank reads only its slices); initialise what the checkpoint does not hold (adapters).
+    2. `StrategyManager.loads_before_sharding`: if nothing will be sharded and there are no adapters
+       (single device), or the strategy replicates real tensors (DDP), materialise and load now.
+    3. With PEFT, ``automodel_peft.freeze_base`` (before DDP decides which parameters get gradients).
+       ``loss_fn=None`` becomes `MaskedCrossEntropy` (a given loss is kept); the loss only matters
+       under pipelining.
+    4. Shard: the pipeline split with each stage parallelized (`_shard_pp`), else ``parallelize_fn``
+       (the manager with its expert step under EP) or `StrategyManager.shard` (`_shard_ep_fsdp`).
+    5. `StrategyManager.compile`: per transformer block in place under FSDP2 and for pipeline stages
+       (``FSDP2Config.enable_compile`` or ``compile_config``), the whole model otherwise.
+    6. Materialise the meta parameters on each rank's shards (`StrategyManager.init_device`) and load
+       the checkpoint straight into them (each rank reads only its slices); the adapters' owner
+       initialises them once the base weights are final (``automodel_peft.adapter_initializer``).
     7. With PEFT, freeze everything but the adapters again (parameters created while sharding or
-       loading start trainable); move an unsharded model to ``device``.
+       loading start trainable); `StrategyManager.place` moves an unsharded model to ``device``.
 
     Preconditions: the process group and the mesh exist (`MeshContext.build`); every rank calls this
     with the same arguments. Collectives: those of sharding (mesh axes of the strategy) and of loading
@@ -648,7 +649,7 @@ def apply_model_infrastructure(
         quantization_config: Quantized base weights for QLoRA. Default: None
         fp8_config: FP8 configuration. Default: None
         qat_quantizer: QAT quantizer instance. Default: None
-        loss_fn: Loss function for the last pipeline stage (may be replaced with MaskedCrossEntropy).
+        loss_fn: Loss function for the last pipeline stage (None: MaskedCrossEntropy).
         autopipeline: AutoPipeline instance for pipeline parallelism. Default: None
         parallelize_fn: Function to apply parallelization (EP + FSDP2). Default: None
         compile_config: Compilation configuration (`automodel_distributed.CompileConfig`). Default: None

@@ -7,21 +7,17 @@ convenience): they convert transformers' per-expert on-disk layout to and from t
 experts, and each rank reads only the experts and slices it holds.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
 import lazy_loader
 
+from automodel_mesh.version import installed_version
 from automodel_moe.config import MoEParallelizerConfig as MoEParallelizerConfig
 from automodel_moe.registry import MOE_FAMILIES as MOE_FAMILIES
 from automodel_moe.registry import MoEFamily as MoEFamily
 from automodel_moe.registry import find_moe_family as find_moe_family
 from automodel_moe.registry import register_moe_family as register_moe_family
 
-# The names of __init__.pyi (what type checkers read) are loaded on first attribute access (SPEC 1).
+# The names of __init__.pyi (what type checkers read) load on first access (SPEC 1).
 __getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
 __all__ += ["__version__"]
 
-try:
-    __version__ = version("automodel-moe")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-    __version__ = "0.0.0"
+__version__ = installed_version("automodel-moe")

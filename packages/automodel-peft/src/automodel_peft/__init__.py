@@ -9,18 +9,14 @@
 first access, so ``import automodel_peft`` costs about as much as ``import torch``.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
 import lazy_loader
 
+from automodel_mesh.version import installed_version
 from automodel_peft._names import hf_checkpoint_key as hf_checkpoint_key
 from automodel_peft.config import PeftConfig as PeftConfig
 
-# The names of __init__.pyi (what type checkers read) are loaded on first attribute access (SPEC 1).
+# The names of __init__.pyi (what type checkers read) load on first access (SPEC 1).
 __getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
 __all__ += ["__version__"]
 
-try:
-    __version__ = version("automodel-peft")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-    __version__ = "0.0.0"
+__version__ = installed_version("automodel-peft")
