@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from _launch import launch
+from bench_checkpoint_load import MiB, _reset_peak, _status
 
-MiB = 2**20
 READERS = ("ours", "safe_open", "dcp-hf")
 MODELS: dict[str, dict[str, Any]] = {
     "small": {  # the 124.7M Llama of bench_checkpoint_load.py
@@ -64,20 +64,6 @@ MODELS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
 
 
 def write_checkpoint(folder: Path, overrides: dict[str, Any]) -> tuple[Path, int]:
