@@ -27,6 +27,7 @@ from torch import nn
 
 from automodel_distributed.checkpoint.convert import built_class
 from automodel_distributed.checkpoint.keys import DEFAULT_KEY_RULES, KeyRules, checkpoint_key
+from automodel_mesh.modules import find_hf_model, unwrap
 
 __all__ = [
     "BufferInitializer",
@@ -103,10 +104,8 @@ def fresh_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
         Checkpoint key -> buffer (on CPU; shared with the cache: copy before writing into it), or ``{}``
         when ``model`` holds no transformers model.
     """
-    from automodel_distributed.checkpoint.materialize import _hf_model
-
-    hf = _hf_model(model)
-    if hf is None or not callable(getattr(getattr(hf, "config", None), "to_json_string", None)):
+    _, hf = find_hf_model(unwrap(model))
+    if not callable(getattr(getattr(hf, "config", None), "to_json_string", None)):
         return {}
     return _fresh_construction(hf)
 
