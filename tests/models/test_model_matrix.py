@@ -30,6 +30,8 @@ import contextlib
 import json
 import os
 import pathlib
+import subprocess
+import tempfile
 import time
 import traceback
 import warnings
@@ -41,9 +43,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from automodel_testing import run_distributed
+from automodel_testing import DistributedRunError, run_distributed
 
-ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.2
+ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.1
 ATOL = 1e-5
 """fp32 tolerance of logits, losses and the gradient norm (observed differences are ~1e-7)."""
 REPORT_ENV = "AUTOMODEL_MODEL_MATRIX_REPORT"
@@ -307,7 +309,35 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
             pretrained_model_name_or_path=path,
         )
     except ValueError as exc:
-        return {"status": "refused", "message": f"{type(exc).__name__}: {exc}"}
+        return _refusal(exc)
+    try:
+        return _train(layout, ctx, axes, result, batch, local, rows, loss_fn, path)
+    except ValueError as exc:  # a refusal that depends on the batch (a sequence longer than a window)
+        return _refusal(exc)
+
+
+def _refusal(exc: ValueError) -> dict[str, Any]:
+    """A refusal is a ValueError that automodel raised; any other exception is a failure."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or "automodel_" not in frames[-1].filename:
+        raise exc
+    return {"status": "refused", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def _train(
+    layout: Layout,
+    ctx: Any,
+    axes: _Axes,
+    result: Any,
+    batch: dict[str, torch.Tensor],
+    local: dict[str, torch.Tensor],
+    rows: slice,
+    loss_fn: _CapturingLoss,
+    path: str,
+) -> dict[str, Any]:
+    tokens = ROWS * SEQ
+    denominator = tokens / axes.averaging_ranks
+    pipelined = layout.pp_schedule is not None
     parts = list(result.parts) if pipelined else [result]
     ref = _reference(path, layout.lora)
     if layout.lora:
@@ -382,7 +412,8 @@ def _forward_backward(
                 "shift_labels": local["labels"],
             }
         )
-        with context_parallel_region(ctx, prepared) as shard:
+        # CPU meshes run torch's ring attention through the explicit CPU kernel switch.
+        with context_parallel_region(ctx, prepared, cpu_ring_attention=ctx.device_type == "cpu") as shard:
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
             loss_sum = _token_sum(logits, shard["shift_labels"])
             (loss_sum / denominator).backward()
@@ -394,13 +425,18 @@ def _forward_backward(
     return loss_sum.detach(), to_full(logits).float()
 
 
-def run_layout(layout_name: str, checkpoints: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Every family of ``checkpoints`` under one layout, on this rank (called on every rank)."""
+def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> None:
+    """Every family of ``checkpoints`` under one layout, on this rank (called on every rank).
+
+    Each result goes to ``progress/rank<r>.jsonl`` as soon as it is known. A family that raises (anything
+    but a refusal) may leave the process group out of step (a pipeline peer waiting for a send that
+    never comes), so the launch stops there; the parent launches again for the families left.
+    """
     from automodel_mesh import MeshContext, ParallelismSizes
 
     layout = LAYOUTS[layout_name]
-    results: dict[str, dict[str, Any]] = {}
-    with _quiet():
+    out = pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl"
+    with _quiet(), out.open("a", encoding="utf-8") as log:
         ctx = MeshContext.build(_strategy(layout), ParallelismSizes(**layout.sizes))
         for model_type, path in checkpoints.items():
             start = time.perf_counter()
@@ -413,9 +449,11 @@ def run_layout(layout_name: str, checkpoints: dict[str, str]) -> dict[str, dict[
                     "traceback": traceback.format_exc()[-3000:],
                 }
             result["seconds"] = round(time.perf_counter() - start, 2)
-            results[model_type] = result
+            log.write(json.dumps({"family": model_type, **result}) + "\n")
+            log.flush()
+            if "traceback" in result:
+                raise RuntimeError(f"{model_type} failed under {layout_name}; relaunching for the rest")
             dist.barrier()
-    return results
 
 
 # ------------------------------------------------------------------------------------ parent side
@@ -455,13 +493,54 @@ def merge(family: str, layout: str, per_rank: list[dict[str, Any]]) -> Row:
     return row
 
 
+def _progress(folder: pathlib.Path, world_size: int) -> dict[str, list[dict[str, Any]]]:
+    """Family -> the results of the ranks that recorded one."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for rank in range(world_size):
+        path = folder / f"rank{rank}.jsonl"
+        for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+            item = json.loads(line)
+            found.setdefault(item.pop("family"), []).append(item)
+    return found
+
+
 def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
-    """One launch of ``layout_name`` over ``checkpoints``; one merged row per family."""
+    """``layout_name`` over ``checkpoints``, one merged row per family.
+
+    One launch runs every family; when a family fails with an exception (or a rank dies or hangs), the
+    launch stops, that family is a failure, and a new launch runs the families after it.
+    """
     layout = LAYOUTS[layout_name]
-    per_rank = run_distributed(
-        run_layout, layout.world_size, layout_name, checkpoints, timeout_s=3600, pg_timeout_s=120
-    )
-    return [merge(family, layout_name, [r[family] for r in per_rank]) for family in checkpoints]
+    rows: dict[str, Row] = {}
+    left = dict(checkpoints)
+    with tempfile.TemporaryDirectory(prefix=f"matrix-{layout_name}-") as tmp:
+        while left:
+            folder = pathlib.Path(tmp, str(len(rows)))
+            folder.mkdir()
+            error = ""
+            try:
+                run_distributed(
+                    run_layout,
+                    layout.world_size,
+                    layout_name,
+                    left,
+                    str(folder),
+                    timeout_s=3600,
+                    pg_timeout_s=60,
+                )
+            except DistributedRunError as exc:
+                error = str(exc)
+            done = _progress(folder, layout.world_size)
+            for family in left:
+                if len(done.get(family, [])) == layout.world_size:
+                    rows[family] = merge(family, layout_name, done[family])
+                    continue
+                # The family this launch stopped at: a rank raised, died or hung there.
+                recorded = "; ".join(r.get("message", "") for r in done.get(family, []))
+                rows[family] = Row(family, layout_name, "fails", f"{recorded}\n{error[-2500:]}".strip())
+                break
+            left = {f: p for f, p in left.items() if f not in rows}
+    return [rows[family] for family in checkpoints]
 
 
 def _assert_no_failure(rows: list[Row]) -> None:
@@ -501,7 +580,16 @@ def all_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str,
 
 @pytest.fixture(scope="module")
 def report() -> Iterator[dict[str, Any]]:
-    data: dict[str, Any] = {"layouts": {}, "rows": []}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    data: dict[str, Any] = {
+        "layouts": {},
+        "rows": [],
+        "commit": commit or "unknown",
+        "date": time.strftime("%Y-%m-%d"),
+        "load": "{:.1f} {:.1f} {:.1f}".format(*os.getloadavg()),
+    }
     yield data
     target = pathlib.Path(os.environ.get(REPORT_ENV, ROOT / "build" / "models" / "matrix.json"))
     target.parent.mkdir(parents=True, exist_ok=True)

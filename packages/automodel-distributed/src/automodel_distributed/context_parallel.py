@@ -165,7 +165,7 @@ def _strip_attention_mask(
         and isinstance(hidden, torch.Tensor)
         and hidden.shape[1] * active_cp_size > window
     ):
-        raise NotImplementedError(
+        raise ValueError(
             f"{type(module).__name__} uses sliding-window attention (window {window}) over a sequence of "
             f"{hidden.shape[1] * active_cp_size} tokens, which context parallelism does not support "
             "(ring attention is plainly causal); use sequences no longer than the window or cp_size=1"
@@ -179,7 +179,7 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
 
     Registers a forward pre-hook on the attention sub-module of every transformer block (found by the
     names in `ATTENTION_MODULE_NAMES`) that drops the ``attention_mask`` keyword while a CP region is open
-    (SDPA then runs with ``is_causal=True``), and that raises ``NotImplementedError`` for sliding-window
+    (SDPA then runs with ``is_causal=True``), and that raises ``ValueError`` for sliding-window
     attention over a sequence longer than the window. Outside a region the hooks do nothing. Idempotent.
 
     Preconditions: a transformers model with ``attn_implementation="sdpa"`` and causal attention.

@@ -114,7 +114,7 @@ def test_sliding_windows_shorter_than_the_sequence_are_refused() -> None:
         token = cp._ACTIVE_CP_SIZE.set(cp_size)
         try:
             if refused:
-                with pytest.raises(NotImplementedError, match=r"window 8.*16 tokens"):
+                with pytest.raises(ValueError, match=r"window 8.*16 tokens"):
                     model(**batch)
             else:
                 model(**batch)

@@ -10,10 +10,11 @@ its parameter names, except that an adapted linear's weight moves under peft's `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -194,11 +195,39 @@ def _check_fresh(model: nn.Module, adapter_name: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def _targets_as_given() -> Iterator[None]:
+    """Inject with the target modules as given, without peft's transformers-4 compatibility rewrite.
+
+    For MoE families whose experts transformers 5 fuses, peft rewrites targets named like transformers
+    4's expert projections (``gate_proj``, ``up_proj``, ``down_proj``, the router ``gate``) into the fused
+    expert parameters, so that adapters trained on transformers 4 still load. Our targets are resolved
+    against this model's own modules, so the rewrite would only drop planned linears of the dense layers
+    and shared experts (and add the fused experts): it is switched off for this call alone.
+    """
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # a peft without the rewrite
+        yield
+        return
+    original = conversion.convert_peft_config_for_transformers
+
+    def as_given(peft_config: Any, model: nn.Module, conversions: Any) -> None:
+        del peft_config, model, conversions
+
+    conversion.convert_peft_config_for_transformers = as_given
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
+
+
 def _inject(model: nn.Module, lora_config: Any, adapter_name: str, skip_freeze: bool) -> None:
     import peft
 
     saved = {name: p.requires_grad for name, p in model.named_parameters()} if skip_freeze else {}
-    peft.inject_adapter_in_model(lora_config, model, adapter_name=adapter_name)
+    with _targets_as_given():
+        peft.inject_adapter_in_model(lora_config, model, adapter_name=adapter_name)
     for name, param in model.named_parameters():
         before = saved.get(name, saved.get(hf_checkpoint_key(name)))  # a wrapped weight is now base_layer.*
         if before is not None and not is_adapter_name(name):

@@ -70,6 +70,8 @@ class ModuleMatcher:
 
     config: PeftConfig
     output_heads: frozenset[str] = frozenset()
+    left_out: frozenset[str] = frozenset()
+    """Names ``match_all_linear`` and exclude-mode also leave out: routers, and linears peft refuses."""
 
     def match(self, module: nn.Module, name: str) -> bool:
         """Whether the module called ``name`` gets an adapter (linears only; adapters never)."""
@@ -78,18 +80,62 @@ class ModuleMatcher:
             return False
         cfg = self.config
         if cfg.match_all_linear:
-            return fqn not in self.output_heads
+            return fqn not in self.output_heads and fqn not in self.left_out
         targets = _compile(cfg.target_modules)
         if targets is not None:
             return targets.fullmatch(fqn) is not None
         excludes = _compile(cfg.exclude_modules)
-        return fqn not in self.output_heads and (excludes is None or excludes.fullmatch(fqn) is None)
+        kept = excludes is None or excludes.fullmatch(fqn) is None
+        return fqn not in self.output_heads and fqn not in self.left_out and kept
+
+
+def _router_classes(model: nn.Module) -> tuple[type, ...]:
+    """The MoE router classes transformers declares (``_can_record_outputs["router_logits"]``).
+
+    A router is a linear that picks experts: an adapter on it changes which experts train, and routers
+    that return their logits with the scores (a tuple) cannot be wrapped at all.
+    """
+    found: set[type] = set()
+    for module in model.modules():
+        recorded = getattr(module, "_can_record_outputs", None) or {}
+        for key, value in dict(recorded).items():
+            if "router" not in str(key):
+                continue
+            target = getattr(value, "target_class", value)
+            if isinstance(target, type):
+                found.add(target)
+    return tuple(found)
+
+
+def _refused_by_peft(model: nn.Module, fqn: str) -> bool:
+    """Whether peft refuses an adapter on this linear for this model (its own per-architecture rule)."""
+    try:
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba as check
+    except ImportError:  # a peft without the rule
+        return False
+    import peft
+
+    try:
+        check(peft.LoraConfig(target_modules=[fqn]), model, fqn.rpartition(".")[2])
+    except ValueError:
+        return True
+    return False
 
 
 def resolve_target_modules(model: nn.Module, config: PeftConfig) -> list[str]:
     """The full names of the linears `apply_lora` adapts, in module order. Pure.
 
     Linears already wrapped by a LoRA layer are skipped (their ``base_layer`` is not adapted twice).
+    ``match_all_linear`` and exclude-mode also leave out the output head, the MoE routers transformers
+    declares, and the linears peft refuses for the model (Mamba's ``out_proj``); name them in
+    ``target_modules`` to get the head, or peft's own error for the others.
     """
-    matcher = ModuleMatcher(config, frozenset(output_head_names(model)))
+    routers = _router_classes(model)
+    left_out = frozenset(
+        clean_fqn(name)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and (isinstance(module, routers) or _refused_by_peft(model, clean_fqn(name)))
+    )
+    matcher = ModuleMatcher(config, frozenset(output_head_names(model)), left_out)
     return [clean_fqn(name) for name, module in model.named_modules() if matcher.match(module, name)]

@@ -5,23 +5,23 @@ The layout is read from what transformers declares: the model's ``_pp_plan`` (fu
 ``base_model_pp_plan`` (relative to ``base_model_prefix``), then ``get_output_embeddings()`` for the LM
 head. Models that declare neither fall back to the conventional names in `FALLBACK_NAMES`. Other modules
 with parameters beside the layers (learned position embeddings, input and output projections) go to the
-stage that runs them: the order is read from one forward of the base model on the meta device with its
-layers replaced by pass-throughs (`_call_order`). No model family is named here. Nothing is mutated
+stage that runs them: the order is read from one forward of the base model on fake tensors
+(`automodel_pipelining.probe`), which also tells whether stages can compute exactly what the model
+computes (`DecoderLayout.problems`). No model family is named here. Nothing is mutated
 (meta-device models work).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from automodel_mesh.modules import find_hf_model, fqn_of, join_fqn
+from automodel_pipelining.probe import LAYERS_MARK, probe_forward
 
 __all__ = [
     "FALLBACK_HEAD_NAMES",
@@ -70,6 +70,9 @@ class DecoderLayout:
     tensors); an automatic split refuses the model, an explicit one places them."""
     unplaced_reason: str = ""
     """Why their stage is unknown."""
+    problems: tuple[str, ...] = ()
+    """What keeps a stage from computing exactly what the model computes (the probe of
+    `automodel_pipelining.probe`); a pipeline refuses a model that has any."""
     shared: tuple[str, ...] = ()
     """Parameter-free modules every stage needs (rotary embeddings); each stage gets its own copy."""
 
@@ -248,7 +251,9 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
         if parent not in path:  # only direct children of the path; deeper modules travel with them
             continue
         (extras if _has_params(module) else shared).append(fqn)
-    after, unknown, reason = _run_after_layers(hf_model, base, roles["layers"], extras)
+    after, unknown, reason, problems = _probe_layout(
+        hf_model, base, roles["layers"], roles.get("embed"), roles.get("norm"), extras
+    )
 
     def full(fqn: str | None) -> str | None:
         return None if fqn is None else join_fqn(prefix, fqn)
@@ -264,90 +269,41 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
         last_extras=tuple(join_fqn(prefix, f) for f in extras if f in after),
         unplaced=tuple(join_fqn(prefix, f) for f in unknown),
         unplaced_reason=reason,
+        problems=tuple(problems),
         shared=tuple(join_fqn(prefix, f) for f in shared),
     )
 
 
-class _PassThrough(nn.Module):
-    """A decoder layer's stand-in in `_run_after_layers`: returns its hidden-states input."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        for value in (*args, kwargs.get("hidden_states")):
-            if isinstance(value, torch.Tensor):
-                return value
-        raise TypeError("a decoder layer was called without its hidden states")
-
-
-def _call_log(base_module: nn.Module, layers: str, names: Sequence[str], layer_stand_ins: bool) -> list[str]:
-    """The order in which the base model's forward first calls the modules ``names`` and its layers.
-
-    One forward on a one-row batch of fake tensors (no compute, no memory) on the device of the
-    parameters, recorded by forward pre-hooks (removed again) on each module and its descendants (a
-    ``ModuleList`` of projections is called through its children). With ``layer_stand_ins`` the forward
-    runs on a shell copy of the base model whose layers are pass-throughs (expert routing, which fake
-    tensors cannot run, is skipped).
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    log: list[str] = []
-    target = base_module
-    container = base_module.get_submodule(layers)
-    if layer_stand_ins:
-        target = copy.copy(base_module)
-        target._modules = dict(base_module._modules)
-        target._modules[layers] = nn.ModuleList(_PassThrough() for _ in container.children())
-        container = target._modules[layers]
-    first = next(iter(container.children()))
-    hooks = [first.register_forward_pre_hook(lambda *_: log.append(_LAYERS_MARK))]
-    for name in names:
-        for module in base_module.get_submodule(name).modules():
-            hooks.append(module.register_forward_pre_hook(lambda *_, n=name: log.append(n)))
-    param = next(base_module.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    try:
-        # Fake tensors: transformers skips its data-dependent checks (padding, packing) on them.
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            type(base_module).forward(target, input_ids=torch.zeros(1, 8, dtype=torch.long, device=device))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return log
-
-
-def _run_after_layers(
-    hf_model: nn.Module, base: str, layers: str, extras: Sequence[str]
-) -> tuple[set[str], list[str], str]:
-    """Which of ``extras`` the model's forward calls after its layers (they go to the last stage).
-
-    Extras inside the base model are placed by one fake-tensor forward (`_call_log`: with the real
-    layers, else with pass-through layers); extras outside it (children of the causal-LM wrapper) run
-    after it.
+def _probe_layout(
+    hf_model: nn.Module, base: str, layers: str, embed: str | None, norm: str | None, extras: Sequence[str]
+) -> tuple[set[str], list[str], str, list[str]]:
+    """Place ``extras`` and check the forward's chaining and isolation (`automodel_pipelining.probe`).
 
     Returns:
-        ``(after, unknown, why)``: the extras called after the layers; those whose order is unknown
-        because the forward does not run on fake tensors (a guess could skip them silently), and why.
+        ``(after, unknown, why, problems)``: the extras the forward calls after its layers (last stage;
+        extras outside the base model run after it); those whose order is unknown because the forward
+        does not run on fake tensors, and why; and what keeps a stage from computing exactly what the
+        model computes (empty when nothing does).
     """
     inside = [f for f in extras if f.rpartition(".")[0] == base]
     outside = {f for f in extras if f not in inside}
-    if not inside:
-        return outside, [], ""
     base_module = hf_model.get_submodule(base) if base else hf_model
-    relative = layers[len(base) + 1 :] if base else layers
-    names = [f.rpartition(".")[2] for f in inside]
-    errors = []
-    for layer_stand_ins in (False, True):
-        try:
-            log = _call_log(base_module, relative, names, layer_stand_ins)
-        except Exception as exc:
-            errors.append(f"{type(exc).__name__}: {exc}")
-            continue
-        if _LAYERS_MARK in log:
-            after = log[log.index(_LAYERS_MARK) + 1 :]
-            before = log[: log.index(_LAYERS_MARK)]
-            placed = {f for f, n in zip(inside, names, strict=True) if n in after and n not in before}
-            return outside | placed, [], ""
-    why = f"the forward of {type(base_module).__name__} does not run on fake tensors ({'; '.join(errors)})"
-    return outside, inside, why[:400]
 
+    def relative(fqn: str) -> str:
+        return fqn[len(base) + 1 :] if base else fqn
 
-_LAYERS_MARK = "<layers>"
+    watched = [relative(f) for f in inside]
+    if norm is not None and norm.rpartition(".")[0] == base:
+        watched.append(relative(norm))
+    probe, why = probe_forward(
+        base_module,
+        relative(layers),
+        embed=relative(embed) if embed is not None and embed.rpartition(".")[0] == base else None,
+        watched=watched,
+    )
+    if probe is None:
+        return outside, inside, why[:400], [why[:400]]
+    order = probe.order
+    cut = order.index(LAYERS_MARK) if LAYERS_MARK in order else len(order)
+    placed = {f for f in inside if relative(f) in order[cut + 1 :]}
+    return outside | placed, [], "", list(dict.fromkeys(probe.problems))

@@ -8,6 +8,7 @@ checkpoint loads into them, and move rather than copy the model's modules.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -156,6 +157,84 @@ def test_stages_back_to_back_reproduce_the_model(family: str) -> None:
         x = stage(x, position_ids=batch["position_ids"])
     expected = reference(input_ids=batch["input_ids"]).logits
     torch.testing.assert_close(x, expected, rtol=0, atol=1e-6)
+
+
+# One family per mechanism the stage forward gets from running the model's own forward: scaled embeddings and
+# soft-capped logits, per-layer sliding/global attention, an index-based layer loop, embedding/residual/logit
+# multipliers, learned positions and extras run before/after the layers, linear attention, state-space layers.
+OWN_FORWARD_FAMILIES = ("gemma2", "cohere2", "lfm2_moe", "granite", "opt", "biogpt", "qwen3_next", "mamba")
+
+
+@pytest.mark.parametrize("family", OWN_FORWARD_FAMILIES)
+def test_stages_compute_what_the_model_computes(family: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    config = derive_tiny_config(family)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.load_state_dict(reference.state_dict())
+    batch = make_batch(config.vocab_size, 2, 16)
+    with torch.no_grad():
+        expected = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        x = batch["input_ids"]
+        for stage in _stages(model, 3):
+            x = stage(x, position_ids=batch["position_ids"])
+    torch.testing.assert_close(x, expected, rtol=0, atol=1e-5)
+
+
+class _SideChannel(nn.Module):
+    """Every layer also gets the embeddings: a later stage could not have them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(8, 4)
+        self.layers = nn.ModuleList([_Mixer(), _Mixer()])
+
+    def forward(
+        self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None
+    ) -> Any:
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = embeds
+        for layer in self.layers:
+            hidden = layer(hidden, embeds)
+        return hidden
+
+
+class _Scaled(_SideChannel):
+    """Scales the hidden states between layers: a stage boundary would scale them twice."""
+
+    def forward(
+        self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None
+    ) -> Any:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            hidden = 2 * layer(hidden, None)
+        return hidden
+
+
+class _Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, hidden: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        return self.proj(hidden if extra is None else hidden + extra)
+
+
+@pytest.mark.parametrize(
+    ("model", "problem"),
+    [
+        (_SideChannel(), "layer 0 gets inputs computed from the embeddings"),
+        (_Scaled(), "changes the hidden states between layers 0 and 1"),
+    ],
+)
+def test_forwards_a_stage_cannot_reproduce_are_found(model: nn.Module, problem: str) -> None:
+    layout = resolve_decoder_layout(model)
+    assert any(problem in p for p in layout.problems), layout.problems
+    assert not resolve_decoder_layout(build_tiny_model("llama", meta=True)).problems
 
 
 def test_state_dict_keys_are_stable_and_checkpoints_load() -> None:

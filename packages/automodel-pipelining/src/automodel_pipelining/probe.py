@@ -1,0 +1,267 @@
+"""One forward of the base model on fake tensors: what a pipeline split needs to know about its code.
+
+A pipeline stage runs the model's own forward and hands only the hidden states of one layer to the next
+stage (`automodel_pipelining.stage_module`). That is exact when the model's forward has three
+properties, which `probe_forward` reads from one forward of the base model under ``FakeTensorMode`` (no
+compute, no memory, meta-device models included):
+
+- the order in which it calls the modules around its layers (an output projection runs after them, a
+  position embedding before), to place those modules on the first or the last stage;
+- *chaining*: each layer's hidden-states input is the previous layer's output, unchanged (nothing is
+  computed between two layers, which a stage boundary would compute twice);
+- *isolation*: no layer's other inputs, and no module after the layers, depend on the token ids, the
+  embeddings or an earlier layer's output other than through that chain (a later stage has no token
+  ids and recomputes the other inputs from a discarded zero embedding, so they must not carry
+  information).
+
+Data flow is traced with a ``TorchFunctionMode`` that labels tensors by what they were computed from:
+the token ids, the embedding's output, and each layer's output, which starts a new link of the chain
+(its labels are reset to that layer alone). Ops that read only a shape, a dtype or a device
+(``zeros_like``, ``new_empty``, ...) carry no label. The forward first runs with the real layers; models
+whose layers cannot run on fake tensors (data-dependent expert routing) run again with pass-through
+layers, which still shows what the forward hands to each layer.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+__all__ = ["ForwardProbe", "probe_forward"]
+
+LAYERS_MARK = "<layers>"
+_EMBEDDINGS = "the embeddings"
+_TOKEN_IDS = "the token ids"
+
+# Ops whose result depends on a tensor's shape, dtype or device only, never on its values.
+_VALUE_FREE = frozenset(
+    {
+        "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+        "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+        "size", "dim", "numel", "stride", "element_size", "is_floating_point", "is_complex",
+        "__len__", "get_device", "type",
+    }
+)  # fmt: skip
+
+# Ops whose other tensor arguments give only a dtype, a device or a shape: ``x.to(other)``.
+_SELF_ONLY = frozenset({"to", "type_as", "expand_as", "view_as", "reshape_as"})
+
+
+@dataclass
+class ForwardProbe:
+    """What one forward of the base model showed (see the module docstring)."""
+
+    order: list[str] = field(default_factory=list)
+    """Names of the watched modules and `LAYERS_MARK` (the first layer), in call order."""
+    problems: list[str] = field(default_factory=list)
+    """Why a stage could not compute exactly what the model computes (empty: it can)."""
+    with_layers: bool = True
+    """Whether the real layers ran (else pass-through stand-ins did: layer outputs were not traced)."""
+
+
+class _PassThrough(nn.Module):
+    """A decoder layer's stand-in: returns its hidden-states input."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        for value in (*args, kwargs.get("hidden_states")):
+            if isinstance(value, torch.Tensor):
+                return value
+        raise TypeError("a decoder layer was called without its hidden states")
+
+
+def _in_place(name: str) -> bool:
+    """``add_``, ``masked_fill_``, ``__iadd__``, ``__setitem__``: ops that write into their first argument."""
+    if name.startswith("__"):
+        return name.startswith("__i") or name == "__setitem__"
+    return name.endswith("_")
+
+
+class _Labels(TorchFunctionMode):
+    """Labels every tensor an op computes with the labels of the tensors it computed it from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels: dict[int, frozenset[str]] = {}
+        self._alive: list[torch.Tensor] = []  # keeps labelled tensors alive so their ids stay theirs
+
+    def of(self, value: Any) -> frozenset[str]:
+        found: set[str] = set()
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                found |= self.labels.get(id(leaf), frozenset())
+        return frozenset(found)
+
+    def set(self, value: Any, labels: Iterable[str]) -> None:
+        """Give every tensor of ``value`` exactly ``labels`` (a layer's output starts a new link)."""
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                self.labels[id(leaf)] = frozenset(labels)
+                self._alive.append(leaf)
+
+    def mark(self, value: Any, labels: Iterable[str]) -> None:
+        labels = frozenset(labels)
+        if not labels:
+            return
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                self.labels[id(leaf)] = self.labels.get(id(leaf), frozenset()) | labels
+                self._alive.append(leaf)
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name not in _VALUE_FREE:
+            labels = self.of(args[:1]) if name in _SELF_ONLY else self.of((args, kwargs))
+            self.mark(out, labels)
+            if _in_place(name) and args:  # the first argument now holds the result
+                self.mark(args[0], labels)
+        return out
+
+
+def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, list[Any]]:
+    """A layer call's hidden states and its other arguments."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0], [*args[1:], *kwargs.values()]
+    hidden = kwargs.get("hidden_states")
+    rest = [v for k, v in kwargs.items() if k != "hidden_states"]
+    return (hidden if isinstance(hidden, torch.Tensor) else None), [*args, *rest]
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return next((leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)), None)
+
+
+def _run(
+    base: nn.Module,
+    layers: str,
+    embed: str | None,
+    watched: Sequence[str],
+    with_layers: bool,
+) -> ForwardProbe:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    probe = ForwardProbe(with_layers=with_layers)
+    labels = _Labels()
+    target = base
+    container = base.get_submodule(layers)
+    if not with_layers:
+        target = copy.copy(base)
+        target._modules = dict(base._modules)
+        target._modules[layers] = nn.ModuleList(_PassThrough() for _ in container.children())
+        container = target._modules[layers]
+    children = list(container.children())
+    previous: list[torch.Tensor | None] = [None]
+    first_inputs: dict[str, frozenset[str]] = {}
+    hooks: list[Any] = []
+
+    def before_layer(index: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if index == 0:
+                probe.order.append(LAYERS_MARK)
+            hidden, rest = _hidden(args, kwargs)
+            if index > 0 and previous[0] is not None and hidden is not previous[0]:
+                probe.problems.append(
+                    f"the forward changes the hidden states between layers {index - 1} and {index} (a stage "
+                    "boundary there would apply that change twice)"
+                )
+            side = labels.of(rest)
+            if side:
+                probe.problems.append(
+                    f"layer {index} gets inputs computed from {', '.join(sorted(side))} besides its hidden "
+                    "states (a later stage would not have them)"
+                )
+
+        return hook
+
+    def after_layer(index: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            labels.set(output, {f"layer {index}'s output"})
+            previous[0] = _first_tensor(output)
+
+        return hook
+
+    def before_watched(name: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if name not in first_inputs:
+                probe.order.append(name)
+                first_inputs[name] = labels.of((args, kwargs))
+
+        return hook
+
+    for index, layer in enumerate(children):
+        hooks.append(layer.register_forward_pre_hook(before_layer(index), with_kwargs=True))
+        hooks.append(layer.register_forward_hook(after_layer(index)))
+    if embed is not None:
+        hooks.append(
+            base.get_submodule(embed).register_forward_hook(
+                lambda _m, _a, out: labels.set(out, {_EMBEDDINGS})
+            )
+        )
+    for name in watched:
+        for module in base.get_submodule(name).modules():  # a ModuleList is called through its children
+            hooks.append(module.register_forward_pre_hook(before_watched(name), with_kwargs=True))
+    param = next(base.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    try:
+        # Fake tensors: transformers skips its data-dependent checks (padding, packing) on them.
+        with FakeTensorMode(allow_non_fake_inputs=True), labels, torch.no_grad():
+            ids = torch.zeros(1, 8, dtype=torch.long, device=device)
+            labels.set(ids, {_TOKEN_IDS})
+            type(base).forward(target, input_ids=ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    last = f"layer {len(children) - 1}'s output"
+    if LAYERS_MARK in probe.order:
+        for name in probe.order[probe.order.index(LAYERS_MARK) + 1 :]:
+            extra = first_inputs[name] - {last}
+            if extra:
+                probe.problems.append(
+                    f"{name} (after the layers) gets inputs computed from {', '.join(sorted(extra))} besides "
+                    "the last layer's output"
+                )
+    else:
+        probe.problems.append("the forward did not call its first layer")
+    return probe
+
+
+def probe_forward(
+    base: nn.Module,
+    layers: str,
+    *,
+    embed: str | None,
+    watched: Sequence[str] = (),
+) -> tuple[ForwardProbe | None, str]:
+    """Run the base model's forward once on fake tensors and read what a pipeline split needs.
+
+    Args:
+        base: The base model (e.g. ``model.model``); not modified (hooks are removed again).
+        layers: The layer container, relative to ``base``.
+        embed: The input embedding, relative to ``base`` (its output starts the data-flow trace).
+        watched: Children of ``base`` whose first call is recorded in `ForwardProbe.order`; those the
+            forward calls after its layers must see nothing but the last layer's output.
+
+    Returns:
+        ``(probe, "")``, or ``(None, why)`` when the forward does not run on fake tensors.
+    """
+    errors = []
+    for with_layers in (True, False):
+        try:
+            return _run(base, layers, embed, watched, with_layers), ""
+        except Exception as exc:  # the forward cannot run this way; try the other, then give up
+            errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+    return None, f"the forward of {type(base).__name__} does not run on fake tensors ({'; '.join(errors)})"
