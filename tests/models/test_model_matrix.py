@@ -558,6 +558,7 @@ def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
     _assert_no_failure(run_matrix(layout_name, fast_checkpoints))
@@ -597,6 +598,7 @@ def report() -> Iterator[dict[str, Any]]:
 
 
 @pytest.mark.models
+@pytest.mark.timeout(3 * 3600)  # every family in one launch per layout (a failure relaunches for the rest)
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_full_matrix(
     layout_name: str, all_checkpoints: tuple[dict[str, str], dict[str, str]], report: dict[str, Any]

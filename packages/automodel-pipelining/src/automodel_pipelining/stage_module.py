@@ -100,18 +100,15 @@ class _LaterModule(nn.Module):
 
 
 class _OtherStageModule(nn.Module):
-    """Stands for a module with parameters another stage runs before the layers.
+    """Stands for a module with parameters that another stage runs before the layers.
 
-    Only the part of the forward whose result this stage discards calls it: it returns its first
-    floating-point tensor argument (a projection of the discarded embeddings), else a zero (a position
-    embedding added to them).
+    Only the part of the forward whose result this stage discards calls it (the earlier layers'
+    stand-ins hand the received activations on whatever it computed), so it returns a zero scalar, which
+    every shape accepts (a position embedding added to the discarded embeddings, a projection of them).
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """A value of a shape the discarded computation accepts."""
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                return value
+        """A zero that broadcasts to any shape."""
         return torch.zeros(())
 
 
@@ -123,6 +120,8 @@ class StageForwardSpec:
     """The base model, relative to the patched module (``""``: the patched module is the base model)."""
     run_outer: bool
     """Whether the last stage runs the patched module's own (causal-LM) forward rather than the base's."""
+    embed_dim: int | None
+    """Width of the input embedding's output (it can differ from the hidden size: OPT projects it in)."""
     stage_index: int
     num_stages: int
 
@@ -303,7 +302,8 @@ def _stage_forward(
     else:
         # What the model computes from its embeddings before the first layer is discarded: the
         # earlier layers' stand-ins hand the received activations to this stage's first own layer.
-        call["inputs_embeds"] = torch.zeros_like(x, requires_grad=False)
+        width = spec.embed_dim if spec.embed_dim is not None else x.shape[-1]
+        call["inputs_embeds"] = x.new_zeros((*x.shape[:-1], width))
         received.value = x
     target = self if spec.is_last and spec.run_outer else _child(self, spec.base)
     forward = type(target).forward
@@ -378,9 +378,12 @@ def build_stage_module(
         stage.register_forward_hook(_output_to_tensor_hook)
         return stage
     relative = layout.base if patched is stage else ""
+    embedding = model.get_submodule(layout.embed) if layout.embed is not None else None
+    weight = getattr(embedding, "weight", None)
     spec = StageForwardSpec(
         base=relative,
         run_outer=patched is not base_module,
+        embed_dim=int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
         stage_index=stage_index,
         num_stages=num_stages,
     )
