@@ -165,3 +165,28 @@ def test_a_mesh_without_a_cp_axis_is_rejected(tmp_path: pathlib.Path) -> None:
             pass  # even with one cp rank, so that raising cp_size later changes nothing
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("family", "refusal"),
+    [
+        ("llama", None),
+        ("qwen3_moe", None),
+        ("mamba", r"uses attn_implementation="),  # no attention at all
+        ("qwen3_next", r"layers of kind \['linear_attention'\]"),  # a scan over time beside attention
+        ("llama4_text", r"chunked_attention"),  # a mask ring attention cannot apply
+        ("gpt_oss", r"\['matmul'\] on activations"),  # attention with sinks is computed by hand
+    ],
+)
+def test_only_models_that_mix_positions_in_sdpa_alone_are_accepted(family: str, refusal: str | None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(derive_tiny_config(family))
+    if refusal is None:
+        assert apply_context_parallel(model) is model
+    else:
+        with pytest.raises(ValueError, match=refusal):
+            apply_context_parallel(model)

@@ -14,10 +14,9 @@ compute, no memory, meta-device models included):
   ids and recomputes the other inputs from a discarded zero embedding, so they must not carry
   information).
 
-Data flow is traced with a ``TorchFunctionMode`` that labels tensors by what they were computed from:
-the token ids, the embedding's output, and each layer's output, which starts a new link of the chain
-(its labels are reset to that layer alone). Ops that read only a shape, a dtype or a device
-(``zeros_like``, ``new_empty``, ...) carry no label. The forward first runs with the real layers; models
+Data flow is traced with `automodel_mesh.dataflow.DataFlow`, labelling tensors by what they were
+computed from: the token ids, the embedding's output, and each layer's output, which starts a new link
+of the chain (its labels are reset to that layer alone). The forward first runs with the real layers; models
 whose layers cannot run on fake tensors (data-dependent expert routing) run again with pass-through
 layers, which still shows what the forward hands to each layer.
 """
@@ -25,33 +24,21 @@ layers, which still shows what the forward hands to each layer.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+
+from automodel_mesh.dataflow import DataFlow, fake_forward
 
 __all__ = ["ForwardProbe", "probe_forward"]
 
 LAYERS_MARK = "<layers>"
 _EMBEDDINGS = "the embeddings"
 _TOKEN_IDS = "the token ids"
-
-# Ops whose result depends on a tensor's shape, dtype or device only, never on its values.
-_VALUE_FREE = frozenset(
-    {
-        "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
-        "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
-        "size", "dim", "numel", "stride", "element_size", "is_floating_point", "is_complex",
-        "__len__", "get_device", "type",
-    }
-)  # fmt: skip
-
-# Ops whose other tensor arguments give only a dtype, a device or a shape: ``x.to(other)``.
-_SELF_ONLY = frozenset({"to", "type_as", "expand_as", "view_as", "reshape_as"})
 
 
 @dataclass
@@ -74,58 +61,6 @@ class _PassThrough(nn.Module):
             if isinstance(value, torch.Tensor):
                 return value
         raise TypeError("a decoder layer was called without its hidden states")
-
-
-def _in_place(name: str) -> bool:
-    """``add_``, ``masked_fill_``, ``__iadd__``, ``__setitem__``: ops that write into their first argument."""
-    if name.startswith("__"):
-        return name.startswith("__i") or name == "__setitem__"
-    return name.endswith("_")
-
-
-class _Labels(TorchFunctionMode):
-    """Labels every tensor an op computes with the labels of the tensors it computed it from."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.labels: dict[int, frozenset[str]] = {}
-        self._alive: list[torch.Tensor] = []  # keeps labelled tensors alive so their ids stay theirs
-
-    def of(self, value: Any) -> frozenset[str]:
-        found: set[str] = set()
-        for leaf in pytree.tree_leaves(value):
-            if isinstance(leaf, torch.Tensor):
-                found |= self.labels.get(id(leaf), frozenset())
-        return frozenset(found)
-
-    def set(self, value: Any, labels: Iterable[str]) -> None:
-        """Give every tensor of ``value`` exactly ``labels`` (a layer's output starts a new link)."""
-        for leaf in pytree.tree_leaves(value):
-            if isinstance(leaf, torch.Tensor):
-                self.labels[id(leaf)] = frozenset(labels)
-                self._alive.append(leaf)
-
-    def mark(self, value: Any, labels: Iterable[str]) -> None:
-        labels = frozenset(labels)
-        if not labels:
-            return
-        for leaf in pytree.tree_leaves(value):
-            if isinstance(leaf, torch.Tensor):
-                self.labels[id(leaf)] = self.labels.get(id(leaf), frozenset()) | labels
-                self._alive.append(leaf)
-
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        if name not in _VALUE_FREE:
-            labels = self.of(args[:1]) if name in _SELF_ONLY else self.of((args, kwargs))
-            self.mark(out, labels)
-            if _in_place(name) and args:  # the first argument now holds the result
-                self.mark(args[0], labels)
-        return out
 
 
 def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, list[Any]]:
@@ -152,10 +87,8 @@ def _run(
     watched: Sequence[str],
     with_layers: bool,
 ) -> ForwardProbe:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     probe = ForwardProbe(with_layers=with_layers)
-    labels = _Labels()
+    labels = DataFlow()
     target = base
     container = base.get_submodule(layers)
     if not with_layers:
@@ -178,7 +111,7 @@ def _run(
                     f"the forward changes the hidden states between layers {index - 1} and {index} (a stage "
                     "boundary there would apply that change twice)"
                 )
-            side = labels.of(rest)
+            side = labels.labels_of(rest)
             if side:
                 probe.problems.append(
                     f"layer {index} gets inputs computed from {', '.join(sorted(side))} besides its hidden "
@@ -198,7 +131,7 @@ def _run(
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if name not in first_inputs:
                 probe.order.append(name)
-                first_inputs[name] = labels.of((args, kwargs))
+                first_inputs[name] = labels.labels_of((args, kwargs))
 
         return hook
 
@@ -217,8 +150,7 @@ def _run(
     param = next(base.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     try:
-        # Fake tensors: transformers skips its data-dependent checks (padding, packing) on them.
-        with FakeTensorMode(allow_non_fake_inputs=True), labels, torch.no_grad():
+        with fake_forward(labels):
             ids = torch.zeros(1, 8, dtype=torch.long, device=device)
             labels.set(ids, {_TOKEN_IDS})
             type(base).forward(target, input_ids=ids)
