@@ -175,7 +175,6 @@ def test_a_mesh_without_a_cp_axis_is_rejected(tmp_path: pathlib.Path) -> None:
         ("mamba", r"uses attn_implementation="),  # no attention at all
         ("qwen3_next", r"layers of kind \['linear_attention'\]"),  # a scan over time beside attention
         ("llama4_text", r"chunked_attention"),  # a mask ring attention cannot apply
-        ("gpt_oss", r"\['matmul'\] on activations"),  # attention with sinks is computed by hand
     ],
 )
 def test_only_models_that_mix_positions_in_sdpa_alone_are_accepted(family: str, refusal: str | None) -> None:
@@ -190,3 +189,15 @@ def test_only_models_that_mix_positions_in_sdpa_alone_are_accepted(family: str, 
     else:
         with pytest.raises(ValueError, match=refusal):
             apply_context_parallel(model)
+
+
+def test_attention_computed_by_hand_is_found_whatever_the_config_says() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_distributed.context_parallel import _check_positions_mix_only_in_sdpa
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):  # GPT-OSS's attention sinks: scores computed with matmul, outside SDPA
+        model = AutoModelForCausalLM.from_config(derive_tiny_config("gpt_oss"))
+    with pytest.raises(ValueError, match=r"\['matmul'\] on activations"):
+        _check_positions_mix_only_in_sdpa(model)
