@@ -27,6 +27,7 @@ from automodel_distributed.tensor_parallel import (
     translate_hf_tp_plan,
 )
 from automodel_distributed.tensor_parallel import registry as tp_registry
+from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock
 from automodel_testing import build_tiny_model
 
 # ----------------------------------------------------------------------------- toy models
@@ -114,7 +115,7 @@ def _isolated_registries(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_style_names_translate_to_layouts(name: str, cls: type, inp: Any, out: Any, local: bool) -> None:
     style = parallel_style(name)
-    assert type(style) is cls
+    assert isinstance(style, cls)
     assert style.input_layouts == (inp,)
     assert style.output_layouts == (out,)
     assert style.use_local_output is local
@@ -203,9 +204,12 @@ def test_named_plan_then_import_path(plan_module: str) -> None:
     assert list(resolve_tp_plan(model, f"{plan_module}.make_plan", tp_size=2)) == [
         "model.layers.*.mlp.down_proj"
     ]
-    with pytest.warns(UserWarning, match="has no sequence-parallel style; it is used as given"):
-        sp = resolve_tp_plan(model, f"{plan_module}.make_plan_for", sequence_parallel=True, tp_size=2)
+    # A plan without sequence-parallel styles gets derived sequence parallelism: one entry per block.
+    sp = resolve_tp_plan(model, f"{plan_module}.make_plan_for", sequence_parallel=True, tp_size=2)
     assert sp["model.layers.*.mlp.up_proj"].output_layouts == (Replicate(),)
+    blocks = [k for k, v in sp.items() if isinstance(v, SequenceShardedBlock)]
+    assert blocks == [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
+    assert [sp[k].cut_output for k in blocks] == [True] * (len(blocks) - 1) + [False]
 
 
 def test_named_factory_gets_the_model() -> None:
@@ -217,8 +221,7 @@ def test_named_factory_gets_the_model() -> None:
         return {"lm_head": "colwise_vocab"}
 
     register_named_tp_plan("unit-factory", factory)
-    with pytest.warns(UserWarning, match="no sequence-parallel style"):
-        resolve_tp_plan(model, "unit-factory", sequence_parallel=True, tp_size=2)
+    resolve_tp_plan(model, "unit-factory", sequence_parallel=True, tp_size=2)
     assert seen == [("LlamaForCausalLM", True)]
 
 
@@ -251,8 +254,6 @@ def test_user_plan_errors() -> None:
     with pytest.warns(UserWarning, match=r"entries \['nothing\.here'\] match no module"):
         kept = resolve_tp_plan(model, {"lm_head": "colwise_vocab", "nothing.here": "colwise"}, tp_size=2)
     assert list(kept) == ["lm_head"]
-    with pytest.warns(UserWarning, match="has no sequence-parallel style"):
-        resolve_tp_plan(model, {"lm_head": "colwise_vocab"}, sequence_parallel=True, tp_size=2)
     with pytest.raises(ValueError, match="tp_plan must be a dict"):
         resolve_tp_plan(model, 3, tp_size=2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tp_size must be an int >= 1"):
@@ -295,8 +296,9 @@ def test_registry_by_class_then_by_name_along_the_mro() -> None:
     with pytest.raises(ValueError, match="already has a plan registered; pass overwrite=True"):
         register_tp_plan(MyLlama, {"lm_head": "colwise_rep"})
     register_tp_plan(MyLlama, {"lm_head": "colwise_rep"}, overwrite=True)
-    with pytest.raises(ValueError, match="has no sequence-parallel variant"):
-        resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
+    # No sequence-parallel variant: the plan with derived sequence parallelism (one entry per block).
+    derived = resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
+    assert sum(isinstance(v, SequenceShardedBlock) for v in derived.values()) == model.config.num_hidden_layers
 
 
 def test_registration_errors() -> None:
@@ -362,10 +364,10 @@ def test_hf_plan_from_class_and_config_when_the_instance_has_none() -> None:
 
 def test_hf_plan_with_unknown_styles_is_unusable() -> None:
     model = ToyDecoderForCausalLM()
-    model._tp_plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.mlp": "all_reduce"}
+    model._tp_plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.mlp": "shard_sideways"}
     plan, note = translate_hf_tp_plan(model)
     assert plan is None
-    assert "'all_reduce'" in note
+    assert "'shard_sideways'" in note
 
 
 # ----------------------------------------------------------------------------- default plan and errors
