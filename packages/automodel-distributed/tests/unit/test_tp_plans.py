@@ -298,7 +298,9 @@ def test_registry_by_class_then_by_name_along_the_mro() -> None:
     register_tp_plan(MyLlama, {"lm_head": "colwise_rep"}, overwrite=True)
     # No sequence-parallel variant: the plan with derived sequence parallelism (one entry per block).
     derived = resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
-    assert sum(isinstance(v, SequenceShardedBlock) for v in derived.values()) == model.config.num_hidden_layers
+    assert (
+        sum(isinstance(v, SequenceShardedBlock) for v in derived.values()) == model.config.num_hidden_layers
+    )
 
 
 def test_registration_errors() -> None:

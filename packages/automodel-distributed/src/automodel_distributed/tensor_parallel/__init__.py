@@ -7,6 +7,7 @@
 """
 
 from automodel_distributed.tensor_parallel.apply import apply_tensor_parallel
+from automodel_distributed.tensor_parallel.hf_plan import translate_hf_tp_plan
 from automodel_distributed.tensor_parallel.lora import expand_lora_plan, is_lora_linear
 from automodel_distributed.tensor_parallel.plans import BUILTIN_TP_PLANS
 from automodel_distributed.tensor_parallel.registry import (
@@ -16,7 +17,7 @@ from automodel_distributed.tensor_parallel.registry import (
     register_named_tp_plan,
     register_tp_plan,
 )
-from automodel_distributed.tensor_parallel.resolve import resolve_tp_plan, translate_hf_tp_plan
+from automodel_distributed.tensor_parallel.resolve import resolve_tp_plan
 from automodel_distributed.tensor_parallel.styles import (
     STYLE_NAMES,
     GatherSequenceInput,

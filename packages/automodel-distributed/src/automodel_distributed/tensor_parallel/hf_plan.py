@@ -31,7 +31,7 @@ from automodel_distributed.tensor_parallel.linear_styles import MlaKvAprojParall
 from automodel_distributed.tensor_parallel.styles import HF_STYLE_ALIASES, STYLE_NAMES, hf_style_is_skipped
 from automodel_mesh.modules import join_fqn
 
-__all__ = ["call_or_none", "module_fqn", "raw_hf_tp_plan", "translate_hf_tp_plan"]
+__all__ = ["call_or_none", "is_plain_embedding", "module_fqn", "raw_hf_tp_plan", "translate_hf_tp_plan"]
 
 
 def call_or_none(model: nn.Module, method: str) -> Any:
@@ -83,7 +83,7 @@ def _rope_dim(hf_model: nn.Module) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _is_plain_embedding(module: nn.Module) -> bool:
+def is_plain_embedding(module: nn.Module) -> bool:
     """An ``nn.Embedding`` whose only parameter is its own ``weight`` (no child computes after the lookup)."""
     return isinstance(module, nn.Embedding) and [n for n, _ in module.named_parameters()] == ["weight"]
 
@@ -135,7 +135,7 @@ def translate_hf_tp_plan(
         return None, f"transformers' tp plan shards bare parameters that no style here can shard: {bare}"
     embeddings = module_fqn(hf_model, call_or_none(hf_model, "get_input_embeddings"))
     if embeddings is not None and embeddings[0] not in skipped:
-        if _is_plain_embedding(embeddings[1]):
+        if is_plain_embedding(embeddings[1]):
             plan = {embeddings[0]: "rowwise_rep", **{k: v for k, v in plan.items() if k != embeddings[0]}}
         else:
             plan.pop(embeddings[0], None)

@@ -7,10 +7,10 @@ torch's classes still holds) with two additions torch lacks:
   column-parallel weight is sharded on dim 1 and its bias on dim 0, the row-parallel weight on dim 0 with
   the bias replicated. torch's styles raise on any module that is not an ``nn.Linear`` or
   ``nn.Embedding``, and transformers' own styles shard a 2-D weight on dim 0 whatever it means.
-- A row-parallel output handed on as a plain tensor is a fresh tensor, not the view DTensor's
-  ``to_local`` returns: models may add to it in place (Llama 4's MoE does ``shared_out.add_(routed)``),
-  which autograd forbids on the view of a custom function. The copy costs one activation of the
-  block's width, next to the all-reduce that produced it.
+- An output handed on as a plain tensor is a fresh tensor, not the view DTensor's ``to_local`` returns:
+  models may add to it in place (Llama 4's MoE does ``shared_out.add_(routed)``), which autograd forbids
+  on the view of a custom function. The copy costs one activation of the output's (local) width, next to
+  the collective that usually produced it.
 
 Embeddings shard only their own ``weight`` (torch's styles walk every sub-module's parameters and fail
 on an embedding with a child, e.g. a norm).
@@ -80,8 +80,24 @@ def _distribute_own(
         module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
+def _local_output(output_layouts: tuple[Placement, ...], use_local_output: bool, outputs: Any) -> Any:
+    if outputs.placements != tuple(output_layouts):
+        outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+    return outputs.to_local().clone() if use_local_output else outputs
+
+
 class ColwiseParallel(TorchColwiseParallel):
-    """torch's ``ColwiseParallel``, also for ``Conv1D`` (see the module docstring)."""
+    """torch's ``ColwiseParallel``, also for ``Conv1D``, handing on fresh local outputs (module docstring)."""
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: tuple[Placement, ...],
+        use_local_output: bool,
+        mod: nn.Module,
+        outputs: Any,
+        device_mesh: DeviceMesh,
+    ) -> Any:
+        return _local_output(output_layouts, use_local_output, outputs)
 
     def _partition_conv1d_fn(self, _name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         _distribute_own(module, mesh, {"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank)
@@ -118,9 +134,7 @@ class RowwiseParallel(TorchRowwiseParallel):
         outputs: Any,
         device_mesh: DeviceMesh,
     ) -> Any:
-        if outputs.placements != output_layouts:
-            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
-        return outputs.to_local().clone() if use_local_output else outputs
+        return _local_output(output_layouts, use_local_output, outputs)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):

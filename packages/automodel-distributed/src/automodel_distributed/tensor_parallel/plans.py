@@ -33,6 +33,7 @@ __all__ = [
     "GEMMA2_TP_PLAN",
     "GEMMA3_SP_PLAN",
     "GEMMA3_TP_PLAN",
+    "INEXACT_HF_TP_PLANS",
     "LLAMA_SP_PLAN",
     "LLAMA_TP_PLAN",
     "PHI3_SP_PLAN",
@@ -130,3 +131,11 @@ DEFAULT_DECODER_PLAN: Plan = {k.removeprefix("model."): v for k, v in LLAMA_TP_P
 """Llama-style decoder plan, keys relative to the base model (``lm_head`` relative to the top)."""
 DEFAULT_DECODER_SP_PLAN: Plan = {k.removeprefix("model."): v for k, v in LLAMA_SP_PLAN.items()}
 """Its sequence-parallel variant."""
+
+INEXACT_HF_TP_PLANS: Mapping[str, str] = {
+    "DogeForCausalLM": (
+        "its row-parallel dt_proj hands every rank the dynamic mask of all key/value heads (scaled by the "
+        "replicated per-head parameter A) while attention runs on this rank's heads only"
+    ),
+}
+"""Model class name -> why transformers' own tp plan for it is not exact; resolution skips that plan."""

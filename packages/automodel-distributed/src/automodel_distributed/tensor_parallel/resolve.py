@@ -12,9 +12,14 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from automodel_distributed.tensor_parallel._fqn import match_modules
+from automodel_distributed.tensor_parallel.derived import derived_tp_plan
 from automodel_distributed.tensor_parallel.hf_plan import call_or_none, module_fqn, translate_hf_tp_plan
-from automodel_distributed.tensor_parallel.lora import is_lora_linear
-from automodel_distributed.tensor_parallel.plans import DEFAULT_DECODER_PLAN, DEFAULT_DECODER_SP_PLAN
+from automodel_distributed.tensor_parallel.lora import expand_lora_plan, is_lora_linear
+from automodel_distributed.tensor_parallel.plans import (
+    DEFAULT_DECODER_PLAN,
+    DEFAULT_DECODER_SP_PLAN,
+    INEXACT_HF_TP_PLANS,
+)
 from automodel_distributed.tensor_parallel.registry import (
     PlanMapping,
     PlanSource,
@@ -25,6 +30,7 @@ from automodel_distributed.tensor_parallel.registry import (
 )
 from automodel_distributed.tensor_parallel.sequence import SequenceLength, sequence_parallel_blocks
 from automodel_distributed.tensor_parallel.styles import to_parallel_style
+from automodel_distributed.tensor_parallel.validate import validate_tensor_parallel
 from automodel_mesh.modules import find_hf_model, join_fqn
 
 __all__ = ["is_sequence_parallel_plan", "resolve_tp_plan"]
@@ -196,6 +202,15 @@ def _default_plan(hf_model: nn.Module, sequence_parallel: bool) -> tuple[dict[st
     return plan, "the default Llama-style decoder plan"
 
 
+def _misfit(model: nn.Module, styles: dict[str, ParallelStyle], tp_size: int) -> str | None:
+    """Why an automatically chosen plan cannot shard ``model`` over ``tp_size`` ranks, or None if it can."""
+    try:
+        validate_tensor_parallel(model, tp_size, plan=expand_lora_plan(model, styles))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _with_sequence_blocks(
     model: nn.Module, plan: dict[str, ParallelStyle], source: str
 ) -> dict[str, ParallelStyle]:
@@ -242,6 +257,11 @@ def resolve_tp_plan(
     3. The plan transformers declares (`translate_hf_tp_plan`).
     4. The default Llama-style decoder plan, if the model has exactly that layout; a warning says it was
        used.
+    5. A plan derived from the model's structure (`automodel_distributed.tensor_parallel.derived`: every
+       linear column-parallel with a gathered output); a warning says it was used.
+
+    Sources 3-5 are skipped (the reason joins the error message) when they do not fit ``tp_size``
+    (`validate_tensor_parallel`, e.g. key/value heads that do not divide); 1 and 2 are used as given.
 
     With ``sequence_parallel=True`` the chosen plan gets one entry per decoder block (found with
     `automodel_distributed.layers.find_transformer_blocks`) that keeps the residual stream between the
@@ -300,20 +320,54 @@ def _resolve(
     notes.append(f"no plan is registered for {class_name} or its base classes (by class or by name)")
 
     hf_plan, note = translate_hf_tp_plan(hf_model)
+    inexact = next(
+        (
+            INEXACT_HF_TP_PLANS[c.__name__]
+            for c in type(hf_model).__mro__
+            if c.__name__ in INEXACT_HF_TP_PLANS
+        ),
+        None,
+    )
+    if hf_plan is not None and inexact is not None:
+        hf_plan, note = None, f"transformers' tp plan is not exact for it: {inexact}"
     if hf_plan is not None:
-        logger.info("tensor-parallel plan of %s: transformers' plan (%s)", class_name, note)
-        return _styles(hf_plan, prefix, "transformers' tp plan"), "transformers' tp plan"
+        styles = _styles(hf_plan, prefix, "transformers' tp plan")
+        problem = _misfit(model, styles, tp_size)
+        if problem is None:
+            logger.info("tensor-parallel plan of %s: transformers' plan (%s)", class_name, note)
+            return styles, "transformers' tp plan"
+        note = f"transformers' tp plan does not fit: {problem}"
     notes.append(note)
 
     default, note = _default_plan(hf_model, sequence_parallel)
     if default is not None:
-        warnings.warn(
-            f"{class_name}: using the default Llama-style decoder tensor-parallel plan "
-            f"({'; '.join(notes)}). Register a plan for this model to make the choice explicit.",
-            stacklevel=3,
-        )
-        logger.warning("tensor-parallel plan of %s: the default Llama-style decoder plan", class_name)
-        return _styles(default, prefix, "the default decoder plan"), "the default decoder plan"
+        styles = _styles(default, prefix, "the default decoder plan")
+        problem = _misfit(model, styles, tp_size)
+        if problem is None:
+            warnings.warn(
+                f"{class_name}: using the default Llama-style decoder tensor-parallel plan "
+                f"({'; '.join(notes)}). Register a plan for this model to make the choice explicit.",
+                stacklevel=3,
+            )
+            logger.warning("tensor-parallel plan of %s: the default Llama-style decoder plan", class_name)
+            return styles, "the default decoder plan"
+        note = f"the default Llama-style plan does not fit: {problem}"
+    notes.append(note)
+
+    derived, note = derived_tp_plan(hf_model, tp_size)
+    if derived is not None and tp_size > 1:
+        styles = _styles(derived, prefix, "the derived plan")
+        problem = _misfit(model, styles, tp_size)
+        if problem is None:
+            warnings.warn(
+                f"{class_name}: using a plan derived from the model's structure (every linear column-"
+                f"parallel with gathered outputs; {'; '.join(notes)}). Register a plan for this model for "
+                "a Megatron-style split of attention and MLP.",
+                stacklevel=3,
+            )
+            logger.warning("tensor-parallel plan of %s: %s", class_name, note)
+            return styles, "the derived plan"
+        note = f"the plan derived from the model's structure does not fit: {problem}"
     notes.append(note)
     if tp_size > 1:
         raise ValueError(
