@@ -143,7 +143,10 @@ def translate_hf_tp_plan(
     if head is not None and isinstance(head[1], nn.Linear):
         plan[head[0]] = "colwise_vocab"
     plan = {k: v for k, v in plan.items() if match_modules(hf_model, k)}
-    if not any(isinstance(v, str) and v.startswith(("colwise", "rowwise")) for v in plan.values()):
-        return None, "transformers' tp plan shards no module of this model"
+    ends = {found[0] for found in (embeddings, head) if found is not None}
+    if not any(
+        isinstance(v, str) and v.startswith(("colwise", "rowwise")) for k, v in plan.items() if k not in ends
+    ):
+        return None, "transformers' tp plan shards no module of this model besides its embeddings"
     note = f"left out (stay replicated): {skipped}" if skipped else "nothing left out"
     return plan, note
