@@ -61,9 +61,12 @@ _EXTRA_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", {"head_dim": 16, "attn_implementation": "eager"}),  # no sdpa in 5.24
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16}),  # q/k norms, scaled embedding, 4 norms a block
     "phi3": ("Phi3Config", {"pad_token_id": 0}),  # fused qkv and gate_up projections
+    "gpt2": ("GPT2Config", {"n_inner": 128}),  # Conv1D projections, learned positions: the derived plan
+    "bloom": ("BloomConfig", {}),  # fused query_key_value, ALiBi from the attention mask: the derived plan
 }
 TP_FAMILIES = ("llama", "qwen2", "mistral", "llama_tied", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
-SP_FAMILIES = ("llama", "qwen2", "mistral", "llama_tied", "qwen3", "gemma", "gemma3", "phi3")
+SP_FAMILIES = ("llama", "qwen2", "mistral", "llama_tied", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
+DERIVED_FAMILIES = ("gpt2", "bloom")  # no registered, no transformers, no Llama-shaped plan
 HF_PLAN_FAMILIES = ("qwen3_moe", "mixtral")  # no registration: transformers' plan, experts left replicated
 
 
@@ -104,10 +107,19 @@ def _parity(
     tp_plan: Any = None,
     loss_in_context: bool = True,
     vocab: int = VOCAB,
+    padded: bool = False,
 ) -> dict[str, Any]:
-    """Reference and TP model from the same seed, same batch: max diffs of logits, loss and gradients."""
+    """Reference and TP model from the same seed, same batch: max diffs of logits, loss and gradients.
+
+    ``padded``: no ``position_ids`` and an ``attention_mask`` that left-pads the first row by 3 tokens.
+    """
     reference, model = build(), build()
     batch = make_batch(vocab, BATCH, SEQ, seed=1)
+    if padded:
+        mask = torch.ones_like(batch["input_ids"])
+        mask[0, :3] = 0
+        labels = batch["labels"].masked_fill(mask == 0, -100)
+        batch = {"input_ids": batch["input_ids"], "labels": labels, "attention_mask": mask}
     out = reference(**batch)
     out.loss.backward()
     ref_grads = grads_by_name(reference)
@@ -327,8 +339,16 @@ def _tp2_cases(mesh: Any) -> dict[str, Callable[[], dict[str, Any]]]:
     cases: dict[str, Callable[[], dict[str, Any]]] = {}
     for family in TP_FAMILIES + HF_PLAN_FAMILIES:
         cases[f"tp/{family}"] = lambda f=family: _parity(lambda: _build(f), mesh)
-    for family in SP_FAMILIES:
+    for family in SP_FAMILIES + DERIVED_FAMILIES:
         cases[f"sp/{family}"] = lambda f=family: _parity(lambda: _build(f), mesh, sequence_parallel=True)
+    for family in DERIVED_FAMILIES:
+        cases[f"tp/{family}"] = lambda f=family: _parity(lambda: _build(f), mesh)
+    for family, eager in (("llama", False), ("llama", True), ("bloom", False)):
+        # Masks and positions come from the full sequence: padding masks, implicit positions, eager.
+        extra = {"attn_implementation": "eager"} if eager else {}
+        cases[f"sp-padded/{family}{'-eager' if eager else ''}"] = lambda f=family, x=extra: _parity(
+            lambda: _build(f, **x), mesh, sequence_parallel=True, padded=True
+        )
     for mode in ("tp", "sp"):  # 129 = 65 + 64 rows: DTensor shards the vocabulary unevenly
         cases[f"{mode}/uneven-vocab"] = lambda sp=mode == "sp": _parity(
             lambda: _build("llama", vocab_size=129), mesh, sequence_parallel=sp, vocab=129
@@ -417,8 +437,6 @@ def _run_tp4_errors() -> dict[str, Any]:
     out["local_head"] = _collectives_during(
         lambda: apply_tensor_parallel(local_head, mesh, tp_plan={"lm_head": "colwise"})
     )
-    eager = build_tiny_model("llama", attn_implementation="eager", **wide)
-    out["eager_sp"] = _collectives_during(lambda: apply_tensor_parallel(eager, mesh, sequence_parallel=True))
     # The detector itself sees eager collectives and DTensor's (sharding a model scatters its weights).
     out["control"] = _collectives_during(lambda: dist.all_reduce(torch.ones(1), group=mesh.get_group()))
     out["control_tp"] = _collectives_during(lambda: apply_tensor_parallel(local_head, mesh))
@@ -452,14 +470,19 @@ def _assert_parity(result: dict[str, Any]) -> None:
     assert result["num_grads"] > 0 and result["num_sharded"] > 0, result
 
 
-@pytest.mark.parametrize("family", TP_FAMILIES + HF_PLAN_FAMILIES)
+@pytest.mark.parametrize("family", TP_FAMILIES + HF_PLAN_FAMILIES + DERIVED_FAMILIES)
 def test_tp_parity(tp2: dict[str, dict[str, Any]], family: str) -> None:
     _assert_parity(_check_ok(tp2, f"tp/{family}"))
 
 
-@pytest.mark.parametrize("family", SP_FAMILIES)
+@pytest.mark.parametrize("family", SP_FAMILIES + DERIVED_FAMILIES)
 def test_tp_sp_parity(tp2: dict[str, dict[str, Any]], family: str) -> None:
     _assert_parity(_check_ok(tp2, f"sp/{family}"))
+
+
+@pytest.mark.parametrize("case", ["llama", "llama-eager", "bloom"])
+def test_sp_padding_masks_and_implicit_positions(tp2: dict[str, dict[str, Any]], case: str) -> None:
+    _assert_parity(_check_ok(tp2, f"sp-padded/{case}"))
 
 
 @pytest.mark.parametrize("mode", ["tp", "sp"])
@@ -505,9 +528,8 @@ def test_tied_embeddings_stay_tied_and_meta_models_shard(tp2: dict[str, dict[str
 
 def test_sequence_parallel_rejects_bad_batches(tp2: dict[str, dict[str, Any]]) -> None:
     result = _check_ok(tp2, "sp/input-errors")
-    assert "needs explicit position_ids" in result["no_position_ids"]
     assert "needs a sequence length divisible by it, got 15" in result["odd_length"]
-    assert "does not take an attention_mask" in result["attention_mask"]
+    assert result["no_position_ids"] == result["attention_mask"] == "no error"  # built over the full sequence
 
 
 @pytest.mark.parametrize("case", ["lora-tp/llama", "lora-tp/qwen2", "lora-sp/llama"])
@@ -536,7 +558,6 @@ def test_errors_come_before_any_collective_on_every_rank() -> None:
         "heads": "num_key_value_heads=2 is not divisible by tp_size=4",
         "tie": "tied parameters ['lm_head.weight', 'model.embed_tokens.weight'] would be sharded differently",
         "local_head": "return this rank's vocabulary slice as a plain tensor",
-        "eager_sp": "sequence parallelism needs attn_implementation='sdpa'",
     }
     for rank, out in enumerate(results):
         for key, fragment in expected.items():

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -25,8 +26,10 @@ from automodel_distributed.tensor_parallel import (
     register_tp_plan,
     resolve_tp_plan,
     translate_hf_tp_plan,
+    validate_tensor_parallel,
 )
 from automodel_distributed.tensor_parallel import registry as tp_registry
+from automodel_distributed.tensor_parallel.derived import derived_tp_plan
 from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock
 from automodel_testing import build_tiny_model
 
@@ -420,3 +423,55 @@ def test_keys_get_the_peft_prefix() -> None:
     assert "base_model.model.lm_head" in plan
     user = resolve_tp_plan(model, {"lm_head": "colwise_vocab"}, tp_size=2)
     assert list(user) == ["base_model.model.lm_head"]
+
+
+def _tiny(model_type: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(derive_tiny_config(model_type))
+
+
+def test_plan_less_models_get_the_derived_plan() -> None:
+    # GPT-2: no registered, no transformers plan, no Llama layout: every Conv1D gathered, vocab-parallel ends.
+    gpt2 = _tiny("gpt2")
+    with pytest.warns(UserWarning, match="plan derived from the model's structure"):
+        plan = resolve_tp_plan(gpt2, tp_size=2)
+    assert isinstance(plan["transformer.h.0.attn.c_attn"], ColwiseParallel)
+    assert plan["transformer.h.0.attn.c_attn"].output_layouts == (Replicate(),)
+    assert plan["transformer.wte"].input_layouts == (Replicate(),)  # vocab-parallel embedding
+    assert plan["lm_head"].use_local_output is False  # vocab-sharded logits (tied to wte: both Shard(0))
+    assert "transformer.wpe" not in plan  # position embeddings stay replicated
+    validate_tensor_parallel(gpt2, 2, plan=plan)  # Conv1D is a linear for the checks
+    derived, _ = derived_tp_plan(gpt2, tp_size=2)
+    assert derived is not None and set(derived) == set(plan)
+    assert derived_tp_plan(nn.Sequential(nn.ReLU()), tp_size=2)[0] is None
+
+
+def test_automatic_plans_that_do_not_fit_fall_through() -> None:
+    # GPTBigCode (multi-query: one key/value head): no plan splits heads, the derived one gathers them.
+    bigcode = _tiny("gpt_bigcode")
+    with pytest.warns(UserWarning, match="derived"):
+        plan = resolve_tp_plan(bigcode, tp_size=2)
+    validate_tensor_parallel(bigcode, 2, plan=plan)
+    # A transformers plan whose column-parallel attention cannot split one key/value head is skipped.
+    llama = build_tiny_model("llama", num_key_value_heads=1)
+    llama.__class__ = type("UnregisteredLlama", (type(llama),), {})
+    llama._tp_plan = {
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+    }
+    with pytest.warns(UserWarning, match="transformers' tp plan does not fit: .*num_key_value_heads=1"):
+        resolve_tp_plan(llama, tp_size=2)
+
+
+def test_inexact_transformers_plans_are_skipped() -> None:
+    doge = _tiny("doge")
+    assert translate_hf_tp_plan(doge)[0] is not None
+    with pytest.warns(
+        UserWarning, match="transformers' tp plan is not exact for it: its row-parallel dt_proj"
+    ):
+        plan = resolve_tp_plan(doge, tp_size=2)
+    assert all(style.output_layouts == (Replicate(),) for key, style in plan.items() if key.endswith("_proj"))
