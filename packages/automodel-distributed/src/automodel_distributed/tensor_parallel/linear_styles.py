@@ -108,13 +108,7 @@ class ColwiseParallel(TorchColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
             return super()._apply(module, device_mesh)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),  # type: ignore[arg-type]
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),  # type: ignore[arg-type]
-        )
+        return _distribute_conv1d(self, module, device_mesh)
 
 
 class RowwiseParallel(TorchRowwiseParallel):
@@ -140,13 +134,20 @@ class RowwiseParallel(TorchRowwiseParallel):
         if not is_conv1d(module):
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),  # type: ignore[arg-type]
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),  # type: ignore[arg-type]
-        )
+        return _distribute_conv1d(self, module, device_mesh)
+
+
+def _distribute_conv1d(
+    style: ColwiseParallel | RowwiseParallel, module: nn.Module, mesh: DeviceMesh
+) -> nn.Module:
+    """``distribute_module`` with the style's Conv1D partition and its input/output hooks."""
+    return distribute_module(
+        module,
+        mesh,
+        style._partition_conv1d_fn,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),  # type: ignore[arg-type]
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),  # type: ignore[arg-type]
+    )
 
 
 class MlaKvAprojParallel(ParallelStyle):
