@@ -534,6 +534,8 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
             for family in left:
                 if len(done.get(family, [])) == layout.world_size:
                     rows[family] = merge(family, layout_name, done[family])
+                    if any("traceback" in r for r in done[family]):
+                        break  # the launch stopped after this failure: the rest run in the next one
                     continue
                 # The family this launch stopped at: a rank raised, died or hung there.
                 recorded = "; ".join(r.get("message", "") for r in done.get(family, []))
