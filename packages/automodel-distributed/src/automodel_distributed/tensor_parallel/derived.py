@@ -14,11 +14,15 @@ sharded and the matmul work is split, but attention itself and the element-wise 
 and each linear all-gathers its output (instead of one all-reduce per attention or MLP block).
 
 Left replicated (no entry): linears whose weight another module also holds (tied weights other than
-the head), linears with fewer output features than ranks, and every non-linear parameter.
+the head), linears whose owner reads their weight directly (its class source mentions
+``self.<name>.weight``, e.g. Mamba's ``self.dt_proj.weight @ x``: a sharded weight there would meet a
+plain tensor), linears with fewer output features than ranks, and every non-linear parameter.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import Counter
 
 from torch import nn
@@ -34,6 +38,24 @@ def _linear_of(module: nn.Module) -> nn.Module:
     """The linear a module computes with: a LoRA wrapper's ``base_layer``, else the module itself."""
     base = module.get_submodule("base_layer") if is_lora_linear(module) else module
     return base
+
+
+@functools.cache
+def _class_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
+def _weight_read_directly(root: nn.Module, fqn: str) -> bool:
+    """Whether the owner of ``fqn`` mentions ``self.<name>.weight`` (or ``.bias``) in its class source."""
+    owner_fqn, _, name = fqn.rpartition(".")
+    owner = root.get_submodule(owner_fqn)
+    source = "".join(
+        _class_source(cls) for cls in type(owner).__mro__ if cls.__module__ != "torch.nn.modules.module"
+    )
+    return f"self.{name}.weight" in source or f"self.{name}.bias" in source
 
 
 def derived_tp_plan(hf_model: nn.Module, tp_size: int) -> tuple[dict[str, str] | None, str]:
@@ -65,7 +87,7 @@ def derived_tp_plan(hf_model: nn.Module, tp_size: int) -> tuple[dict[str, str] |
             if isinstance(linear, nn.Linear):
                 plan[fqn] = "colwise_vocab"
             continue
-        if features[1] < tp_size or holders[id(linear.weight)] > 1:
+        if features[1] < tp_size or holders[id(linear.weight)] > 1 or _weight_read_directly(hf_model, fqn):
             continue
         plan[fqn] = "colwise_rep"
     if not any(style == "colwise_rep" for style in plan.values()):

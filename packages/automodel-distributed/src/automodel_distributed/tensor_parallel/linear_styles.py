@@ -50,10 +50,18 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:
-    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``; None for anything else."""
-    if isinstance(module, nn.Linear):
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``; None for anything else.
+
+    A subclass with a ``forward`` of its own (e.g. a router returning a tuple) is not a linear here: the
+    column/row-parallel output hooks expect the tensor ``F.linear`` returns.
+    """
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
         return module.in_features, module.out_features
     if is_conv1d(module):
+        from transformers.pytorch_utils import Conv1D
+
+        if type(module).forward is not Conv1D.forward:
+            return None
         rows, cols = module.weight.shape
         return int(rows), int(cols)
     return None
