@@ -71,7 +71,7 @@ class SequenceShardedBlock(ParallelStyle):
     """A decoder block on the sequence-sharded residual stream (see the module docstring).
 
     The stream is the block's first positional tensor or its ``hidden_states`` keyword; the output is the
-    block's tensor output or the first element of a tuple / model output. Parameters are left alone.
+    block's tensor output or the first element of a tuple or list. Parameters are left alone.
 
     Args:
         length: The full length of the batch in flight (shared by every block of the model).
@@ -126,14 +126,16 @@ class SequenceShardedBlock(ParallelStyle):
             full = self._full()
             if isinstance(output, torch.Tensor):
                 return _cut(output, device_mesh) if output.shape[_SEQUENCE_DIM] == full else output
-            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
                 first = output[0]
                 if first.shape[_SEQUENCE_DIM] == full:
-                    return (_cut(first, device_mesh), *output[1:])
+                    cut = [_cut(first, device_mesh), *output[1:]]
+                    return tuple(cut) if isinstance(output, tuple) else cut
                 return output
             raise ValueError(
                 f"sequence parallelism: decoder block {type(_mod).__name__} returned "
-                f"{type(output).__name__}; expected its hidden states (a tensor or a tuple starting with one)"
+                f"{type(output).__name__}; expected its hidden states (a tensor, or a tuple or list starting "
+                "with one)"
             )
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
