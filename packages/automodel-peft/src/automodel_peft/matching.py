@@ -80,13 +80,22 @@ class ModuleMatcher:
             return False
         cfg = self.config
         if cfg.match_all_linear:
-            return fqn not in self.output_heads and fqn not in self.left_out
+            return fqn not in self.output_heads and fqn not in self.left_out and _computes_linear(module)
         targets = _compile(cfg.target_modules)
         if targets is not None:
             return targets.fullmatch(fqn) is not None
         excludes = _compile(cfg.exclude_modules)
         kept = excludes is None or excludes.fullmatch(fqn) is None
-        return fqn not in self.output_heads and fqn not in self.left_out and kept
+        return fqn not in self.output_heads and fqn not in self.left_out and kept and _computes_linear(module)
+
+
+def _computes_linear(module: nn.Module) -> bool:
+    """Whether the module's forward is `nn.Linear`'s (``x @ W.T + b``), so a low-rank delta of its shape adds.
+
+    An `nn.Linear` subclass with its own forward (a block-diagonal grouped projection, for example) only
+    borrows the weight; the broad selectors leave it out, naming it in ``target_modules`` still adapts it.
+    """
+    return type(module).forward is nn.Linear.forward
 
 
 def _router_classes(model: nn.Module) -> tuple[type, ...]:

@@ -75,6 +75,10 @@ class DecoderLayout:
     `automodel_pipelining.probe`); a pipeline refuses a model that has any."""
     shared: tuple[str, ...] = ()
     """Parameter-free modules every stage needs (rotary embeddings); each stage gets its own copy."""
+    layer_output_arity: tuple[int, ...] | None = None
+    """Per layer: ``0`` when it returns a tensor, else the length of the tuple it returns, as one forward
+    on fake tensors showed (`ForwardProbe.output_arity`); ``None`` when the real layers could not run
+    there. A later stage's stand-ins for earlier layers return the same structure."""
 
     @property
     def num_layers(self) -> int:
@@ -251,7 +255,7 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
         if parent not in path:  # only direct children of the path; deeper modules travel with them
             continue
         (extras if _has_params(module) else shared).append(fqn)
-    after, unknown, reason, problems = _probe_layout(
+    after, unknown, reason, problems, arity = _probe_layout(
         hf_model, base, roles["layers"], roles.get("embed"), roles.get("norm"), extras
     )
 
@@ -271,19 +275,21 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
         unplaced_reason=reason,
         problems=tuple(problems),
         shared=tuple(join_fqn(prefix, f) for f in shared),
+        layer_output_arity=arity if arity is not None and len(arity) == len(layer_names) else None,
     )
 
 
 def _probe_layout(
     hf_model: nn.Module, base: str, layers: str, embed: str | None, norm: str | None, extras: Sequence[str]
-) -> tuple[set[str], list[str], str, list[str]]:
+) -> tuple[set[str], list[str], str, list[str], tuple[int, ...] | None]:
     """Place ``extras`` and check the forward's chaining and isolation (`automodel_pipelining.probe`).
 
     Returns:
-        ``(after, unknown, why, problems)``: the extras the forward calls after its layers (last stage;
-        extras outside the base model run after it); those whose order is unknown because the forward
-        does not run on fake tensors, and why; and what keeps a stage from computing exactly what the
-        model computes (empty when nothing does).
+        ``(after, unknown, why, problems, arity)``: the extras the forward calls after its layers (last
+        stage; extras outside the base model run after it); those whose order is unknown because the
+        forward does not run on fake tensors, and why; what keeps a stage from computing exactly what
+        the model computes (empty when nothing does); and each layer's output structure
+        (`ForwardProbe.output_arity`, ``None`` when unknown).
     """
     inside = [f for f in extras if f.rpartition(".")[0] == base]
     outside = {f for f in extras if f not in inside}
@@ -302,8 +308,9 @@ def _probe_layout(
         watched=watched,
     )
     if probe is None:
-        return outside, inside, why[:400], [why[:400]]
+        return outside, inside, why[:400], [why[:400]], None
     order = probe.order
     cut = order.index(LAYERS_MARK) if LAYERS_MARK in order else len(order)
     placed = {f for f in inside if relative(f) in order[cut + 1 :]}
-    return outside | placed, [], "", list(dict.fromkeys(probe.problems))
+    arity = tuple(probe.output_arity) if probe.with_layers else None
+    return outside | placed, [], "", list(dict.fromkeys(probe.problems)), arity

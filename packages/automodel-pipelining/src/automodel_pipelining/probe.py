@@ -51,6 +51,10 @@ class ForwardProbe:
     """Why a stage could not compute exactly what the model computes (empty: it can)."""
     with_layers: bool = True
     """Whether the real layers ran (else pass-through stand-ins did: layer outputs were not traced)."""
+    output_arity: list[int] = field(default_factory=list)
+    """Per layer, in call order: ``0`` when it returned a tensor, else the length of the tuple it
+    returned (read only when the real layers ran). Type hints are not trusted for this: several
+    transformers layers annotate a tuple and return a tensor, or the reverse."""
 
 
 class _PassThrough(nn.Module):
@@ -123,6 +127,8 @@ def _run(
     def after_layer(index: int) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             labels.set(output, {f"layer {index}'s output"})
+            if with_layers:
+                probe.output_arity.append(len(output) if isinstance(output, tuple | list) else 0)
             previous[0] = _first_tensor(output)
 
         return hook

@@ -79,16 +79,22 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
 class _EarlierLayer(nn.Module):
     """Stands for a layer an earlier stage owns: returns the activations this stage received."""
 
-    def __init__(self, received: _Received, as_tuple: bool) -> None:
+    def __init__(self, received: _Received, arity: int) -> None:
         super().__init__()
         self._received = received
-        self._as_tuple = as_tuple
+        self._arity = arity
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The received activations, in the form the model's own layers return their output."""
+        """The received activations, in the form the layer it stands for returns its output.
+
+        ``arity`` 0 returns the tensor; ``n`` a tuple of ``n`` whose other items (attention weights,
+        router logits) are ``None``, which the models' forwards only collect when asked to.
+        """
         if self._received.value is None:
             raise RuntimeError("a pipeline stage ran its earlier layers' stand-ins without a stage input")
-        return (self._received.value,) if self._as_tuple else self._received.value
+        if self._arity == 0:
+            return self._received.value
+        return (self._received.value, *([None] * (self._arity - 1)))
 
 
 class _LaterModule(nn.Module):
@@ -202,14 +208,18 @@ def _stand_ins(
             "decoder layer (its own layers follow the embedding); move a layer to stage 0"
         )
     received = _Received()
-    as_tuple = any(_returns_tuple(layers.get_submodule(layout.layer_names[i])) for i in owned[:1])
+    if layout.layer_output_arity is not None:
+        arity = layout.layer_output_arity
+    else:  # the layers did not run on fake tensors: read the annotation of the stage's first own layer
+        hinted = any(_returns_tuple(layers.get_submodule(layout.layer_names[i])) for i in owned[:1])
+        arity = (1 if hinted else 0,) * len(layout.layer_fqns)
     stand_ins: dict[str, nn.Module] = {}
     first, last = (owned[0], owned[-1]) if owned else (len(layout.layer_fqns), -1)
     for i, fqn in enumerate(layout.layer_fqns):
         if fqn in fqns:
             continue
         if i < first and stage_index > 0:
-            stand_ins[fqn] = _EarlierLayer(received, as_tuple)
+            stand_ins[fqn] = _EarlierLayer(received, arity[i])
         elif i > last:
             stand_ins[fqn] = _LaterModule()
     if stage_index < num_stages - 1:

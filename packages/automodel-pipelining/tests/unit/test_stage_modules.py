@@ -161,8 +161,21 @@ def test_stages_back_to_back_reproduce_the_model(family: str) -> None:
 
 # One family per mechanism the stage forward gets from running the model's own forward: scaled embeddings and
 # soft-capped logits, per-layer sliding/global attention, an index-based layer loop, embedding/residual/logit
-# multipliers, learned positions and extras run before/after the layers, linear attention, state-space layers.
-OWN_FORWARD_FAMILIES = ("gemma2", "cohere2", "lfm2_moe", "granite", "opt", "biogpt", "qwen3_next", "mamba")
+# multipliers, learned positions and extras run before/after the layers, linear attention, state-space layers;
+# layers returning tuples read by index (bloom) or unpacked (bamba), a tensor under a tuple hint (gemma3).
+OWN_FORWARD_FAMILIES = (
+    "gemma2",
+    "cohere2",
+    "lfm2_moe",
+    "granite",
+    "opt",
+    "biogpt",
+    "qwen3_next",
+    "mamba",
+    "bloom",
+    "bamba",
+    "gemma3_text",
+)
 
 
 @pytest.mark.parametrize("family", OWN_FORWARD_FAMILIES)
