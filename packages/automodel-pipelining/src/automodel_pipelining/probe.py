@@ -138,18 +138,28 @@ def _run(
             if name not in first_inputs:
                 probe.order.append(name)
                 first_inputs[name] = labels.labels_of((args, kwargs))
+            elif LAYERS_MARK in probe.order and probe.order.index(name) < probe.order.index(LAYERS_MARK):
+                problem = (
+                    f"{name} runs both before and after the layers (the first and the last stage would "
+                    "both need its parameters)"
+                )
+                if problem not in probe.problems:
+                    probe.problems.append(problem)
 
         return hook
 
     for index, layer in enumerate(children):
         hooks.append(layer.register_forward_pre_hook(before_layer(index), with_kwargs=True))
         hooks.append(layer.register_forward_hook(after_layer(index)))
+    embed_width: list[int] = []
     if embed is not None:
-        hooks.append(
-            base.get_submodule(embed).register_forward_hook(
-                lambda _m, _a, out: labels.set(out, {_EMBEDDINGS})
-            )
-        )
+
+        def after_embed(_module: nn.Module, _args: Any, output: Any) -> None:
+            labels.set(output, {_EMBEDDINGS})
+            if isinstance(output, torch.Tensor):
+                embed_width.append(output.shape[-1])
+
+        hooks.append(base.get_submodule(embed).register_forward_hook(after_embed))
     for name in watched:
         for module in base.get_submodule(name).modules():  # a ModuleList is called through its children
             hooks.append(module.register_forward_pre_hook(before_watched(name), with_kwargs=True))
@@ -163,6 +173,11 @@ def _run(
     finally:
         for hook in hooks:
             hook.remove()
+    embeds_again = embed is not None and embed_width
+    if embeds_again and _calls_embedding_given_embeds(base, target, str(embed), embed_width[0]):
+        probe.problems.append(
+            f"the forward calls {embed} even when given inputs_embeds (a later stage has no input embedding)"
+        )
     last = f"layer {len(children) - 1}'s output"
     if LAYERS_MARK in probe.order:
         for name in probe.order[probe.order.index(LAYERS_MARK) + 1 :]:
@@ -175,6 +190,25 @@ def _run(
     else:
         probe.problems.append("the forward did not call its first layer")
     return probe
+
+
+def _calls_embedding_given_embeds(base: nn.Module, target: nn.Module, embed: str, width: int) -> bool:
+    """Whether the forward, called the way a later stage calls it (``inputs_embeds``), runs the embedding.
+
+    A forward that fails this way is not judged here (the stage would raise, not compute silently).
+    """
+    called: list[bool] = []
+    hook = base.get_submodule(embed).register_forward_pre_hook(lambda *_: called.append(True))
+    param = next(base.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    try:
+        with fake_forward(DataFlow()):
+            type(base).forward(target, inputs_embeds=torch.zeros(1, 8, width, device=device))
+    except Exception:  # not this check's concern
+        return False
+    finally:
+        hook.remove()
+    return bool(called)
 
 
 def probe_forward(

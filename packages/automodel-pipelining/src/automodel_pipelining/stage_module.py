@@ -198,6 +198,17 @@ def _returns_tuple(layer: nn.Module) -> bool:
     return typing.get_origin(hint) is tuple or text.startswith("tuple") or "tuple[" in text
 
 
+def _copy_plain_attributes(layer: nn.Module, stand_in: nn.Module) -> None:
+    """Give ``stand_in`` the layer's public non-tensor attributes (``layer_type``, ``block_type``, ...).
+
+    Model forwards read them off the layer before calling it (to pick its mask, for example).
+    """
+    for name, value in vars(layer).items():
+        if name.startswith("_") or name == "training" or isinstance(value, nn.Module | torch.Tensor):
+            continue
+        setattr(stand_in, name, value)
+
+
 def _stand_ins(
     layout: DecoderLayout, fqns: Sequence[str], stage_index: int, num_stages: int, layers: nn.Module
 ) -> tuple[dict[str, nn.Module], _Received]:
@@ -218,10 +229,14 @@ def _stand_ins(
     for i, fqn in enumerate(layout.layer_fqns):
         if fqn in fqns:
             continue
+        stand_in: nn.Module | None = None
         if i < first and stage_index > 0:
-            stand_ins[fqn] = _EarlierLayer(received, arity[i])
+            stand_in = _EarlierLayer(received, arity[i])
         elif i > last:
-            stand_ins[fqn] = _LaterModule()
+            stand_in = _LaterModule()
+        if stand_in is not None:
+            _copy_plain_attributes(layers.get_submodule(layout.layer_names[i]), stand_in)
+            stand_ins[fqn] = stand_in
     if stage_index < num_stages - 1:
         for fqn in (layout.norm, *layout.last_extras):
             if fqn is not None and fqn not in fqns:

@@ -175,6 +175,7 @@ OWN_FORWARD_FAMILIES = (
     "bloom",
     "bamba",
     "gemma3_text",
+    "nemotron_h",  # its forward reads each layer's block_type before calling it
 )
 
 
@@ -248,6 +249,23 @@ def test_forwards_a_stage_cannot_reproduce_are_found(model: nn.Module, problem: 
     layout = resolve_decoder_layout(model)
     assert any(problem in p for p in layout.problems), layout.problems
     assert not resolve_decoder_layout(build_tiny_model("llama", meta=True)).problems
+
+
+@pytest.mark.parametrize(
+    ("family", "problem"),
+    [
+        ("nanochat", "norm runs both before and after the layers"),  # the final norm also runs first
+        ("modernbert-decoder", "calls embeddings even when given inputs_embeds"),
+    ],
+)
+def test_transformers_forwards_a_stage_cannot_reproduce_are_found(family: str, problem: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(derive_tiny_config(family))
+    assert any(problem in p for p in resolve_decoder_layout(model).problems)
 
 
 def test_state_dict_keys_are_stable_and_checkpoints_load() -> None:
