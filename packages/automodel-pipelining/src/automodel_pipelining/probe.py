@@ -55,6 +55,9 @@ class ForwardProbe:
     """Per layer, in call order: ``0`` when it returned a tensor, else the length of the tuple it
     returned (read only when the real layers ran). Type hints are not trusted for this: several
     transformers layers annotate a tuple and return a tensor, or the reverse."""
+    embeds_given_embeds: bool = False
+    """Whether the forward calls the input embedding even when given ``inputs_embeds`` (it then
+    post-processes them, e.g. a norm), as a later stage calls it."""
 
 
 class _PassThrough(nn.Module):
@@ -173,11 +176,8 @@ def _run(
     finally:
         for hook in hooks:
             hook.remove()
-    embeds_again = embed is not None and embed_width
-    if embeds_again and _calls_embedding_given_embeds(base, target, str(embed), embed_width[0]):
-        probe.problems.append(
-            f"the forward calls {embed} even when given inputs_embeds (a later stage has no input embedding)"
-        )
+    if embed is not None and embed_width:
+        probe.embeds_given_embeds = _calls_embedding_given_embeds(base, target, embed, embed_width[0])
     last = f"layer {len(children) - 1}'s output"
     if LAYERS_MARK in probe.order:
         for name in probe.order[probe.order.index(LAYERS_MARK) + 1 :]:

@@ -105,6 +105,20 @@ class _LaterModule(nn.Module):
         raise _StageBoundary(_first_tensor(args, kwargs))
 
 
+class _EmbeddingPassThrough(nn.Module):
+    """Stands for the input embedding on a later stage whose model forward calls it with ``inputs_embeds``.
+
+    It hands them on: what the forward computes from them before the layers is discarded there.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The ``inputs_embeds`` it was given."""
+        embeds = kwargs.get("inputs_embeds")
+        if isinstance(embeds, torch.Tensor):
+            return embeds
+        return next(a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
+
+
 class _OtherStageModule(nn.Module):
     """Stands for a module with parameters that another stage runs before the layers.
 
@@ -242,7 +256,15 @@ def _stand_ins(
             if fqn is not None and fqn not in fqns:
                 stand_ins[fqn] = _LaterModule()
     # The input embedding stays None on later stages: the model's forward skips it when given
-    # inputs_embeds, and plans that look for it (FSDP units, tied weights) must not find a stand-in.
+    # inputs_embeds, and plans that look for it (FSDP units, tied weights) must not find a stand-in;
+    # only a forward that calls it anyway gets one.
+    if (
+        stage_index > 0
+        and layout.embed_given_embeds
+        and layout.embed is not None
+        and layout.embed not in fqns
+    ):
+        stand_ins[layout.embed] = _EmbeddingPassThrough()
     for fqn in (*layout.first_extras, *layout.last_extras, *layout.unplaced):
         if fqn not in fqns and fqn not in stand_ins:
             stand_ins[fqn] = _OtherStageModule()
