@@ -211,9 +211,10 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
             f"context parallelism runs only attention as ring attention, but {name} has layers of kind "
             f"{others} (config.layer_types); use cp_size=1 for it"
         )
-    if getattr(config, "attention_chunk_size", None):
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
         raise ValueError(
-            f"{name} uses chunked attention (attention_chunk_size={config.attention_chunk_size}), whose "
+            f"{name} uses chunked attention (attention_chunk_size={chunk}), whose "
             "mask context parallelism cannot apply (ring attention is plainly causal); use cp_size=1"
         )
     get_embeddings = getattr(hf, "get_input_embeddings", None)

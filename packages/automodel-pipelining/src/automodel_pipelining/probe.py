@@ -101,8 +101,8 @@ def _run(
     if not with_layers:
         target = copy.copy(base)
         target._modules = dict(base._modules)
-        target._modules[layers] = nn.ModuleList(_PassThrough() for _ in container.children())
-        container = target._modules[layers]
+        container = nn.ModuleList(_PassThrough() for _ in container.children())
+        target._modules[layers] = container
     children = list(container.children())
     previous: list[torch.Tensor | None] = [None]
     first_inputs: dict[str, frozenset[str]] = {}

@@ -46,6 +46,7 @@ from automodel_pipelining.layout import DecoderLayout
 __all__ = ["StageForwardSpec", "build_stage_module"]
 
 _SPEC_ATTR = "_automodel_pp_spec"  # where a patched module keeps its StageForwardSpec
+_RECEIVED_ATTR = "_automodel_pp_received"  # and the stage input its earlier layers' stand-ins return
 
 # Keyword arguments that transformers' own forwards pass down and that a stage can ignore when unset.
 _IGNORABLE_KWARGS = frozenset(
@@ -252,9 +253,9 @@ def _stand_ins(
             _copy_plain_attributes(layers.get_submodule(layout.layer_names[i]), stand_in)
             stand_ins[fqn] = stand_in
     if stage_index < num_stages - 1:
-        for fqn in (layout.norm, *layout.last_extras):
-            if fqn is not None and fqn not in fqns:
-                stand_ins[fqn] = _LaterModule()
+        for later in (layout.norm, *layout.last_extras):
+            if later is not None and later not in fqns:
+                stand_ins[later] = _LaterModule()
     # The input embedding stays None on later stages: the model's forward skips it when given
     # inputs_embeds, and plans that look for it (FSDP units, tied weights) must not find a stand-in;
     # only a forward that calls it anyway gets one.
@@ -327,7 +328,7 @@ def _stage_forward(
 ) -> torch.Tensor:
     """Token ids (first stage) or received activations in; activations, or logits on the last stage, out."""
     spec: StageForwardSpec = getattr(self, _SPEC_ATTR)
-    received: _Received = self._automodel_pp_received
+    received: _Received = getattr(self, _RECEIVED_ATTR)
     _check_kwargs(spec, kwargs)
     x = inputs if inputs is not None else input_ids if input_ids is not None else inputs_embeds
     if x is None:
@@ -435,7 +436,7 @@ def build_stage_module(
         num_stages=num_stages,
     )
     setattr(patched, _SPEC_ATTR, spec)
-    patched._automodel_pp_received = received
+    setattr(patched, _RECEIVED_ATTR, received)
     patched.forward = types.MethodType(_stage_forward, patched)
     if patched is not stage:
         stage.register_forward_hook(_output_to_tensor_hook)
