@@ -224,6 +224,13 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
     mixing: set[str] = set()
 
     def on_op(op: str, args: tuple[Any, ...], kwargs: dict[str, Any], labels_of: Any) -> None:
+        if op == "scaled_dot_product_attention":
+            # A mask computed from the activations (a learned, content-dependent mask) is over this
+            # rank's keys only; ring attention runs unmasked, so it cannot apply it.
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if isinstance(mask, torch.Tensor) and labels_of(mask):
+                mixing.add("an SDPA mask computed from activations")
+            return
         if op not in SEQUENCE_MIXING_OPS:
             return
         floats = [
@@ -251,10 +258,9 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
     if mixing:
         raise ValueError(
             f"{name} combines positions of the sequence outside scaled_dot_product_attention "
-            f"({sorted(mixing)} on activations: a scan, a convolution over time or attention computed by "
-            "hand); under context "
-            "parallelism each rank holds a slice of the sequence and only SDPA becomes ring attention, so "
-            "use cp_size=1 for it"
+            f"({', '.join(sorted(mixing))}: a scan, a convolution over time, attention computed by hand or "
+            "an attention mask computed from activations); under context parallelism each rank holds a "
+            "slice of the sequence and only unmasked SDPA becomes ring attention, so use cp_size=1 for it"
         )
 
 

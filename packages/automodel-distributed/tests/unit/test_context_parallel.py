@@ -175,6 +175,7 @@ def test_a_mesh_without_a_cp_axis_is_rejected(tmp_path: pathlib.Path) -> None:
         ("mamba", r"uses attn_implementation="),  # no attention at all
         ("qwen3_next", r"layers of kind \['linear_attention'\]"),  # a scan over time beside attention
         ("llama4_text", r"chunked_attention"),  # a mask ring attention cannot apply
+        ("doge", r"an SDPA mask computed from activations"),  # a learned, content-dependent mask
     ],
 )
 def test_only_models_that_mix_positions_in_sdpa_alone_are_accepted(family: str, refusal: str | None) -> None:
