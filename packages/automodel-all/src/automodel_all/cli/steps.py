@@ -91,33 +91,63 @@ def _grad_sync(model: Any, sync: bool) -> Iterator[None]:
         yield
 
 
+def _forward_loss(
+    model: Any, batch: dict[str, torch.Tensor], loss_fn: TokenLoss, cp_mesh: Any, backward: bool
+) -> torch.Tensor:
+    """One forward (and backward) of ``batch``; returns the normalised loss (detached)."""
+    if cp_mesh is None:
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss = loss_fn(logits, batch["labels"])
+        if backward:
+            loss.backward()
+        return loss.detach()
+    from automodel_distributed.context_parallel import context_parallel_inputs, context_parallel_region
+
+    sharded = context_parallel_inputs(
+        {
+            "input_ids": batch["input_ids"],
+            "position_ids": batch["position_ids"],
+            "shift_labels": batch["labels"],
+        }
+    )
+    with context_parallel_region(cp_mesh, sharded) as local:  # forward and backward inside the region
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+        loss = loss_fn(logits, local["shift_labels"])
+        if backward:
+            loss.backward()
+    return loss.detach()
+
+
 def run_step(
     model: Any,
-    rows: torch.Tensor,
+    batch: dict[str, torch.Tensor],
     *,
     loss_fn: TokenLoss,
     micro_batch_size: int,
     pipeline: Any = None,
     cp_mesh: Any = None,
+    backward: bool = True,
 ) -> torch.Tensor:
-    """Forward and backward over this rank's rows of one step; gradients accumulate in ``.grad``.
+    """Forward (and backward) over this rank's rows of one step; gradients accumulate in ``.grad``.
 
     Args:
         model: The model (`apply_model_infrastructure`'s result), or unused under pipelining.
-        rows: ``[rows, seq + 1]`` token rows of this data-parallel rank (on the model's device).
-        loss_fn: The normalised loss.
+        batch: This rank's rows: ``input_ids``, ``labels`` (already shifted, -100 where nothing is
+            predicted) and ``position_ids`` (restarting per packed document), each ``[rows, seq]``, on
+            the model's device.
+        loss_fn: The normalised loss (its ``denominator`` set for this step).
         micro_batch_size: Rows per forward pass (outside pipelining).
-        pipeline: The `AutoPipeline`, which splits ``rows`` into its own microbatches.
+        pipeline: The `AutoPipeline`, which splits the rows into its own microbatches.
         cp_mesh: The mesh context when context parallelism is on (sequences are sharded over ``cp``).
+        backward: False for evaluation: forward only (call under ``torch.no_grad()``).
 
     Returns:
         The sum of this rank's token losses (detached; zero on pipeline ranks without the last stage).
     """
-    inputs, labels = rows[:, :-1], rows[:, 1:]
-    positions = torch.arange(inputs.shape[1], device=rows.device).unsqueeze(0).expand_as(inputs)
-    total = torch.zeros((), dtype=torch.float32, device=rows.device)
+    inputs, labels = batch["input_ids"], batch["labels"]
+    total = torch.zeros((), dtype=torch.float32, device=inputs.device)
     if pipeline is not None:
-        losses = pipeline.step(inputs, target=labels, position_ids=positions)
+        losses = pipeline.step(inputs, target=labels, position_ids=batch["position_ids"])
         for loss in losses:
             total += loss.detach().float() * loss_fn.denominator
         return total
@@ -126,23 +156,8 @@ def run_step(
         raise ValueError(f"{inputs.shape[0]} rows do not split into micro-batches of {micro_batch_size}")
     for index in range(count):
         part = slice(index * micro_batch_size, (index + 1) * micro_batch_size)
-        with _grad_sync(model, index == count - 1):
-            if cp_mesh is not None:
-                from automodel_distributed.context_parallel import (
-                    context_parallel_inputs,
-                    context_parallel_region,
-                )
-
-                batch = context_parallel_inputs(
-                    {"input_ids": inputs[part], "position_ids": positions[part], "shift_labels": labels[part]}
-                )
-                with context_parallel_region(cp_mesh, batch) as local:
-                    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-                    loss = loss_fn(logits, local["shift_labels"])
-                    loss.backward()
-            else:
-                logits = model(input_ids=inputs[part], position_ids=positions[part]).logits
-                loss = loss_fn(logits, labels[part])
-                loss.backward()
-        total += loss.detach().float() * loss_fn.denominator
+        micro = {name: tensor[part] for name, tensor in batch.items()}
+        with _grad_sync(model, index == count - 1) if backward else contextlib.nullcontext():
+            loss = _forward_loss(model, micro, loss_fn, cp_mesh, backward)
+        total += loss.float() * loss_fn.denominator
     return total
