@@ -221,8 +221,8 @@ def encode_records(
         for index, record in enumerate(rows):
             prompt, completion = record.get(keys.prompt), record.get(keys.completion)
             label = f"{where} record {index}"
-            if _is_conversation(prompt) and _is_conversation(completion):
-                conversations.append(_check_messages([*prompt, *completion], label))
+            if isinstance(prompt, list) and isinstance(completion, list):
+                conversations.append(_check_messages(prompt + completion, label))
                 wheres.append(label)
             elif isinstance(prompt, str) and isinstance(completion, str):
                 prompts.append(prompt)

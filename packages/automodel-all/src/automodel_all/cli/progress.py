@@ -44,6 +44,11 @@ class Progress:
         )
         self._bar.update(1)
 
+    def write(self, line: str) -> None:
+        """Print a line above the bar (rank 0)."""
+        if self._bar is not None:
+            self._bar.write(line)
+
     def close(self) -> None:
         """Finish the bar."""
         if self._bar is not None:

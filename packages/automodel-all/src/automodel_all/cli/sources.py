@@ -84,7 +84,7 @@ def _load_files(root: Path, split: str, cache_dir: Path) -> Iterable[dict[str, A
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     if root.is_dir() and any((root / m).is_file() for m in _SAVED_MARKERS):
-        return _split_of(datasets.load_from_disk(str(root)), split, str(root))  # type: ignore[no-any-return]
+        return _split_of(datasets.load_from_disk(str(root)), split, str(root))
     files = [root] if root.is_file() else _files(root)
     builders = sorted({FILE_BUILDERS[f.suffix] for f in files})
     parts = []

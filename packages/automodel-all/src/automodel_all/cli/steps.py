@@ -49,11 +49,12 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_group: Any = None) -> float:
-    """Clip the global gradient norm over every rank's parameters; return the norm before clipping.
+def clip_gradients(params: list[nn.Parameter], max_norm: float | None, pp_group: Any = None) -> float:
+    """The global gradient norm over every rank's parameters (before clipping); clip to ``max_norm``.
 
     DTensor gradients (FSDP2, TP) give the norm over their mesh; with pipeline stages the squares are
-    summed over the ``pp`` group. Collective over the gradients' meshes (and ``pp_group``).
+    summed over the ``pp`` group. ``max_norm=None`` only measures. Collective over the gradients' meshes
+    (and ``pp_group``).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
@@ -67,7 +68,7 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_group: Any = 
         square = norm.square()
         dist.all_reduce(square, group=pp_group)
         norm = square.sqrt()
-    if grads:
+    if grads and max_norm is not None and bool(torch.isfinite(norm)):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(grads[0].device))
     return float(norm)
 
