@@ -12,6 +12,11 @@ Context parallelism runs ring attention, which knows no document boundaries: pac
 there with a ValueError before any collective (`context_parallel_inputs`), and ``padded`` rows (one
 document per row, padding at the end) are exact instead, which this test also shows.
 
+The same launch checks evaluation under FSDP2 (`automodel_all.cli.evaluate`): a model evaluated first
+(a no-grad forward, which leaves FSDP2's root gathered until it is resharded) and then trained, with its
+optimizer built after the evaluation, gives exactly the losses of a model trained without evaluating;
+and the evaluation loss is the mean token loss of the documents run alone.
+
 One launch of 2 gloo ranks runs all cases.
 """
 
@@ -206,9 +211,47 @@ def _rows(case: str) -> Any:
     return pack_documents(_documents(128), SEQ, packing, pad_id=0)
 
 
+def _train_losses(checkpoint: str, rows: Any, *, evaluate_first: bool) -> tuple[list[float], float | None]:
+    """Two AdamW steps on the packed rows under FSDP2 (each rank its half), optionally after evaluating."""
+    from automodel_all.cli.evaluate import evaluate
+    from automodel_all.cli.steps import TokenLoss, run_step
+
+    loss_fn = TokenLoss(1.0)
+    model, _ = _model("fsdp2", checkpoint, loss_fn)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    evaluated = None
+    if evaluate_first:
+        result = evaluate(
+            model, rows, loss_fn=loss_fn, parts=[model], dp_rank=rank, dp_size=world, rows_per_forward=1,
+            tp_size=1, device=torch.device("cpu"),
+        )  # fmt: skip
+        evaluated = result["eval_loss"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built after the evaluation, on purpose
+    labels = int((rows.labels != -100).sum())
+    losses = []
+    for _ in range(2):
+        loss_fn.denominator = labels / world
+        share = torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world)
+        local = run_step(model, rows.batch(share), loss_fn=loss_fn, micro_batch_size=1)
+        dist.all_reduce(local)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(local) / labels)
+    return losses, evaluated
+
+
 def _rank(checkpoint: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     references = {case: _reference(checkpoint, _rows(case)) for case in ("fsdp2", "cp_padded")}
+    rows = _rows("fsdp2")
+    plain, _ = _train_losses(checkpoint, rows, evaluate_first=False)
+    after, evaluated = _train_losses(checkpoint, rows, evaluate_first=True)
+    assert evaluated is not None
+    mean = float(references["fsdp2"].sum()) / int((rows.labels != -100).sum())
+    results["evaluate_then_train"] = {
+        "train_diff": max(abs(a - b) for a, b in zip(plain, after, strict=True)),
+        "eval_rel_diff": abs(evaluated - mean) / mean,
+    }
     for case in CASES:
         try:
             out = _run(case, checkpoint)
@@ -235,5 +278,8 @@ def test_packed_documents_have_their_own_losses_under_every_layout(tmp_path: Pat
                 assert "refused" in out and "packed" in out["refused"], out
                 continue
             assert out["max_rel_diff"] < RTOL, (rank, case, out)
+    for result in results:
+        check = result["evaluate_then_train"]
+        assert check["train_diff"] == 0.0 and check["eval_rel_diff"] < RTOL, check
     packed = results[0]["fsdp2"]
     assert packed["rows"] < packed["documents"], packed  # several documents share a row

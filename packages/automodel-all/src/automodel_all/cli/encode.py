@@ -10,7 +10,9 @@
   (``apply_chat_template(return_assistant_tokens_mask=True)``); otherwise each assistant turn's text is
   located by rendering the conversation up to that turn (with and without it) and the tokens whose
   characters fall inside are the targets. A template that renders earlier turns differently once later
-  ones exist defeats that and is refused, naming the record.
+  ones exist defeats that and is refused, naming the record. That way also counts what the template
+  renders after the answer within the turn (a newline after the end-of-turn token, say) as the
+  assistant's.
 """
 
 from __future__ import annotations
@@ -181,9 +183,9 @@ def _messages(
     for (_, spans), ids, offsets in zip(
         rendered, encoded["input_ids"], encoded["offset_mapping"], strict=True
     ):
-        targets = [
-            any(lo <= start and end <= hi and end > start for lo, hi in spans) for start, end in offsets
-        ]
+        # A token is the assistant's when it holds any of the turn's characters (transformers' rule for
+        # generation blocks, `char_to_token` of the span's ends).
+        targets = [any(start < hi and end > lo for lo, hi in spans) for start, end in offsets]
         docs.append(Document(list(ids), targets))
     return docs
 

@@ -56,16 +56,31 @@ def _seed(seed: int) -> None:
         pass
 
 
+def restart_count() -> int:
+    """How often the elastic launcher restarted this worker group (``TORCHELASTIC_RESTART_COUNT``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def _init_process_group(job: JobConfig) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = timedelta(minutes=job.launch.timeout_minutes)
+    options: dict[str, Any] = {"timeout": timeout}
+    restarts = restart_count()
+    if restarts:
+        # torchrun restarts the workers against the same store server, which still holds the keys the
+        # previous generation wrote (each process group's peer addresses): a new group of the same name
+        # would read them and wait on dead peers. One key prefix per restart keeps generations apart.
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        options.update(
+            store=dist.PrefixStore(f"automodel/restart_{restarts}", store), rank=rank, world_size=world
+        )
     if job.device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", device_id=device, **options)
         return device
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=timeout)
+    dist.init_process_group("gloo", **options)
     return torch.device("cpu")
 
 
@@ -174,11 +189,6 @@ def _setup(job: JobConfig) -> _Run:
         optimizer,
         loss_fn,
     )
-
-
-def restart_count() -> int:
-    """How often the elastic launcher restarted this worker group (``TORCHELASTIC_RESTART_COUNT``)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def _resume(run: _Run) -> ResumePoint:

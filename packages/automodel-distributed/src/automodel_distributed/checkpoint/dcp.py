@@ -189,6 +189,7 @@ def save_distributed_checkpoint(
         CheckpointWriteError: A rank failed to write (on every rank; nothing published, the staging
             folder removed).
     """
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -203,7 +204,8 @@ def save_distributed_checkpoint(
         save(state, storage_writer=FileSystemWriter(str(staging)))
         if rank_state is not None:
             _save_rank_state(staging, rank_state, process_group)
-    except Exception as exc:  # dcp gathers every rank's failure and raises on all of them
+    # dcp gathers every rank's failure and raises it on all of them, as a BaseException subclass.
+    except (Exception, CheckpointException) as exc:
         error = exc
     try:
         return publish_staging_dir(
@@ -215,7 +217,7 @@ def save_distributed_checkpoint(
             group=process_group,
             write_error=error,
         )
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         if error is None and _os_error(exc) is None:
             raise
         raise CheckpointWriteError(final, error if error is not None else exc) from exc
