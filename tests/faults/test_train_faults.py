@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -243,7 +244,7 @@ def test_two_nodes_on_one_host_give_the_losses_of_one_four_worker_launch(
     reference: tuple[Path, dict[int, float]], tmp_path: Path, fault_ledger: Any
 ) -> None:
     ref_dir, _ = reference
-    short = ("--steps", "6", "--dp-replicate", "2")
+    short = ("--steps", "6", "--dp-replicate", "2", "--micro-batch-size", "2")
     single = tmp_path / "single"
     _seed_folder(ref_dir, single)
     code, out = _run(single, *short, "--nproc-per-node", "4")
@@ -280,15 +281,13 @@ def test_a_flipped_byte_stops_resume_naming_the_file_and_fallback_resumes_exactl
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0x10
     shard.write_bytes(bytes(data))
-    start = time.monotonic()
     code, out = _run(output, "--resume")
-    seconds = time.monotonic() - start
     clear = code != 0 and f"{shard} is corrupt" in out and "--resume-fallback" in out
     fault_ledger.fault(
         "automodel train: corrupt checkpoint",
         "a flipped byte in the newest checkpoint, --resume: error naming the file",
         hung=False,
-        seconds=seconds,
+        seconds=None,
         data_lost=not clear,
     )
     assert clear, out[-6000:]
@@ -296,6 +295,7 @@ def test_a_flipped_byte_stops_resume_naming_the_file_and_fallback_resumes_exactl
     assert code == 0, out[-6000:]
     previous = output / "checkpoints" / f"step_{STEPS - 20:08d}"
     assert f"resumed from {previous} (step {STEPS - 20})" in out, out[-3000:]
+    assert f"resuming from the previous checkpoint {previous}" in out
     difference = _max_difference(_losses(output), expected)
     fault_ledger.fault(
         "automodel train: corrupt checkpoint",
@@ -336,7 +336,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
     _seed_folder(ref_dir, seed)
     # One checkpoint of this job is ~9 MB (2 ranks' model + AdamW shards); with the tokenizer, the initial
     # weights and the data (~5 MB) a 16 MB disk holds the step-2 checkpoint but not the step-4 one too.
-    train = " ".join(
+    train = shlex.join(
         _command(
             mount / "out", "--steps", "6", "--checkpoint-every", "2", "--set", "train.keep_checkpoints=2"
         )
@@ -344,9 +344,8 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
     script = (
         f"mount -t tmpfs -o size=16m tmpfs {mount} && mkdir {mount}/out && cp -r {seed}/. {mount}/out/ && "
         f"{train}; echo EXIT $?; df -k {mount} | tail -1; "
-        f"{sys.executable} -c '{_CHECK_AFTER_DISK_FULL}' {mount}/out"
+        f"{shlex.join([sys.executable, '-c', _CHECK_AFTER_DISK_FULL, str(mount / 'out')])}"
     )
-    start = time.monotonic()
     result = subprocess.run(
         ["unshare", "-m", "sh", "-c", script],
         env=_env(),
@@ -355,7 +354,6 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
         timeout=420,
         check=False,
     )
-    seconds = time.monotonic() - start
     out = result.stdout + result.stderr
     exit_line = next((line for line in out.splitlines() if line.startswith("EXIT ")), "EXIT ?")
     check_line = next((line for line in out.splitlines() if line.startswith("CHECK ")), None)
@@ -366,8 +364,8 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
         "automodel train: disk full during a save",
         "16 MB tmpfs (private mount namespace), the step-4 checkpoint does not fit: clear error, step 2 kept",
         hung=False,
-        seconds=seconds,
-        data_lost=not (kept and exit_line != "EXIT 0"),
+        seconds=None,
+        data_lost=not (kept and exit_line != "EXIT 0" and clear),
     )
     assert exit_line != "EXIT 0" and clear, out[-6000:]
     assert kept, (state, out[-3000:])
@@ -380,16 +378,14 @@ def test_a_nan_loss_stops_naming_step_and_ranks_or_is_skipped_and_counted(
     diverge = ("--steps", "4", "--checkpoint-every", "1", "--lr", "1e15", "--warmup-steps", "0")
     output = tmp_path / "error"
     _seed_folder(ref_dir, output)
-    start = time.monotonic()
     code, out = _run(output, *diverge)
-    seconds = time.monotonic() - start
     clear = code != 0 and "NonFiniteError: step 2: the loss is NaN or Inf on rank(s) [0, 1]" in out
     names = sorted(p.name for p in (output / "checkpoints").iterdir())
     fault_ledger.fault(
         "automodel train: NaN loss",
         "lr 1e15: stops at step 2 naming the ranks; the last checkpoint is step 1",
         hung=False,
-        seconds=seconds,
+        seconds=None,
         data_lost=not (clear and names == ["step_00000001"]),
     )
     assert clear, out[-6000:]
@@ -400,11 +396,13 @@ def test_a_nan_loss_stops_naming_step_and_ranks_or_is_skipped_and_counted(
     assert code == 0, out[-6000:]
     log = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in log] == [False, True, True, True] and log[-1]["skipped_total"] == 3
-    assert "step 2: the loss is NaN or Inf on rank(s) [0, 1]: skipped (no update)" in out
+    noticed = "warning: step 2: the loss is NaN or Inf on rank(s) [0, 1]" in out
+    noticed = noticed and "skipped (no update), 3 step(s) skipped so far" in out
     fault_ledger.fault(
         "automodel train: NaN loss",
         "train.on_nonfinite: skip: 3 steps skipped and counted, the final checkpoint is finite",
         hung=False,
         seconds=None,
-        data_lost=not (output / "hf" / "config.json").is_file(),
+        data_lost=not (noticed and (output / "hf" / "config.json").is_file()),
     )
+    assert noticed, out[-3000:]

@@ -73,11 +73,11 @@ def test_missing_and_added_files_are_errors(tmp_path: Path) -> None:
     _, path = _saved(tmp_path)
     files = read_marker(path)["files"]
     (path / "stray.bin").write_bytes(b"x")
-    with pytest.raises(CorruptCheckpointError, match="stray.bin is corrupt: not recorded"):
+    with pytest.raises(CorruptCheckpointError, match=r"stray\.bin is corrupt: not recorded"):
         verify_checkpoint(path, files, exclude=frozenset({COMPLETE_MARKER}))
     (path / "stray.bin").unlink()
     (path / "rank_state" / "rank_00000.pt").unlink()
-    with pytest.raises(CorruptCheckpointError, match="rank_00000.pt is corrupt: missing"):
+    with pytest.raises(CorruptCheckpointError, match=r"rank_00000\.pt is corrupt: missing"):
         verify_checkpoint(path, files, exclude=frozenset({COMPLETE_MARKER}))
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -29,7 +28,7 @@ from automodel_all.cli.export import prune_checkpoints
 from automodel_all.cli.guards import NonFiniteError, StepStatus, StopRequest, local_grads_finite
 from automodel_all.cli.metrics import ExpertLoad, MetricsWriter
 from automodel_all.cli.packing import IGNORE_INDEX
-from automodel_all.cli.progress import Progress, memory_gib
+from automodel_all.cli.progress import Progress, memory_gib, warn
 from automodel_all.cli.resume import ResumePoint, checkpoint_root, save_checkpoint
 from automodel_all.cli.steps import clip_gradients, lr_at, run_step
 
@@ -128,9 +127,7 @@ class _Loop:
             skipped = True
             self.skipped += 1
             if self.rank == 0:
-                warnings.warn(
-                    f"{problem}: skipped (no update), {self.skipped} step(s) skipped so far", stacklevel=2
-                )
+                warn(f"{problem}: skipped (no update), {self.skipped} step(s) skipped so far")
         else:
             run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)

@@ -10,8 +10,8 @@ Files in the output folder (rank 0 writes them):
 - ``eval_log.jsonl``: one line per evaluation: ``step``, ``eval_loss``, ``eval_ppl``, ``eval_tokens``.
 - ``tensorboard/``: the same scalars as TensorBoard events (``train.tensorboard: true``; the
   ``automodel-all[tensorboard]`` extra).
-- ``loss_curve.png``: training and evaluation loss against the step, drawn at the end
-  (``train.plot``; the ``automodel-all[plot]`` extra, matplotlib).
+- ``loss_curve.png``: training and evaluation loss against the step, drawn at the end when
+  matplotlib is installed (the ``automodel-all[plot]`` extra; ``train.plot``).
 """
 
 from __future__ import annotations
@@ -123,11 +123,15 @@ def open_tensorboard(folder: Path) -> Any:
     return SummaryWriter(log_dir=str(folder))
 
 
-def plot_losses(out: Path) -> Path | None:
+def plot_losses(out: Path, *, required: bool = False) -> Path | None:
     """Draw ``out/loss_curve.png`` from the logs (training loss, and evaluation loss if any).
 
+    Args:
+        out: The output folder.
+        required: Warn (naming the extra) when matplotlib is missing; otherwise skip silently.
+
     Returns:
-        The PNG, or None when matplotlib is not installed (a warning names the extra) or nothing was logged.
+        The PNG, or None when matplotlib is not installed or nothing was logged.
     """
     train = [
         r for r in _read(out / TRAIN_LOG) if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])
@@ -141,11 +145,12 @@ def plot_losses(out: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        warnings.warn(
-            "train.plot: matplotlib is not installed, so no loss_curve.png was drawn; install "
-            "'automodel-all[plot]' (or set train.plot: false)",
-            stacklevel=2,
-        )
+        if required:
+            warnings.warn(
+                "train.plot: matplotlib is not installed, so no loss_curve.png was drawn; install "
+                "'automodel-all[plot]' (or set train.plot: false)",
+                stacklevel=2,
+            )
         return None
     figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
     axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="training loss", linewidth=1)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 
 import torch
 
-__all__ = ["Progress", "memory_gib"]
+__all__ = ["Progress", "memory_gib", "warn"]
+
+
+def warn(message: str) -> None:
+    """Print a warning of the worker (stderr, flushed; the ``warnings`` module may be routed to logging)."""
+    print(f"automodel train: warning: {message}", file=sys.stderr, flush=True)
 
 
 def memory_gib(device: torch.device) -> float:

@@ -19,7 +19,6 @@ older complete checkpoint is tried (with a warning).
 from __future__ import annotations
 
 import random
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from automodel_all.cli.progress import warn
 
 __all__ = ["ResumePoint", "checkpoint_root", "resume_from_checkpoint", "rng_state", "save_checkpoint"]
 
@@ -102,11 +103,11 @@ def _check_data(extra: dict[str, Any], expected: dict[str, Any], path: Path) -> 
     if recorded and differs:
         then = ", ".join(f"{k}={recorded.get(k)!r}" for k in differs)
         now = ", ".join(f"{k}={expected.get(k)!r}" for k in differs)
-        warnings.warn(
-            f"{path} was trained with other data or batches ({then} there, {now} now): the resumed run "
-            "will not see the batches the interrupted one would have seen",
-            stacklevel=3,
-        )
+        if dist.get_rank() == 0:
+            warn(
+                f"{path} was trained with other data or batches ({then} there, {now} now): the resumed "
+                "run will not see the batches the interrupted one would have seen"
+            )
 
 
 def resume_from_checkpoint(
@@ -154,9 +155,7 @@ def resume_from_checkpoint(
                 )
                 raise CorruptCheckpointError(exc.path, exc.problem + hint) from None
             if dist.get_rank() == 0:
-                warnings.warn(
-                    f"{exc}; resuming from the previous checkpoint {candidates[index + 1]}", stacklevel=2
-                )
+                warn(f"{exc}; resuming from the previous checkpoint {candidates[index + 1]}")
             continue
         _check_data(dict(info.extra_state), data, path)
         if info.rank_state is not None and info.world_size == dist.get_world_size():

@@ -139,9 +139,9 @@ class TrainSection:
     tensorboard: bool = False
     """Also write the metrics as TensorBoard events under ``output_dir/tensorboard`` (needs the
     ``automodel-all[tensorboard]`` extra)."""
-    plot: bool = True
-    """Draw ``output_dir/loss_curve.png`` at the end (needs the ``automodel-all[plot]`` extra, matplotlib;
-    without it a note says so)."""
+    plot: bool | None = None
+    """Draw ``output_dir/loss_curve.png`` at the end (needs the ``automodel-all[plot]`` extra,
+    matplotlib). ``None``: when matplotlib is installed; ``true``: a warning says so when it is not."""
     sample_prompt: str = "The "
     """Prompt of the sample generated from the saved model at the end."""
     sample_tokens: int = 40

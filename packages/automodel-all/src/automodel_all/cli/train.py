@@ -70,10 +70,11 @@ def _init_process_group(job: JobConfig) -> torch.device:
         # torchrun restarts the workers against the same store server, which still holds the keys the
         # previous generation wrote (each process group's peer addresses): a new group of the same name
         # would read them and wait on dead peers. One key prefix per restart keeps generations apart.
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        options.update(
-            store=dist.PrefixStore(f"automodel/restart_{restarts}", store), rank=rank, world_size=world
-        )
+        from torch.distributed.distributed_c10d import PrefixStore
+        from torch.distributed.rendezvous import rendezvous
+
+        store, rank, world = next(rendezvous("env://", timeout=timeout))
+        options.update(store=PrefixStore(f"automodel/restart_{restarts}", store), rank=rank, world_size=world)
     if job.device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -248,8 +249,8 @@ def _finish(run: _Run) -> None:
                 hf_dir, train_cfg.sample_prompt, train_cfg.sample_tokens, train_cfg.seed, chat=chat
             )
             print(f"sample: {text!r}", flush=True)
-        if train_cfg.plot:
-            png = plot_losses(run.out)
+        if train_cfg.plot is not False:
+            png = plot_losses(run.out, required=train_cfg.plot is True)
             if png is not None:
                 print(f"loss curve: {png.resolve()}", flush=True)
 

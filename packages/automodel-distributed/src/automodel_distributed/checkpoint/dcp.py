@@ -75,6 +75,25 @@ class CheckpointWriteError(OSError):
         )
 
 
+def _probe_space(folder: Path, rank: int) -> OSError | None:
+    """After a failed write: whether ``folder``'s file system still takes 1 MiB (the error if not).
+
+    torch's writers can report a full disk without its errno (``torch.save`` raises ``RuntimeError:
+    unexpected pos``); writing a probe tells a full disk apart from other failures.
+    """
+    probe = folder / f".space_probe_{rank}"
+    try:
+        with probe.open("wb") as handle:
+            handle.write(bytes(2**20))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        return exc
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
 def _os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
     """The first ``OSError`` in ``exc``, its causes, or the per-rank failures of a DCP exception."""
     if exc is None or depth > 8:
@@ -207,6 +226,9 @@ def save_distributed_checkpoint(
     # dcp gathers every rank's failure and raises it on all of them, as a BaseException subclass.
     except (Exception, CheckpointException) as exc:
         error = exc
+        if _os_error(exc) is None and (full := _probe_space(staging, rank_of(process_group))) is not None:
+            full.__cause__ = exc  # the probe's errno (ENOSPC) names what the writer's message hides
+            error = full
     try:
         return publish_staging_dir(
             staging,
