@@ -80,10 +80,12 @@ class _PerDocumentLoss:
         return losses.sum()
 
 
-def _model(case: str, checkpoint: str, loss: Any) -> tuple[Any, Any]:
+def _model(case: str, checkpoint: str, loss: Any) -> tuple[Any, Any, Any]:
+    """The sharded model, its mesh context and its strategy manager."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from automodel_distributed.config import FSDP2Config
+    from automodel_distributed.strategy import as_strategy
     from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
     from automodel_mesh import MeshContext, ParallelismSizes
     from automodel_pipelining.config import PipelineConfig
@@ -118,7 +120,7 @@ def _model(case: str, checkpoint: str, loss: Any) -> tuple[Any, Any]:
         load_base_model=True,
         pretrained_model_name_or_path=checkpoint,
     )
-    return model, ctx
+    return model, ctx, as_strategy(infra.model_wrapper, ctx)
 
 
 ROWS = 4
@@ -130,7 +132,7 @@ def _run(case: str, checkpoint: str) -> dict[str, Any]:
     count = int(ids.max()) + 1
     assert count == len(_documents(128)) == len(_segments(rows))
     loss = _PerDocumentLoss(count)
-    model, ctx = _model(case, checkpoint, loss)
+    model, ctx, _ = _model(case, checkpoint, loss)
     out: dict[str, Any] = {"rows": len(rows), "documents": count}
     for start in range(0, len(rows), ROWS):  # every rank runs the same rows
         sl = slice(start, start + ROWS)
@@ -162,7 +164,9 @@ def _run(case: str, checkpoint: str) -> dict[str, Any]:
                 except ValueError as exc:
                     out["refused"] = str(exc)
                     return out
-                with context_parallel_region(ctx, prepared, seq_dims={"target": 1}) as local:
+                with context_parallel_region(
+                    ctx, prepared, seq_dims={"target": 1}, cpu_ring_attention=True
+                ) as local:
                     logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
                     loss(logits, local["target"])
             else:
@@ -217,13 +221,13 @@ def _train_losses(checkpoint: str, rows: Any, *, evaluate_first: bool) -> tuple[
     from automodel_all.cli.steps import TokenLoss, run_step
 
     loss_fn = TokenLoss(1.0)
-    model, _ = _model("fsdp2", checkpoint, loss_fn)
+    model, _, strategy = _model("fsdp2", checkpoint, loss_fn)
     rank, world = dist.get_rank(), dist.get_world_size()
     evaluated = None
     if evaluate_first:
         result = evaluate(
-            model, rows, loss_fn=loss_fn, parts=[model], dp_rank=rank, dp_size=world, rows_per_forward=1,
-            tp_size=1, device=torch.device("cpu"),
+            model, rows, loss_fn=loss_fn, strategy=strategy, dp_rank=rank, dp_size=world,
+            rows_per_forward=1, tp_size=1, device=torch.device("cpu"),
         )  # fmt: skip
         evaluated = result["eval_loss"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built after the evaluation, on purpose
@@ -232,7 +236,7 @@ def _train_losses(checkpoint: str, rows: Any, *, evaluate_first: bool) -> tuple[
     for _ in range(2):
         loss_fn.denominator = labels / world
         share = torch.arange(rank * len(rows) // world, (rank + 1) * len(rows) // world)
-        local = run_step(model, rows.batch(share), loss_fn=loss_fn, micro_batch_size=1)
+        local = run_step(model, rows.batch(share), loss_fn=loss_fn, micro_batch_size=1, strategy=strategy)
         dist.all_reduce(local)
         optimizer.step()
         optimizer.zero_grad()

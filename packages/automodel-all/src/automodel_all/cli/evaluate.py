@@ -6,8 +6,9 @@ rank sums its token losses, one ``all_reduce`` adds them up, and the loss is tha
 label tokens in the evaluation data: the same value on any layout.
 
 FSDP2 after a no-grad forward: units that keep their parameters gathered for the backward (the root)
-stay gathered when no backward follows; every FSDP2 module is resharded afterwards, so the next
-training step (and a checkpoint) sees the sharded parameters the optimizer holds.
+would stay gathered when no backward follows; `automodel_distributed.fsdp2.reshard_after_no_grad_forward`
+(registered on every FSDP2 root by ``apply_fsdp2``) reshards them, so the next training step (and a
+checkpoint) sees the sharded parameters the optimizer holds.
 """
 
 from __future__ import annotations
@@ -17,22 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from automodel_all.cli.packing import IGNORE_INDEX, TokenRows
 from automodel_all.cli.steps import TokenLoss, run_step
+from automodel_distributed.strategy import StrategyManager
 
-__all__ = ["evaluate", "reshard_fsdp"]
-
-
-def reshard_fsdp(parts: list[nn.Module]) -> None:
-    """Reshard every FSDP2 module of ``parts`` (``FSDPModule.reshard`` is not recursive). Local."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for part in parts:
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+__all__ = ["evaluate"]
 
 
 def _round(rows: TokenRows, start: int, count: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -49,7 +40,7 @@ def evaluate(
     rows: TokenRows,
     *,
     loss_fn: TokenLoss,
-    parts: list[nn.Module],
+    strategy: StrategyManager,
     dp_rank: int,
     dp_size: int,
     rows_per_forward: int,
@@ -64,7 +55,7 @@ def evaluate(
         model: The model (outside pipelining).
         rows: The evaluation rows.
         loss_fn: The training loss (its denominator is set to 1 here and restored).
-        parts: The model's parts (resharded afterwards).
+        strategy: The run's strategy manager (autocast).
         dp_rank: This rank's data-parallel index.
         dp_size: The data-parallel size.
         rows_per_forward: Rows per rank per forward: the micro-batch (the pipeline batch under PP).
@@ -89,6 +80,7 @@ def evaluate(
                     batch,
                     loss_fn=loss_fn,
                     micro_batch_size=rows_per_forward,
+                    strategy=strategy,
                     pipeline=pipeline,
                     cp_mesh=cp_mesh,
                     backward=False,
@@ -96,7 +88,6 @@ def evaluate(
                 total += local.double()
     finally:
         loss_fn.denominator = saved
-        reshard_fsdp(parts)
     dist.all_reduce(total)
     loss = float(total) / (max(label_tokens, 1) * tp_size)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": label_tokens}

@@ -108,6 +108,7 @@ class _Loop:
             run.rows.batch(self.sampler.indices(step, self.dp_rank, self.dp_size), run.device),
             loss_fn=run.loss_fn,
             micro_batch_size=train.micro_batch_size,
+            strategy=run.strategy,
             pipeline=run.pipeline,
             cp_mesh=self.cp_mesh,
         )
@@ -169,7 +170,7 @@ class _Loop:
             run.model if run.pipeline is None else None,
             run.eval_rows,
             loss_fn=run.loss_fn,
-            parts=run.parts,
+            strategy=run.strategy,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             rows_per_forward=per_forward,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel_distributed.loss import MaskedCrossEntropy
+from automodel_distributed.strategy import StrategyManager
 
 __all__ = ["TokenLoss", "clip_gradients", "lr_at", "run_step"]
 
@@ -73,32 +73,19 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float | None, pp_group:
     return float(norm)
 
 
-@contextlib.contextmanager
-def _grad_sync(model: Any, sync: bool) -> Iterator[None]:
-    """Reduce gradients only on the last micro-batch.
-
-    FSDP2 uses ``set_requires_gradient_sync``, DDP ``no_sync``; other models accumulate as usual.
-    """
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
-        yield
-    elif isinstance(model, DistributedDataParallel) and not sync:
-        with model.no_sync():
-            yield
-    else:
-        yield
-
-
 def _forward_loss(
-    model: Any, batch: dict[str, torch.Tensor], loss_fn: TokenLoss, cp_mesh: Any, backward: bool
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    loss_fn: TokenLoss,
+    strategy: StrategyManager,
+    cp_mesh: Any,
+    backward: bool,
 ) -> torch.Tensor:
-    """One forward (and backward) of ``batch``; returns the normalised loss (detached)."""
+    """One forward (under the strategy's autocast) and backward of ``batch``; the loss, detached."""
     if cp_mesh is None:
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        loss = loss_fn(logits, batch["labels"])
+        with strategy.autocast():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            loss = loss_fn(logits, batch["labels"])
         if backward:
             loss.backward()
         return loss.detach()
@@ -111,9 +98,12 @@ def _forward_loss(
             "shift_labels": batch["labels"],
         }
     )
-    with context_parallel_region(cp_mesh, sharded) as local:  # forward and backward inside the region
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-        loss = loss_fn(logits, local["shift_labels"])
+    # CPU meshes (gloo) run ring attention through automodel's opt-in CPU backend.
+    cpu_ring = cp_mesh.device_type == "cpu"
+    with context_parallel_region(cp_mesh, sharded, cpu_ring_attention=cpu_ring) as local:
+        with strategy.autocast():  # forward and backward inside the region
+            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            loss = loss_fn(logits, local["shift_labels"])
         if backward:
             loss.backward()
     return loss.detach()
@@ -125,11 +115,17 @@ def run_step(
     *,
     loss_fn: TokenLoss,
     micro_batch_size: int,
+    strategy: StrategyManager,
     pipeline: Any = None,
     cp_mesh: Any = None,
     backward: bool = True,
 ) -> torch.Tensor:
     """Forward (and backward) over this rank's rows of one step; gradients accumulate in ``.grad``.
+
+    The strategy decides the rest: each forward (and loss) runs under `StrategyManager.autocast` (its
+    ``autocast_dtype``; the backward outside it, as torch recommends, except inside a pipeline schedule,
+    which runs both), each micro-batch under `StrategyManager.gradient_sync` (gradients reduced on the
+    last one only).
 
     Args:
         model: The model (`apply_model_infrastructure`'s result), or unused under pipelining.
@@ -138,6 +134,7 @@ def run_step(
             the model's device.
         loss_fn: The normalised loss (its ``denominator`` set for this step).
         micro_batch_size: Rows per forward pass (outside pipelining).
+        strategy: The run's strategy manager (``automodel_distributed.strategy.as_strategy``).
         pipeline: The `AutoPipeline`, which splits the rows into its own microbatches.
         cp_mesh: The mesh context when context parallelism is on (sequences are sharded over ``cp``).
         backward: False for evaluation: forward only (call under ``torch.no_grad()``).
@@ -148,7 +145,8 @@ def run_step(
     inputs, labels = batch["input_ids"], batch["labels"]
     total = torch.zeros((), dtype=torch.float32, device=inputs.device)
     if pipeline is not None:
-        losses = pipeline.step(inputs, target=labels, position_ids=batch["position_ids"])
+        with strategy.autocast():
+            losses = pipeline.step(inputs, target=labels, position_ids=batch["position_ids"])
         for loss in losses:
             total += loss.detach().float() * loss_fn.denominator
         return total
@@ -158,7 +156,12 @@ def run_step(
     for index in range(count):
         part = slice(index * micro_batch_size, (index + 1) * micro_batch_size)
         micro = {name: tensor[part] for name, tensor in batch.items()}
-        with _grad_sync(model, index == count - 1) if backward else contextlib.nullcontext():
-            loss = _forward_loss(model, micro, loss_fn, cp_mesh, backward)
+        sync = (
+            strategy.gradient_sync(model, enabled=index == count - 1)
+            if backward
+            else contextlib.nullcontext()
+        )
+        with sync:
+            loss = _forward_loss(model, micro, loss_fn, strategy, cp_mesh, backward)
         total += loss.float() * loss_fn.denominator
     return total

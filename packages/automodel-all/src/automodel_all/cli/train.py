@@ -38,6 +38,7 @@ from automodel_all.cli.packing import TokenRows
 from automodel_all.cli.resume import ResumePoint, resume_from_checkpoint
 from automodel_all.cli.steps import TokenLoss
 from automodel_all.cli.yaml_source import RawJob
+from automodel_distributed.strategy import StrategyManager, as_strategy
 
 __all__ = ["JOB_ENV", "main"]
 
@@ -108,6 +109,8 @@ class _Run:
     parts: list[nn.Module]
     optimizer: torch.optim.Optimizer
     loss_fn: TokenLoss
+    strategy: StrategyManager
+    """The strategy manager: autocast and gradient sync of every step go through it."""
 
     @property
     def pipeline(self) -> Any:
@@ -172,10 +175,10 @@ def _setup(job: JobConfig) -> _Run:
     )
     parts = _parts(model)
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
-    # Built right after sharding, before any forward (an FSDP2 root would otherwise stay unsharded).
     optimizer = torch.optim.AdamW(
         params, lr=job.train.lr, betas=(0.9, 0.95), weight_decay=job.train.weight_decay
     )
+    strategy = as_strategy(infra.model_wrapper, mesh)
     return _Run(
         job,
         resolved,
@@ -189,6 +192,7 @@ def _setup(job: JobConfig) -> _Run:
         parts,
         optimizer,
         loss_fn,
+        strategy,
     )
 
 

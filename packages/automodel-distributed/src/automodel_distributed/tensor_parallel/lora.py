@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from automodel_distributed.tensor_parallel._fqn import join_fqn, match_modules
+from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.styles import ReplicateParallel
+from automodel_mesh.modules import join_fqn
 
 __all__ = ["expand_lora_plan", "is_lora_linear"]
 
