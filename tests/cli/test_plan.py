@@ -117,10 +117,15 @@ _SHAPES = {
 @pytest.mark.parametrize(
     ("example", "shape", "world", "expected"),
     [
-        ("sft_llama_lora.yaml", "llama", 8, ["1.24 B parameters", "add LoRA adapters (rank 16, alpha 32)"]),
-        ("sft_llama_full.yaml", "llama", 8, ["1.24 B parameters", "tensor-parallel plan over tp=2"]),
-        ("sft_qwen3_moe_lora.yaml", "qwen3_moe", 8, ["30.53 B parameters", "add LoRA adapters"]),
-        ("sft_qwen3_moe_full.yaml", "qwen3_moe", 16, ["30.53 B parameters", "30.53 B trainable"]),
+        ("sft_llama_lora.yaml", "llama", 8, ["LlamaForCausalLM", "add LoRA adapters (rank 16, alpha 32)"]),
+        ("sft_llama_full.yaml", "llama", 8, ["LlamaForCausalLM", "tensor-parallel plan over tp=2"]),
+        ("sft_qwen3_moe_lora.yaml", "qwen3_moe", 8, ["Qwen3MoeForCausalLM", "expert parallelism over ep=8"]),
+        (
+            "sft_qwen3_moe_full.yaml",
+            "qwen3_moe",
+            16,
+            ["Qwen3MoeForCausalLM", "experts sharded over ep_shard=2"],
+        ),
     ],
 )
 def test_the_sft_examples_plan_for_their_model_shapes(
@@ -135,4 +140,10 @@ def test_the_sft_examples_plan_for_their_model_shapes(
     report = _plan(str(path), "--model", str(folder), "--world-size", str(world), "--device", "cpu")
     for text in expected:
         assert text in report, report
+    match = re.search(r"model: \S+ \(.*\), ([\d.]+) B parameters, ([\d.]+) ([MB]) trainable", report)
+    assert match, report
+    total = float(match.group(1))  # the published sizes (1.24 B and 30.5 B), plus adapters under LoRA
+    assert (1.23 < total < 1.26) if shape == "llama" else (30.4 < total < 30.6), report
+    lora = "lora" in example
+    assert (match.group(3) == "M") == lora, report  # only the adapters train under LoRA
     assert _mib(report, "total") > 0

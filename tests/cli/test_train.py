@@ -115,7 +115,7 @@ def test_lora_sft_of_a_moe_model_on_chat_data_with_evaluation_and_metrics(tmp_pa
         "--set", "model.load_weights=false", "--set", "model.config_overrides={vocab_size: 2048}",
         "--data", "builtin:chat", "--eval-split", "validation", "--eval-every", "5", "--steps", "10",
         "--seq-len", "64", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "0.01",
-        "--warmup-steps", "2", "--ep", "2", "--lora", "--set", "peft.target_modules=[q_proj, v_proj]",
+        "--warmup-steps", "2", "--ep", "2", "--set", "peft.target_modules=[q_proj, v_proj]",
         "--tensorboard", "--set", "train.sample_prompt=What is 2 plus 3?", "--set", "train.sample_tokens=8",
         "--nproc-per-node", "2", "--device", "cpu", "--output-dir", str(output),
     ]  # fmt: skip

@@ -23,7 +23,9 @@ patched.
   both ranks, the step-1 checkpoint is finite and is the last; with ``train.on_nonfinite: skip`` the job
   finishes, counting 3 skipped steps, and its final checkpoint is finite.
 
-Each case records itself in the faults ledger (docs/faults.md).
+Each case records itself in the faults ledger (docs/faults.md). The two simulated nodes and the
+skip-on-NaN job carry ``slow_faults`` (the non-default ``faults_slow`` session): together they cost
+about 100 s of a shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -240,6 +242,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.slow_faults  # three launches of 4 workers in all: ~80 s on a shared 2-core machine
 def test_two_nodes_on_one_host_give_the_losses_of_one_four_worker_launch(
     reference: tuple[Path, dict[int, float]], tmp_path: Path, fault_ledger: Any
 ) -> None:
@@ -371,14 +374,16 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
     assert kept, (state, out[-3000:])
 
 
-def test_a_nan_loss_stops_naming_step_and_ranks_or_is_skipped_and_counted(
+DIVERGE = ("--steps", "4", "--checkpoint-every", "1", "--lr", "1e15", "--warmup-steps", "0")
+
+
+def test_a_nan_loss_stops_naming_the_step_and_the_ranks(
     reference: tuple[Path, dict[int, float]], tmp_path: Path, fault_ledger: Any
 ) -> None:
     ref_dir, _ = reference
-    diverge = ("--steps", "4", "--checkpoint-every", "1", "--lr", "1e15", "--warmup-steps", "0")
     output = tmp_path / "error"
     _seed_folder(ref_dir, output)
-    code, out = _run(output, *diverge)
+    code, out = _run(output, *DIVERGE)
     clear = code != 0 and "NonFiniteError: step 2: the loss is NaN or Inf on rank(s) [0, 1]" in out
     names = sorted(p.name for p in (output / "checkpoints").iterdir())
     fault_ledger.fault(
@@ -390,9 +395,16 @@ def test_a_nan_loss_stops_naming_step_and_ranks_or_is_skipped_and_counted(
     )
     assert clear, out[-6000:]
     assert names == ["step_00000001"]
+
+
+@pytest.mark.slow_faults
+def test_a_nan_loss_is_skipped_and_counted_when_asked(
+    reference: tuple[Path, dict[int, float]], tmp_path: Path, fault_ledger: Any
+) -> None:
+    ref_dir, _ = reference
     output = tmp_path / "skip"
     _seed_folder(ref_dir, output)
-    code, out = _run(output, *diverge, "--set", "train.on_nonfinite=skip")
+    code, out = _run(output, *DIVERGE, "--set", "train.on_nonfinite=skip")
     assert code == 0, out[-6000:]
     log = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in log] == [False, True, True, True] and log[-1]["skipped_total"] == 3
