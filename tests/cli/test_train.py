@@ -105,14 +105,14 @@ def test_lora_sft_of_a_moe_model_on_chat_data_with_evaluation_and_metrics(tmp_pa
     from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
     from automodel_testing import save_tiny_checkpoint
 
-    model = save_tiny_checkpoint("qwen3_moe", tmp_path / "qwen3_moe")  # 2 MoE layers, 8 experts, top-2
+    # 2 MoE layers, 8 experts, top-2, with the vocabulary of the embedded tokenizer.
+    model = save_tiny_checkpoint("qwen3_moe", tmp_path / "qwen3_moe", vocab_size=2048)
     tokenizer = train_tokenizer(builtin_corpus(), tmp_path / "tokenizer")
     output = tmp_path / "sft"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "automodel_all.cli", "train", "--model", str(model),
         "--tokenizer", str(tokenizer),
-        "--set", "model.load_weights=false", "--set", "model.config_overrides={vocab_size: 2048}",
         "--data", "builtin:chat", "--eval-split", "validation", "--eval-every", "5", "--steps", "10",
         "--seq-len", "64", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "0.01",
         "--warmup-steps", "2", "--ep", "2", "--set", "peft.target_modules=[q_proj, v_proj]",
