@@ -242,6 +242,10 @@ def test_prepare_data_writes_train_and_eval_rows(tmp_path: Path, tokenizer: Any)
     assert 0.2 < float((labels != IGNORE_INDEX).float().mean()) < 0.8  # prompts are masked out
     again = prepare_data(data, tokenizer, tmp_path)
     assert torch.equal(again.train.input_ids, prepared.train.input_ids)  # deterministic
+    # Under context parallelism records default to one per row (ring attention cannot keep them apart).
+    padded = prepare_data(data, tokenizer, tmp_path / "cp", cp_size=2)
+    assert padded.packing == "padded" and len(padded.train) > len(prepared.train)
+    assert bool((padded.train.position_ids == torch.arange(64)).all())  # no position restarts in a row
 
 
 def test_data_parallel_ranks_split_exactly_the_global_batch_of_one_process() -> None:

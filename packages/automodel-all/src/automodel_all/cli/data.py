@@ -42,11 +42,17 @@ def data_folder(output_dir: str | Path) -> Path:
     return Path(output_dir) / "data"
 
 
-def resolve_packing(data: DataSection, fmt: str) -> str:
-    """``data.packing``, or its default for the format: ``concat`` for text, ``packed`` otherwise."""
+def resolve_packing(data: DataSection, fmt: str, cp_size: int = 1) -> str:
+    """``data.packing``, or its default: ``concat`` for text, else ``packed`` (``padded`` under CP).
+
+    Context parallelism's ring attention cannot keep packed records apart, so records default to one
+    per row there (the job's checks refuse an explicit ``packed`` with ``cp_size > 1``).
+    """
     if data.packing is not None:
         return data.packing
-    return "concat" if fmt == "text" else "packed"
+    if fmt == "text":
+        return "concat"
+    return "padded" if cp_size > 1 else "packed"
 
 
 def fingerprint(rows: TokenRows) -> str:
@@ -68,7 +74,13 @@ class PreparedData:
 
 
 def _rows(
-    data: DataSection, path: str | None, split: str, tokenizer: Any, cache: Path, fmt: str | None
+    data: DataSection,
+    path: str | None,
+    split: str,
+    tokenizer: Any,
+    cache: Path,
+    fmt: str | None,
+    cp_size: int,
 ) -> tuple[str, TokenRows]:
     where = f"data {path or 'builtin:text'} (split {split})"
     records = read_records(path, split, cache)
@@ -81,7 +93,7 @@ def _rows(
     if not docs:
         raise ValueError(f"{where} holds no text")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = pack_documents(docs, data.seq_len, resolve_packing(data, fmt), int(pad or 0))
+    rows = pack_documents(docs, data.seq_len, resolve_packing(data, fmt, cp_size), int(pad or 0))
     _warn_losses(where, rows.report, data.seq_len)
     return fmt, rows
 
@@ -101,8 +113,12 @@ def _warn_losses(where: str, report: PackReport, seq_len: int) -> None:
         )
 
 
-def prepare_data(data: DataSection, tokenizer: Any, output_dir: str | Path) -> PreparedData:
+def prepare_data(
+    data: DataSection, tokenizer: Any, output_dir: str | Path, *, cp_size: int = 1
+) -> PreparedData:
     """Read, tokenize and lay out the training (and evaluation) rows; save them for the workers.
+
+    ``cp_size`` (the job's context-parallel size) only picks the default layout (`resolve_packing`).
 
     Writes ``<output_dir>/data/train.pt`` (and ``eval.pt``), each through a rename, so a worker never
     reads half a file. Deterministic: the same data and tokenizer give the same rows.
@@ -114,18 +130,18 @@ def prepare_data(data: DataSection, tokenizer: Any, output_dir: str | Path) -> P
     folder = data_folder(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     cache = folder / "cache"
-    fmt, train = _rows(data, data.path, data.split, tokenizer, cache, None)
+    fmt, train = _rows(data, data.path, data.split, tokenizer, cache, None, cp_size)
     evaluation = None
     if data.eval_path is not None or data.eval_split is not None:
         source = data.eval_path if data.eval_path is not None else data.path
         split = data.eval_split or "train"
-        _, evaluation = _rows(data, source, split, tokenizer, cache, fmt)
+        _, evaluation = _rows(data, source, split, tokenizer, cache, fmt, cp_size)
     train.save(folder / "train.pt")
     if evaluation is not None:
         evaluation.save(folder / "eval.pt")
     else:
         (folder / "eval.pt").unlink(missing_ok=True)
-    return PreparedData(fmt, resolve_packing(data, fmt), train, evaluation)
+    return PreparedData(fmt, resolve_packing(data, fmt, cp_size), train, evaluation)
 
 
 def load_data(output_dir: str | Path) -> tuple[TokenRows, TokenRows | None]:

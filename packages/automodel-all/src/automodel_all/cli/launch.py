@@ -162,7 +162,9 @@ def _prepare_data(raw: RawJob, job: JobConfig, model_config: Any) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            prepared = prepare_data(job.data, tokenizer, job.train.output_dir)
+            prepared = prepare_data(
+                job.data, tokenizer, job.train.output_dir, cp_size=job.parallelism.cp_size
+            )
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(f"{raw.where('data', 'path')}: {exc}") from None
     for warning in caught:
