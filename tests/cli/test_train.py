@@ -138,6 +138,14 @@ def test_lora_sft_of_a_moe_model_on_chat_data_with_evaluation_and_metrics(tmp_pa
         math.exp(evals[1]["eval_loss"])
     )
     assert (output / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # TensorBoard holds the same scalars as the JSON lines.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(output / "tensorboard"))
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "eval/eval_loss", "moe/imbalance"} <= tags, tags
+    assert [e.value for e in board.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records])
     assert any((output / "tensorboard").glob("events.out.tfevents.*"))
     assert (output / "hf" / "adapter" / "adapter_config.json").is_file()
     assert "sample: 'User: What is 2 plus 3?\\nAssistant:" in result.stdout, result.stdout[-2000:]
