@@ -28,23 +28,27 @@ SFT_ARGS = [
 ]  # fmt: skip
 
 
-def _run(command: list[str], workdir: Path) -> tuple[str, float]:
+def _run(command: list[str], workdir: Path) -> tuple[str, str, float]:
+    """``command``'s stdout and stderr, and its wall time in seconds."""
     began = time.perf_counter()
     result = subprocess.run(command, cwd=workdir, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - began
-    output = result.stdout + result.stderr
     if result.returncode:
+        output = result.stdout + result.stderr
         raise SystemExit(f"{shlex.join(command)} exited {result.returncode}:\n{output[-4000:]}")
-    return output, seconds
+    return result.stdout, result.stderr, seconds
 
 
-def _kept(output: str) -> list[str]:
-    """The printed lines without the progress bar (tqdm redraws its line with carriage returns)."""
+def _kept(output: str, workdir: Path) -> list[str]:
+    """The printed lines, without the progress bar and with paths relative to ``workdir``.
+
+    tqdm redraws its line with carriage returns; the docs hold no machine path.
+    """
     lines = []
     for line in output.splitlines():
         last = line.split("\r")[-1].rstrip()
         if last and not last.startswith("train:"):
-            lines.append(last)
+            lines.append(last.replace(f"{workdir.resolve()}/", ""))
     return lines
 
 
@@ -57,7 +61,7 @@ def main() -> None:
     automodel = shlex.split(args.automodel)
     if not (args.workdir / "automodel_output" / "hf" / "config.json").is_file():
         _run([*automodel, "train"], args.workdir)
-    output, seconds = _run([*automodel, *SFT_ARGS], args.workdir)
+    stdout, stderr, seconds = _run([*automodel, *SFT_ARGS], args.workdir)
     block = [
         START,
         "```bash",
@@ -67,7 +71,13 @@ def main() -> None:
         f"printed (a {seconds:.0f} s run on this project's shared 2-core machine, progress bar left out):",
         "",
         "```text",
-        *_kept(output),
+        *_kept(stdout, args.workdir),
+        "```",
+        "",
+        "and on stderr:",
+        "",
+        "```text",
+        *_kept(stderr, args.workdir),
         "```",
         END,
     ]
