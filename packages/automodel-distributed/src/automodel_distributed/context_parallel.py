@@ -25,7 +25,10 @@ the mean loss over the whole sequence is the *sum* over the cp ranks of the grad
 
 Labels are shifted *before* sharding (``shift_labels``), because shifting a shard would pair tokens with
 labels of the neighbouring chunk. Requirements: SDPA attention (``attn_implementation="sdpa"``), causal
-attention with no padding or packing mask, and a sequence length divisible by ``2 * cp_size``.
+attention with no padding or packing mask, and a sequence length divisible by ``2 * cp_size``. Packed
+rows (position ids restarting per document) are refused: ring attention cannot keep documents apart.
+Right padding is exact (causal attention never lets a token see the padding after it), so one sequence
+per row, padded at the end, is the way to train on short records under CP.
 
 CPU: PyTorch ships ring attention only for the CUDA kernels; on a CPU mesh (gloo) the region needs
 ``cpu_ring_attention=True``, the explicit switch to automodel's test backend
@@ -126,7 +129,8 @@ def context_parallel_inputs(batch: Mapping[str, Any], *, ignore_index: int = -10
 
     Raises:
         ValueError: The ``attention_mask`` masks some positions (padding or packing is not supported
-            under CP), or there is neither ``input_ids`` nor ``inputs_embeds``.
+            under CP), the ``position_ids`` restart inside a row (packed sequences), or there is neither
+            ``input_ids`` nor ``inputs_embeds``.
     """
     out = dict(batch)
     ids = out.get("input_ids", out.get("inputs_embeds"))
@@ -139,8 +143,20 @@ def context_parallel_inputs(batch: Mapping[str, Any], *, ignore_index: int = -10
             "context parallelism supports causal attention without padding: the attention_mask masks "
             f"{int((~mask.bool()).sum())} position(s); pack sequences without padding or drop the mask"
         )
-    if out.get("position_ids") is None:
+    positions = out.get("position_ids")
+    if positions is None:
         out["position_ids"] = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand(batch_size, -1)
+    elif isinstance(positions, torch.Tensor) and positions.shape[-1] > 1:
+        # Ring attention is causal over the whole row; restarting positions mean packed documents, whose
+        # block-diagonal mask it cannot apply (they would silently attend to each other).
+        restarts = int((positions[..., 1:] - positions[..., :-1] != 1).sum())
+        if restarts:
+            raise ValueError(
+                f"context parallelism runs causal ring attention over whole rows, but the position_ids "
+                f"restart {restarts} time(s) inside rows (packed sequences, each needing its own attention "
+                "block); give one sequence per row, padded at the end (causal attention keeps the padding "
+                "out of the sequence's tokens)"
+            )
     labels = out.pop("labels", None)
     if isinstance(labels, torch.Tensor):
         shifted = torch.full_like(labels, ignore_index)
@@ -211,9 +227,10 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
             f"context parallelism runs only attention as ring attention, but {name} has layers of kind "
             f"{others} (config.layer_types); use cp_size=1 for it"
         )
-    if getattr(config, "attention_chunk_size", None):
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
         raise ValueError(
-            f"{name} uses chunked attention (attention_chunk_size={config.attention_chunk_size}), whose "
+            f"{name} uses chunked attention (attention_chunk_size={chunk}), whose "
             "mask context parallelism cannot apply (ring attention is plainly causal); use cp_size=1"
         )
     get_embeddings = getattr(hf, "get_input_embeddings", None)
@@ -223,6 +240,13 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
     mixing: set[str] = set()
 
     def on_op(op: str, args: tuple[Any, ...], kwargs: dict[str, Any], labels_of: Any) -> None:
+        if op == "scaled_dot_product_attention":
+            # A mask computed from the activations (a learned, content-dependent mask) is over this
+            # rank's keys only; ring attention runs unmasked, so it cannot apply it.
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if isinstance(mask, torch.Tensor) and labels_of(mask):
+                mixing.add("an SDPA mask computed from activations")
+            return
         if op not in SEQUENCE_MIXING_OPS:
             return
         floats = [
@@ -250,10 +274,9 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
     if mixing:
         raise ValueError(
             f"{name} combines positions of the sequence outside scaled_dot_product_attention "
-            f"({sorted(mixing)} on activations: a scan, a convolution over time or attention computed by "
-            "hand); under context "
-            "parallelism each rank holds a slice of the sequence and only SDPA becomes ring attention, so "
-            "use cp_size=1 for it"
+            f"({', '.join(sorted(mixing))}: a scan, a convolution over time, attention computed by hand or "
+            "an attention mask computed from activations); under context parallelism each rank holds a "
+            "slice of the sequence and only unmasked SDPA becomes ring attention, so use cp_size=1 for it"
         )
 
 
