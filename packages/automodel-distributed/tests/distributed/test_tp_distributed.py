@@ -323,7 +323,10 @@ def _sp_input_errors_case(mesh: Any) -> dict[str, Any]:
     bad = {
         "no_position_ids": {"input_ids": batch["input_ids"]},
         "odd_length": odd,
-        "attention_mask": {**batch, "attention_mask": torch.ones_like(batch["input_ids"])},
+        "attention_mask": {  # no labels: the vocab-sharded logits' loss needs loss_parallel()
+            "input_ids": batch["input_ids"],
+            "attention_mask": torch.ones_like(batch["input_ids"]),
+        },
     }
     messages = {}
     for label, inputs in bad.items():

@@ -90,6 +90,6 @@ def derived_tp_plan(hf_model: nn.Module, tp_size: int) -> tuple[dict[str, str] |
         if features[1] < tp_size or holders[id(linear.weight)] > 1 or _weight_read_directly(hf_model, fqn):
             continue
         plan[fqn] = "colwise_rep"
-    if not any(style == "colwise_rep" for style in plan.values()):
-        return None, "the model has no linear projection (nn.Linear / Conv1D) to shard"
+    if not plan:
+        return None, "the model has no linear projection (nn.Linear / Conv1D) or plain embedding to shard"
     return plan, f"derived from the model's structure: {len(plan)} modules"

@@ -62,8 +62,9 @@ def linear_features(module: nn.Module) -> tuple[int, int] | None:
 
         if type(module).forward is not Conv1D.forward:
             return None
-        rows, cols = module.weight.shape
-        return int(rows), int(cols)
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        return int(weight.shape[0]), int(weight.shape[1])
     return None
 
 
@@ -153,8 +154,8 @@ def _distribute_conv1d(
         module,
         mesh,
         style._partition_conv1d_fn,
-        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),  # type: ignore[arg-type]
-        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),  # type: ignore[arg-type]
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
     )
 
 

@@ -113,7 +113,7 @@ def _plan_problems(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size:
             # A plain tensor handed between modules is read back by `DTensor.from_local`, which assumes
             # equal slices; sharded DTensors (e.g. vocab-sharded logits) may be uneven.
             if is_local_colwise(style):
-                size = features[1] if features is not None else module.embedding_dim
+                size = features[1] if features is not None else int(getattr(module, "embedding_dim", 0))
                 field = "out_features" if features is not None else "embedding_dim"
                 if size % tp_size:
                     problems.append(
