@@ -401,6 +401,7 @@ def test_no_usable_plan_lists_the_ways_to_register_one() -> None:
     for block in model.model.blocks:  # nothing the derived plan could shard either
         block.self_attn, block.mlp = nn.Identity(), nn.Identity()
     model.lm_head = nn.Identity()  # type: ignore[assignment]
+    model.model.embed_tokens = nn.Identity()  # type: ignore[assignment]
     with pytest.raises(ValueError, match="no usable tensor-parallel plan for ToyDecoderForCausalLM") as info:
         resolve_tp_plan(model, tp_size=2)
     message = str(info.value)
