@@ -61,22 +61,28 @@ _EXTRA_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", {"head_dim": 16, "attn_implementation": "eager"}),  # no sdpa in 5.24
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16}),  # q/k norms, scaled embedding, 4 norms a block
     "phi3": ("Phi3Config", {"pad_token_id": 0}),  # fused qkv and gate_up projections
-    "gpt2": ("GPT2Config", {"n_inner": 128}),  # Conv1D projections, learned positions: the derived plan
-    "bloom": ("BloomConfig", {}),  # fused query_key_value, ALiBi from the attention mask: the derived plan
 }
 TP_FAMILIES = ("llama", "qwen2", "mistral", "llama_tied", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
 SP_FAMILIES = ("llama", "qwen2", "mistral", "llama_tied", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
-DERIVED_FAMILIES = ("gpt2", "bloom")  # no registered, no transformers, no Llama-shaped plan
+# No registered, no transformers, no Llama-shaped plan: the derived plan. GPT-2: Conv1D projections and
+# learned positions; BLOOM: fused query_key_value, ALiBi from the attention mask. Their tiny configs come
+# from automodel_testing.tiny (their defaults have dropout, which parity cannot have).
+DERIVED_FAMILIES = ("gpt2", "bloom")
 HF_PLAN_FAMILIES = ("qwen3_moe", "mixtral")  # no registration: transformers' plan, experts left replicated
 
 
 def _build(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
-    if family not in _EXTRA_FAMILIES:
-        return build_tiny_model(family, seed=seed, **overrides)
     import transformers
 
-    config_name, extra = _EXTRA_FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**_TINY, **extra, **overrides})
+    if family in DERIVED_FAMILIES:
+        from automodel_testing.tiny import derive_tiny_config
+
+        config = derive_tiny_config(family, **overrides)  # SDPA where the family has it
+    elif family in _EXTRA_FAMILIES:
+        config_name, extra = _EXTRA_FAMILIES[family]
+        config = getattr(transformers, config_name)(**{**_TINY, **extra, **overrides})
+    else:
+        return build_tiny_model(family, seed=seed, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config)
