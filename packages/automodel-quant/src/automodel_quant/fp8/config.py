@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["FP8_RECIPES", "FP8Config", "build_fp8_config"]
+__all__ = ["FP8_RECIPES", "FP8Config", "build_fp8_config", "create_fp8_config_from_dict"]
 
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -94,11 +94,17 @@ class FP8Config:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The reference system's dict: ``recipe_name``, ``filter_fqns``, ``emulate`` become ``fp8_*``."""
+        """The reference system's dict: ``recipe_name``, ``filter_fqns``, ``emulate`` become ``fp8_*``.
+
+        ``convert_output_head``, which the reference system does not have, appears only when True, so a
+        config the reference can express gives exactly its seven keys (and `from_dict` round-trips both).
+        """
         out: dict[str, Any] = {}
         renamed = {v: k for k, v in _RENAMED.items()}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "convert_output_head" and not value:
+                continue
             out[renamed.get(f.name, f.name)] = list(value) if isinstance(value, list) else value
         return out
 
@@ -121,8 +127,24 @@ class FP8Config:
         return cls(**kwargs)
 
 
-def build_fp8_config(config: FP8Config | Mapping[str, Any] | None) -> FP8Config | None:
-    """``None`` -> None; an `FP8Config` -> itself; a dict -> `FP8Config.from_dict`."""
-    if config is None or isinstance(config, FP8Config):
+def build_fp8_config(config: FP8Config | Mapping[str, Any] | None) -> FP8Config:
+    """``None`` -> ``FP8Config(enabled=False)`` (as in the reference system); an `FP8Config` -> itself;
+    a dict -> `FP8Config.from_dict`.
+
+    Raises:
+        ValueError: A dict with an unknown key (the reference system ignores unknown keys).
+    """
+    if config is None:
+        return FP8Config(enabled=False)
+    if isinstance(config, FP8Config):
         return config
     return FP8Config.from_dict(config)
+
+
+def create_fp8_config_from_dict(config_dict: Mapping[str, Any]) -> FP8Config:
+    """The reference system's name for `FP8Config.from_dict` (missing keys take the defaults).
+
+    Raises:
+        ValueError: An unknown key (the reference system ignores unknown keys).
+    """
+    return FP8Config.from_dict(config_dict)
