@@ -194,7 +194,7 @@ def apply_activation_checkpointing(
         model: A transformers model (or any model `find_transformer_blocks` understands).
         mode: ``"full"`` or ``"selective"``.
         scope: Layer groups to checkpoint, normalised as by
-            `automodel_distributed.config.normalize_checkpointing_scope`.
+            `automodel_distributed.config.normalize_activation_checkpointing_scope`.
 
     Returns:
         ``model`` itself (its block containers now hold ``CheckpointWrapper`` modules).

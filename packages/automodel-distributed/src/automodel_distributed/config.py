@@ -30,7 +30,7 @@ __all__ = [
     "MultimodalDistributedConfig",
     "default_mp_policy",
     "normalize_activation_checkpointing",
-    "normalize_checkpointing_scope",
+    "normalize_activation_checkpointing_scope",
 ]
 
 ActivationCheckpointingMode: TypeAlias = bool | Literal["full", "selective"]
@@ -55,14 +55,18 @@ def normalize_activation_checkpointing(value: object, *, field_name: str = "acti
     raise ValueError(f"{field_name}={value!r} is not valid; use False, True, 'full' or 'selective'")
 
 
-def normalize_checkpointing_scope(
+def normalize_activation_checkpointing_scope(
     value: object, *, field_name: str = "activation_checkpointing_scope"
 ) -> tuple[str, ...]:
     """Normalise a scope (``"all"``, ``"language+vision"``, ``"language,audio"`` or a list) to a tuple.
 
+    ``None`` and an empty scope mean ``("all",)``, as in the reference system.
+
     Raises:
-        ValueError: An unknown scope, an empty scope, or ``"all"`` combined with another scope.
+        ValueError: An unknown scope, or ``"all"`` combined with another scope.
     """
+    if value is None:
+        return ("all",)
     if isinstance(value, str):
         parts = [p.strip() for p in value.replace("+", ",").split(",")]
     elif isinstance(value, Iterable):
@@ -83,7 +87,7 @@ def normalize_checkpointing_scope(
         if name not in scopes:
             scopes.append(name)
     if not scopes:
-        raise ValueError(f"{field_name}={value!r} names no scope")
+        return ("all",)
     if "all" in scopes and len(scopes) > 1:
         raise ValueError(f"{field_name}={value!r}: 'all' cannot be combined with other scopes")
     return tuple(scopes)
@@ -169,9 +173,9 @@ class FSDP2Config(_ConfigMixin):
     """Run the forward under ``torch.autocast`` with this dtype (``None``: no autocast)."""
     activation_checkpointing: ActivationCheckpointingMode = False
     """``False``, ``True``/``"full"`` or ``"selective"``."""
-    activation_checkpointing_scope: str | tuple[str, ...] = "all"
+    activation_checkpointing_scope: str | tuple[str, ...] | None = "all"
     """Layer groups to checkpoint: ``all``, ``language``, ``vision``, ``audio``, ``multimodal`` (or a
-    combination such as ``"language+vision"``); normalised to a tuple."""
+    combination such as ``"language+vision"``); normalised to a tuple (``None`` means ``("all",)``)."""
     defer_fsdp_grad_sync: bool = True
     """Under gradient accumulation, reduce-scatter gradients only on the last micro-batch."""
     reshard_after_forward: bool | int | None = None
@@ -209,7 +213,7 @@ class FSDP2Config(_ConfigMixin):
         self.activation_checkpointing = normalize_activation_checkpointing(
             self.activation_checkpointing, field_name="FSDP2Config.activation_checkpointing"
         )
-        self.activation_checkpointing_scope = normalize_checkpointing_scope(
+        self.activation_checkpointing_scope = normalize_activation_checkpointing_scope(
             self.activation_checkpointing_scope, field_name="FSDP2Config.activation_checkpointing_scope"
         )
         if self.enable_async_tensor_parallel and not self.sequence_parallel:
@@ -325,7 +329,7 @@ class DDPConfig(_ConfigMixin):
 
     activation_checkpointing: ActivationCheckpointingMode = False
     """``False``, ``True``/``"full"`` or ``"selective"``."""
-    activation_checkpointing_scope: str | tuple[str, ...] = "all"
+    activation_checkpointing_scope: str | tuple[str, ...] | None = "all"
     """Layer groups to checkpoint (see `FSDP2Config.activation_checkpointing_scope`)."""
     broadcast_buffers: bool = False
     find_unused_parameters: bool = False
@@ -343,7 +347,7 @@ class DDPConfig(_ConfigMixin):
         self.activation_checkpointing = normalize_activation_checkpointing(
             self.activation_checkpointing, field_name="DDPConfig.activation_checkpointing"
         )
-        self.activation_checkpointing_scope = normalize_checkpointing_scope(
+        self.activation_checkpointing_scope = normalize_activation_checkpointing_scope(
             self.activation_checkpointing_scope, field_name="DDPConfig.activation_checkpointing_scope"
         )
         cap = self.bucket_cap_mb
@@ -367,7 +371,10 @@ class CompileConfig(_ConfigMixin):
     dynamic: bool = False
     backend: str | None = None
     """``None``: inductor."""
-    options: dict[str, Any] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    """Inductor options (``torch.compile(options=...)``); ``None`` means ``{}``, as in the reference
+    system. ``torch.compile`` takes a ``mode`` or options, not both: a non-default ``mode`` with options
+    is accepted here (as in the reference system) and refused with a `ValueError` when compiling."""
     dynamo_cache_size_limit: int = 256
 
     def __post_init__(self) -> None:
@@ -380,15 +387,11 @@ class CompileConfig(_ConfigMixin):
             raise ValueError(f"CompileConfig.dynamo_cache_size_limit must be an int >= 1, got {limit!r}")
         if self.backend is not None and not isinstance(self.backend, str):
             raise ValueError(f"CompileConfig.backend must be a backend name or None, got {self.backend!r}")
-        if self.options is not None and not isinstance(self.options, dict):
+        if self.options is None:
+            self.options = {}
+        if not isinstance(self.options, dict):
             raise ValueError(
                 f"CompileConfig.options must be a dict or None, got {type(self.options).__name__}"
-            )
-        if self.options and self.mode != "default":
-            # torch.compile accepts a mode or options, not both.
-            raise ValueError(
-                f"CompileConfig.mode={self.mode!r} and CompileConfig.options cannot both be set "
-                "(torch.compile takes one of them); put the mode's settings into options or drop options"
             )
 
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         init_adapter_weights,
     )
     from automodel_peft.checkpoint import adapter_state_dict, hf_key_mapping, save_adapters
+    from automodel_peft.layers import LinearLoRA
     from automodel_peft.matching import ModuleMatcher, resolve_target_modules
     from automodel_peft.merge import merge_adapters
     from automodel_peft.qlora import create_bnb_config
@@ -46,6 +47,7 @@ _LAZY = {
     "adapter_state_dict": "automodel_peft.checkpoint",
     "hf_key_mapping": "automodel_peft.checkpoint",
     "save_adapters": "automodel_peft.checkpoint",
+    "LinearLoRA": "automodel_peft.layers",
     "ModuleMatcher": "automodel_peft.matching",
     "resolve_target_modules": "automodel_peft.matching",
     "merge_adapters": "automodel_peft.merge",
@@ -54,6 +56,7 @@ _LAZY = {
 
 __all__ = [
     "AdapterState",
+    "LinearLoRA",
     "ModuleMatcher",
     "PeftConfig",
     "__version__",
