@@ -12,7 +12,7 @@ lists (`SELECTIVE_AC_MATMUL_OPS`, `SELECTIVE_AC_ALWAYS_SAVE_OPS`) are data.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -34,7 +34,9 @@ from automodel_distributed.layers import blocks_in_scope, find_transformer_block
 __all__ = [
     "SELECTIVE_AC_ALWAYS_SAVE_OPS",
     "SELECTIVE_AC_MATMUL_OPS",
+    "SUBMODULE_CHECKPOINT_ROLES",
     "apply_activation_checkpointing",
+    "apply_submodule_checkpointing",
     "disable_kv_cache",
     "resolve_checkpointing_mode",
     "selective_checkpoint_policy",
@@ -67,6 +69,14 @@ SELECTIVE_AC_ALWAYS_SAVE_OPS: tuple[str, ...] = (
 installed torch are skipped."""
 
 _AC_MODE_ATTR = "_automodel_ac_mode"
+
+SUBMODULE_CHECKPOINT_ROLES: dict[str, tuple[str, ...]] = {
+    "mlp": ("mlp", "feed_forward", "ffn"),
+    "attention": ("self_attn", "attention", "attn", "linear_attn"),
+    "pre_norm": ("input_layernorm", "attention_norm", "layer_norm1", "norm1"),
+    "post_norm": ("post_attention_layernorm", "ffn_norm", "layer_norm2", "norm2"),
+}
+"""`apply_submodule_checkpointing`: per role, the child names a decoder layer may use (first found wins)."""
 
 
 def resolve_checkpointing_mode(setting: object) -> Literal["full", "selective"] | None:
@@ -237,3 +247,48 @@ def apply_activation_checkpointing(
         "activation checkpointing (%s): wrapped %d block(s) of %s", mode, wrapped, type(model).__name__
     )
     return model
+
+
+def apply_submodule_checkpointing(
+    layers: Iterable[nn.Module],
+    has_kv_sharing: bool,
+    *,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+) -> dict[str, int]:
+    """Checkpoint the sub-modules of each decoder layer instead of the whole layer, in place.
+
+    The reference system's finer-grained variant of full activation checkpointing: in every layer, the
+    first child found for each role of `SUBMODULE_CHECKPOINT_ROLES` (MLP, attention, the two norms) is
+    wrapped with a non-reentrant ``checkpoint_wrapper``. With ``has_kv_sharing`` the attention is left
+    alone: recomputing it would write the shared KV cache a second time. Children already wrapped are
+    skipped. `apply_activation_checkpointing` (whole blocks) is what the strategy managers use.
+
+    Preconditions: as for `apply_activation_checkpointing` (after TP, before ``fully_shard``). No
+    collectives; works on meta tensors.
+
+    Args:
+        layers: The decoder layers (mutated: their children are replaced by ``CheckpointWrapper`` s).
+        has_kv_sharing: Whether layers reuse K/V through the cache (skip attention).
+        context_fn: A ``torch.utils.checkpoint`` context function for the attention and MLP wrappers
+            (e.g. from ``create_selective_checkpoint_contexts``); ``None``: plain recompute. The reference
+            system defaults to one that restores the forward's SDPA backend state during recompute.
+
+    Returns:
+        How many children were wrapped, per role.
+    """
+    counts = dict.fromkeys(SUBMODULE_CHECKPOINT_ROLES, 0)
+    for layer in layers:
+        for role, names in SUBMODULE_CHECKPOINT_ROLES.items():
+            if role == "attention" and has_kv_sharing:
+                continue
+            name = next((n for n in names if isinstance(getattr(layer, n, None), nn.Module)), None)
+            if name is None or isinstance(getattr(layer, name), CheckpointWrapper):
+                continue
+            kwargs: dict[str, Any] = {}
+            if context_fn is not None and role in ("mlp", "attention"):
+                kwargs["context_fn"] = context_fn
+            wrapper = checkpoint_wrapper(getattr(layer, name), checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+            setattr(layer, name, wrapper)
+            counts[role] += 1
+    logger.info("sub-module activation checkpointing: wrapped %s", counts)
+    return counts

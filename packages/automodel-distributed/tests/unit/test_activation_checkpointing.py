@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 import automodel_distributed.activation_checkpointing as ac
 from automodel_distributed.activation_checkpointing import (
     apply_activation_checkpointing,
+    apply_submodule_checkpointing,
     disable_kv_cache,
     resolve_checkpointing_mode,
     selective_checkpoint_policy,
@@ -194,3 +195,32 @@ def test_meta_device_models_are_wrapped_without_allocating() -> None:
     model = apply_activation_checkpointing(build_tiny_model("mixtral", meta=True), mode="selective")
     assert len(_wrappers(model)) == 2
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_submodule_checkpointing_matches_the_plain_model() -> None:
+    batch = make_batch(128, 2, 16, seed=5)
+    ref_loss, ref_logits, ref_grads = reference_loss_and_grads(build_tiny_model("llama", use_cache=False), batch)
+    model = build_tiny_model("llama", use_cache=False)
+    counts = apply_submodule_checkpointing(model.model.layers, has_kv_sharing=False)
+    assert counts == {"mlp": 2, "attention": 2, "pre_norm": 2, "post_norm": 2}
+    assert isinstance(model.model.layers[0].self_attn, CheckpointWrapper)
+    assert apply_submodule_checkpointing(model.model.layers, has_kv_sharing=False) == dict.fromkeys(counts, 0)
+    loss, logits, grads = reference_loss_and_grads(model, batch)
+    assert abs(loss - ref_loss) <= ATOL
+    assert_tensors_close(logits, ref_logits, atol=ATOL, name="logits")
+    # Parameter names gain the wrapper segment; strip it to compare with the plain model.
+    assert_grads_close({k.replace("._checkpoint_wrapped_module", ""): v for k, v in grads.items()}, ref_grads, atol=ATOL)
+    shared = build_tiny_model("llama")
+    kv = apply_submodule_checkpointing(shared.model.layers, has_kv_sharing=True)
+    assert kv["attention"] == 0 and not isinstance(shared.model.layers[0].self_attn, CheckpointWrapper)
+
+
+def test_scope_none_or_empty_means_all() -> None:
+    from automodel_distributed.config import DDPConfig, FSDP2Config, normalize_activation_checkpointing_scope
+
+    assert FSDP2Config(activation_checkpointing_scope=None).activation_checkpointing_scope == ("all",)
+    assert DDPConfig(activation_checkpointing_scope=None).activation_checkpointing_scope == ("all",)
+    assert normalize_activation_checkpointing_scope("") == ("all",)
+    assert normalize_activation_checkpointing_scope("language+vision") == ("language", "vision")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        normalize_activation_checkpointing_scope(["all", "vision"])
