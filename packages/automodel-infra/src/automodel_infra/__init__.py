@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from automodel_infra.setup import DistributedSetup
     from automodel_infra.infrastructure import (
         Infrastructure,
         apply_model_infrastructure,
@@ -28,6 +29,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
     __version__ = "0.0.0"
 
 _LAZY = {
+    "DistributedSetup": "automodel_infra.setup",
     "Infrastructure": "automodel_infra.infrastructure",
     "apply_model_infrastructure": "automodel_infra.infrastructure",
     "instantiate_infrastructure": "automodel_infra.infrastructure",
@@ -35,6 +37,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "DistributedSetup",
     "Infrastructure",
     "__version__",
     "apply_model_infrastructure",
