@@ -18,7 +18,10 @@ Usage: ``python tools/compat_mapping.py`` rewrites the table; ``--check`` fails 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import importlib
+import inspect
 import json
 import sys
 import tomllib
@@ -40,6 +43,7 @@ __all__ = [
     "render_table",
     "resolve",
     "rows",
+    "signature_problems",
     "update_docs",
 ]
 
@@ -178,6 +182,29 @@ def check(mapping: Mapping, snapshot: dict[str, Any]) -> list[str]:
                 errors.append(f"{where}: status {row.status!r} needs `ours` (on the row or the module)")
             if row.status == "renamed" and row.target is not None and row.target.rsplit(".", 1)[-1] == row.name:
                 errors.append(f"{where}: `renamed` to the same name; use `same`")
+    errors += _reexport_errors(mapping, snapshot)
+    return errors
+
+
+def _reexport_errors(mapping: Mapping, snapshot: dict[str, Any]) -> list[str]:
+    """A package's re-export must have the status of the name where the package's submodule defines it."""
+    status = {(m, r.name): r.status for m, module_rows in rows(mapping, snapshot).items() for r in module_rows}
+    errors: list[str] = []
+    for module, names in snapshot["modules"].items():
+        for name, info in names.items():
+            if info["kind"] != "reexport":
+                continue
+            defining = [
+                m
+                for m, other in snapshot["modules"].items()
+                if m.startswith(module + ".") and other.get(name, {}).get("kind", "reexport") != "reexport"
+            ]
+            for source in defining:
+                if (module, name) in status and status.get((source, name)) != status[(module, name)]:
+                    errors.append(
+                        f"{module}.{name}: status {status[(module, name)]!r} but {source}.{name} is "
+                        f"{status.get((source, name))!r}; a re-export has the status of its definition"
+                    )
     return errors
 
 
@@ -193,6 +220,66 @@ def resolve(target: str) -> Any:
             obj = getattr(obj, attr)
         return obj
     raise ModuleNotFoundError(target)
+
+
+def _our_parameters(obj: Any) -> tuple[dict[str, Any], bool] | None:
+    """``({name: default}, accepts **kwargs)`` of a function, a class's ``__init__`` or a dataclass."""
+    if dataclasses.is_dataclass(obj) and isinstance(obj, type):
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            if not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+            else:
+                out[f.name] = inspect.Parameter.empty
+        return out, False
+    try:
+        signature = inspect.signature(obj.__init__ if isinstance(obj, type) else obj)
+    except (TypeError, ValueError):
+        return None
+    params = signature.parameters.values()
+    named = {p.name: p.default for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    named.pop("self", None)
+    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def signature_problems(row: Row, reference: dict[str, Any]) -> list[str]:
+    """How our object for ``row`` fails to take the reference's parameters with its literal defaults.
+
+    Every named parameter (or dataclass field) of the reference must exist here (or be taken by
+    ``**kwargs``); where the reference's default is a literal, ours must be equal and of the same type.
+    Non-literal defaults (``torch.bfloat16``, a factory) are not compared.
+    """
+    params = reference.get("parameters")
+    if not params or row.target is None:
+        return []
+    ours = _our_parameters(resolve(row.target))
+    if ours is None:
+        return [f"{row.target}: no inspectable signature"]
+    named, var_keyword = ours
+    problems: list[str] = []
+    for param in params:
+        if param["kind"].startswith("var_"):
+            continue
+        name = param["name"]
+        if name not in named:
+            if not var_keyword:
+                problems.append(f"no parameter {name!r}")
+            continue
+        if param["default"] is None:
+            continue
+        try:
+            want = ast.literal_eval(param["default"])
+        except (ValueError, SyntaxError):
+            continue
+        got = named[name]
+        if got is inspect.Parameter.empty or type(got) is not type(want) or got != want:
+            shown = "required" if got is inspect.Parameter.empty else repr(got)
+            problems.append(f"{name}: the reference's default is {param['default']}, ours {shown}")
+    return problems
 
 
 def _cell(text: str) -> str:
