@@ -5,8 +5,8 @@ Two data files in ``tools/compat/``:
 - ``reference_api.json``: every public name of the reference's infrastructure modules, with signatures,
   read from the reference's sources by `reference_api.py` (committed; CI has no reference installed);
 - ``mapping.toml``: for each of those names, what automodel offers: the same name (``same``), another
-  name (``renamed``), a deliberately different behaviour (``different``, with the reason) or nothing
-  (``not provided``, with the reason).
+  name with the same parameters (``renamed``), a deliberately different behaviour or signature
+  (``different``, with the reason) or nothing (``not provided``, with the reason).
 
 `check` says what is wrong with the mapping (a reference name without a row, a row for a name the
 reference does not have, a status without its reason); `render_table` writes the Markdown table between
@@ -180,7 +180,11 @@ def check(mapping: Mapping, snapshot: dict[str, Any]) -> list[str]:
                 errors.append(f"{where}: status {row.status!r} needs a `why`")
             if row.status in ("same", "renamed") and row.target is None:
                 errors.append(f"{where}: status {row.status!r} needs `ours` (on the row or the module)")
-            if row.status == "renamed" and row.target is not None and row.target.rsplit(".", 1)[-1] == row.name:
+            if (
+                row.status == "renamed"
+                and row.target is not None
+                and row.target.rsplit(".", 1)[-1] == row.name
+            ):
                 errors.append(f"{where}: `renamed` to the same name; use `same`")
     errors += _reexport_errors(mapping, snapshot)
     return errors
@@ -188,7 +192,9 @@ def check(mapping: Mapping, snapshot: dict[str, Any]) -> list[str]:
 
 def _reexport_errors(mapping: Mapping, snapshot: dict[str, Any]) -> list[str]:
     """A package's re-export must have the status of the name where the package's submodule defines it."""
-    status = {(m, r.name): r.status for m, module_rows in rows(mapping, snapshot).items() for r in module_rows}
+    status = {
+        (m, r.name): r.status for m, module_rows in rows(mapping, snapshot).items() for r in module_rows
+    }
     errors: list[str] = []
     for module, names in snapshot["modules"].items():
         for name, info in names.items():
@@ -237,7 +243,7 @@ def _our_parameters(obj: Any) -> tuple[dict[str, Any], bool] | None:
                 out[f.name] = inspect.Parameter.empty
         return out, False
     try:
-        signature = inspect.signature(obj.__init__ if isinstance(obj, type) else obj)
+        signature = inspect.signature(obj)
     except (TypeError, ValueError):
         return None
     params = signature.parameters.values()
@@ -316,7 +322,9 @@ def update_docs(text: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="fail if the mapping or the docs table is stale")
     args = parser.parse_args(argv)
     mapping, snapshot = load_mapping(), load_snapshot()

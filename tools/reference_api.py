@@ -64,7 +64,11 @@ DOCUMENTED_PRIVATE = {
 
 #: Public names a module leaves out of its ``__all__`` although code written for it imports them.
 OUTSIDE_ALL = {
-    "components.distributed.parallel_styles": ("ColwiseParallelLora", "RowwiseParallelLora", "SequenceParallelLora"),
+    "components.distributed.parallel_styles": (
+        "ColwiseParallelLora",
+        "RowwiseParallelLora",
+        "SequenceParallelLora",
+    ),
 }
 
 
@@ -108,7 +112,9 @@ def _field_default(value: ast.expr | None) -> str | None:
                 if isinstance(keyword.value, ast.Lambda):
                     return ast.unparse(keyword.value.body)
                 factory = ast.unparse(keyword.value)
-                return {"list": "[]", "dict": "{}", "tuple": "()", "set": "set()"}.get(factory, f"{factory}()")
+                return {"list": "[]", "dict": "{}", "tuple": "()", "set": "set()"}.get(
+                    factory, f"{factory}()"
+                )
         return None
     return _source(value)
 
@@ -159,11 +165,8 @@ def module_names(path: Path, module: str) -> dict[str, dict[str, Any]]:
         names = [n for n in defined if not n.startswith("_") and n != "logger"]
     names += [n for n in DOCUMENTED_PRIVATE.get(module, ()) + OUTSIDE_ALL.get(module, ()) if n not in names]
     result: dict[str, dict[str, Any]] = {}
-    for name in names:
-        if name in defined:
-            result[name] = defined[name]
-        else:  # re-exported from a sibling module (an ``__init__``'s ``__all__``)
-            result[name] = {"kind": "reexport" if name in imported else "value"}
+    for name in names:  # a name not defined here is re-exported from a sibling (an ``__init__``)
+        result[name] = defined.get(name, {"kind": "reexport" if name in imported else "value"})
     return dict(sorted(result.items()))
 
 
@@ -200,7 +203,9 @@ def snapshot(package: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("package", type=Path, help="the installed reference's nemo_automodel folder")
     parser.add_argument("--output", type=Path, default=SNAPSHOT)
     args = parser.parse_args(argv)

@@ -9,9 +9,10 @@ the mapping does not provide resolves to a placeholder that raises when the test
 Which tests count as *public-API tests*: the test functions of `TEST_FILES` that use only public names
 of the reference's mapped modules. A test is left out, with its reason printed by ``--explain``, when it
 uses a private name (``_module_filter_fn``), patches or monkeypatches a reference module's internals
-(a string naming ``nemo_automodel``), imports a reference module the mapping does not cover, or needs
-CUDA. The rule is applied to the test sources with `ast`, so the selection does not depend on which
-tests pass.
+(a string naming ``nemo_automodel``), uses a reference module outside the snapshot of public modules
+(``tools/compat/reference_api.json``), or needs CUDA. The rule is applied to the test sources with
+`ast` and does not depend on the mapping, so two mappings (or two versions of automodel) are measured on
+the same tests.
 
 The reference's tests are not in its wheel or sdist; they are in its repository
 (github.com/NVIDIA-NeMo/Automodel, ``tests/unit_tests``). Nothing here downloads them::
@@ -37,7 +38,7 @@ from xml.etree import ElementTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compat_mapping import MAPPING, load_mapping  # noqa: E402
+from compat_mapping import MAPPING, load_mapping, load_snapshot
 
 __all__ = ["TEST_FILES", "select_tests"]
 
@@ -167,17 +168,23 @@ def _reasons(
             if name.startswith("_"):
                 reasons.add(f"uses the private {name}")
             if module.removeprefix("nemo_automodel.") not in covered:
-                reasons.add(f"uses {module}, which the mapping does not cover")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "nemo_automodel" in node.value:
+                reasons.add(f"uses {module}, outside the public modules of the snapshot")
+        elif (
+            isinstance(node, ast.Constant) and isinstance(node.value, str) and "nemo_automodel" in node.value
+        ):
             reasons.add("patches reference internals")
         elif isinstance(node, ast.Import | ast.ImportFrom):
             module_name = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
             if module_name and module_name.startswith("nemo_automodel"):
                 reasons.add("imports a reference module inside the test (to patch it)")
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            if node.value.id in modules or node.value.id in names:
-                if node.attr.startswith("_") and not node.attr.startswith("__"):
-                    reasons.add(f"uses the private {node.attr}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and (node.value.id in modules or node.value.id in names)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            reasons.add(f"uses the private {node.attr}")
     text = "\n".join(ast.get_source_segment(source, d) or "" for d in decorators)
     text += ast.get_source_segment(source, function) or ""
     if "nemo_automodel" in text and "patch" in text:
@@ -202,7 +209,9 @@ def select_tests(test_root: Path, covered: set[str]) -> tuple[list[str], dict[st
                 candidates.append((node.name, node, list(node.decorator_list)))
             elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
                 for item in node.body:
-                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name.startswith("test"):
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name.startswith(
+                        "test"
+                    ):
                         decorators = [*node.decorator_list, *item.decorator_list]
                         candidates.append((f"{node.name}::{item.name}", item, decorators))
         for name, function, decorators in candidates:
@@ -226,14 +235,18 @@ def _alias_map(mapping_file: Path) -> dict[str, dict[str, object]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reference-repo", type=Path, required=True, help="a checkout of NVIDIA-NeMo/Automodel")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--reference-repo", type=Path, required=True, help="a checkout of NVIDIA-NeMo/Automodel"
+    )
     parser.add_argument("--mapping", type=Path, default=MAPPING)
     parser.add_argument("--explain", action="store_true", help="also list the tests left out, and why")
     args = parser.parse_args(argv)
     test_root = args.reference_repo.resolve() / "tests" / "unit_tests"
     alias = _alias_map(args.mapping)
-    selected, left_out = select_tests(test_root, set(alias))
+    selected, left_out = select_tests(test_root, set(load_snapshot()["modules"]))
     if args.explain:
         for node_id, why in sorted(left_out.items()):
             print(f"left out  {node_id}: {'; '.join(why)}")
@@ -252,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         command = [
             sys.executable, "-m", "pytest", "-p", "automodel_reference_alias", "-q", "-p", "no:cacheprovider",
-            "--rootdir", str(work), "-o", "addopts=", "--continue-on-collection-errors", f"--junit-xml={junit}", *selected,
+            "--rootdir", str(work), "-o", "addopts=", "--continue-on-collection-errors",
+            f"--junit-xml={junit}", *selected,
         ]  # fmt: skip
         subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, check=False)
         cases = list(ElementTree.parse(junit).getroot().iter("testcase"))

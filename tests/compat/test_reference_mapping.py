@@ -10,9 +10,9 @@ The reference is not installed here (CI has only the locked environment). Its ex
   says so).
 
 Checks: every reference name has a row and every row a reason where one is due; every target imports;
-every ``same`` row takes the reference's parameters with its literal defaults; docs/migrating.md shows the
-table the data gives; the configs are built with the documented defaults; the behaviours issue 17 found
-different are the reference's now.
+every ``same`` or ``renamed`` row takes the reference's parameters with its literal defaults;
+docs/migrating.md shows the table the data gives; the configs are built with the documented defaults;
+the behaviours issue 17 found different are the reference's now.
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ ROWS = [(module, row) for module, rows in cm.rows(MAPPING, SNAPSHOT).items() for
 
 # A "same" row whose declared default differs while the behaviour is the reference's: why.
 EQUIVALENT_DEFAULTS = {
-    ("components.utils.compile_utils", "CompileConfig", "options"): "the reference's __init__ turns None into {}",
+    (
+        "components.utils.compile_utils",
+        "CompileConfig",
+        "options",
+    ): "the reference's __init__ turns None into {}",
 }
 
 # Section 2 of nemo-automodel-behaviour.md: class -> {field: documented default}.
@@ -50,7 +54,8 @@ SECTION_2: dict[str, dict[str, Any]] = {
         "activation_checkpointing": False,
     },
     "automodel_distributed.config.FSDP2Config": {
-        "sequence_parallel": False, "tp_plan": None, "patch_is_packed_sequence": False, "offload_policy": None,
+        "sequence_parallel": False, "tp_plan": None, "patch_is_packed_sequence": False,
+        "offload_policy": None,
         "autocast_dtype": None, "activation_checkpointing": False, "activation_checkpointing_scope": ("all",),
         "defer_fsdp_grad_sync": True, "reshard_after_forward": None, "enable_async_tensor_parallel": False,
         "enable_compile": False, "enable_fsdp2_prefetch": False, "fsdp2_backward_prefetch_depth": 2,
@@ -65,7 +70,8 @@ SECTION_2: dict[str, dict[str, Any]] = {
         "activation_checkpointing": False,
     },
     "automodel_distributed.config.DDPConfig": {
-        "activation_checkpointing": False, "activation_checkpointing_scope": ("all",), "broadcast_buffers": False,
+        "activation_checkpointing": False, "activation_checkpointing_scope": ("all",),
+        "broadcast_buffers": False,
         "find_unused_parameters": False, "static_graph": False, "bucket_cap_mb": None,
         "gradient_as_bucket_view": False, "autocast_dtype": None,
     },
@@ -75,8 +81,9 @@ SECTION_2: dict[str, dict[str, Any]] = {
     },
     "automodel_pipelining.config.PipelineConfig": {
         "pp_schedule": "1f1b", "pp_schedule_csv": None, "pp_microbatch_size": 1, "pp_batch_size": 1,
-        "layers_per_stage": None, "round_virtual_stages_to_pp_multiple": None, "module_fqns_per_model_part": None,
-        "patch_inner_model": True, "patch_causal_lm_model": True, "patch_stage_backward_maybe_with_nosync": False,
+        "layers_per_stage": None, "round_virtual_stages_to_pp_multiple": None,
+        "module_fqns_per_model_part": None, "patch_inner_model": True, "patch_causal_lm_model": True,
+        "patch_stage_backward_maybe_with_nosync": False,
         "dtype": None, "scale_grads_in_schedule": False, "loss_fn": None, "pp_seq_len": None,
     },
     "automodel_quant.qat.QATConfig": {"quantizer_type": "int8_dynact_int4weight"},
@@ -91,7 +98,8 @@ SECTION_2: dict[str, dict[str, Any]] = {
         "use_memory_efficient_lora": True, "use_triton": False, "moe_rank_scaling": False,
     },
     "automodel_distributed.config.CompileConfig": {
-        "enabled": False, "mode": "default", "fullgraph": False, "dynamic": False, "backend": None, "options": {},
+        "enabled": False, "mode": "default", "fullgraph": False, "dynamic": False, "backend": None,
+        "options": {},
         "dynamo_cache_size_limit": 256,
     },
 }  # fmt: skip
@@ -129,14 +137,14 @@ def test_target_exists(item: tuple[str, cm.Row]) -> None:
     cm.resolve(row.target)
 
 
-@pytest.mark.parametrize("item", [i for i in ROWS if i[1].status == "same"], ids=_id)
-def test_same_rows_take_the_reference_parameters(item: tuple[str, cm.Row]) -> None:
+@pytest.mark.parametrize("item", [i for i in ROWS if i[1].status in ("same", "renamed")], ids=_id)
+def test_same_and_renamed_rows_take_the_reference_parameters(item: tuple[str, cm.Row]) -> None:
     module, row = item
     problems = cm.signature_problems(row, SNAPSHOT["modules"][module][row.name])
-    problems = [
-        p for p in problems if (module, row.name, p.split(":")[0]) not in EQUIVALENT_DEFAULTS
-    ]
-    assert problems == [], f"{row.target} (mapped as 'same'): {problems}; fix it or map it as 'different'"
+    problems = [p for p in problems if (module, row.name, p.split(":")[0]) not in EQUIVALENT_DEFAULTS]
+    assert problems == [], (
+        f"{row.target} (mapped as {row.status!r}): {problems}; fix it or map it as 'different'"
+    )
 
 
 def test_signature_check_can_fail() -> None:
@@ -197,7 +205,8 @@ def test_behaviours_that_issue_17_found_different() -> None:
     assert CompileConfig(mode="reduce-overhead", options={"x": 1}).mode == "reduce-overhead"
     assert build_fp8_config(None) == FP8Config(enabled=False)
     assert list(FP8Config().to_dict()) == [
-        "enabled", "fp8_recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
+        "enabled", "fp8_recipe_name", "enable_fsdp_float8_all_gather",
+        "precompute_float8_dynamic_scale_for_fsdp",
         "force_recompute_fp8_weight_in_bwd", "fp8_filter_fqns", "fp8_emulate",
     ]  # fmt: skip
     stats = verify_fp8_conversion(nn.Linear(16, 16))

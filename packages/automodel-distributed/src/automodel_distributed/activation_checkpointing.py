@@ -287,7 +287,9 @@ def apply_submodule_checkpointing(
             kwargs: dict[str, Any] = {}
             if context_fn is not None and role in ("mlp", "attention"):
                 kwargs["context_fn"] = context_fn
-            wrapper = checkpoint_wrapper(getattr(layer, name), checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+            wrapper = checkpoint_wrapper(
+                getattr(layer, name), checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs
+            )
             setattr(layer, name, wrapper)
             counts[role] += 1
     logger.info("sub-module activation checkpointing: wrapped %s", counts)

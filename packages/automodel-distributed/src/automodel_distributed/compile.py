@@ -79,8 +79,10 @@ def configure_torch_dynamo(cache_size_limit: int = 256, capture_scalar_outputs: 
 
 
 def configure_dynamo(config: CompileConfig) -> None:
-    """Apply the process-wide dynamo settings of ``config``: its cache size limit (`configure_torch_dynamo`
-    without scalar capture, which would change what dynamo traces)."""
+    """Apply the process-wide dynamo settings of ``config``: its cache size limit.
+
+    That is `configure_torch_dynamo` without scalar capture, which would change what dynamo traces.
+    """
     configure_torch_dynamo(config.dynamo_cache_size_limit, capture_scalar_outputs=False)
 
 
@@ -137,8 +139,9 @@ def compile_model(model: nn.Module, config: CompileConfig) -> nn.Module:
 
 
 def compile_module_inplace(module: nn.Module, config: CompileConfig) -> None:
-    """Compile ``module`` in place with ``Module.compile()`` when ``config.enabled`` (no wrapper, the
-    parameter names stay); a no-op otherwise. Compilation is lazy: errors surface at the first forward.
+    """Compile ``module`` in place with ``Module.compile()`` when ``config.enabled``; else a no-op.
+
+    No wrapper: the parameter names stay. Compilation is lazy: errors surface at the first forward.
 
     Raises:
         ValueError: ``options`` together with a non-default ``mode``.

@@ -55,6 +55,15 @@ def normalize_activation_checkpointing(value: object, *, field_name: str = "acti
     raise ValueError(f"{field_name}={value!r} is not valid; use False, True, 'full' or 'selective'")
 
 
+def _checked_activation_checkpointing(value: object, field_name: str) -> Any:
+    """Validate a config's ``activation_checkpointing`` and keep it as given.
+
+    A bool stays a bool, as in the reference system; a string is lower-cased.
+    """
+    normalized = normalize_activation_checkpointing(value, field_name=field_name)
+    return value if isinstance(value, bool) else normalized
+
+
 def normalize_activation_checkpointing_scope(
     value: object, *, field_name: str = "activation_checkpointing_scope"
 ) -> tuple[str, ...]:
@@ -210,8 +219,8 @@ class FSDP2Config(_ConfigMixin):
             "enable_fsdp2_prefetch",
             "tune_host_allocator",
         )
-        self.activation_checkpointing = normalize_activation_checkpointing(
-            self.activation_checkpointing, field_name="FSDP2Config.activation_checkpointing"
+        self.activation_checkpointing = _checked_activation_checkpointing(
+            self.activation_checkpointing, "FSDP2Config.activation_checkpointing"
         )
         self.activation_checkpointing_scope = normalize_activation_checkpointing_scope(
             self.activation_checkpointing_scope, field_name="FSDP2Config.activation_checkpointing_scope"
@@ -314,8 +323,8 @@ class MegatronFSDPConfig(_ConfigMixin):
                 "MegatronFSDPConfig.megatron_fsdp_unit_modules must be a list of import paths "
                 f"('pkg.module.ClassName'), got {units!r}"
             )
-        self.activation_checkpointing = normalize_activation_checkpointing(
-            self.activation_checkpointing, field_name="MegatronFSDPConfig.activation_checkpointing"
+        self.activation_checkpointing = _checked_activation_checkpointing(
+            self.activation_checkpointing, "MegatronFSDPConfig.activation_checkpointing"
         )
 
     def mesh_kind(self) -> MeshKind:
@@ -344,8 +353,8 @@ class DDPConfig(_ConfigMixin):
         _check_bool(
             self, "broadcast_buffers", "find_unused_parameters", "static_graph", "gradient_as_bucket_view"
         )
-        self.activation_checkpointing = normalize_activation_checkpointing(
-            self.activation_checkpointing, field_name="DDPConfig.activation_checkpointing"
+        self.activation_checkpointing = _checked_activation_checkpointing(
+            self.activation_checkpointing, "DDPConfig.activation_checkpointing"
         )
         self.activation_checkpointing_scope = normalize_activation_checkpointing_scope(
             self.activation_checkpointing_scope, field_name="DDPConfig.activation_checkpointing_scope"

@@ -199,7 +199,9 @@ def test_meta_device_models_are_wrapped_without_allocating() -> None:
 
 def test_submodule_checkpointing_matches_the_plain_model() -> None:
     batch = make_batch(128, 2, 16, seed=5)
-    ref_loss, ref_logits, ref_grads = reference_loss_and_grads(build_tiny_model("llama", use_cache=False), batch)
+    ref_loss, ref_logits, ref_grads = reference_loss_and_grads(
+        build_tiny_model("llama", use_cache=False), batch
+    )
     model = build_tiny_model("llama", use_cache=False)
     counts = apply_submodule_checkpointing(model.model.layers, has_kv_sharing=False)
     assert counts == {"mlp": 2, "attention": 2, "pre_norm": 2, "post_norm": 2}
@@ -209,7 +211,9 @@ def test_submodule_checkpointing_matches_the_plain_model() -> None:
     assert abs(loss - ref_loss) <= ATOL
     assert_tensors_close(logits, ref_logits, atol=ATOL, name="logits")
     # Parameter names gain the wrapper segment; strip it to compare with the plain model.
-    assert_grads_close({k.replace("._checkpoint_wrapped_module", ""): v for k, v in grads.items()}, ref_grads, atol=ATOL)
+    assert_grads_close(
+        {k.replace("._checkpoint_wrapped_module", ""): v for k, v in grads.items()}, ref_grads, atol=ATOL
+    )
     shared = build_tiny_model("llama")
     kv = apply_submodule_checkpointing(shared.model.layers, has_kv_sharing=True)
     assert kv["attention"] == 0 and not isinstance(shared.model.layers[0].self_attn, CheckpointWrapper)

@@ -23,7 +23,9 @@ from automodel_testing import build_tiny_model
 
 
 def test_lora_styles_are_the_torch_styles_and_translation_is_the_identity() -> None:
-    assert issubclass(ColwiseParallelLora, ColwiseParallel) and issubclass(RowwiseParallelLora, RowwiseParallel)
+    assert issubclass(ColwiseParallelLora, ColwiseParallel) and issubclass(
+        RowwiseParallelLora, RowwiseParallel
+    )
     assert issubclass(SequenceParallelLora, SequenceParallel)
     style = ColwiseParallel(output_layouts=Shard(1))
     assert translate_to_lora(style) is style and translate_to_lora(translate_to_lora(style)) is style
@@ -33,7 +35,9 @@ def test_lora_styles_are_the_torch_styles_and_translation_is_the_identity() -> N
 
 def test_a_plan_with_the_lora_styles_is_split_over_the_adapters() -> None:
     # What makes the aliases sound: the plain styles on a LoRA wrapper become per-part entries.
-    model = peft.get_peft_model(build_tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    model = peft.get_peft_model(
+        build_tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "o_proj"])
+    )
     prefix = "base_model.model.model.layers.0.self_attn"
     plan = expand_lora_plan(
         model,
@@ -56,5 +60,7 @@ def test_get_hf_tp_shard_plan_is_transformers_plan_as_styles() -> None:
     assert plan.keys() == resolve_tp_plan(model, tp_size=2).keys()
     assert isinstance(plan["model.embed_tokens"], RowwiseParallel)
     assert isinstance(plan["lm_head"], ColwiseParallel) and plan["lm_head"].output_layouts == (Shard(-1),)
-    with pytest.raises(ValueError, match="Hugging Face TP plan is not supported for Linear.*FSDP2Config.tp_plan"):
+    with pytest.raises(
+        ValueError, match=r"Hugging Face TP plan is not supported for Linear.*FSDP2Config.tp_plan"
+    ):
         get_hf_tp_shard_plan(nn.Linear(4, 4))

@@ -15,13 +15,13 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from automodel_infra.setup import DistributedSetup
     from automodel_infra.infrastructure import (
         Infrastructure,
         apply_model_infrastructure,
         instantiate_infrastructure,
         parallelize_for_pp,
     )
+    from automodel_infra.setup import DistributedSetup
 
 try:
     __version__ = version("automodel-infra")

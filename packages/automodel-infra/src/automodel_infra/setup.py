@@ -155,7 +155,9 @@ class DistributedSetup:
             moe_parallel_config: Needs ``ep_size > 1``; a dict becomes a ``MoEParallelizerConfig``;
                 ``None`` with ``ep_size > 1`` means ``MoEParallelizerConfig()``.
             activation_checkpointing: As the field.
-            world_size, timeout_minutes, ranks: As for `MeshContext.build`.
+            world_size: As for `MeshContext.build`.
+            timeout_minutes: As for `MeshContext.build`.
+            ranks: As for `MeshContext.build`.
 
         Raises:
             ValueError: An unknown strategy; a pipeline config without ``pp_size > 1`` or a MoE config

@@ -14,9 +14,15 @@ from automodel_pipelining.config import PipelineConfig
 
 
 def test_bundle_of_mesh_and_configs() -> None:
-    setup = DistributedSetup(mesh_context=MeshContext(), strategy_config=FSDP2Config(activation_checkpointing=True))
-    assert setup.strategy_config is not None and setup.strategy_config.activation_checkpointing == "full"
-    assert (setup.pipeline_config, setup.moe_parallel_config, setup.activation_checkpointing) == (None, None, False)
+    setup = DistributedSetup(
+        mesh_context=MeshContext(), strategy_config=FSDP2Config(activation_checkpointing=True)
+    )
+    assert setup.strategy_config is not None and setup.strategy_config.activation_checkpointing is True
+    assert (setup.pipeline_config, setup.moe_parallel_config, setup.activation_checkpointing) == (
+        None,
+        None,
+        False,
+    )
     assert setup.mesh_context == MeshContext()  # not rewritten to carry the policies
     with pytest.raises(dataclasses.FrozenInstanceError):
         setup.activation_checkpointing = True  # type: ignore[misc]
@@ -29,7 +35,10 @@ def test_bundle_of_mesh_and_configs() -> None:
     [
         ({"mesh_context": None}, "mesh_context must be an automodel_mesh.MeshContext"),
         ({"mesh_context": MeshContext(), "strategy_config": "fsdp2"}, "strategy_config must be"),
-        ({"mesh_context": MeshContext(), "pipeline_config": {"pp_schedule": "gpipe"}}, "pipeline_config must be"),
+        (
+            {"mesh_context": MeshContext(), "pipeline_config": {"pp_schedule": "gpipe"}},
+            "pipeline_config must be",
+        ),
         ({"mesh_context": MeshContext(), "moe_parallel_config": 3}, "moe_parallel_config must be"),
         ({"mesh_context": MeshContext(), "activation_checkpointing": "partial"}, "activation_checkpointing"),
     ],
@@ -59,7 +68,7 @@ def test_build_validates_before_building() -> None:
         DistributedSetup.build("fsdp2", pipeline_config=PipelineConfig())
     with pytest.raises(ValueError, match="moe_parallel_config needs ep_size > 1"):
         DistributedSetup.build("fsdp2", moe_parallel_config={"wrap_outer_model": False})
-    with pytest.raises(ValueError, match="unknown ParallelismSizes|pp_sise"):
+    with pytest.raises(ValueError, match=r"unknown ParallelismSizes|pp_sise"):
         DistributedSetup.build("fsdp2", {"pp_sise": 2})
     # pp/ep > 1 on one process: the default configs are made, then the mesh needs a process group.
     with pytest.raises(ValueError, match="init_process_group"):
@@ -76,5 +85,5 @@ def test_moe_dict_is_coerced() -> None:
 
 
 def test_instantiate_infrastructure_single_device() -> None:
-    model_wrapper, autopipeline, parallelize_fn, qat = DistributedSetup.build("fsdp2").instantiate_infrastructure()
+    model_wrapper, autopipeline, _, qat = DistributedSetup.build("fsdp2").instantiate_infrastructure()
     assert model_wrapper is not None and autopipeline is None and qat is None

@@ -97,7 +97,9 @@ def test_regular_expressions_and_the_reference_wildcards(llama: nn.Module) -> No
     many = build_tiny_model("llama", num_hidden_layers=11, meta=True)
     below = resolve_target_modules(many, PeftConfig(target_modules=["*.layers.1.*"]))
     assert below and all(".layers.1." in n for n in below)
-    assert all(".layers.1." in n for n in resolve_target_modules(many, PeftConfig(target_modules=["*layers.1.*"])))
+    assert all(
+        ".layers.1." in n for n in resolve_target_modules(many, PeftConfig(target_modules=["*layers.1.*"]))
+    )
     # ... but after a name fragment it is any text, as in the reference ("*mlp.*" reaches mlp's children).
     assert len(resolve_target_modules(llama, PeftConfig(target_modules=["*mlp.*"]))) == 6
     assert len(resolve_target_modules(llama, PeftConfig(exclude_modules=[".*_proj"]))) == 0

@@ -52,8 +52,11 @@ tp_axis_name, ep_axis_name, ep_shard_axis_names) -> module or None`` (``None``: 
 
 @dataclass
 class PipelineInfo:
-    """What this rank holds of the pipeline (as in the reference system: before `AutoPipeline.build`,
-    ``enabled`` is False and ``schedule``, ``model_parts`` and ``stages`` are ``None``)."""
+    """What this rank holds of the pipeline.
+
+    As in the reference system, before `AutoPipeline.build` ``enabled`` is False and ``schedule``,
+    ``model_parts`` and ``stages`` are ``None``.
+    """
 
     enabled: bool
     """Whether the pipeline is built."""
@@ -695,16 +698,22 @@ class AutoPipeline:
         logger.log(level, "AutoPipeline %s", json.dumps(self.debug_summary()))
 
 
-def _read_only(source: str, name: str) -> property:
+def _config_field(name: str) -> property:
     def get(self: AutoPipeline) -> Any:
-        holder = self.config if source == "config" else self.axis_kwargs
-        return getattr(holder, name) if source == "config" else holder[name]
+        return getattr(self.config, name)
 
-    return property(get, doc=f"``{source}.{name}`` (read-only).")
+    return property(get, doc=f"``config.{name}`` (read-only).")
+
+
+def _axis_name(name: str) -> property:
+    def get(self: AutoPipeline) -> Any:
+        return self.axis_kwargs[name]
+
+    return property(get, doc=f"``axis_kwargs[{name!r}]`` (read-only).")
 
 
 for _name in (f.name for f in fields(PipelineConfig)):
-    setattr(AutoPipeline, _name, _read_only("config", _name))
+    setattr(AutoPipeline, _name, _config_field(_name))
 for _name in ("dp_axis_names", "cp_axis_name", "tp_axis_name", "ep_axis_name", "ep_shard_axis_names"):
-    setattr(AutoPipeline, _name, _read_only("axis_kwargs", _name))
+    setattr(AutoPipeline, _name, _axis_name(_name))
 del _name

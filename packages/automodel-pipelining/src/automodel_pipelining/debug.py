@@ -40,7 +40,9 @@ def pretty_print_stages(
         if trainable_only:
             counts = f"{count_params(part, trainable_only=True):,} trainable parameters"
         else:
-            counts = f"{count_params(part):,} parameters ({count_params(part, trainable_only=True):,} trainable)"
+            counts = (
+                f"{count_params(part):,} parameters ({count_params(part, trainable_only=True):,} trainable)"
+            )
         lines.append(f"stage {stage_id}: {counts}, {len(part_fqns)} modules")
         shown = list(part_fqns) if max_modules is None else list(part_fqns)[:max_modules]
         lines.extend(f"    {fqn}" for fqn in shown)

@@ -53,7 +53,12 @@ def test_needs_a_mesh() -> None:
 def test_before_build_as_in_the_reference(mesh: MeshContext) -> None:
     pipe = _pipe(mesh, pp_schedule="interleaved_1f1b", pp_batch_size=4, pp_microbatch_size=2)
     info = pipe.info
-    assert (info.enabled, info.schedule, info.has_first_stage, info.has_last_stage) == (False, None, False, False)
+    assert (info.enabled, info.schedule, info.has_first_stage, info.has_last_stage) == (
+        False,
+        None,
+        False,
+        False,
+    )
     assert info.model_parts is None and info.stages is None
     with pytest.raises(RuntimeError, match=r"call AutoPipeline.build"):
         _ = pipe.parts

@@ -132,7 +132,9 @@ def test_disabled_is_a_no_op_and_legacy_keywords_enable() -> None:
 def test_legacy_keyword_enabled_false_is_a_no_op() -> None:
     # Issue 17: ``enabled=`` among the legacy keywords raised "multiple values for keyword 'enabled'".
     model = build_tiny_model("llama")
-    out = apply_fp8_to_model(model, config=None, enabled=False, filter_fqns=None, recipe_name=None, emulate=True)
+    out = apply_fp8_to_model(
+        model, config=None, enabled=False, filter_fqns=None, recipe_name=None, emulate=True
+    )
     assert out is model and verify_fp8_conversion(model)["fp8_count"] == 0
     apply_fp8_to_model(model, enabled=True, emulate=True)
     assert verify_fp8_conversion(model)["fp8_count"] == 14

@@ -37,8 +37,8 @@ from automodel_distributed.tensor_parallel.validate import validate_tensor_paral
 
 __all__ = [
     "BUILTIN_TP_PLANS",
-    "ColwiseParallelLora",
     "STYLE_NAMES",
+    "ColwiseParallelLora",
     "GatherSequenceInput",
     "PlanFactory",
     "PlanMapping",

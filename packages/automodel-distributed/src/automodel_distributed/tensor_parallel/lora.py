@@ -21,7 +21,12 @@ from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from automodel_distributed.tensor_parallel._fqn import join_fqn, match_modules
 from automodel_distributed.tensor_parallel.styles import ReplicateParallel

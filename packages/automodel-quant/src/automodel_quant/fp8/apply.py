@@ -57,7 +57,9 @@ def _torchao_config(config: FP8Config) -> Any:
 def _warn_unsupported(plan: FP8Plan) -> None:
     if not plan.unsupported_dims:
         return
-    listing = ", ".join(f"{fqn or '<the model>'} {list(shape)}" for fqn, shape in plan.unsupported_dims.items())
+    listing = ", ".join(
+        f"{fqn or '<the model>'} {list(shape)}" for fqn, shape in plan.unsupported_dims.items()
+    )
     warnings.warn(
         f"FP8: {len(plan.unsupported_dims)} linear layer(s) stay in high precision because a weight dim does "
         f"not divide by 16: {listing}",

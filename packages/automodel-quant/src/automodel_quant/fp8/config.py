@@ -128,8 +128,10 @@ class FP8Config:
 
 
 def build_fp8_config(config: FP8Config | Mapping[str, Any] | None) -> FP8Config:
-    """``None`` -> ``FP8Config(enabled=False)`` (as in the reference system); an `FP8Config` -> itself;
-    a dict -> `FP8Config.from_dict`.
+    """Build an `FP8Config` from ``None``, a config or a dict.
+
+    ``None`` gives ``FP8Config(enabled=False)`` (as in the reference system), an `FP8Config` itself, a
+    dict `FP8Config.from_dict`.
 
     Raises:
         ValueError: A dict with an unknown key (the reference system ignores unknown keys).
