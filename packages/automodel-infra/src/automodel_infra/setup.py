@@ -62,30 +62,32 @@ def _strategy(strategy: object) -> DistributedConfig:
     )
 
 
-def _pipeline_config(value: object, *, allow_dict: bool) -> PipelineConfig:
-    config = import_component("automodel_pipelining.config", "DistributedSetup.pipeline_config")
+def _optional_config(value: object, field: str, module: str, class_name: str, *, allow_dict: bool) -> Any:
+    """``value`` as ``module.class_name`` (a dict is converted when ``allow_dict``), importing ``module``."""
+    cls = getattr(import_component(module, f"DistributedSetup.{field}"), class_name)
     if allow_dict and isinstance(value, Mapping):
-        built: PipelineConfig = config.PipelineConfig.from_dict(dict(value))
-        return built
-    if not isinstance(value, config.PipelineConfig):
+        return cls.from_dict(dict(value))
+    if not isinstance(value, cls):
         raise ValueError(
-            f"DistributedSetup.pipeline_config must be an automodel_pipelining.PipelineConfig (or a dict for "
-            f"build), got {type(value).__name__}"
+            f"DistributedSetup.{field} must be a {module}.{class_name}"
+            f"{' (or its dict)' if allow_dict else ' (dicts are converted by DistributedSetup.build)'}, "
+            f"got {type(value).__name__}"
         )
     return value
+
+
+def _pipeline_config(value: object, *, allow_dict: bool) -> PipelineConfig:
+    config: PipelineConfig = _optional_config(
+        value, "pipeline_config", "automodel_pipelining.config", "PipelineConfig", allow_dict=allow_dict
+    )
+    return config
 
 
 def _moe_config(value: object, *, allow_dict: bool) -> MoEParallelizerConfig:
-    config = import_component("automodel_moe.config", "DistributedSetup.moe_parallel_config")
-    if allow_dict and isinstance(value, Mapping):
-        built: MoEParallelizerConfig = config.MoEParallelizerConfig.from_dict(dict(value))
-        return built
-    if not isinstance(value, config.MoEParallelizerConfig):
-        raise ValueError(
-            f"DistributedSetup.moe_parallel_config must be an automodel_moe.MoEParallelizerConfig (or a dict "
-            f"for build), got {type(value).__name__}"
-        )
-    return value
+    config: MoEParallelizerConfig = _optional_config(
+        value, "moe_parallel_config", "automodel_moe.config", "MoEParallelizerConfig", allow_dict=allow_dict
+    )
+    return config
 
 
 @dataclass(frozen=True)
