@@ -11,6 +11,8 @@ Sections (each one also runs alone as its own script, with more detail):
 - ``nemo``: the same job through NeMo AutoModel, installed from PyPI into a scratch environment
   (`bench_vs_nemo.py`); when it cannot be installed or run, its rows say why;
 - ``imports``: ``import automodel_<x>`` against ``import torch`` (`bench_import_time.py`);
+- ``readers``: our safetensors slice reader against ``safe_open(...).get_slice`` and DCP's
+  ``HuggingFaceStorageReader`` (`bench_safetensors_reader.py`, which also runs the 1.2B checkpoint);
 - ``schedules``: pipeline bubble against the schedules' theory, expert parallelism against replicated
   experts (`bench_pipeline_bubble.py`, `bench_moe_ep.py`).
 
@@ -40,6 +42,7 @@ import bench_fsdp2_manager
 import bench_import_time
 import bench_moe_ep
 import bench_pipeline_bubble
+import bench_safetensors_reader
 import bench_vs_nemo
 
 MiB = 2**20
@@ -126,6 +129,30 @@ def section_transformers() -> list[Row]:
                     )
                 )
     return rows
+
+
+def section_readers() -> list[Row]:
+    """Our safetensors slice reader against safe_open and DCP's HF reader (the 124.7M model, 4 ranks)."""
+    with tempfile.TemporaryDirectory(prefix="bench-reader-") as tmp:
+        rows = bench_safetensors_reader.run("small", 4, Path(tmp), 3)
+    ours = next(r for r in rows if r["reader"] == "ours")
+    out = []
+    for row in rows:
+        if row is ours:
+            continue
+        for what, key, unit in (("peak memory", "peak_mib", "MiB"), ("read time", "seconds", "s")):
+            out.append(
+                Row(
+                    "safetensors reader",
+                    f"{what} per rank, Llama 125M fp32, 4 ranks reading their Shard(0) rows: ours vs "
+                    f"{row['reader']}",
+                    f"{ours[key]:.2f} {unit}",
+                    f"{row[key]:.2f} {unit}",
+                    _ratio(ours[key], row[key]),
+                    "worst rank; warm page cache; peak = VmHWM growth (mapped pages count)",
+                )
+            )
+    return out
 
 
 def section_nemo() -> list[Row]:
@@ -238,6 +265,7 @@ SECTIONS: dict[str, Callable[[], list[Row]]] = {
     "transformers": section_transformers,
     "nemo": section_nemo,
     "imports": section_imports,
+    "readers": section_readers,
     "schedules": section_schedules,
 }
 

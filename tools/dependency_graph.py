@@ -70,11 +70,13 @@ ALLOWED_GRAPH: Mapping[str, Node] = {
     _DIST: _node([_MESH]),
     _PP: _node([_MESH]),  # gets a parallelize_fn from its caller; never imports automodel_distributed
     _MOE: _node([_MESH, _DIST]),
-    _QUANT: _node(),  # torchao (+ optional bitsandbytes); deliberately no mesh
-    _PEFT: _node(optional=[_QUANT]),  # QLoRA through the [quant] extra
+    # mesh is the root every package requires: besides meshes it holds the few helpers all share
+    # (automodel_mesh.modules: wrapper segments, adapter names, FQN lookup; automodel_mesh.config_dict).
+    _QUANT: _node([_MESH]),  # torchao (+ optional bitsandbytes); uses no mesh, only the shared helpers
+    _PEFT: _node([_MESH], optional=[_QUANT]),  # QLoRA through the [quant] extra
     _INFRA: _node([_MESH, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),
     "automodel-all": _node([_MESH, _DIST, _PP, _MOE, _QUANT, _PEFT, _INFRA]),
-    "automodel-testing": _node(published=False),
+    "automodel-testing": _node([_MESH], published=False),
 }
 
 #: Modules that are slow to import or drag in native libraries: never imported by ``import <package>``,

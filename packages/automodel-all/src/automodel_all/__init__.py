@@ -4,11 +4,8 @@ The public API of this package arrives with the issue that builds it; until then
 version, so nothing here pretends to work.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from automodel_mesh.version import installed_version
 
-try:
-    __version__ = version("automodel-all")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-    __version__ = "0.0.0"
+__version__ = installed_version("automodel-all")
 
 __all__ = ["__version__"]

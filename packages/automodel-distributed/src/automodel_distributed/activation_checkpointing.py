@@ -6,13 +6,15 @@ parallelism and per-block compile the same way. Apply it after tensor parallelis
 ``fully_shard`` / DDP / compile. The wrapper inserts ``_checkpoint_wrapped_module.`` into parameter FQNs.
 
 Selective mode keeps the outputs of expensive or communicating ops and recomputes the cheap rest; the op
-lists (`SELECTIVE_AC_MATMUL_OPS`, `SELECTIVE_AC_ALWAYS_SAVE_OPS`) are data.
+lists (`SELECTIVE_AC_MATMUL_OPS`, `SELECTIVE_AC_ALWAYS_SAVE_OPS`) are data. Either mode takes more ops to
+save (``save_ops``: the save-ops policy hook): mixture-of-experts models save their router's outputs
+(``automodel_moe.ROUTER_SAVE_OPS``) so that recompute routes every token exactly as forward did.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -105,17 +107,24 @@ def _resolve_ops(names: tuple[str, ...]) -> frozenset[Any]:
     return frozenset(ops)
 
 
-def selective_checkpoint_policy() -> Callable[..., CheckpointPolicy]:
+def selective_checkpoint_policy(
+    save_ops: Sequence[str] = (), *, save_matmuls: bool = True
+) -> Callable[..., CheckpointPolicy]:
     """Build a fresh selective-AC policy (one per checkpointed block call: it counts matmuls).
+
+    Args:
+        save_ops: More ops (``namespace.op.overload``) whose outputs are always saved.
+        save_matmuls: Save every other matmul and the ops of `SELECTIVE_AC_ALWAYS_SAVE_OPS` (selective
+            mode); False saves only ``save_ops`` (full recompute of everything else).
 
     Returns:
         A ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`` for
-        ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: ``MUST_SAVE`` for the ops in
-        `SELECTIVE_AC_ALWAYS_SAVE_OPS` and for every other matmul of `SELECTIVE_AC_MATMUL_OPS` (the 1st,
-        3rd, ...), ``PREFER_RECOMPUTE`` for everything else.
+        ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: ``MUST_SAVE`` for ``save_ops``,
+        the ops in `SELECTIVE_AC_ALWAYS_SAVE_OPS` and every other matmul of `SELECTIVE_AC_MATMUL_OPS` (the
+        1st, 3rd, ...), ``PREFER_RECOMPUTE`` for everything else.
     """
-    matmuls = _resolve_ops(SELECTIVE_AC_MATMUL_OPS)
-    always = _resolve_ops(SELECTIVE_AC_ALWAYS_SAVE_OPS)
+    matmuls = _resolve_ops(SELECTIVE_AC_MATMUL_OPS) if save_matmuls else frozenset()
+    always = _resolve_ops((*SELECTIVE_AC_ALWAYS_SAVE_OPS, *save_ops) if save_matmuls else tuple(save_ops))
     counts = {"forward": 0, "recompute": 0}
 
     def policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -132,8 +141,13 @@ def selective_checkpoint_policy() -> Callable[..., CheckpointPolicy]:
     return policy
 
 
-def _selective_context_fn() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(selective_checkpoint_policy())
+def _context_fn(save_ops: tuple[str, ...], save_matmuls: bool) -> Callable[[], tuple[Any, Any]]:
+    def context_fn() -> tuple[Any, Any]:
+        return create_selective_checkpoint_contexts(
+            selective_checkpoint_policy(save_ops, save_matmuls=save_matmuls)
+        )
+
+    return context_fn
 
 
 def _iter_configs(model: nn.Module) -> Iterator[Any]:
@@ -186,13 +200,15 @@ def apply_activation_checkpointing(
     *,
     mode: Literal["full", "selective"],
     scope: tuple[str, ...] = ("all",),
+    save_ops: Sequence[str] = (),
 ) -> nn.Module:
     """Wrap the transformer blocks in ``scope`` with activation checkpointing, in place.
 
     ``"full"`` recomputes each block's whole forward in backward; ``"selective"`` saves the ops chosen by
-    `selective_checkpoint_policy` and recomputes the rest. Both use ``checkpoint_wrapper`` with
-    ``CheckpointImpl.NO_REENTRANT`` around the block in its parent container. Also sets
-    ``use_cache=False`` on the model's configs (`disable_kv_cache`).
+    `selective_checkpoint_policy` and recomputes the rest; ``save_ops`` are saved in either mode (the
+    save-ops policy hook). All use ``checkpoint_wrapper`` with ``CheckpointImpl.NO_REENTRANT`` around the
+    block in its parent container. Also sets ``use_cache=False`` on the model's configs
+    (`disable_kv_cache`).
 
     Idempotent: a block that is already checkpoint-wrapped is left as it is (with a warning when its
     mode differs from ``mode``).
@@ -205,6 +221,8 @@ def apply_activation_checkpointing(
         mode: ``"full"`` or ``"selective"``.
         scope: Layer groups to checkpoint, normalised as by
             `automodel_distributed.config.normalize_activation_checkpointing_scope`.
+        save_ops: Ops (``namespace.op.overload``) whose outputs are saved instead of recomputed (names
+            missing from the installed torch are skipped).
 
     Returns:
         ``model`` itself (its block containers now hold ``CheckpointWrapper`` modules).
@@ -237,8 +255,8 @@ def apply_activation_checkpointing(
                 )
             continue
         kwargs: dict[str, Any] = {}
-        if mode == "selective":
-            kwargs["context_fn"] = _selective_context_fn
+        if mode == "selective" or save_ops:
+            kwargs["context_fn"] = _context_fn(tuple(save_ops), save_matmuls=mode == "selective")
         wrapper = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
         setattr(wrapper, _AC_MODE_ATTR, mode)
         _set_child(model, fqn, wrapper)

@@ -7,14 +7,14 @@ this module imports nothing heavy (the FSDP2 policy defaults are built lazily).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 
 from automodel_mesh import MeshKind
+from automodel_mesh.config_dict import ConfigDict
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -114,26 +114,6 @@ def default_mp_policy() -> MixedPrecisionPolicy:
     )
 
 
-_C = TypeVar("_C")
-
-
-class _ConfigMixin:
-    """``to_dict`` / ``from_dict`` shared by every config dataclass here."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the fields as a shallow dict (values are not copied)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-
-    @classmethod
-    def from_dict(cls: type[_C], data: Mapping[str, Any]) -> _C:
-        """Build from a mapping; an unknown key raises `ValueError` naming it and the known fields."""
-        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**data)
-
-
 def _check_bool(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -148,7 +128,7 @@ def _check_dtype(obj: object, name: str) -> None:
 
 
 @dataclass(kw_only=True)
-class MultimodalDistributedConfig(_ConfigMixin):
+class MultimodalDistributedConfig(ConfigDict):
     """How frozen multimodal towers are sharded (accepted for compatibility; see `FSDP2Manager`)."""
 
     frozen_sharding: Literal["root", "per_layer", "replicate"] = "root"
@@ -164,7 +144,7 @@ class MultimodalDistributedConfig(_ConfigMixin):
 
 
 @dataclass(kw_only=True)
-class FSDP2Config(_ConfigMixin):
+class FSDP2Config(ConfigDict):
     """PyTorch FSDP2 (``fully_shard``) with optional HSDP, tensor/sequence and context parallelism."""
 
     sequence_parallel: bool = False
@@ -271,7 +251,7 @@ class FSDP2Config(_ConfigMixin):
 
 
 @dataclass(kw_only=True)
-class MegatronFSDPConfig(_ConfigMixin):
+class MegatronFSDPConfig(ConfigDict):
     """Megatron-FSDP (the ``megatron-fsdp`` package, CUDA only) over the ``(dp, cp, tp)`` mesh."""
 
     megatron_fsdp_unit_modules: list[str] | None = None
@@ -333,7 +313,7 @@ class MegatronFSDPConfig(_ConfigMixin):
 
 
 @dataclass(kw_only=True)
-class DDPConfig(_ConfigMixin):
+class DDPConfig(ConfigDict):
     """PyTorch ``DistributedDataParallel`` over the default process group."""
 
     activation_checkpointing: ActivationCheckpointingMode = False
@@ -370,7 +350,7 @@ class DDPConfig(_ConfigMixin):
 
 
 @dataclass(kw_only=True)
-class CompileConfig(_ConfigMixin):
+class CompileConfig(ConfigDict):
     """``torch.compile`` settings for the whole model (non-FSDP2 strategies)."""
 
     enabled: bool = False

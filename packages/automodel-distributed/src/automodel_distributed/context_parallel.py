@@ -27,18 +27,18 @@ Labels are shifted *before* sharding (``shift_labels``), because shifting a shar
 labels of the neighbouring chunk. Requirements: SDPA attention (``attn_implementation="sdpa"``), causal
 attention with no padding or packing mask, and a sequence length divisible by ``2 * cp_size``.
 
-CPU: PyTorch ships ring attention only for the CUDA kernels (flash, memory-efficient, cuDNN); on CPU its
-SDPA lowers to ``aten._scaled_dot_product_flash_attention_for_cpu``, for which torch raises
-``NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a
-sharding strategy registered``. For CPU meshes (gloo) this module registers that kernel with torch's
-ring-attention template for the duration of the region, through private torch internals checked against
-torch 2.15 (`cpu_ring_attention_available`); it exists so CP is testable on CPU, not for speed.
+CPU: PyTorch ships ring attention only for the CUDA kernels; on a CPU mesh (gloo) the region needs
+``cpu_ring_attention=True``, the explicit switch to automodel's test backend
+(`automodel_distributed.cpu_ring_attention`, private torch internals); without it a CPU mesh is refused
+with a `ValueError` before any collective.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -57,7 +57,6 @@ __all__ = [
     "context_parallel_inputs",
     "context_parallel_region",
     "context_parallel_unshard",
-    "cpu_ring_attention_available",
     "load_balance_indices",
 ]
 
@@ -72,7 +71,8 @@ CP_SEQUENCE_KEYS: tuple[str, ...] = ("input_ids", "position_ids", "shift_labels"
 shard (see `context_parallel_inputs`)."""
 
 _HOOKED_ATTR = "_automodel_cp_hooked"
-_active_cp_size = 0  # the cp size of the open context_parallel_region, 0 when none is open
+# The cp size of the context_parallel_region open in this thread / task (0: none), read by the hooks.
+_ACTIVE_CP_SIZE: contextvars.ContextVar[int] = contextvars.ContextVar("automodel_active_cp_size", default=0)
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -152,7 +152,8 @@ def _strip_attention_mask(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     # transformers builds its mask from the *local* positions, which are not contiguous under load
     # balancing; ring attention applies causality itself.
-    if _active_cp_size == 0:
+    active_cp_size = _ACTIVE_CP_SIZE.get()
+    if active_cp_size == 0:
         return args, kwargs
     # The attention module's own attribute wins (None on full-attention layers); else its config's.
     window: object = getattr(module, "sliding_window", None)
@@ -162,11 +163,11 @@ def _strip_attention_mask(
     if (
         isinstance(window, int)
         and isinstance(hidden, torch.Tensor)
-        and hidden.shape[1] * _active_cp_size > window
+        and hidden.shape[1] * active_cp_size > window
     ):
         raise NotImplementedError(
             f"{type(module).__name__} uses sliding-window attention (window {window}) over a sequence of "
-            f"{hidden.shape[1] * _active_cp_size} tokens, which context parallelism does not support "
+            f"{hidden.shape[1] * active_cp_size} tokens, which context parallelism does not support "
             "(ring attention is plainly causal); use sequences no longer than the window or cp_size=1"
         )
     kwargs["attention_mask"] = None
@@ -231,149 +232,6 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
     return model
 
 
-# ----------------------------------------------------------------------------- ring attention on CPU
-# Private torch internals, isolated here: the ring-attention templates, the DTensor custom-op table and
-# the single-dim sharding-strategy registry of torch.distributed.tensor (checked against torch 2.15).
-
-
-def _cpu_ring_internals() -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-    from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
-    from torch.distributed.tensor.experimental._context_parallel import _attention, _sharding_rules
-
-    aten = torch.ops.aten
-    return {
-        "DTensor": DTensor,
-        "RuntimeSchemaInfo": RuntimeSchemaInfo,
-        "Placeholder": _ShardingPlaceholder,
-        "strategy_context": _sharding_rules._single_dim_strategy_context,
-        "seq_dim": _sharding_rules.SEQ_DIM,
-        "ring_forward": _attention._templated_ring_attention,
-        "ring_backward": _attention._templated_ring_attention_backward,
-        "forward_op": aten._scaled_dot_product_flash_attention_for_cpu.default,
-        "backward_op": aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    }
-
-
-def cpu_ring_attention_available() -> tuple[bool, str]:
-    """Whether this torch has the internals CP on CPU relies on; ``(False, reason)`` otherwise."""
-    try:
-        internals = _cpu_ring_internals()
-        internals["DTensor"]._op_dispatcher._custom_op_handlers  # noqa: B018 - probe the attribute
-    except (ImportError, AttributeError) as exc:
-        return False, f"{type(exc).__name__}: {exc}"
-    return True, ""
-
-
-def _cpu_ring_handler(internals: dict[str, Any]) -> Any:
-    dtensor = internals["DTensor"]
-    seq_dim = internals["seq_dim"]
-    forward_op, backward_op = internals["forward_op"], internals["backward_op"]
-
-    def forward(
-        mesh: DeviceMesh,
-        query: Any,
-        key: Any,
-        value: Any,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        *,
-        attn_mask: Any = None,
-        scale: Any = None,
-    ) -> Any:
-        if attn_mask is not None:
-            raise NotImplementedError("context parallelism supports causal SDPA without attn_mask")
-        return internals["ring_forward"](
-            mesh.get_group(),
-            seq_dim,
-            forward_op,
-            query=query,
-            key=key,
-            value=value,
-            is_causal=is_causal,
-            dropout_p=dropout_p,
-            scale=scale,
-        )
-
-    def backward(
-        mesh: DeviceMesh,
-        grad_out: Any,
-        query: Any,
-        key: Any,
-        value: Any,
-        out: Any,
-        lse: Any,
-        dropout_p: float,
-        is_causal: bool,
-        *,
-        attn_mask: Any = None,
-        scale: Any = None,
-    ) -> Any:
-        return internals["ring_backward"](
-            mesh.get_group(),
-            seq_dim,
-            backward_op,
-            grad_out=grad_out,
-            grad_out_name="grad_out",
-            query=query,
-            key=key,
-            value=value,
-            out=out,
-            logsumexp=lse,
-            is_causal=is_causal,
-            dropout_p=dropout_p,
-            scale=scale,
-        )
-
-    def handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        dispatcher = dtensor._op_dispatcher
-        op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
-        dispatcher.sharding_propagator.propagate(op_info)
-        sharding = op_info.output_sharding
-        assert sharding is not None and not sharding.needs_redistribute, "CP inputs must be Shard(seq)"
-        fn = forward if op_call is forward_op else backward
-        local = fn(op_info.compute_mesh, *op_info.local_args, **op_info.local_kwargs)
-        return dispatcher.wrap(local, sharding.output_spec)
-
-    return handler
-
-
-@contextlib.contextmanager
-def _cpu_ring_attention() -> Iterator[None]:
-    """Route the CPU flash-attention kernel through torch's ring attention while the context is open."""
-    available, reason = cpu_ring_attention_available()
-    if not available:
-        raise RuntimeError(
-            f"context parallelism on CPU relies on torch internals this torch {torch.__version__} lacks "
-            f"({reason}); run CP on CUDA devices"
-        )
-    internals = _cpu_ring_internals()
-    placeholder = internals["Placeholder"]
-    seq_dim = internals["seq_dim"]
-    forward_op, backward_op = internals["forward_op"], internals["backward_op"]
-
-    def forward_strategy(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
-        return [[placeholder(seq_dim)] * 5]  # output, logsumexp, query, key, value
-
-    def backward_strategy(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
-        return [[placeholder(seq_dim)] * 9]  # grad q/k/v, grad_out, q, k, v, out, logsumexp
-
-    dispatcher = internals["DTensor"]._op_dispatcher
-    saved_handlers = dispatcher._custom_op_handlers
-    handler = _cpu_ring_handler(internals)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(
-            internals["strategy_context"](forward_op, forward_strategy, internals["RuntimeSchemaInfo"](3))
-        )
-        stack.enter_context(internals["strategy_context"](backward_op, backward_strategy, None))
-        dispatcher._custom_op_handlers = {**saved_handlers, forward_op: handler, backward_op: handler}
-        try:
-            yield
-        finally:
-            dispatcher._custom_op_handlers = saved_handlers
-
-
 # ------------------------------------------------------------------------------------------ region
 
 
@@ -383,6 +241,7 @@ def context_parallel_region(
     batch: Mapping[str, Any],
     *,
     seq_dims: Mapping[str, int] | None = None,
+    cpu_ring_attention: bool = False,
 ) -> Iterator[dict[str, Any]]:
     """Shard ``batch`` over the ``cp`` axis and run SDPA as ring attention until the context closes.
 
@@ -399,13 +258,16 @@ def context_parallel_region(
         mesh: The ``cp`` mesh (1-D), a mesh with a ``cp`` axis, or a `MeshContext`.
         batch: The global batch.
         seq_dims: Sequence dim per key, overriding the default 1.
+        cpu_ring_attention: On a CPU mesh, run ring attention through automodel's CPU test backend
+            (`automodel_distributed.cpu_ring_attention`: private torch internals, patched only while the
+            region is open). Ignored, with a warning, on CUDA.
 
     Raises:
         ValueError: Sharded tensors disagree on the sequence length, or it is not divisible by
-            ``2 * cp_size``; the batch has ``labels`` or ``attention_mask`` not named in ``seq_dims``.
-        RuntimeError: On CPU, the installed torch lacks the internals CPU ring attention needs.
+            ``2 * cp_size``; the batch has ``labels`` or ``attention_mask`` not named in ``seq_dims``; a
+            CPU mesh without ``cpu_ring_attention=True``.
+        RuntimeError: With ``cpu_ring_attention``, the installed torch lacks the internals it needs.
     """
-    global _active_cp_size
     cp_mesh = _cp_mesh(mesh)
     dims = dict(seq_dims or {})
     for key, why in (("labels", "shift them before sharding"), ("attention_mask", "CP attention is causal")):
@@ -426,6 +288,17 @@ def context_parallel_region(
     if len(set(lengths.values())) != 1:
         raise ValueError(f"context_parallel_region: the sequence tensors disagree on their length: {lengths}")
     load_balance_indices(next(iter(lengths.values())), cp_mesh.size())  # validates divisibility
+    on_cpu = cp_mesh.device_type == "cpu"
+    if on_cpu and not cpu_ring_attention:
+        raise ValueError(
+            "context parallelism on a CPU mesh: torch has ring attention for CUDA SDPA kernels only; pass "
+            "context_parallel_region(..., cpu_ring_attention=True) to use automodel's CPU test backend "
+            "(private torch internals, for testing), or run on CUDA devices"
+        )
+    if cpu_ring_attention and not on_cpu:
+        warnings.warn(
+            "context_parallel_region(cpu_ring_attention=True) is ignored on a CUDA mesh", stacklevel=3
+        )
     local = dict(batch)
     buffers = [batch[k].clone() for k in keys]
     from torch.distributed.tensor.experimental import context_parallel
@@ -439,16 +312,18 @@ def context_parallel_region(
                 no_restore_buffers=set(buffers),
             )
         )
-        if cp_mesh.device_type == "cpu":
-            stack.enter_context(_cpu_ring_attention())
+        if on_cpu:
+            from automodel_distributed.cpu_ring_attention import cpu_ring_attention as cpu_backend
+
+            stack.enter_context(cpu_backend())
         local.update(zip(keys, buffers, strict=True))
-        if _active_cp_size:
+        if _ACTIVE_CP_SIZE.get():
             raise RuntimeError("context_parallel_region cannot be nested")
-        _active_cp_size = cp_mesh.size()
+        token = _ACTIVE_CP_SIZE.set(cp_mesh.size())
         try:
             yield local
         finally:
-            _active_cp_size = 0
+            _ACTIVE_CP_SIZE.reset(token)
 
 
 @torch.no_grad()

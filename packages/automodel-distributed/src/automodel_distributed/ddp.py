@@ -12,11 +12,13 @@ Differences from NeMo AutoModel, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ from automodel_distributed.activation_checkpointing import (
     resolve_checkpointing_mode,
 )
 from automodel_distributed.config import DDPConfig
+from automodel_distributed.strategy import StrategyDefaults
+from automodel_mesh import MeshContext
 
 __all__ = ["DDPManager", "apply_autocast", "ddp_device", "ddp_kwargs"]
 
@@ -126,21 +130,24 @@ def _check_materialised(model: nn.Module) -> None:
         )
 
 
-class DDPManager:
+class DDPManager(StrategyDefaults):
     """Data parallelism with ``DistributedDataParallel`` over the default process group.
 
-    Every `DDPConfig` field is also an attribute of the manager (``manager.activation_checkpointing``,
-    ``manager.bucket_cap_mb``, ...), as in NeMo AutoModel. Construction checks the process group and
-    picks this rank's device (``rank``, ``world_size`` and ``device`` attributes).
+    Implements `automodel_distributed.strategy.StrategyManager`. Every `DDPConfig` field is also an
+    attribute of the manager (``manager.activation_checkpointing``, ``manager.bucket_cap_mb``, ...), as in
+    NeMo AutoModel. Construction checks the process group and picks this rank's device (``rank``,
+    ``world_size`` and ``device`` attributes).
+
+    Args:
+        config: The settings.
+        mesh: The run's `MeshContext` (``MeshContext.build(DDPConfig())``: the process group, no device
+            mesh); default: the default process group.
 
     Raises:
         RuntimeError: The default process group is not initialised.
     """
 
-    materialize_before_parallelize = True
-    """DDP replicates real tensors (and broadcasts rank 0's): load weights before `parallelize`."""
-
-    def __init__(self, config: DDPConfig) -> None:
+    def __init__(self, config: DDPConfig, *, mesh: MeshContext | None = None) -> None:
         if not isinstance(config, DDPConfig):
             raise ValueError(f"DDPManager needs a DDPConfig, got {type(config).__name__}")
         self.config = config
@@ -155,6 +162,7 @@ class DDPManager:
         self.device = ddp_device()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.mesh = mesh if mesh is not None else MeshContext(process_group=dist.group.WORLD)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Prepare ``model`` for data-parallel training on this rank.
@@ -190,3 +198,29 @@ class DDPManager:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, **ddp_kwargs(self.config, self.device))
+
+    # ------------------------------------------------------------------ StrategyManager
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """`parallelize`."""
+        return self.parallelize(model)
+
+    def loads_before_sharding(self, *, adapters: bool) -> bool:
+        """Always: DDP replicates real tensors (and broadcasts rank 0's), so weights load before wrapping."""
+        del adapters
+        return True
+
+    @contextlib.contextmanager
+    def gradient_sync(self, model: nn.Module, *, enabled: bool) -> Iterator[None]:
+        """``DistributedDataParallel.no_sync()`` for the micro-batches that must not all-reduce."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if enabled or not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        with model.no_sync():
+            yield
+
+    def autocast(self) -> AbstractContextManager[None]:
+        """Nothing to enter: `parallelize` already runs the forward under ``autocast_dtype``."""
+        return contextlib.nullcontext()

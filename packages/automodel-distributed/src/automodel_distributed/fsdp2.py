@@ -1,19 +1,28 @@
-"""FSDP2: per-block ``fully_shard`` over the data-parallel axes, composed with TP and checkpointing.
+"""FSDP2: per-block ``fully_shard`` over the data-parallel axes, composed with TP, EP and checkpointing.
 
-The order inside `FSDP2Manager.parallelize` is fixed: tensor/sequence parallel plan, then activation
-checkpointing, then ``fully_shard`` on every transformer block, the untied embeddings and LM head, and
-finally the root. Checkpoint wrappers must exist before ``fully_shard`` so FSDP's hooks wrap the
-recomputation, and TP must come first so FSDP shards DTensors that are already tensor-parallel.
+One applier for dense and mixture-of-experts models. The order inside `FSDP2Manager.parallelize` is fixed:
+an expert-parallel step when one is plugged in (`ExpertParallelism`, e.g. ``automodel_moe.ExpertParallel``:
+it swaps the experts modules and returns them as extra FSDP units), then the tensor/sequence-parallel
+plan, then activation checkpointing (saving the ops the expert step names, e.g. the router's), then
+``fully_shard`` on the extra units (each on its own mesh), every transformer block, the untied
+embeddings and LM head, and finally the root. Checkpoint wrappers must exist before ``fully_shard`` so
+FSDP's hooks wrap the recomputation, and TP must come first so FSDP shards DTensors that are already
+tensor-parallel.
+
+After a forward without gradients (an evaluation), every unit is resharded (`apply_fsdp2` registers
+the hook): units that keep their parameters gathered for backward (the root, the last blocks) would
+otherwise stay gathered, and an optimizer built then would hold the unsharded tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,22 +41,87 @@ from automodel_distributed.activation_checkpointing import (
     resolve_checkpointing_mode,
 )
 from automodel_distributed.compile import compile_blocks
-from automodel_distributed.config import FSDP2Config, MultimodalDistributedConfig, default_mp_policy
+from automodel_distributed.config import (
+    CompileConfig,
+    FSDP2Config,
+    MultimodalDistributedConfig,
+    default_mp_policy,
+)
 from automodel_distributed.layers import find_transformer_blocks
+from automodel_distributed.strategy import StrategyDefaults, nothing_is_sharded
 from automodel_mesh import MeshAxisName, MeshContext, MeshKind
+from automodel_mesh.modules import fqn_of
 
-__all__ = ["FSDP2Manager", "FSDPUnitPlan", "apply_fsdp2", "plan_fsdp_units"]
+__all__ = [
+    "ExpertParallelism",
+    "ExpertSharding",
+    "FSDP2Manager",
+    "FSDPUnitPlan",
+    "apply_fsdp2",
+    "plan_fsdp_units",
+    "reshard_after_no_grad_forward",
+]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class FSDPUnitPlan:
-    """One module that becomes its own FSDP unit, and whether it reshards after forward."""
+    """One module that becomes its own FSDP unit, and how it is sharded.
+
+    Attributes:
+        fqn: Its name in the model.
+        module: The module.
+        reshard_after_forward: Free the gathered parameters after forward (an int: reshard to that
+            smaller world). ``None`` (extra units only): as the dense unit that contains it.
+        mesh: The mesh it is sharded over; ``None``: the data-parallel mesh of `apply_fsdp2`.
+        shard_placement_fn: ``fully_shard``'s per-parameter placement (e.g. ``Shard(1)``); ``None``: dim 0.
+        gradient_divide_factor: Divide the reduced gradient by this instead of the unit mesh's size (a
+            unit on its own mesh whose gradients hold other ranks' contributions, like experts).
+        mp_policy: The unit's mixed precision; ``None``: the applier's.
+    """
 
     fqn: str
     module: nn.Module
-    reshard_after_forward: bool | int
+    reshard_after_forward: bool | int | None
+    mesh: DeviceMesh | None = None
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None
+    gradient_divide_factor: float | None = None
+    mp_policy: MixedPrecisionPolicy | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertSharding:
+    """What an expert-parallel step hands back to the FSDP2 applier.
+
+    The last four fields are the FSDP settings a MoE config carries (``MoEParallelizerConfig``); the
+    strategy's own settings (`FSDP2Config`) apply wherever these leave something unset.
+    """
+
+    units: tuple[FSDPUnitPlan, ...] = ()
+    """Extra FSDP units (the experts), sharded before the dense units, each on its own mesh."""
+    checkpoint_save_ops: tuple[str, ...] = ()
+    """Ops (``namespace.op.overload``) whose outputs activation checkpointing saves instead of recomputing
+    (the router's probabilities and the token all-to-alls, so recompute routes exactly as forward did)."""
+    mp_policy: MixedPrecisionPolicy | None = None
+    """Mixed precision for every unit, overriding the strategy's; ``None``: the strategy's."""
+    reshard_after_forward: bool | None = None
+    """Used when the strategy config leaves ``reshard_after_forward`` at ``None``."""
+    lm_head_param_dtype: torch.dtype | None = None
+    """Parameter dtype of the LM head's unit (an fp32 head under a bf16 policy); ``None``: the policy's."""
+    wrap_root: bool = True
+    """``fully_shard`` the root too; False leaves its leftover parameters replicated."""
+
+
+class ExpertParallelism(Protocol):
+    """An expert-parallel step the FSDP2 applier runs first (``automodel_moe.ExpertParallel``)."""
+
+    def apply(self, model: nn.Module, mesh: MeshContext) -> ExpertSharding:
+        """Shard the experts over the ``ep`` axis in place; return the extra units and settings.
+
+        Raises ``ValueError`` before changing anything when the model or the mesh does not fit.
+        """
+        ...
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -59,17 +133,16 @@ def _is_tied(model: nn.Module) -> bool:
     return inp is not None and out is not None and inp.weight is out.weight
 
 
-def _fqn_of(model: nn.Module, target: nn.Module) -> str | None:
-    for name, module in model.named_modules():
-        if module is target:
-            return name
-    return None
+def _output_head(model: nn.Module) -> nn.Module | None:
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) and not _is_tied(model) else None
+    return head if isinstance(head, nn.Module) else None
 
 
 def plan_fsdp_units(
     model: nn.Module, *, reshard_after_forward: bool | int | None, pipelined: bool = False
 ) -> list[FSDPUnitPlan]:
-    """Decide the FSDP units of a model, in forward order, without touching it.
+    """Decide the dense FSDP units of a model, in forward order, without touching it.
 
     Units: the input embedding (when untied), every transformer block, the LM head (when untied). The
     root unit (final norm and whatever is left) is added by `apply_fsdp2`. Tied embeddings stay in the
@@ -80,15 +153,13 @@ def plan_fsdp_units(
     pipelining nothing reshards, since each micro-batch's backward follows soon after its forward.
     """
     units: list[tuple[str, nn.Module]] = []
-    tied = _is_tied(model)
     get_in = getattr(model, "get_input_embeddings", None)
-    get_out = getattr(model, "get_output_embeddings", None)
-    embed = get_in() if callable(get_in) and not tied else None
-    head = get_out() if callable(get_out) and not tied else None
-    if isinstance(embed, nn.Module) and (fqn := _fqn_of(model, embed)):
+    embed = get_in() if callable(get_in) and not _is_tied(model) else None
+    head = _output_head(model)
+    if isinstance(embed, nn.Module) and (fqn := fqn_of(model, embed)):
         units.append((fqn, embed))
     units.extend(find_transformer_blocks(model))
-    if isinstance(head, nn.Module) and (fqn := _fqn_of(model, head)):
+    if head is not None and (fqn := fqn_of(model, head)):
         units.append((fqn, head))
 
     def policy(index: int) -> bool | int:
@@ -102,6 +173,46 @@ def plan_fsdp_units(
     return [FSDPUnitPlan(fqn, module, policy(i)) for i, (fqn, module) in enumerate(units)]
 
 
+def _enclosing_reshard(unit: FSDPUnitPlan, dense: Sequence[FSDPUnitPlan]) -> bool | int:
+    """An extra unit's ``reshard_after_forward``: its own, else that of the dense unit containing it."""
+    if unit.reshard_after_forward is not None:
+        return unit.reshard_after_forward
+    owner = next((d for d in dense if unit.fqn.startswith(d.fqn + ".")), None)
+    return (
+        owner.reshard_after_forward
+        if owner is not None and owner.reshard_after_forward is not None
+        else False
+    )
+
+
+def _divide_gradients(module: FSDPModule, factor: float, mesh: DeviceMesh) -> None:
+    module.set_gradient_divide_factor(factor)
+    # A divide factor other than the group size needs PREMUL_SUM, which only NCCL has: elsewhere (gloo)
+    # FSDP sums and divides the gradient itself. A one-rank mesh runs no collective (FSDP divides once
+    # itself; forcing the sum there would divide twice).
+    if mesh.size() > 1 and dist.get_backend(mesh.get_group()) != "nccl":
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def reshard_after_no_grad_forward(root: nn.Module) -> None:
+    """After a forward without gradients, reshard every FSDP unit under ``root`` (a forward hook).
+
+    FSDP2 keeps the parameters of units with ``reshard_after_forward=False`` (the root, the last blocks)
+    gathered after forward, for the backward that follows; with gradients disabled no backward comes, and
+    ``FSDPModule.reshard`` is not recursive. Registered by `apply_fsdp2` on the root. Mutates nothing but
+    the units' sharding state; no collective.
+    """
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            return
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+
+    root.register_forward_hook(hook)
+
+
 def apply_fsdp2(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -113,28 +224,59 @@ def apply_fsdp2(
     prefetch: bool = False,
     forward_prefetch_depth: int = 1,
     backward_prefetch_depth: int = 2,
+    extra_units: Sequence[FSDPUnitPlan] = (),
+    lm_head_param_dtype: torch.dtype | None = None,
+    wrap_root: bool = True,
 ) -> nn.Module:
-    """Apply ``fully_shard`` to every unit of `plan_fsdp_units`, then to the root.
+    """Apply ``fully_shard`` to the extra units, every unit of `plan_fsdp_units`, then the root.
 
-    Preconditions: tensor parallelism and activation checkpointing are already applied (the model may
-    be on the meta device). Mesh axes: ``dp_mesh`` is the 1-D ``dp_shard_cp`` mesh, or the 2-D
-    ``(dp_replicate, dp_shard_cp)`` mesh for HSDP. Collectives: none at wrap time; all-gathers and
-    reduce-scatters over ``dp_mesh`` during forward/backward.
+    Extra units (experts, on their own mesh) are sharded first, so the dense units that contain them skip
+    their parameters. Preconditions: tensor and expert parallelism and activation checkpointing are
+    already applied (the model may be on the meta device). Mesh axes: ``dp_mesh`` is the 1-D
+    ``dp_shard_cp`` mesh, or the 2-D ``(dp_replicate, dp_shard_cp)`` mesh for HSDP; an extra unit uses its
+    own (``ep_shard`` for experts). Collectives: none at wrap time; all-gathers and reduce-scatters during
+    forward/backward.
 
-    Mutates ``model`` in place (its class becomes ``FSDP<Class>``) and returns it.
+    Mutates ``model`` in place (its class becomes ``FSDP<Class>``; a forward hook reshards every unit
+    after a forward without gradients, `reshard_after_no_grad_forward`) and returns it.
     """
     units = plan_fsdp_units(model, reshard_after_forward=reshard_after_forward, pipelined=pipelined)
     offload = offload_policy if offload_policy is not None else OffloadPolicy()
+    for unit in extra_units:
+        mesh = unit.mesh if unit.mesh is not None else dp_mesh
+        fully_shard(
+            unit.module,
+            mesh=mesh,
+            reshard_after_forward=_enclosing_reshard(unit, units),
+            mp_policy=unit.mp_policy or mp_policy,
+            offload_policy=offload,
+            shard_placement_fn=unit.shard_placement_fn,
+        )
+        if unit.gradient_divide_factor is not None:
+            _divide_gradients(unit.module, unit.gradient_divide_factor, mesh)  # type: ignore[arg-type]
+    head = _output_head(model)
     for unit in units:
+        policy = unit.mp_policy or mp_policy
+        if lm_head_param_dtype is not None and unit.module is head:
+            policy = MixedPrecisionPolicy(
+                param_dtype=lm_head_param_dtype,
+                reduce_dtype=policy.reduce_dtype or lm_head_param_dtype,
+                output_dtype=policy.output_dtype,
+                cast_forward_inputs=True,
+            )
         fully_shard(
             unit.module,
             mesh=dp_mesh,
             reshard_after_forward=unit.reshard_after_forward,
-            mp_policy=mp_policy,
+            mp_policy=policy,
             offload_policy=offload,
         )
-    # The root's own parameters (final norm, tied embeddings) are needed again at once by backward.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+    if wrap_root:
+        # The root's own parameters (final norm, tied embeddings) are needed again at once by backward.
+        fully_shard(
+            model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload
+        )
+    reshard_after_no_grad_forward(model)
     if prefetch:
         _set_prefetch([u.module for u in units], forward_prefetch_depth, backward_prefetch_depth)
     return model
@@ -163,39 +305,52 @@ def _offload_for_host(policy: OffloadPolicy | None) -> OffloadPolicy | None:
     return policy
 
 
-class FSDP2Manager:
-    """Applies an `FSDP2Config` to a model: TP/SP, activation checkpointing, FSDP2 and compile.
+class FSDP2Manager(StrategyDefaults):
+    """Applies an `FSDP2Config` to a model: expert and tensor parallelism, checkpointing, FSDP2, compile.
 
-    Config fields are copied to attributes (``manager.mp_policy``, ``manager.tp_plan``, ...), with
-    ``mp_policy`` resolved to the default policy when the config left it ``None``. The config object is
-    never modified.
+    Implements `automodel_distributed.strategy.StrategyManager`. Config fields are copied to attributes
+    (``manager.mp_policy``, ``manager.tp_plan``, ...), with ``mp_policy`` resolved to the default policy
+    when the config left it ``None``. The config object is never modified.
 
     Args:
         config: The settings.
-        device_mesh: The FSDP2 mesh from ``MeshContext.build(FSDP2Config(...))``; ``None`` only in a
-            single process without a process group (nothing is sharded then).
-        moe_mesh: The MoE mesh, kept for the expert-parallel parallelizer.
+        device_mesh: The FSDP2 mesh from ``MeshContext.build(FSDP2Config(...))`` (a `MeshContext` is
+            accepted here too); ``None`` only in a single process without a process group (nothing is
+            sharded then).
+        moe_mesh: The MoE mesh (with a ``DeviceMesh`` as ``device_mesh``).
+        mesh: The `MeshContext` itself (kept as the object it is, process group included); replaces
+            ``device_mesh`` / ``moe_mesh``.
+        experts: The expert-parallel step to run first (``automodel_moe.ExpertParallel``), or ``None``.
 
     Raises:
-        ValueError: Not an `FSDP2Config`, a mesh of another layout, or no mesh with several ranks.
+        ValueError: Not an `FSDP2Config`, a mesh of another layout, no mesh with several ranks, or both
+            ``mesh`` and ``device_mesh``.
     """
 
-    materialize_before_parallelize = False
-    """FSDP2 shards meta models; weights are materialised and loaded after `parallelize`."""
-
     def __init__(
-        self, config: FSDP2Config, device_mesh: DeviceMesh | None, moe_mesh: DeviceMesh | None = None
+        self,
+        config: FSDP2Config,
+        device_mesh: DeviceMesh | MeshContext | None = None,
+        moe_mesh: DeviceMesh | None = None,
+        *,
+        mesh: MeshContext | None = None,
+        experts: ExpertParallelism | None = None,
     ) -> None:
         if not isinstance(config, FSDP2Config):
             raise ValueError(f"FSDP2Manager needs an FSDP2Config, got {type(config).__name__}")
+        if isinstance(device_mesh, MeshContext):
+            device_mesh, mesh = None, device_mesh if mesh is None else mesh
+        if mesh is not None and (device_mesh is not None or moe_mesh is not None):
+            raise ValueError("FSDP2Manager takes mesh= or device_mesh= / moe_mesh=, not both")
         self.config = config
-        self.mesh = MeshContext.from_meshes(device_mesh, moe_mesh)
-        if device_mesh is None:
+        self.mesh = mesh if mesh is not None else MeshContext.from_meshes(device_mesh, moe_mesh)
+        self.experts = experts
+        if self.mesh.device_mesh is None:
             # A single process without a process group (what MeshContext.build returns there): nothing
             # to shard, but activation checkpointing and compile still apply.
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 raise ValueError(
-                    "FSDP2Manager got device_mesh=None in a run of "
+                    "FSDP2Manager got no device mesh in a run of "
                     f"{dist.get_world_size()} ranks; build it with MeshContext.build(FSDP2Config(...))"
                 )
         elif self.mesh.kind is not MeshKind.FSDP2:
@@ -203,8 +358,8 @@ class FSDP2Manager:
                 "FSDP2Manager needs the FSDP2 mesh (pp, dp_replicate, dp_shard, cp, tp); build it with "
                 f"MeshContext.build(FSDP2Config(...)), got axes {self.mesh.axis_names()}"
             )
-        self.device_mesh = device_mesh
-        self.moe_mesh = moe_mesh
+        self.device_mesh = self.mesh.device_mesh
+        self.moe_mesh = self.mesh.moe_mesh
         for name, value in config.to_dict().items():
             setattr(self, name, value)
         self.mp_policy: MixedPrecisionPolicy = (
@@ -212,11 +367,17 @@ class FSDP2Manager:
         )
         self.offload_policy: OffloadPolicy | None = _offload_for_host(config.offload_policy)
         host_buffers = self.mesh.device_type == "cpu" or self.offload_policy is not None
-        if config.tune_host_allocator and device_mesh is not None and host_buffers:
+        if config.tune_host_allocator and self.device_mesh is not None and host_buffers:
             # Before the model is materialised: the setting applies to allocations made afterwards.
             from automodel_distributed.checkpoint.host_memory import configure_host_allocator
 
             configure_host_allocator()
+
+    def with_experts(self, experts: ExpertParallelism) -> FSDP2Manager:
+        """A manager over the same config and mesh that runs ``experts`` first in `parallelize`."""
+        manager = copy.copy(self)
+        manager.experts = experts
+        return manager
 
     # ------------------------------------------------------------------ parallelize
 
@@ -238,14 +399,18 @@ class FSDP2Manager:
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` in place and return it.
 
+        Order: the expert-parallel step (when ``experts`` is set), the TP plan, activation checkpointing
+        (saving the ops the expert step names), then `apply_fsdp2` (expert units first).
+
         Preconditions: ``model`` is a transformers-style decoder (blocks found from ``_no_split_modules``),
-        on the meta device or on CPU/the target device; nothing is sharded yet. Mesh axes: ``tp`` for the
-        TP plan, ``dp_shard_cp`` (and ``dp_replicate`` for HSDP) for FSDP. With a single rank (or a data-
-        parallel mesh of size 1 and no TP) nothing is sharded, but activation checkpointing still applies.
+        on the meta device or on CPU/the target device; nothing is sharded yet. Mesh axes: ``ep`` and
+        ``ep_shard`` for experts, ``tp`` for the TP plan, ``dp_shard_cp`` (and ``dp_replicate`` for HSDP)
+        for FSDP. With a single rank (or a data-parallel mesh of size 1 and no TP) nothing is sharded, but
+        activation checkpointing still applies.
 
         Raises:
-            ValueError: Async TP on a host without CUDA, or a TP plan / head-count problem (before any
-                collective).
+            ValueError: Async TP on a host without CUDA, a TP plan / head-count problem, or a model the
+                expert step cannot shard (all before any collective or change).
         """
         cfg = self.config
         self._warn_ignored()
@@ -255,6 +420,7 @@ class FSDP2Manager:
                 "FSDP2Config.enable_async_tensor_parallel=True needs CUDA devices (symmetric memory); "
                 "set it to False on CPU"
             )
+        extra = self.experts.apply(model, self.mesh) if self.experts is not None else ExpertSharding()
         if cfg.patch_is_packed_sequence:
             _patch_is_packed_sequence()
 
@@ -271,14 +437,18 @@ class FSDP2Manager:
         if mode is not None:
             scope = cfg.activation_checkpointing_scope
             assert isinstance(scope, tuple), "FSDP2Config normalises the scope to a tuple"
-            apply_activation_checkpointing(model, mode=mode, scope=scope)
+            apply_activation_checkpointing(model, mode=mode, scope=scope, save_ops=extra.checkpoint_save_ops)
 
+        mp_policy = extra.mp_policy if extra.mp_policy is not None else self.mp_policy
+        reshard = cfg.reshard_after_forward
+        if reshard is None:
+            reshard = extra.reshard_after_forward
         dp_size = self.mesh.dp_shard_cp_size * (self.mesh.dp_replicate_size or 1)
-        if dp_size == 1:
+        if dp_size == 1 and not extra.units:
             ignored = [
                 name
                 for name, active in (
-                    ("mp_policy", self.mp_policy.param_dtype not in (None, torch.float32)),
+                    ("mp_policy", mp_policy.param_dtype not in (None, torch.float32)),
                     ("offload_policy", self.offload_policy is not None),
                     ("enable_fsdp2_prefetch", cfg.enable_fsdp2_prefetch),
                     ("reshard_after_forward", cfg.reshard_after_forward is not None),
@@ -295,13 +465,16 @@ class FSDP2Manager:
         apply_fsdp2(
             model,
             self.dp_mesh(),
-            mp_policy=self.mp_policy,
+            mp_policy=mp_policy,
             offload_policy=self.offload_policy,
-            reshard_after_forward=cfg.reshard_after_forward,
+            reshard_after_forward=reshard,
             pipelined=self.mesh.pp_enabled,
             prefetch=cfg.enable_fsdp2_prefetch,
             forward_prefetch_depth=cfg.fsdp2_forward_prefetch_depth,
             backward_prefetch_depth=cfg.fsdp2_backward_prefetch_depth,
+            extra_units=extra.units,
+            lm_head_param_dtype=extra.lm_head_param_dtype,
+            wrap_root=extra.wrap_root,
         )
         return model
 
@@ -316,6 +489,38 @@ class FSDP2Manager:
         if self.config.enable_compile:
             compile_blocks(model)
         return model
+
+    # ------------------------------------------------------------------ StrategyManager
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """`parallelize`."""
+        return self.parallelize(model)
+
+    def loads_before_sharding(self, *, adapters: bool) -> bool:
+        """Load first only when nothing will be sharded and there are no adapters (one device)."""
+        return not adapters and self.experts is None and nothing_is_sharded(self.mesh)
+
+    def init_device(self, device: torch.device | str) -> torch.device | str:
+        """CPU under CPU offload (the shards live there), else ``device``."""
+        return "cpu" if self.offload_policy is not None else device
+
+    def compile(self, model: nn.Module, config: CompileConfig | None, *, in_place: bool) -> nn.Module:
+        """Compile every block in place (parameter names unchanged), from ``config`` or ``enable_compile``."""
+        del in_place  # FSDP2 units are compiled in place in every case
+        if config is not None and config.enabled:
+            return compile_blocks(model, config)
+        return self.maybe_compile(model)
+
+    def place(self, model: nn.Module, device: torch.device | str) -> None:
+        """Nothing under CPU offload (FSDP moves the shards); else move what is not a DTensor."""
+        if self.offload_policy is None:
+            super().place(model, device)
+
+    @contextlib.contextmanager
+    def gradient_sync(self, model: nn.Module, *, enabled: bool) -> Iterator[None]:
+        """Reduce-scatter in this micro-batch's backward when ``enabled`` or not ``defer_fsdp_grad_sync``."""
+        self.set_gradient_sync(model, is_last_microbatch=enabled)
+        yield
 
     # ------------------------------------------------------------------ training-loop helpers
 

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 
+from automodel_mesh.modules import strip_wrapper_segments, unwrap
+
 __all__ = [
     "FALLBACK_BLOCK_CONTAINERS",
     "LAYER_GROUP_MARKERS",
@@ -63,9 +65,6 @@ _SCOPE_GROUPS: Mapping[str, frozenset[str]] = {
     "multimodal": frozenset({"vision", "audio", "multimodal"}),
 }
 
-# Wrappers that sit between a block's parent container and the block itself.
-_WRAPPED_MODULE_ATTRS: tuple[str, ...] = ("_checkpoint_wrapped_module", "_orig_mod")
-
 
 def no_split_module_names(model: nn.Module) -> frozenset[str]:
     """Return the union of the ``_no_split_modules`` class names declared anywhere in ``model``.
@@ -81,23 +80,6 @@ def no_split_module_names(model: nn.Module) -> frozenset[str]:
     return frozenset(names)
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The module inside activation-checkpoint / compile wrappers (``module`` itself when unwrapped)."""
-    inner = module
-    while True:
-        for attr in _WRAPPED_MODULE_ATTRS:
-            candidate = getattr(inner, attr, None)
-            if isinstance(candidate, nn.Module):
-                inner = candidate
-                break
-        else:
-            return inner
-
-
-def _strip_wrapper_segments(fqn: str) -> str:
-    return ".".join(part for part in fqn.split(".") if part not in _WRAPPED_MODULE_ATTRS)
-
-
 def _blocks_by_class_name(model: nn.Module, class_names: frozenset[str]) -> list[tuple[str, nn.Module]]:
     found: list[tuple[str, nn.Module]] = []
     inside: list[str] = []  # FQN prefixes of blocks already found: their sub-modules are not blocks
@@ -105,9 +87,9 @@ def _blocks_by_class_name(model: nn.Module, class_names: frozenset[str]) -> list
         if any(fqn.startswith(prefix) for prefix in inside):
             continue
         # The MRO, not just the class: fully_shard swaps a module's class for an FSDP subclass of it.
-        if fqn and any(cls.__name__ in class_names for cls in type(_unwrap(module)).__mro__):
+        if fqn and any(cls.__name__ in class_names for cls in type(unwrap(module)).__mro__):
             # A wrapper and the module it wraps both match; the first one seen (the outer) is the block.
-            found.append((_strip_wrapper_segments(fqn), module))
+            found.append((strip_wrapper_segments(fqn), module))
             inside.append(fqn + ".")
     return found
 
@@ -118,7 +100,7 @@ def _blocks_by_container_name(model: nn.Module) -> list[tuple[str, nn.Module]]:
         leaf = fqn.rsplit(".", 1)[-1]
         if isinstance(module, nn.ModuleList) and leaf in FALLBACK_BLOCK_CONTAINERS:
             found.extend(
-                (f"{_strip_wrapper_segments(fqn)}.{name}", child) for name, child in module.named_children()
+                (f"{strip_wrapper_segments(fqn)}.{name}", child) for name, child in module.named_children()
             )
     return found
 
@@ -175,7 +157,7 @@ def find_transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def block_group(fqn: str) -> str:
     """Return the layer group of a block FQN: ``vision``, ``audio``, ``multimodal`` or ``language``."""
-    parts = set(_strip_wrapper_segments(fqn).split("."))
+    parts = set(strip_wrapper_segments(fqn).split("."))
     for group, markers in LAYER_GROUP_MARKERS.items():
         if parts.intersection(markers):
             return group

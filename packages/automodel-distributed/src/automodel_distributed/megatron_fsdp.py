@@ -28,6 +28,7 @@ from automodel_distributed.activation_checkpointing import (
 )
 from automodel_distributed.config import MegatronFSDPConfig
 from automodel_distributed.layers import no_split_module_names
+from automodel_distributed.strategy import StrategyDefaults
 from automodel_mesh import MeshAxisName, MeshContext
 
 if TYPE_CHECKING:
@@ -161,24 +162,28 @@ def _import_megatron_fsdp() -> Any:
         ) from exc
 
 
-class MegatronFSDPManager:
+class MegatronFSDPManager(StrategyDefaults):
     """Shard a model with Megatron-FSDP over the ``(dp, cp, tp)`` device mesh.
 
-    Every `MegatronFSDPConfig` field is also an attribute of the manager, as in NeMo AutoModel.
+    Implements `automodel_distributed.strategy.StrategyManager` (gradient reduction follows
+    Megatron-FSDP's own overlap settings, so `gradient_sync` switches nothing). Every `MegatronFSDPConfig`
+    field is also an attribute of the manager, as in NeMo AutoModel.
 
     Args:
         config: The Megatron-FSDP settings.
         device_mesh: The ``(dp, cp, tp)`` mesh with the flattened ``dp_cp`` axis, as built by
-            ``MeshContext.build(MegatronFSDPConfig(...))``.
+            ``MeshContext.build(MegatronFSDPConfig(...))``, or that `MeshContext` itself (kept as is).
 
     Raises:
         ValueError: ``config`` is not a `MegatronFSDPConfig`, or the mesh lacks a ``dp``, ``cp`` or
             ``tp`` axis.
     """
 
-    def __init__(self, config: MegatronFSDPConfig, device_mesh: DeviceMesh) -> None:
+    def __init__(self, config: MegatronFSDPConfig, device_mesh: DeviceMesh | MeshContext) -> None:
         if not isinstance(config, MegatronFSDPConfig):
             raise ValueError(f"MegatronFSDPManager needs a MegatronFSDPConfig, got {type(config).__name__}")
+        given = device_mesh
+        device_mesh = given.device_mesh if isinstance(given, MeshContext) else given  # type: ignore[assignment]
         names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
         missing = [axis.value for axis in _REQUIRED_AXES if axis.value not in names]
         if missing:
@@ -193,7 +198,7 @@ class MegatronFSDPManager:
         self.zero_dp_strategy: int = config.zero_dp_strategy
         self.activation_checkpointing: Any = config.activation_checkpointing
         self.device_mesh = device_mesh
-        self.mesh = MeshContext.from_meshes(device_mesh)
+        self.mesh = given if isinstance(given, MeshContext) else MeshContext.from_meshes(given)
         if self.zero_dp_strategy != 3:
             logger.warning(
                 "MegatronFSDPConfig.zero_dp_strategy=%s: parameters will not be sharded (only 3 shards them)",
@@ -292,3 +297,17 @@ class MegatronFSDPManager:
         """
         sharded: torch.optim.Optimizer = _import_megatron_fsdp().fully_shard_optimizer(optimizer)
         return sharded
+
+    # ------------------------------------------------------------------ StrategyManager
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """`parallelize` without an optimizer, reduced to the model.
+
+        Build the optimizer afterwards and pass it to `shard_optimizer`.
+        """
+        return self.parallelize(model)[0]
+
+    def loads_before_sharding(self, *, adapters: bool) -> bool:
+        """`materialize_before_parallelize`: real weights unless ``init_fsdp_with_meta_device``."""
+        del adapters
+        return self.materialize_before_parallelize

@@ -203,8 +203,9 @@ def peft_roundtrip(sizes: dict[str, int], ckpt: str, ref_logits: torch.Tensor, o
     """A meta peft model, sharded: load the base checkpoint, then save adapters HF-PEFT style."""
     import peft
 
-    from automodel_distributed.checkpoint import load_hf_checkpoint, save_peft_adapters
+    from automodel_distributed.checkpoint import load_hf_checkpoint
     from automodel_distributed.fsdp2 import FSDP2Manager
+    from automodel_peft import init_adapter_weights, save_adapters
 
     config = fp32_config()
     ctx = MeshContext.build(config, ParallelismSizes(**sizes))
@@ -213,7 +214,7 @@ def peft_roundtrip(sizes: dict[str, int], ckpt: str, ref_logits: torch.Tensor, o
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = FSDP2Manager(config, ctx.device_mesh).parallelize(model)
-    load_hf_checkpoint(model, ckpt)
+    load_hf_checkpoint(model, ckpt, init_adapters=init_adapter_weights)  # the owner initialises adapters
     batch = make_batch(128, 2, SEQ, seed=7)
     result: dict[str, Any] = {"logits": float((logits_of(model, batch) - ref_logits).abs().max())}
     with torch.no_grad():
@@ -221,7 +222,7 @@ def peft_roundtrip(sizes: dict[str, int], ckpt: str, ref_logits: torch.Tensor, o
             if "lora_B" in name:
                 p.fill_(0.01)
     adapters = {n: to_full(p) for n, p in model.named_parameters() if "lora_" in n}
-    save_peft_adapters(model, out)
+    save_adapters(model, out)
     if dist.get_rank() == 0:
         base = build_tiny_model("llama")
         loaded = peft.PeftModel.from_pretrained(base, out)

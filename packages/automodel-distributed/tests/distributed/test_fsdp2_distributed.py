@@ -123,6 +123,62 @@ def _deferred_grad_sync() -> float:
     )
 
 
+def _eval_then_train() -> dict[str, Any]:
+    """The no-grad trap: evaluate, then build the optimizer, then train; losses equal the reference.
+
+    After a forward without gradients, units that keep their parameters gathered for backward (the
+    root, the last block, the head) would stay gathered, and an optimizer built then would hold the
+    unsharded tensors. The control is torch's own ``fully_shard`` without the manager's hook: its root
+    stays gathered (so this test can fail).
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from automodel_distributed import FSDP2Manager
+    from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
+
+    config = _config({})
+    ctx = MeshContext.build(config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = build_tiny_model("llama")
+    model = FSDP2Manager(config, ctx.device_mesh).parallelize(build_tiny_model("llama"))
+    control = build_tiny_model("llama")
+    for layer in control.model.layers:
+        fully_shard(layer, mesh=ctx.device_mesh["dp_shard_cp"])
+    fully_shard(control, mesh=ctx.device_mesh["dp_shard_cp"], reshard_after_forward=False)
+    batch = make_batch(reference.config.vocab_size, 4, 16, seed=5)
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+
+    def gathered(module: torch.nn.Module) -> list[str]:
+        return [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+
+    with torch.no_grad():
+        ref_eval = causal_lm_loss(reference(input_ids=batch["input_ids"]).logits, batch["labels"])
+        got_eval = causal_lm_loss(model(input_ids=batch["input_ids"][rows]).logits, batch["labels"][rows])
+        control(input_ids=batch["input_ids"][rows])
+    dist.all_reduce(got_eval, op=dist.ReduceOp.AVG)
+    out: dict[str, Any] = {
+        "eval": abs(float(got_eval) - float(ref_eval)),
+        "gathered_after_eval": gathered(model),
+        "control_gathered_after_eval": len(gathered(control)),
+        "steps": [],
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built after the evaluation
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(3):
+        ref_loss = causal_lm_loss(reference(input_ids=batch["input_ids"]).logits, batch["labels"])
+        loss = causal_lm_loss(model(input_ids=batch["input_ids"][rows]).logits, batch["labels"][rows])
+        ref_loss.backward()
+        loss.backward()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        out["steps"].append(abs(float(global_loss) - float(ref_loss)))
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
 def _world_one() -> dict[str, Any]:
     """One rank: no sharding, but activation checkpointing still applies."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -146,6 +202,7 @@ def _run(world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     if world == 2:
         results["deferred_grad_sync"] = _deferred_grad_sync()
+        results["eval_then_train"] = _eval_then_train()
     cases = [
         (f"{label}{'+ac' if ac else ''}/{family}", family, sizes, {**fields, "activation_checkpointing": ac})
         for label, sizes, fields in SETUPS[world]
@@ -167,6 +224,12 @@ def test_fsdp2_manager_parity(world: int) -> None:
     for rank, results in enumerate(per_rank):
         if world == 2:
             assert results.pop("deferred_grad_sync") <= FP32_ATOL
+            evaluated = results.pop("eval_then_train")
+            assert evaluated["control_gathered_after_eval"] > 0, (
+                "the no-grad trap did not show in the control"
+            )
+            assert evaluated["gathered_after_eval"] == [], evaluated["gathered_after_eval"]
+            assert evaluated["eval"] <= FP32_ATOL and max(evaluated["steps"]) <= STEP_ATOL, evaluated
         for label, report in results.items():
             report.check(
                 atol=atol.get(label, FP32_ATOL),

@@ -153,8 +153,8 @@ def test_selective_policy_saves_every_other_matmul_attention_and_collectives() -
 def test_selective_mode_uses_the_policy_in_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, CheckpointPolicy]] = []
 
-    def spying_policy() -> Any:
-        inner = selective_checkpoint_policy()  # the real one (imported before the patch)
+    def spying_policy(*args: Any, **kwargs: Any) -> Any:
+        inner = selective_checkpoint_policy(*args, **kwargs)  # the real one (imported before the patch)
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             decision = inner(ctx, op, *args, **kwargs)

@@ -21,6 +21,7 @@ from automodel_distributed.checkpoint import (
     reinitialize_non_persistent_buffers,
     verify_materialized,
 )
+from automodel_peft import init_adapter_weights
 from automodel_testing import build_tiny_model, make_batch, save_tiny_checkpoint
 
 
@@ -79,7 +80,7 @@ def test_wrapped_models(ckpt: Path) -> None:
     lora = peft.get_peft_model(
         build_tiny_model("llama", meta=True), peft.LoraConfig(r=2, target_modules=["q_proj"])
     )
-    report = load_hf_checkpoint(lora, ckpt)
+    report = load_hf_checkpoint(lora, ckpt, init_adapters=init_adapter_weights)  # adapters: their owner's
     assert not report.missing  # adapters are not expected in a base checkpoint
     lora_b = [p for n, p in lora.named_parameters() if "lora_B" in n]
     assert lora_b and all(torch.count_nonzero(p) == 0 for p in lora_b)  # B = 0: the adapted model is the base
@@ -172,26 +173,41 @@ def test_initialize_model_weights_materialises_only_meta() -> None:
         assert torch.equal(dict(model.named_buffers())[name], buf), name
 
 
-def test_lora_init_methods() -> None:
+def test_adapters_are_initialised_once_by_their_owner() -> None:
     import peft
 
-    model = peft.get_peft_model(
-        build_tiny_model("llama", meta=True), peft.LoraConfig(r=2, target_modules=["v_proj"])
-    )
-    initialize_model_weights(model, "cpu", peft_init_method="xavier")
+    import automodel_peft
+
+    def adapted() -> torch.nn.Module:
+        lora = peft.LoraConfig(r=2, target_modules=["v_proj"])
+        return peft.get_peft_model(build_tiny_model("llama", meta=True), lora)
+
+    calls: list[list[float]] = []
+    owner = automodel_peft.adapter_initializer({"lora_A_init": "xavier"})
+
+    def init_adapters(model: torch.nn.Module) -> None:
+        # The base init never touched the adapters: they are still the uninitialised storage.
+        calls.append([float(p.abs().sum()) for n, p in model.named_parameters() if "lora_B" in n])
+        owner(model)
+
+    model = adapted()
+    initialize_model_weights(model, "cpu", init_adapters=init_adapters)
+    assert len(calls) == 1
+    verify_materialized(model)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             assert torch.count_nonzero(p) == 0
         if "lora_A" in name:
             assert torch.count_nonzero(p) > 0
-    with pytest.raises(ValueError, match="peft_init_method"):
+    with pytest.raises(ValueError, match="lora_A_init='bogus'"):
         initialize_model_weights(
-            peft.get_peft_model(
-                build_tiny_model("llama", meta=True), peft.LoraConfig(r=2, target_modules=["v_proj"])
-            ),
-            "cpu",
-            peft_init_method="bogus",
+            adapted(), "cpu", init_adapters=automodel_peft.adapter_initializer({"lora_A_init": "bogus"})
         )
+    # Without the owner, adapters stay uninitialised, and verification names who initialises them.
+    left = adapted()
+    initialize_model_weights(left, "cpu")
+    with pytest.raises(RuntimeError, match=r"init_adapters=automodel_peft\.init_adapter_weights"):
+        verify_materialized(left)
 
 
 def test_uninitialised_tensors_fail_loudly() -> None:

@@ -17,9 +17,9 @@ from automodel_distributed.context_parallel import (
     context_parallel_inputs,
     context_parallel_region,
     context_parallel_unshard,
-    cpu_ring_attention_available,
     load_balance_indices,
 )
+from automodel_distributed.cpu_ring_attention import cpu_ring_attention_available
 from automodel_testing import build_tiny_model, make_batch
 
 
@@ -90,7 +90,7 @@ def _mask_seen_by_attention(model: Any, batch: dict[str, torch.Tensor]) -> list[
     return seen
 
 
-def test_hooks_strip_the_mask_only_inside_a_region(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hooks_strip_the_mask_only_inside_a_region() -> None:
     model = build_tiny_model("llama")
     apply_context_parallel(model)
     apply_context_parallel(model)  # idempotent: one hook per attention module
@@ -99,19 +99,27 @@ def test_hooks_strip_the_mask_only_inside_a_region(monkeypatch: pytest.MonkeyPat
     batch["attention_mask"] = torch.ones(2, 8, dtype=torch.long)
     batch["attention_mask"][0, :2] = 0  # left padding: transformers builds a mask
     assert _mask_seen_by_attention(model, batch) == [True, True]
-    monkeypatch.setattr(cp, "_active_cp_size", 2)
-    assert _mask_seen_by_attention(model, batch) == [False, False]
+    token = cp._ACTIVE_CP_SIZE.set(2)  # what an open region of two cp ranks sets
+    try:
+        assert _mask_seen_by_attention(model, batch) == [False, False]
+    finally:
+        cp._ACTIVE_CP_SIZE.reset(token)
 
 
-def test_sliding_windows_shorter_than_the_sequence_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sliding_windows_shorter_than_the_sequence_are_refused() -> None:
     model = build_tiny_model("mistral", sliding_window=8)
     apply_context_parallel(model)
     batch = make_batch(128, 1, 8)  # local shard of 8 tokens; with cp_size=2 the sequence has 16
-    monkeypatch.setattr(cp, "_active_cp_size", 2)
-    with pytest.raises(NotImplementedError, match=r"window 8.*16 tokens"):
-        model(**batch)
-    monkeypatch.setattr(cp, "_active_cp_size", 1)
-    model(**batch)  # 8 tokens fit in the window
+    for cp_size, refused in ((2, True), (1, False)):  # 8 tokens fit in the window
+        token = cp._ACTIVE_CP_SIZE.set(cp_size)
+        try:
+            if refused:
+                with pytest.raises(NotImplementedError, match=r"window 8.*16 tokens"):
+                    model(**batch)
+            else:
+                model(**batch)
+        finally:
+            cp._ACTIVE_CP_SIZE.reset(token)
 
 
 def test_hooks_reach_attention_inside_checkpoint_wrappers() -> None:

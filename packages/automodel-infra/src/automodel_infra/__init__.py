@@ -8,52 +8,12 @@ The functions live in `automodel_infra.infrastructure`, which imports ``torch.di
 strategy managers; they are loaded on first access so that ``import automodel_infra`` stays cheap.
 """
 
-from __future__ import annotations
+import lazy_loader
 
-import importlib
-from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from automodel_mesh.version import installed_version
 
-if TYPE_CHECKING:
-    from automodel_infra.infrastructure import (
-        Infrastructure,
-        apply_model_infrastructure,
-        instantiate_infrastructure,
-        parallelize_for_pp,
-    )
-    from automodel_infra.setup import DistributedSetup
+# The names of __init__.pyi (what type checkers read) load on first access (SPEC 1).
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
+__all__ += ["__version__"]
 
-try:
-    __version__ = version("automodel-infra")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-    __version__ = "0.0.0"
-
-_LAZY = {
-    "DistributedSetup": "automodel_infra.setup",
-    "Infrastructure": "automodel_infra.infrastructure",
-    "apply_model_infrastructure": "automodel_infra.infrastructure",
-    "instantiate_infrastructure": "automodel_infra.infrastructure",
-    "parallelize_for_pp": "automodel_infra.infrastructure",
-}
-
-__all__ = [
-    "DistributedSetup",
-    "Infrastructure",
-    "__version__",
-    "apply_model_infrastructure",
-    "instantiate_infrastructure",
-    "parallelize_for_pp",
-]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__version__ = installed_version("automodel-infra")

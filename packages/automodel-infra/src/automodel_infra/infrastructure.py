@@ -11,21 +11,26 @@ Two phases, as in NeMo AutoModel (``nemo_automodel._transformers.infrastructure`
    manager's ``parallelize``); compile; materialise and load the checkpoint straight into the shards;
    freeze everything but the adapters; move to the device.
 
-Every step is one call into a leaf package. Optional packages (pipelining, MoE, quantization, PEFT) are
-imported only when the step that needs them runs; a missing one raises `ImportError` naming the
-distribution to install. Nothing here knows a model family.
+Every step is one call into a leaf package: the strategy manager meets this module through the typed
+`automodel_distributed.strategy.StrategyManager` protocol (shard, load before sharding or not, the init
+device, compile, placement), adapters through `automodel_peft` (create, initialise once, freeze), so no
+step asks ``isinstance`` or ``getattr`` what a manager is. Optional packages (pipelining, MoE,
+quantization, PEFT) are imported only when the step that needs them runs; a missing one raises
+`ImportError` naming the distribution to install. Nothing here knows a model family.
 
 Differences from the reference system, on purpose: caller configs are never mutated (copies are made);
 FP8 and QAT failures raise instead of being logged and skipped; a QAT model that is not bfloat16 raises
 `ValueError` (a user error) rather than ``NotImplementedError``; a meta model is always materialised
 (never returned on meta); ``compile_config`` is honoured under FSDP2 (per block, in place) and pipeline
-parallelism instead of being ignored.
+parallelism instead of being ignored; a ``loss_fn`` the caller gives is never replaced (the pipeline
+stages always hand it logits; `MaskedCrossEntropy` is the default only when it is None); under expert
+parallelism the FSDP2 manager's own ``parallelize`` runs with the expert step plugged in, so every
+`FSDP2Config` setting (prefetch, checkpointing scope, mixed precision) holds there too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import warnings
 from collections.abc import Callable, Mapping
@@ -44,12 +49,13 @@ from automodel_distributed.config import (
     MegatronFSDPConfig,
 )
 from automodel_distributed.loss import MaskedCrossEntropy
+from automodel_distributed.strategy import StrategyManager, as_strategy
 from automodel_infra._optional import import_component
-from automodel_mesh import MeshContext
+from automodel_mesh import MeshContext, MeshKind
 
 if TYPE_CHECKING:
     from automodel_distributed.ddp import DDPManager
-    from automodel_distributed.fsdp2 import FSDP2Manager
+    from automodel_distributed.fsdp2 import ExpertParallelism, FSDP2Manager
     from automodel_distributed.megatron_fsdp import MegatronFSDPManager
     from automodel_moe.config import MoEParallelizerConfig
     from automodel_pipelining.autopipeline import AutoPipeline
@@ -106,19 +112,6 @@ def _count_params(model: nn.Module) -> tuple[int, int]:
         if param.requires_grad:
             trainable += param.numel()
     return trainable, total
-
-
-def _parts(model: Any) -> list[nn.Module]:
-    """The modules to materialise and load: the pipeline's stage modules, or the model itself."""
-    parts = getattr(model, "parts", None)
-    return list(parts) if parts is not None and not isinstance(model, nn.Module) else [model]
-
-
-def _accepts_logits_to_keep(model: nn.Module) -> bool:
-    try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # builtins / C extensions without a signature
-        return False
 
 
 def _warn_legacy(names: list[str]) -> None:
@@ -258,23 +251,20 @@ def _shard_pp(
 def _shard_ep_fsdp(model: nn.Module, model_wrapper: Any, parallelize_fn: Any, mesh: MeshContext) -> nn.Module:
     """Apply EP + FSDP sharding (non-PP path).
 
-    With a ``parallelize_fn`` (the MoE parallelizer) and several ranks it is called in place with the
-    meshes and `MeshContext.parallelize_axis_kwargs`; otherwise the manager's ``parallelize`` runs (a
-    ``(model, optimizer)`` result is reduced to the model). With neither, nothing happens.
+    With a ``parallelize_fn`` (the manager's ``parallelize`` with the expert step plugged in, or the MoE
+    parallelizer when there is no manager) and several ranks it is called in place with the meshes and
+    `MeshContext.parallelize_axis_kwargs`; otherwise the manager shards (`StrategyManager.shard`). With
+    neither, nothing happens.
 
     Returns:
         The sharded (possibly wrapped) model.
     """
     if parallelize_fn is not None and mesh.world_size > 1:
-        parallelize_fn(
+        result = parallelize_fn(
             model, world_mesh=mesh.device_mesh, moe_mesh=mesh.moe_mesh, **mesh.parallelize_axis_kwargs()
         )
-        return model
-    parallelize = getattr(model_wrapper, "parallelize", None)
-    if callable(parallelize):
-        result = parallelize(model)
-        return result[0] if isinstance(result, tuple) else result
-    return model
+        return result if isinstance(result, nn.Module) else model  # None: changed in place
+    return as_strategy(model_wrapper, mesh).shard(model)
 
 
 def _instantiate_distributed(config: DistributedConfig | None, mesh: MeshContext) -> Manager | None:
@@ -282,7 +272,7 @@ def _instantiate_distributed(config: DistributedConfig | None, mesh: MeshContext
 
     Args:
         config: Distributed config (FSDP2Config, MegatronFSDPConfig, or DDPConfig).
-        mesh: MeshContext holding device_mesh and moe_mesh references.
+        mesh: MeshContext holding device_mesh and moe_mesh references; the manager keeps this object.
 
     Returns:
         The instantiated manager, or None if config is None.
@@ -310,7 +300,7 @@ def _instantiate_distributed(config: DistributedConfig | None, mesh: MeshContext
             )
         from automodel_distributed.fsdp2 import FSDP2Manager
 
-        return FSDP2Manager(config, device_mesh=mesh.device_mesh, moe_mesh=mesh.moe_mesh)
+        return FSDP2Manager(config, mesh=mesh)
     if isinstance(config, MegatronFSDPConfig):
         if mesh.device_mesh is None:
             raise ValueError(
@@ -319,11 +309,11 @@ def _instantiate_distributed(config: DistributedConfig | None, mesh: MeshContext
             )
         from automodel_distributed.megatron_fsdp import MegatronFSDPManager
 
-        return MegatronFSDPManager(config, device_mesh=mesh.device_mesh)
+        return MegatronFSDPManager(config, mesh)
     if isinstance(config, DDPConfig):
         from automodel_distributed.ddp import DDPManager
 
-        return DDPManager(config)
+        return DDPManager(config, mesh=mesh if mesh.kind is MeshKind.DDP else None)
     raise ValueError(
         f"Unknown distributed config type: {type(config).__name__}; use FSDP2Config, MegatronFSDPConfig or "
         "DDPConfig (from automodel_distributed.config)"
@@ -354,7 +344,8 @@ def _instantiate_pipeline(
     if config is None or mesh.device_mesh is None or mesh.pp_size <= 1:
         return None
     pipelining = import_component("automodel_pipelining.autopipeline", "pipeline_config")
-    defer = getattr(strategy_config, "defer_fsdp_grad_sync", True)
+    # Pipeline axes exist only in the FSDP2 layout; its defer_fsdp_grad_sync governs the microbatches too.
+    defer = strategy_config.defer_fsdp_grad_sync if isinstance(strategy_config, FSDP2Config) else True
     autopipeline: AutoPipeline = pipelining.AutoPipeline.from_config(
         config, mesh, defer_fsdp_grad_sync=bool(defer), device=device
     )
@@ -384,33 +375,34 @@ def parallelize_for_pp(model: nn.Module, *, model_wrapper: Manager | None = None
         The parallelized model.
     """
     del kwargs
-    parallelize = getattr(model_wrapper, "parallelize", None)
-    if callable(parallelize):
-        result = parallelize(model)
-        return result[0] if isinstance(result, tuple) else result
-    return model
+    if model_wrapper is None:
+        return model
+    return as_strategy(model_wrapper, model_wrapper.mesh).shard(model)
+
+
+def _moe_config(moe_config: MoEParallelizerConfig | None) -> MoEParallelizerConfig:
+    moe_cfg_module = import_component("automodel_moe.config", "expert parallelism (ep_size > 1)")
+    return moe_config if moe_config is not None else moe_cfg_module.MoEParallelizerConfig()
+
+
+def _expert_parallel(moe_config: MoEParallelizerConfig | None) -> ExpertParallelism:
+    """The expert-parallel step an `FSDP2Manager` runs first, from the MoE config."""
+    moe_parallelizer = import_component("automodel_moe.parallelizer", "expert parallelism (ep_size > 1)")
+    step: ExpertParallelism = moe_parallelizer.ExpertParallel(_moe_config(moe_config))
+    return step
 
 
 def _moe_parallelize_fn(
-    moe_config: MoEParallelizerConfig | None,
-    model_wrapper: Manager | None,
-    strategy_config: DistributedConfig | None,
-    activation_checkpointing: bool | str,
+    moe_config: MoEParallelizerConfig | None, activation_checkpointing: bool | str
 ) -> Callable[..., Any]:
-    """The expert-parallel parallelizer, bound to the MoE config and the strategy's FSDP settings."""
-    moe_cfg_module = import_component("automodel_moe.config", "expert parallelism (ep_size > 1)")
+    """The MoE parallelizer (the reference's ``parallelize_model``), for EP without a strategy config.
+
+    Its own defaults (no mixed precision) apply.
+    """
     moe_parallelizer = import_component("automodel_moe.parallelizer", "expert parallelism (ep_size > 1)")
-    cfg = moe_config if moe_config is not None else moe_cfg_module.MoEParallelizerConfig()
-    kwargs = cfg.to_dict()
-    if kwargs.get("mp_policy") is None and getattr(model_wrapper, "mp_policy", None) is not None:
-        kwargs["mp_policy"] = model_wrapper.mp_policy  # type: ignore[union-attr]
-    if isinstance(strategy_config, FSDP2Config):
-        # FSDP2Config is canonical for the FSDP settings both configs have.
-        kwargs.setdefault("offload_policy", getattr(model_wrapper, "offload_policy", None))
-        if strategy_config.reshard_after_forward is not None:
-            kwargs["reshard_after_forward"] = bool(strategy_config.reshard_after_forward)
+    kwargs = _moe_config(moe_config).to_dict()
     return partial(
-        moe_parallelizer.parallelize_model, activation_checkpointing=bool(activation_checkpointing), **kwargs
+        moe_parallelizer.parallelize_model, activation_checkpointing=activation_checkpointing, **kwargs
     )
 
 
@@ -449,10 +441,10 @@ def instantiate_infrastructure(
 
     Returns:
         ``Infrastructure(model_wrapper, autopipeline, parallelize_fn, qat_quantizer)``, a 4-tuple:
-        the manager (or None); the `AutoPipeline` (or None); the parallelization function (the MoE
-        parallelizer when ``ep_size > 1``, which then replaces the manager's ``parallelize``; the
-        manager's ``parallelize`` adapted for pipeline stages under PP; else None); the QAT quantizer (or
-        None).
+        the manager (or None); the `AutoPipeline` (or None); the parallelization function (the manager's
+        ``parallelize``, adapted by `parallelize_for_pp`, when ``ep_size > 1``, where the manager runs
+        the expert step first, or under PP; the MoE parallelizer for ``ep_size > 1`` without a strategy
+        config; else None); the QAT quantizer (or None).
 
     Raises:
         ValueError: An unknown config type, a mesh that the strategy cannot use, a pipeline axis without
@@ -503,12 +495,18 @@ def instantiate_infrastructure(
     if moe_config is not None and not ep_enabled:
         logger.info("moe_config ignored: ep_size is 1 (the strategy shards the MoE model like a dense one)")
 
+    # Under expert parallelism the FSDP2 manager runs the expert step first: one applier, every setting.
     model_wrapper = _instantiate_distributed(distributed_config, mesh)
+    if ep_enabled and isinstance(distributed_config, FSDP2Config):
+        from automodel_distributed.fsdp2 import FSDP2Manager
+
+        assert isinstance(model_wrapper, FSDP2Manager)  # built from that config just above
+        model_wrapper = model_wrapper.with_experts(_expert_parallel(moe_config))
     autopipeline = _instantiate_pipeline(pipeline_config, mesh, device, distributed_config)
     parallelize_fn: Callable[..., Any] | None
-    if ep_enabled:
-        parallelize_fn = _moe_parallelize_fn(moe_config, model_wrapper, distributed_config, ac)
-    elif autopipeline is not None and model_wrapper is not None:
+    if ep_enabled and model_wrapper is None:
+        parallelize_fn = _moe_parallelize_fn(moe_config, ac)
+    elif model_wrapper is not None and (ep_enabled or autopipeline is not None):
         parallelize_fn = partial(parallelize_for_pp, model_wrapper=model_wrapper)
     else:
         parallelize_fn = None
@@ -558,24 +556,6 @@ def _check_apply_inputs(
         warnings.warn(f"apply_model_infrastructure ignores the keyword(s) {unknown}", stacklevel=3)
 
 
-def _load_before_shard(mesh: MeshContext, autopipeline: Any, model_wrapper: Any, peft_config: Any) -> bool:
-    """Whether to load the weights before sharding.
-
-    True when the strategy needs real tensors (DDP), or every rank will hold whole parameters and there
-    are no adapters (a single-device full fine-tune). With adapters the base is loaded after sharding,
-    as on many ranks, so that one code path (and one adapter initialisation) serves every world size.
-    """
-    if getattr(model_wrapper, "materialize_before_parallelize", False):
-        return True
-    return (
-        peft_config is None
-        and autopipeline is None
-        and mesh.tp_size <= 1
-        and mesh.ep_size <= 1
-        and mesh.dp_shard_cp_size <= 1
-    )
-
-
 def _load_or_init(
     part: nn.Module,
     *,
@@ -583,15 +563,15 @@ def _load_or_init(
     load: bool,
     path: str,
     cache_dir: str | None,
-    adapters: bool,
-    peft_init_method: str | None,
+    init_adapters: Callable[[nn.Module], object] | None,
     process_group: Any,
     pipelined: bool,
 ) -> None:
     """Materialise ``part`` and load the checkpoint into it (or initialise it), in place.
 
-    With adapters, they are (re)initialised after the base weights are final: DoRA magnitudes are the
-    row norms of the loaded weights, and random A matrices come from one rank so every rank agrees.
+    Adapters are initialised once, by their owner (``init_adapters``: `automodel_peft.init_adapter_weights`),
+    after the base weights are final: DoRA magnitudes are the row norms of the loaded weights, and random
+    A matrices come from one rank so every rank agrees.
     """
     from automodel_distributed.checkpoint import load_base_model
 
@@ -603,12 +583,9 @@ def _load_or_init(
         load_base_model=load,
         # A pipeline stage holds part of the checkpoint; every tensor it has must still be found.
         allow_unexpected=pipelined,
-        peft_init_method=peft_init_method,
+        init_adapters=init_adapters,
         process_group=process_group,
     )
-    if adapters:
-        peft = import_component("automodel_peft", "peft_config")
-        peft.init_adapter_weights(part, lora_A_init=peft_init_method)
 
 
 def apply_model_infrastructure(
@@ -633,27 +610,28 @@ def apply_model_infrastructure(
 ) -> Any:
     """Apply sharding, PEFT, quantization, and checkpoint loading to a model.
 
-    The steps, in order (docs/concepts.md gives the reasons):
+    The steps, in order (docs/concepts.md gives the reasons); each is one call, into the strategy
+    manager's `StrategyManager` methods (`NoStrategy` without one), `automodel_peft`, or a leaf function:
 
     0. Check every argument, and the checkpoint against the unsharded model (files, keys, shapes; from
        metadata), before anything is modified or communicated.
     1. LoRA adapters, then FP8, then QAT (`_apply_peft_and_lower_precision`; on meta when the model is);
        with ``cp_size > 1``, the context-parallel attention hooks
        (`automodel_distributed.context_parallel.apply_context_parallel`).
-    2. If nothing will be sharded and there are no adapters (single device), or the strategy
-       replicates real tensors (DDP): materialise and load the checkpoint now.
-    3. With PEFT, freeze everything but the adapters (before DDP decides which parameters get
-       gradients). Loss fallback: `MaskedCrossEntropy` when ``loss_fn`` is None or the model cannot
-       compute logits for a subset of positions (no ``logits_to_keep``); the loss only matters under
-       pipelining.
-    4. Shard: the pipeline split with each stage parallelized (`_shard_pp`), else EP + FSDP or the
-       manager's ``parallelize`` (`_shard_ep_fsdp`).
-    5. Compile: per transformer block in place under FSDP2 (``FSDP2Config.enable_compile`` or
-       ``compile_config``), the whole model otherwise.
-    6. Materialise the meta parameters on each rank's shards and load the checkpoint straight into
-       them (each rank reads only its slices); initialise what the checkpoint does not hold (adapters).
+    2. `StrategyManager.loads_before_sharding`: if nothing will be sharded and there are no adapters
+       (single device), or the strategy replicates real tensors (DDP), materialise and load now.
+    3. With PEFT, ``automodel_peft.freeze_base`` (before DDP decides which parameters get gradients).
+       ``loss_fn=None`` becomes `MaskedCrossEntropy` (a given loss is kept); the loss only matters
+       under pipelining.
+    4. Shard: the pipeline split with each stage parallelized (`_shard_pp`), else ``parallelize_fn``
+       (the manager with its expert step under EP) or `StrategyManager.shard` (`_shard_ep_fsdp`).
+    5. `StrategyManager.compile`: per transformer block in place under FSDP2 and for pipeline stages
+       (``FSDP2Config.enable_compile`` or ``compile_config``), the whole model otherwise.
+    6. Materialise the meta parameters on each rank's shards (`StrategyManager.init_device`) and load
+       the checkpoint straight into them (each rank reads only its slices); the adapters' owner
+       initialises them once the base weights are final (``automodel_peft.adapter_initializer``).
     7. With PEFT, freeze everything but the adapters again (parameters created while sharding or
-       loading start trainable); move an unsharded model to ``device``.
+       loading start trainable); `StrategyManager.place` moves an unsharded model to ``device``.
 
     Preconditions: the process group and the mesh exist (`MeshContext.build`); every rank calls this
     with the same arguments. Collectives: those of sharding (mesh axes of the strategy) and of loading
@@ -671,7 +649,7 @@ def apply_model_infrastructure(
         quantization_config: Quantized base weights for QLoRA. Default: None
         fp8_config: FP8 configuration. Default: None
         qat_quantizer: QAT quantizer instance. Default: None
-        loss_fn: Loss function for the last pipeline stage (may be replaced with MaskedCrossEntropy).
+        loss_fn: Loss function for the last pipeline stage (None: MaskedCrossEntropy).
         autopipeline: AutoPipeline instance for pipeline parallelism. Default: None
         parallelize_fn: Function to apply parallelization (EP + FSDP2). Default: None
         compile_config: Compilation configuration (`automodel_distributed.CompileConfig`). Default: None
@@ -704,7 +682,8 @@ def apply_model_infrastructure(
 
         compile_kwargs(compile_config)  # a mode with options is refused here, before anything runs
     if mesh is None:
-        mesh = getattr(model_wrapper, "mesh", None) or MeshContext()
+        mesh = model_wrapper.mesh if model_wrapper is not None else MeshContext()
+    strategy: StrategyManager = as_strategy(model_wrapper, mesh)
     path = str(pretrained_model_name_or_path or "")
     weights_already_loaded = bool(_kwargs.get("weights_already_loaded", False))
     need_load = load_base_model and not weights_already_loaded
@@ -714,15 +693,12 @@ def apply_model_infrastructure(
         # Files, keys and shapes against the unsharded model, from metadata, before any change or
         # collective: a wrong checkpoint fails here on every rank, alone, instead of after sharding.
         check_hf_checkpoint(model, path, cache_dir=cache_dir)
-    peft_init = getattr(peft_config, "lora_A_init", None)
-    if isinstance(peft_config, Mapping):
-        peft_init = peft_config.get("lora_A_init")
-    process_group = mesh.process_group
 
     # 1. Adapters, FP8, QAT: before sharding, so plans and FSDP units see the final module types.
     model = _apply_peft_and_lower_precision(
         model, mesh.tp_size, autopipeline, peft_config, quantization_config, fp8_config, qat_quantizer
     )
+    peft = import_component("automodel_peft", "peft_config") if peft_config is not None else None
 
     # Context parallelism: attention hooks on the unsharded model (sharding keeps the attention modules,
     # so the hooks travel with them into FSDP units and pipeline stages); a model that cannot run ring
@@ -738,91 +714,52 @@ def apply_model_infrastructure(
         load=need_load,
         path=path,
         cache_dir=cache_dir,
-        adapters=peft_config is not None,
-        peft_init_method=peft_init,
-        process_group=process_group,
+        init_adapters=peft.adapter_initializer(peft_config) if peft is not None else None,
+        process_group=mesh.process_group,
     )
     loaded = False
-    if _load_before_shard(mesh, autopipeline, model_wrapper, peft_config) and (is_meta_device or need_load):
+    if strategy.loads_before_sharding(adapters=peft is not None) and (is_meta_device or need_load):
         load_or_init(model, device=device, pipelined=False)
         loaded = True
 
     # 3. Freeze the base under PEFT now: DDP decides at wrap time which parameters get gradients, and
     #    a base frozen only after wrapping leaves it waiting for gradients that never come.
-    if peft_config is not None:
-        _freeze_all_but_adapters([model])
-    # The loss of the last pipeline stage.
-    if loss_fn is None or (
-        not _accepts_logits_to_keep(model) and not isinstance(loss_fn, MaskedCrossEntropy)
-    ):
+    if peft is not None:
+        peft.freeze_base(model)
+    # The loss of the last pipeline stage (the caller's is kept: stages hand it logits).
+    if loss_fn is None:
         loss_fn = MaskedCrossEntropy()
 
     # 4. Shard.
-    pipelined = autopipeline is not None
     result: Any
     if autopipeline is not None:
         result = _shard_pp(autopipeline, model, loss_fn, parallelize_fn)
     else:
         result = _shard_ep_fsdp(model, model_wrapper, parallelize_fn, mesh)
-    pipelined = pipelined and result is autopipeline
-    parts = _parts(result)
+    pipelined = autopipeline is not None and result is autopipeline
+    parts = list(result.parts) if pipelined else [result]
 
-    # 5. Compile, after sharding (compiled blocks keep their parameter names).
-    result, parts = _compile(result, parts, model_wrapper, compile_config)
+    # 5. Compile, after sharding: in place per block under FSDP2 and for pipeline stages (parameter
+    #    names kept), else as the strategy compiles whole models.
+    if pipelined:
+        parts = [strategy.compile(part, compile_config, in_place=True) for part in parts]
+    else:
+        result = strategy.compile(result, compile_config, in_place=False)
+        parts = [result]
 
     # 6. Materialise the shards and load the checkpoint into them.
     if not loaded and (is_meta_device or need_load):
-        init_device: torch.device | str = "cpu" if getattr(model_wrapper, "offload_policy", None) else device
         for part in parts:
-            load_or_init(part, device=init_device, pipelined=pipelined)
+            load_or_init(part, device=strategy.init_device(device), pipelined=pipelined)
 
     # 7. Freeze again under PEFT (parameters created while sharding or loading start trainable); place
     #    unsharded models.
-    if peft_config is not None:
-        _freeze_all_but_adapters(parts)
-    if not pipelined and not getattr(model_wrapper, "offload_policy", None):
-        _move_unsharded(result, device)
+    if peft is not None:
+        for part in parts:
+            peft.freeze_base(part)
+    if not pipelined:
+        strategy.place(result, device)
     for part in parts:
         trainable, total = _count_params(part)
         logger.info("%s: %d trainable of %d parameters on this rank", type(part).__name__, trainable, total)
     return result
-
-
-def _compile(
-    result: Any, parts: list[nn.Module], model_wrapper: Any, compile_config: CompileConfig | None
-) -> tuple[Any, list[nn.Module]]:
-    """Compile blocks in place (FSDP2, pipeline stages) or the whole model (other strategies)."""
-    from automodel_distributed.compile import compile_blocks, compile_model
-    from automodel_distributed.fsdp2 import FSDP2Manager
-
-    enabled = compile_config is not None and compile_config.enabled
-    per_block = isinstance(model_wrapper, FSDP2Manager) or len(parts) != 1 or parts[0] is not result
-    if per_block:
-        for part in parts:
-            if enabled:
-                compile_blocks(part, compile_config)
-            elif isinstance(model_wrapper, FSDP2Manager):  # FSDP2Config.enable_compile; never twice
-                model_wrapper.maybe_compile(part)
-        return result, parts
-    if enabled:
-        assert compile_config is not None
-        result = compile_model(result, compile_config)
-        return result, [result]
-    return result, parts
-
-
-def _freeze_all_but_adapters(modules: list[nn.Module]) -> None:
-    """``requires_grad=False`` on every parameter whose name has no ``lora_`` segment, in place."""
-    for module in modules:
-        for name, param in module.named_parameters():
-            if "lora_" not in name:
-                param.requires_grad_(False)
-
-
-def _move_unsharded(model: nn.Module, device: torch.device | str) -> None:
-    """``model.to(device)`` unless it holds DTensors (their shards already live where the mesh says)."""
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return
-    model.to(device)

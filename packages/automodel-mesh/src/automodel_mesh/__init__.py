@@ -1,16 +1,12 @@
 """automodel-mesh: device meshes, parallel sizes and axis names (depends on torch only)."""
 
-from importlib.metadata import PackageNotFoundError, version
-
 from automodel_mesh.axes import DENSE_AXES, FLATTENED_AXES, MOE_AXES, MeshAxisName
 from automodel_mesh.context import MeshContext
 from automodel_mesh.layout import MeshKind, MeshLayout, MeshStrategy, mesh_kind_of, resolve_layout
 from automodel_mesh.sizes import ParallelismSizes
+from automodel_mesh.version import installed_version
 
-try:
-    __version__ = version("automodel-mesh")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-    __version__ = "0.0.0"
+__version__ = installed_version("automodel-mesh")
 
 __all__ = [
     "DENSE_AXES",

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields
+
+from automodel_mesh.config_dict import ConfigDict
 
 __all__ = ["ParallelismSizes"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelismSizes:
+class ParallelismSizes(ConfigDict):
     """The parallel degrees a user asks for (intent, not a built mesh).
 
     Every size is a positive integer. ``dp_size`` may be left to ``None`` (or ``-1``) to infer it from the
@@ -49,16 +50,3 @@ class ParallelismSizes:
     def inferred_dp(self) -> bool:
         """Whether ``dp_size`` is to be inferred from the world size."""
         return self.dp_size is None or self.dp_size == -1
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the fields as a plain dict."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ParallelismSizes:
-        """Build from a dict; unknown keys raise `ValueError` naming them."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown ParallelismSizes field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**data)

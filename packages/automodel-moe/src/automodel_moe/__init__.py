@@ -7,54 +7,17 @@ convenience): they convert transformers' per-expert on-disk layout to and from t
 experts, and each rank reads only the experts and slices it holds.
 """
 
-from __future__ import annotations
+import lazy_loader
 
-import importlib
-from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from automodel_mesh.version import installed_version
+from automodel_moe.config import MoEParallelizerConfig as MoEParallelizerConfig
+from automodel_moe.registry import MOE_FAMILIES as MOE_FAMILIES
+from automodel_moe.registry import MoEFamily as MoEFamily
+from automodel_moe.registry import find_moe_family as find_moe_family
+from automodel_moe.registry import register_moe_family as register_moe_family
 
-from automodel_moe.config import MoEParallelizerConfig
-from automodel_moe.registry import MOE_FAMILIES, MoEFamily, find_moe_family, register_moe_family
+# The names of __init__.pyi (what type checkers read) load on first access (SPEC 1).
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
+__all__ += ["__version__"]
 
-if TYPE_CHECKING:
-    from automodel_distributed.checkpoint import load_hf_checkpoint, save_hf_checkpoint
-    from automodel_moe.experts import ExpertParallelExperts
-    from automodel_moe.parallelizer import parallelize_model
-
-try:
-    __version__ = version("automodel-moe")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-    __version__ = "0.0.0"
-
-_LAZY = {
-    "parallelize_model": "automodel_moe.parallelizer",
-    "ExpertParallelExperts": "automodel_moe.experts",
-    "load_hf_checkpoint": "automodel_distributed.checkpoint",
-    "save_hf_checkpoint": "automodel_distributed.checkpoint",
-}
-
-__all__ = [
-    "MOE_FAMILIES",
-    "ExpertParallelExperts",
-    "MoEFamily",
-    "MoEParallelizerConfig",
-    "__version__",
-    "find_moe_family",
-    "load_hf_checkpoint",
-    "parallelize_model",
-    "register_moe_family",
-    "save_hf_checkpoint",
-]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__version__ = installed_version("automodel-moe")

@@ -5,16 +5,18 @@ Field names and defaults follow NeMo AutoModel's MoE parallelizer config. This m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from automodel_mesh.config_dict import ConfigDict
 
 __all__ = ["MoEParallelizerConfig"]
 
 
 @dataclass(kw_only=True)
-class MoEParallelizerConfig:
+class MoEParallelizerConfig(ConfigDict):
     """Options of expert parallelism + FSDP for mixture-of-experts models."""
 
     ignore_router_for_ac: bool = True
@@ -57,16 +59,3 @@ class MoEParallelizerConfig:
                     "MoEParallelizerConfig.mp_policy must be a MixedPrecisionPolicy or None, got "
                     f"{type(self.mp_policy).__name__}"
                 )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Field name -> value (shallow; the policy object is kept as it is)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MoEParallelizerConfig:
-        """Build from `to_dict` output; unknown keys raise ``ValueError`` naming them."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"MoEParallelizerConfig has no field(s) {unknown}; fields: {sorted(known)}")
-        return cls(**data)

@@ -74,19 +74,6 @@ def grouped_swiglu(
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity in forward; multiplies the gradient by ``scale`` in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
-
-
 def _a2a(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
@@ -125,9 +112,6 @@ class ExpertParallelExperts(nn.Module):
         self.act_fn = act_fn
         self._gate_up_name, self._down_name = gate_up_name, down_name
         self.use_grouped_mm: bool | None = None
-        self.grad_scale = 1.0
-        """Factor applied to the local weights' gradients (set by FSDP application so that, after FSDP's
-        average over ``ep_shard``, expert gradients are averaged over all data-parallel ranks)."""
         self.last_dispatch = {}
         for name, full in ((gate_up_name, gate_up_proj), (down_name, down_proj)):
             if full.is_meta:
@@ -175,9 +159,6 @@ class ExpertParallelExperts(nn.Module):
         down = getattr(self, self._down_name)
         gate_up_local = gate_up.to_local() if isinstance(gate_up, DTensor) else gate_up
         down_local = down.to_local() if isinstance(down, DTensor) else down
-        if self.grad_scale != 1.0:
-            gate_up_local = _ScaleGrad.apply(gate_up_local, self.grad_scale)
-            down_local = _ScaleGrad.apply(down_local, self.grad_scale)
         out = grouped_swiglu(
             recv[perm], per_expert, gate_up_local, down_local, self.act_fn, use_grouped_mm=self.use_grouped_mm
         )[inverse]

@@ -1,42 +1,39 @@
-"""`parallelize_model`: expert parallelism + FSDP2 (+ activation checkpointing) for HF MoE models.
+"""Expert parallelism for HF MoE models, as one step of the FSDP2 applier of automodel-distributed.
 
-Order (in place): 1. expert parallelism (replace each sparse block's experts module by an
-`ExpertParallelExperts` sharded over ``ep``); 2. activation checkpointing of the transformer blocks;
-3. FSDP2: experts first, on the ``ep_shard`` axis (sharded along dim 1, so there can be more shards than
-local experts), then the blocks, embeddings, LM head and root over the dense data-parallel axes. Experts
-are sharded first, so the block units skip their parameters.
+`ExpertParallel` (the ``automodel_distributed.fsdp2.ExpertParallelism`` step an `FSDP2Manager` runs
+first) replaces each sparse block's experts module by an `ExpertParallelExperts` sharded over ``ep``
+(`apply_expert_parallel`) and hands the experts back as FSDP units of their own: sharded over the
+``ep_shard`` axis along dim 1 (so there can be more shards than local experts), with their reduced
+gradient divided by the dense data-parallel size (their gradients hold every ep rank's tokens). The
+manager then checkpoints the blocks, saving `ROUTER_SAVE_OPS`, and shards the dense units: one path for
+dense and MoE models, honouring every `FSDP2Config` setting.
+
+`parallelize_model` is the reference system's entry point: it builds that manager from its keyword
+arguments.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from automodel_distributed.activation_checkpointing import _set_child, disable_kv_cache
-from automodel_distributed.fsdp2 import plan_fsdp_units
-from automodel_distributed.layers import find_transformer_blocks
+from automodel_distributed.config import FSDP2Config
+from automodel_distributed.fsdp2 import ExpertSharding, FSDP2Manager, FSDPUnitPlan
 from automodel_mesh import MeshAxisName, MeshContext
+from automodel_moe.config import MoEParallelizerConfig
 from automodel_moe.experts import ExpertParallelExperts
 from automodel_moe.registry import MoEFamily, find_moe_family, iter_sparse_blocks
 
-__all__ = [
-    "ROUTER_SAVE_OPS",
-    "apply_expert_parallel",
-    "apply_moe_activation_checkpointing",
-    "apply_moe_fsdp",
-    "parallelize_model",
-]
+__all__ = ["ROUTER_SAVE_OPS", "ExpertParallel", "apply_expert_parallel", "parallelize_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,24 +51,6 @@ ROUTER_SAVE_OPS: tuple[str, ...] = (
 the token all-to-alls. (The small count exchange writes into its output in place, so it is recomputed:
 one extra tiny all-to-all per MoE layer in backward.) Attention probabilities of eager attention are
 softmax outputs too and are then saved as well (sdpa attention has none)."""
-
-
-def _ops(names: Sequence[str]) -> frozenset[Any]:
-    found = set()
-    for name in names:
-        ns, op, overload = name.split(".")
-        with contextlib.suppress(AttributeError, RuntimeError):
-            found.add(getattr(getattr(getattr(torch.ops, ns), op), overload))
-    return frozenset(found)
-
-
-def _router_context_fn() -> tuple[Any, Any]:
-    saved = _ops(ROUTER_SAVE_OPS)
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_expert_parallel(
@@ -109,80 +88,66 @@ def apply_expert_parallel(
     return replaced
 
 
-def apply_moe_activation_checkpointing(model: nn.Module, *, ignore_router: bool = True) -> nn.Module:
-    """Checkpoint every transformer block, in place (non-reentrant ``checkpoint_wrapper``).
+def _experts_on_dim1(_param: nn.Parameter) -> Shard:
+    return Shard(1)
 
-    ``ignore_router=True``: selective checkpointing that saves the outputs of `ROUTER_SAVE_OPS` (router
-    probabilities, the expert sort and the token all-to-alls) and recomputes everything else, so recompute
-    sees the same routing decisions and repeats no collective. False: full recompute.
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """The expert-parallel step of `FSDP2Manager` (implements ``ExpertParallelism``).
+
+    Args:
+        config: The MoE settings; its FSDP fields (``mp_policy``, ``reshard_after_forward``,
+            ``lm_head_precision``, ``wrap_outer_model``) go to the applier, where `FSDP2Config` leaves
+            them unset (see ``automodel_distributed.fsdp2.ExpertSharding``).
     """
-    disable_kv_cache(model)
-    for fqn, block in find_transformer_blocks(model):
-        kwargs: dict[str, Any] = {"context_fn": _router_context_fn} if ignore_router else {}
-        _set_child(
-            model, fqn, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
-        )
-    return model
 
+    config: MoEParallelizerConfig = field(default_factory=MoEParallelizerConfig)
 
-def apply_moe_fsdp(
-    model: nn.Module,
-    dp_mesh: DeviceMesh,
-    ep_shard_mesh: DeviceMesh | None,
-    experts: Sequence[ExpertParallelExperts],
-    *,
-    mp_policy: MixedPrecisionPolicy,
-    reshard_after_forward: bool = False,
-    lm_head_precision: torch.dtype | None = None,
-    wrap_outer_model: bool = True,
-    offload_policy: OffloadPolicy | None = None,
-    dp_size: int,
-) -> nn.Module:
-    """FSDP2 with experts on ``ep_shard_mesh`` (dim 1) and everything else on ``dp_mesh``, in place.
+    def apply(self, model: nn.Module, mesh: MeshContext) -> ExpertSharding:
+        """Shard the experts over ``ep`` in place; return them as FSDP units on ``ep_shard``.
 
-    Expert gradients hold the contributions of every ep rank's tokens, so each experts unit divides its
-    reduced gradient by the dense ``dp_size`` (FSDP's own average over ``ep_shard`` times the module's
-    ``grad_scale``, not by its ep_shard size alone): both kinds of parameter get
-    the gradient of the mean loss over all data-parallel ranks.
-    """
-    offload = offload_policy if offload_policy is not None else OffloadPolicy()
-    for module in experts:
-        if ep_shard_mesh is None:
-            continue
-        fully_shard(
-            module,
-            mesh=ep_shard_mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=mp_policy,
-            offload_policy=offload,
-            shard_placement_fn=lambda _param: Shard(1),
-        )
-        # FSDP averages over ep_shard; the rest of the 1/dp_size (gloo has no PREMUL_SUM, so no
-        # set_gradient_divide_factor) is applied to the local weights' gradients inside the module.
-        module.grad_scale = ep_shard_mesh.size() / dp_size
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    for unit in plan_fsdp_units(model, reshard_after_forward=reshard_after_forward):
-        policy = mp_policy
-        if lm_head_precision is not None and unit.module is head:
-            policy = MixedPrecisionPolicy(
-                param_dtype=lm_head_precision,
-                reduce_dtype=mp_policy.reduce_dtype or lm_head_precision,
-                output_dtype=mp_policy.output_dtype,
-                cast_forward_inputs=True,
+        Mesh axes: ``ep`` (three ``all_to_all_single`` per MoE layer forward), ``ep_shard`` for the experts'
+        FSDP. Raises ``ValueError`` before any change: an unregistered family, experts not divisible by
+        ``ep``, ``tp_size`` or ``cp_size`` above 1.
+        """
+        family = find_moe_family(model)
+        for name, size in (("tp", mesh.tp_size), ("cp", mesh.cp_size)):
+            if size > 1:
+                raise ValueError(
+                    f"automodel_moe: {name}_size > 1 with expert parallelism is not supported yet"
+                )
+        units: tuple[FSDPUnitPlan, ...] = ()
+        if mesh.ep_size > 1:
+            experts = apply_expert_parallel(model, mesh.submesh(MeshAxisName.EP), family)
+            names = {id(m): fqn for fqn, m in model.named_modules()}
+            # Expert gradients hold the contributions of every ep rank's tokens: divide by the dense
+            # data-parallel size, so both kinds of parameter get the gradient of the mean loss.
+            dp_size = mesh.dp_shard_cp_size * (mesh.dp_replicate_size or 1)
+            units = tuple(
+                FSDPUnitPlan(
+                    names[id(m)],
+                    m,
+                    None,  # as the block that holds them
+                    mesh=mesh.submesh(MeshAxisName.EP_SHARD),
+                    shard_placement_fn=_experts_on_dim1,
+                    gradient_divide_factor=float(dp_size),
+                )
+                for m in experts
             )
-        fully_shard(
-            unit.module,
-            mesh=dp_mesh,
-            reshard_after_forward=unit.reshard_after_forward,
-            mp_policy=policy,
-            offload_policy=offload,
+        else:
+            warnings.warn(
+                "expert parallelism: ep_size is 1, experts stay in their blocks' FSDP units", stacklevel=3
+            )
+        cfg = self.config
+        return ExpertSharding(
+            units=units,
+            checkpoint_save_ops=ROUTER_SAVE_OPS if cfg.ignore_router_for_ac else (),
+            mp_policy=cfg.mp_policy,
+            reshard_after_forward=cfg.reshard_after_forward,
+            lm_head_param_dtype=cfg.lm_head_precision,
+            wrap_root=cfg.wrap_outer_model,
         )
-    if wrap_outer_model:
-        fully_shard(
-            model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload
-        )
-    return model
 
 
 def parallelize_model(
@@ -193,12 +158,13 @@ def parallelize_model(
     dp_axis_names: Sequence[str],
     cp_axis_name: str | None = None,
     tp_axis_name: str | None = None,
-    ep_axis_name: str = MeshAxisName.EP.value,
+    ep_axis_name: str | None = MeshAxisName.EP.value,
     ep_shard_axis_names: Sequence[str] | None = (MeshAxisName.EP_SHARD.value,),
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     ignore_router_for_ac: bool = True,
+    activation_checkpointing_scope: str | tuple[str, ...] = "all",
     reshard_after_forward: bool = False,
-    lm_head_precision: torch.dtype | None = None,
+    lm_head_precision: torch.dtype | str | None = None,
     wrap_outer_model: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
@@ -206,60 +172,47 @@ def parallelize_model(
 ) -> nn.Module:
     """Apply expert parallelism, activation checkpointing and FSDP2 to an HF MoE model, in place.
 
+    The reference system's signature over the one FSDP2 applier: an `FSDP2Manager` with these settings
+    (``mp_policy=None`` means no mixed precision here, as in the reference) and an `ExpertParallel` step.
+    The axis names must be the standard ones (`MeshContext.parallelize_axis_kwargs` gives them).
+
     Preconditions: ``model`` is a transformers MoE causal LM of a registered family (see
     `automodel_moe.registry`), with real weights identical on every rank (each rank keeps its slice) or on
-    the meta device; nothing is sharded yet. Mesh axes: ``ep`` of ``moe_mesh`` for experts (three
-    ``all_to_all_single`` per MoE layer forward), ``ep_shard`` for the experts' FSDP, ``dp_axis_names`` of
-    ``world_mesh`` for every other module's FSDP.
+    the meta device; nothing is sharded yet. Mesh axes: ``ep`` of ``moe_mesh`` for experts, ``ep_shard``
+    for the experts' FSDP, ``dp_shard_cp`` (and ``dp_replicate``) of ``world_mesh`` for every other
+    module's FSDP.
 
     Returns ``model`` (its class becomes ``FSDP<Class>`` when sharded).
 
     Raises:
-        ValueError: Unregistered family, experts not divisible by ep, tp/cp > 1, unknown keyword.
+        ValueError: Unregistered family, experts not divisible by ep, tp/cp > 1, an unknown keyword, no
+            ``ep_shard`` axis with experts to shard (all before any change).
     """
     ctx = MeshContext.from_meshes(world_mesh, moe_mesh)
     ignored = {k: v for k, v in unsupported.items() if v not in (None, False, "root", "all")}
     if ignored:
         raise ValueError(f"parallelize_model does not support {sorted(ignored)} yet (got {ignored})")
+    del dp_axis_names, ep_axis_name  # the manager takes the standard axes from the mesh
     for name, axis in (("tp", tp_axis_name), ("cp", cp_axis_name)):
         if axis is not None and ctx.has_axis(axis) and ctx.submesh(axis).size() > 1:
             raise ValueError(f"automodel_moe: {name}_size > 1 with expert parallelism is not supported yet")
-    ep_size = ctx.submesh(ep_axis_name).size() if moe_mesh is not None and ctx.has_axis(ep_axis_name) else 1
-    experts: list[ExpertParallelExperts] = []
-    if ep_size > 1:
-        experts = apply_expert_parallel(model, ctx.submesh(ep_axis_name))
-    else:
-        find_moe_family(model)
-        warnings.warn(
-            "parallelize_model: ep_size is 1, experts stay in their blocks' FSDP units", stacklevel=2
+    if ctx.ep_size > 1 and not ep_shard_axis_names:
+        raise ValueError(
+            "expert parallelism needs ep_shard_axis_names (the experts' FSDP axis, e.g. ('ep_shard',))"
         )
-    if activation_checkpointing:
-        apply_moe_activation_checkpointing(model, ignore_router=ignore_router_for_ac)
-    elif not ignore_router_for_ac:
-        logger.debug("ignore_router_for_ac has no effect without activation_checkpointing")
-
-    names = [n for n in dp_axis_names if ctx.has_axis(n) and ctx.submesh(n).size() > 1] or [dp_axis_names[-1]]
-    dp_mesh = ctx.submesh(*names)
-    dp_size = dp_mesh.size()
-    if dp_size == 1 and ep_size == 1:
-        return model
-    ep_shard_mesh = None
-    if experts:
-        if not ep_shard_axis_names:
-            raise ValueError(
-                "expert parallelism needs ep_shard_axis_names (the experts' FSDP axis, e.g. ('ep_shard',))"
-            )
-        ep_shard_mesh = ctx.submesh(*ep_shard_axis_names)
-    apply_moe_fsdp(
-        model,
-        dp_mesh,
-        ep_shard_mesh,
-        experts,
-        mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+    moe = MoEParallelizerConfig(
+        ignore_router_for_ac=ignore_router_for_ac,
         reshard_after_forward=reshard_after_forward,
-        lm_head_precision=lm_head_precision,
+        lm_head_precision=lm_head_precision,  # type: ignore[arg-type]  # names are normalised
         wrap_outer_model=wrap_outer_model,
-        offload_policy=offload_policy,
-        dp_size=dp_size,
+        mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
     )
-    return model
+    fsdp = FSDP2Config(
+        mp_policy=moe.mp_policy,
+        offload_policy=offload_policy,
+        reshard_after_forward=reshard_after_forward,
+        activation_checkpointing=activation_checkpointing,  # type: ignore[arg-type]  # validated there
+        activation_checkpointing_scope=activation_checkpointing_scope,
+        tune_host_allocator=False,
+    )
+    return FSDP2Manager(fsdp, mesh=ctx, experts=ExpertParallel(moe)).parallelize(model)

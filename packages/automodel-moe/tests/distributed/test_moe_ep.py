@@ -163,6 +163,48 @@ def _errors() -> list[str]:
     return messages
 
 
+def _settings_under_ep() -> dict[str, Any]:
+    """Expert parallelism through the FSDP2 manager (what instantiate_infrastructure builds under EP: the
+    manager ``with_experts(ExpertParallel(moe_config))``) keeps every FSDP2Config setting.
+
+    One applier: prefetch, the checkpointing scope, mixed precision and resharding hold for the dense
+    units, the experts become their own units on ``ep_shard`` (sharded along dim 1), and the router is
+    saved by checkpointing.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    from automodel_distributed import FSDP2Config, FSDP2Manager
+    from automodel_mesh import MeshContext, ParallelismSizes
+    from automodel_moe.experts import ExpertParallelExperts
+    from automodel_moe.parallelizer import ExpertParallel
+
+    config = FSDP2Config(
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+        enable_fsdp2_prefetch=True,
+        activation_checkpointing=True,
+        activation_checkpointing_scope="language",
+        reshard_after_forward=True,
+    )
+    ctx = MeshContext.build(config, ParallelismSizes(ep_size=2))
+    model = FSDP2Manager(config, mesh=ctx).with_experts(ExpertParallel()).parallelize(_build("qwen3_moe"))
+    blocks = list(model.model.layers)
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    state = blocks[0]._get_fsdp_state()  # type: ignore[operator]
+    expert_state = experts[0]._get_fsdp_state()  # type: ignore[operator]
+    group = expert_state._fsdp_param_group
+    return {
+        "checkpointed": all(isinstance(b, CheckpointWrapper) for b in blocks),
+        "prefetch": [s._modules[0] is blocks[1] for s in state._states_to_forward_prefetch],
+        "reshard": group.post_forward_mesh_info is not None,
+        "experts_are_units": all(isinstance(m, FSDPModule) for m in experts),
+        # FSDP's placement (the outer, ep_shard axis) cuts dim 1; ep keeps Shard(0).
+        "expert_placement": [p.placements for p in experts[0].parameters()],
+        "divide_factor": group.gradient_divide_factor,
+        "param_dtype": str(state._mp_policy.param_dtype),
+    }
+
+
 def _two_ranks(folder: str) -> dict[str, Any]:
     results: dict[str, Any] = {f"{f}/ep2": _parity(f, 2) for f in FAMILIES}
     results["mixtral/ep2/ac"] = _parity("mixtral", 2, ac=True)
@@ -170,6 +212,7 @@ def _two_ranks(folder: str) -> dict[str, Any]:
     for family in ("qwen3_moe", "mixtral"):
         results[f"{family}/ckpt"] = _checkpoint_roundtrip(family, 2, str(pathlib.Path(folder, family)))
     results["errors"] = _errors()
+    results["settings"] = _settings_under_ep()
     return results
 
 
@@ -197,6 +240,8 @@ def _check_rank(results: dict[str, Any], key: str, expected_local: int) -> None:
 
 
 def test_ep2_parity_activation_checkpointing_checkpoint_and_errors(tmp_path: pathlib.Path) -> None:
+    from torch.distributed.tensor import Shard
+
     per_rank = run_distributed(_two_ranks, 2, str(tmp_path), timeout_s=600)
     for family in FAMILIES:
         _check_parity(per_rank, f"{family}/ep2", 4)
@@ -206,6 +251,15 @@ def test_ep2_parity_activation_checkpointing_checkpoint_and_errors(tmp_path: pat
         for family in ("qwen3_moe", "mixtral"):
             assert results[f"{family}/ckpt"]["loaded"] < 1e-5, results[f"{family}/ckpt"]
             assert results[f"{family}/ckpt"]["saved"] < 1e-5, results[f"{family}/ckpt"]
+        assert results["settings"] == {
+            "checkpointed": True,
+            "prefetch": [True],
+            "reshard": True,
+            "experts_are_units": True,
+            "expert_placement": [(Shard(1), Shard(0))] * 2,
+            "divide_factor": 2.0,
+            "param_dtype": "torch.float32",
+        }, results["settings"]
         divisibility, unregistered, tp = results["errors"]
         assert "tp_size > 1" in tp and "not supported" in tp, tp
         assert "num_experts=3" in divisibility and "ep_size=2" in divisibility, divisibility

@@ -26,7 +26,7 @@ def test_config_defaults_round_trip_and_validation() -> None:
     assert MoEParallelizerConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="reshard_after_forward"):
         MoEParallelizerConfig(reshard_after_forward=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="no field"):
+    with pytest.raises(ValueError, match="unknown MoEParallelizerConfig field"):
         MoEParallelizerConfig.from_dict({"ep_size": 2})
     with pytest.raises(ValueError, match="mp_policy"):
         MoEParallelizerConfig(mp_policy="bf16")
@@ -87,12 +87,17 @@ def test_import_is_lean() -> None:
 
 @pytest.mark.parametrize("ignore_router", [True, False])
 def test_checkpoint_recompute_keeps_routing_decisions(ignore_router: bool) -> None:
-    """The router weight changes between forward and backward: only saved routing keeps the experts."""
-    from automodel_moe.parallelizer import apply_moe_activation_checkpointing
+    """The router weight changes between forward and backward: only saved routing keeps the experts.
+
+    The save-ops hook of the one activation-checkpointing applier with `ROUTER_SAVE_OPS` (what
+    `ExpertParallel` hands the FSDP2 applier when ``ignore_router_for_ac``), against plain full recompute.
+    """
+    from automodel_distributed.activation_checkpointing import apply_activation_checkpointing
+    from automodel_moe.parallelizer import ROUTER_SAVE_OPS
     from automodel_testing import build_tiny_model, make_batch
 
     model = build_tiny_model("mixtral", seed=0)  # Mixtral normalises its top-k values in place
-    apply_moe_activation_checkpointing(model, ignore_router=ignore_router)
+    apply_activation_checkpointing(model, mode="full", save_ops=ROUTER_SAVE_OPS if ignore_router else ())
     block = model.model.layers[0]._checkpoint_wrapped_module.mlp
     seen: list[torch.Tensor] = []
     block.experts.register_forward_pre_hook(lambda _m, args: seen.append(args[1].clone()))

@@ -10,15 +10,17 @@ its parameter names, except that an adapted linear's weight moves under peft's `
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from automodel_mesh.modules import is_dtensor
 from automodel_peft._layers import lora_layers
 from automodel_peft._names import clean_fqn, hf_checkpoint_key, is_adapter_name
 from automodel_peft.config import PeftConfig
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ADAPTER_STATE_ATTR",
     "AdapterState",
+    "adapter_initializer",
     "apply_lora",
     "apply_lora_to_linear_modules",
     "freeze_base",
@@ -102,18 +105,11 @@ def _adapter_params(layer: Any, adapter: str) -> list[nn.Parameter]:
     return params
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    import sys
-
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
 def _assign(param: Any, full: torch.Tensor) -> None:
     """Copy a full-size value into ``param`` (its shard, for a DTensor: scattered from rank 0)."""
     full = full.to(dtype=param.dtype)
     with torch.no_grad():
-        if _is_dtensor(param):
+        if is_dtensor(param):
             from torch.distributed.tensor import distribute_tensor
 
             shard = distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
@@ -123,7 +119,7 @@ def _assign(param: Any, full: torch.Tensor) -> None:
 
 
 def _full(t: Any) -> torch.Tensor:
-    full: torch.Tensor = t.full_tensor() if _is_dtensor(t) else t
+    full: torch.Tensor = t.full_tensor() if is_dtensor(t) else t
     return full
 
 
@@ -172,6 +168,21 @@ def init_adapter_weights(
         if isinstance(magnitudes, nn.ModuleDict) and adapter in magnitudes:
             base = _full(layer.get_base_layer().weight)
             _assign(magnitudes[adapter].weight, torch.linalg.norm(base, dim=1))
+
+
+def adapter_initializer(
+    config: PeftConfig | peft.LoraConfig | Mapping[str, Any],
+) -> Callable[[nn.Module], None]:
+    """`init_adapter_weights` bound to the config's ``lora_A_init``.
+
+    What a checkpoint loader calls, once, after the base weights are final (the ``init_adapters`` of
+    ``automodel_distributed.checkpoint.load_hf_checkpoint``). A ``peft.LoraConfig`` has no
+    ``lora_A_init``: then what `apply_lora` recorded, else kaiming.
+    """
+    method = (
+        config.get("lora_A_init") if isinstance(config, Mapping) else getattr(config, "lora_A_init", None)
+    )
+    return functools.partial(init_adapter_weights, lora_A_init=method)
 
 
 def _check_fresh(model: nn.Module, adapter_name: str) -> None:

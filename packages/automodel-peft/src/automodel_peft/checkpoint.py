@@ -11,7 +11,6 @@ import copy
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from automodel_mesh.modules import find_hf_model, is_dtensor, unwrap
 from automodel_peft._names import ADAPTER_SEGMENTS, clean_fqn, hf_checkpoint_key, is_adapter_name
 from automodel_peft.apply import ADAPTER_STATE_ATTR, AdapterState
 from automodel_peft.matching import is_causal_lm
@@ -38,11 +38,6 @@ ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 #: Prefix of every key in a PEFT adapter file (``PeftModel`` -> ``LoraModel`` -> the base model).
 PEFT_PREFIX = "base_model.model."
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 def hf_key_mapping(model: nn.Module) -> dict[str, str]:
@@ -120,6 +115,7 @@ def adapter_state_dict(model: nn.Module, *, adapter_name: str | None = None) -> 
     Raises:
         ValueError: The model has no such adapter, or it trains biases / ``modules_to_save``.
     """
+    model = find_hf_model(unwrap(model))[1]  # DDP, compile, a PeftModel: the adapted model inside
     name = _adapter_name(model, adapter_name)
     _check_savable(model, name)
     out: dict[str, torch.Tensor] = {}
@@ -127,7 +123,7 @@ def adapter_state_dict(model: nn.Module, *, adapter_name: str | None = None) -> 
         peft_key = peft_adapter_key(key, name)
         if peft_key is None:
             continue
-        full = value.full_tensor() if _is_dtensor(value) else value
+        full = value.full_tensor() if is_dtensor(value) else value
         out[peft_key] = full.detach().to("cpu", copy=True).contiguous()
     if not out:
         raise ValueError(f"the model has no parameters of LoRA adapter {name!r}; apply_lora first")
@@ -195,6 +191,7 @@ def save_adapters(
     Returns:
         The folder.
     """
+    model = find_hf_model(unwrap(model))[1]
     name = _adapter_name(model, adapter_name)
     tensors = adapter_state_dict(model, adapter_name=name)
     path = Path(directory)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
+
+from automodel_mesh.config_dict import ConfigDict
 
 if TYPE_CHECKING:
     import peft
@@ -50,7 +52,7 @@ def _as_list(value: object, name: str) -> list[str]:
 
 
 @dataclass(kw_only=True)
-class PeftConfig:
+class PeftConfig(ConfigDict):
     """LoRA adapters on linear layers, applied through Hugging Face ``peft`` by `apply_lora`.
 
     Which linears (see `automodel_peft.matching`): ``match_all_linear`` (every linear but the output head)
@@ -234,28 +236,10 @@ class PeftConfig:
         kwargs.update(overrides)
         return peft.LoraConfig(**kwargs)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Every field; ``lora_dtype`` as its name."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.dtype):
-                value = str(value).removeprefix("torch.")
-            out[f.name] = list(value) if isinstance(value, list) else value
-        return out
+    _dict_aliases: ClassVar[Mapping[str, str]] = {"lora_A_init_method": "lora_A_init"}
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PeftConfig:
-        """Inverse of `to_dict`; also accepts ``lora_A_init_method`` for ``lora_A_init``.
-
-        Raises:
-            ValueError: An unknown key.
-        """
-        data = dict(data)
-        if "lora_A_init_method" in data:
-            data.setdefault("lora_A_init", data.pop("lora_A_init_method"))
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"PeftConfig has no field(s) {unknown}; fields: {sorted(known)}")
-        return cls(**data)
+    def _dict_value(self, name: str, value: Any) -> Any:
+        """``lora_dtype`` as its name; lists copied (`to_dict` output is YAML-friendly)."""
+        if isinstance(value, torch.dtype):
+            return str(value).removeprefix("torch.")
+        return list(value) if isinstance(value, list) else value

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from automodel_mesh.modules import output_head_fqns
 from automodel_peft._names import clean_fqn, is_adapter_name
 from automodel_peft.config import PeftConfig
 
@@ -84,16 +85,7 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 def output_head_names(model: nn.Module) -> set[str]:
     """Names of the output head module(s): ``get_output_embeddings()``, else modules named ``lm_head``."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = None
-    if callable(get_head):
-        try:
-            head = get_head()
-        except (AttributeError, NotImplementedError):
-            head = None
-    names = {fqn for fqn, m in model.named_modules() if head is not None and m is head}
-    if not names:
-        names = {fqn for fqn, _ in model.named_modules() if fqn.rpartition(".")[2] == "lm_head"}
+    names = output_head_fqns(model)
     return {clean_fqn(name) for name in names}
 
 

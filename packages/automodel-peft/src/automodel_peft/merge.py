@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from torch import nn
 
+from automodel_mesh.modules import is_dtensor
 from automodel_peft._layers import lora_layers
 from automodel_peft.apply import ADAPTER_STATE_ATTR
 
@@ -40,8 +40,7 @@ def merge_adapters(model: nn.Module, *, safe_merge: bool = True) -> nn.Module:
     Raises:
         ValueError: No adapters, DTensor (sharded) or meta parameters.
     """
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         raise ValueError(
             "merge_adapters needs an unsharded model: save the adapters (save_adapters) or gather a full "
             "state dict into a plain adapted model, then merge"

@@ -81,7 +81,7 @@ def test_dict_round_trip() -> None:
         PeftConfig.from_dict({"match_all_linear": True, "lora_A_init_method": "kaiming"}).lora_A_init
         == "kaiming"
     )
-    with pytest.raises(ValueError, match=r"no field\(s\) \['rank'\]"):
+    with pytest.raises(ValueError, match=r"unknown PeftConfig field\(s\) \['rank'\]"):
         PeftConfig.from_dict({"rank": 4})
 
 

@@ -27,3 +27,12 @@ def test_import_and_config_do_not_import_peft_or_quant() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_one_adapter_rule_is_what_peft_declares() -> None:
+    """``automodel_mesh.modules.ADAPTER_SEGMENTS`` (read by every package) is peft's own declaration."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    from automodel_mesh.modules import ADAPTER_SEGMENTS
+
+    assert set(ADAPTER_SEGMENTS) == set(LoraLayer.adapter_layer_names)

@@ -7,8 +7,7 @@
 ``torch.distributed.pipelining`` is imported only when a pipeline is built.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
+from automodel_mesh.version import installed_version
 from automodel_pipelining.autopipeline import AutoPipeline, PipelineInfo
 from automodel_pipelining.config import PipelineConfig
 from automodel_pipelining.layout import DecoderLayout, resolve_decoder_layout
@@ -16,10 +15,7 @@ from automodel_pipelining.schedules import SCHEDULES, stage_ids_this_rank
 from automodel_pipelining.split import calculate_virtual_stages, generate_stage_fqns, split_layers_evenly
 from automodel_pipelining.validate import validate_hf_model_for_pipeline_support
 
-try:
-    __version__ = version("automodel-pipelining")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-    __version__ = "0.0.0"
+__version__ = installed_version("automodel-pipelining")
 
 __all__ = [
     "SCHEDULES",

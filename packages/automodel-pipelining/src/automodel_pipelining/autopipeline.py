@@ -135,7 +135,7 @@ class AutoPipeline:
     ) -> None:
         if world_mesh is None:
             raise ValueError("world_mesh must be provided (a DeviceMesh with the pipeline axis), got None")
-        self.config = PipelineConfig(
+        config = PipelineConfig(
             pp_schedule=pp_schedule,
             pp_schedule_csv=pp_schedule_csv,
             pp_microbatch_size=pp_microbatch_size,
@@ -151,18 +151,7 @@ class AutoPipeline:
             loss_fn=loss_fn,
             pp_seq_len=pp_seq_len,
         )
-        if not isinstance(defer_fsdp_grad_sync, bool):
-            raise ValueError(f"defer_fsdp_grad_sync must be a bool, got {defer_fsdp_grad_sync!r}")
-        self.mesh = MeshContext.from_meshes(world_mesh, moe_mesh)
-        if not self.mesh.has_axis(pp_axis_name):
-            raise ValueError(
-                f"world_mesh has no pipeline axis {pp_axis_name!r}; "
-                f"its axes are {list(self.mesh.axis_names())}"
-            )
-        self.world_mesh = world_mesh
-        self.moe_mesh = moe_mesh
-        self.pp_axis_name = pp_axis_name
-        self.axis_kwargs: dict[str, Any] = {
+        axis_kwargs: dict[str, Any] = {
             "pp_axis_name": pp_axis_name,
             "dp_axis_names": tuple(dp_axis_names),
             "cp_axis_name": cp_axis_name,
@@ -170,7 +159,39 @@ class AutoPipeline:
             "ep_axis_name": ep_axis_name,
             "ep_shard_axis_names": tuple(ep_shard_axis_names) if ep_shard_axis_names is not None else None,
         }
+        self._setup(
+            config,
+            MeshContext.from_meshes(world_mesh, moe_mesh),
+            axis_kwargs,
+            defer_fsdp_grad_sync=defer_fsdp_grad_sync,
+            device=device,
+        )
+
+    def _setup(
+        self,
+        config: PipelineConfig,
+        mesh: MeshContext,
+        axis_kwargs: dict[str, Any],
+        *,
+        defer_fsdp_grad_sync: bool,
+        device: torch.device | str | None,
+    ) -> None:
+        """Validate and keep the config and the mesh as the objects they are (never rebuilt)."""
+        if not isinstance(defer_fsdp_grad_sync, bool):
+            raise ValueError(f"defer_fsdp_grad_sync must be a bool, got {defer_fsdp_grad_sync!r}")
+        pp_axis_name = axis_kwargs["pp_axis_name"]
+        if not mesh.has_axis(pp_axis_name):
+            raise ValueError(
+                f"world_mesh has no pipeline axis {pp_axis_name!r}; its axes are {list(mesh.axis_names())}"
+            )
+        self.config = config
+        self.mesh = mesh
+        self.world_mesh = mesh.device_mesh
+        self.moe_mesh = mesh.moe_mesh
+        self.pp_axis_name = pp_axis_name
+        self.axis_kwargs = axis_kwargs
         self.defer_fsdp_grad_sync = defer_fsdp_grad_sync
+        pp_schedule = config.pp_schedule
         pp_mesh = self.mesh.submesh(pp_axis_name)
         self.pp_mesh = pp_mesh
         self.pp_size = int(pp_mesh.size())
@@ -221,15 +242,28 @@ class AutoPipeline:
         defer_fsdp_grad_sync: bool = True,
         device: torch.device | str | None = None,
     ) -> AutoPipeline:
-        """Build from a `PipelineConfig` and a `MeshContext` (axis names from ``pipeline_axis_kwargs``)."""
-        return cls(
-            mesh.device_mesh,
-            mesh.moe_mesh,
-            **mesh.pipeline_axis_kwargs(),
-            **config.to_dict(),
+        """Build from a `PipelineConfig` and a `MeshContext`, keeping both as the objects they are.
+
+        Axis names come from `MeshContext.pipeline_axis_kwargs`.
+
+        Raises:
+            ValueError: As the constructor (a mesh without the pipeline axis, bad settings).
+        """
+        if not isinstance(config, PipelineConfig):
+            raise ValueError(f"AutoPipeline.from_config needs a PipelineConfig, got {type(config).__name__}")
+        if mesh.device_mesh is None:
+            raise ValueError(
+                "AutoPipeline needs world_mesh, the device mesh with the pipeline axis; got None"
+            )
+        pipeline = cls.__new__(cls)
+        pipeline._setup(
+            config,
+            mesh,
+            mesh.pipeline_axis_kwargs(),
             defer_fsdp_grad_sync=defer_fsdp_grad_sync,
             device=device,
         )
+        return pipeline
 
     # ------------------------------------------------------------------ properties
 

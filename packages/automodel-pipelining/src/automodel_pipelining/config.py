@@ -7,13 +7,13 @@ by the code that uses it. This module imports nothing heavy.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
+from automodel_mesh.config_dict import ConfigDict
 from automodel_pipelining.schedules import normalize_schedule_name
 
 __all__ = ["PipelineConfig"]
@@ -64,7 +64,7 @@ def _check_fqn_parts(value: object) -> tuple[tuple[str, ...], ...] | None:
 
 
 @dataclass(kw_only=True)
-class PipelineConfig:
+class PipelineConfig(ConfigDict):
     """Pipeline-parallel settings for `AutoPipeline` (field names and defaults as in NeMo AutoModel).
 
     Sizes: ``pp_batch_size`` is the batch one pipeline (one data-parallel replica) processes per
@@ -163,16 +163,3 @@ class PipelineConfig:
     def n_microbatches(self) -> int:
         """Microbatches per step: ``pp_batch_size // pp_microbatch_size``."""
         return self.pp_batch_size // self.pp_microbatch_size
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the fields as a shallow dict (values are not copied)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:
-        """Build from a mapping; an unknown key raises `ValueError` naming it and the known fields."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown PipelineConfig field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**data)

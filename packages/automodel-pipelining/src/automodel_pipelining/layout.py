@@ -15,11 +15,12 @@ from typing import Any
 
 from torch import nn
 
+from automodel_mesh.modules import find_hf_model, fqn_of, join_fqn
+
 __all__ = [
     "FALLBACK_HEAD_NAMES",
     "FALLBACK_NAMES",
     "DecoderLayout",
-    "find_hf_model",
     "resolve_decoder_layout",
 ]
 
@@ -32,30 +33,6 @@ FALLBACK_NAMES: Mapping[str, tuple[str, ...]] = {
 
 FALLBACK_HEAD_NAMES: tuple[str, ...] = ("lm_head", "output", "embed_out")
 """Attribute names of the LM head (children of the model) tried when ``get_output_embeddings`` finds none."""
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
-
-
-def find_hf_model(model: nn.Module) -> tuple[str, nn.Module]:
-    """Find the transformers model inside wrappers that expose ``get_base_model()`` (peft).
-
-    Returns:
-        ``(prefix, inner)``: the FQN of the wrapped model inside ``model`` (``""`` when not wrapped).
-    """
-    prefix, current = "", model
-    while True:
-        get_base = getattr(current, "get_base_model", None)
-        if not callable(get_base):
-            return prefix, current
-        inner = get_base()
-        if inner is current or not isinstance(inner, nn.Module):
-            return prefix, current
-        path = next((name for name, sub in current.named_modules() if sub is inner), None)
-        if path is None:
-            return prefix, current
-        prefix, current = _join(prefix, path), inner
 
 
 @dataclass(frozen=True)
@@ -87,7 +64,7 @@ class DecoderLayout:
     @property
     def layer_fqns(self) -> tuple[str, ...]:
         """FQN of every layer, in forward order."""
-        return tuple(_join(self.layers, name) for name in self.layer_names)
+        return tuple(join_fqn(self.layers, name) for name in self.layer_names)
 
     @property
     def first_stage_fqns(self) -> tuple[str, ...]:
@@ -114,10 +91,6 @@ def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def _fqn_of(root: nn.Module, target: nn.Module) -> str | None:
-    return next((name for name, sub in root.named_modules() if sub is target), None)
-
-
 def _plan_of(hf_model: nn.Module) -> dict[str, tuple[Any, Any]]:
     """The model's pipeline plan with FQNs relative to ``hf_model``, or ``{}``."""
     plan = getattr(hf_model, "_pp_plan", None)
@@ -129,7 +102,7 @@ def _plan_of(hf_model: nn.Module) -> dict[str, tuple[Any, Any]]:
     if isinstance(base_plan, Mapping) and base_plan:
         if prefix and not isinstance(getattr(hf_model, prefix, None), nn.Module):
             prefix = ""
-        return {_join(prefix, str(k)): tuple(v) for k, v in base_plan.items()}
+        return {join_fqn(prefix, str(k)): tuple(v) for k, v in base_plan.items()}
     return {}
 
 
@@ -171,10 +144,10 @@ def _from_names(hf_model: nn.Module) -> dict[str, str]:
         for name in names:
             module = getattr(base_module, name, None)
             if role == "layers" and isinstance(module, nn.ModuleList | nn.ModuleDict):
-                found[role] = _join(base, name)
+                found[role] = join_fqn(base, name)
                 break
             if role != "layers" and isinstance(module, nn.Module):
-                found[role] = _join(base, name)
+                found[role] = join_fqn(base, name)
                 break
     return found
 
@@ -211,7 +184,7 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
     if "head" not in roles:
         get_out = getattr(hf_model, "get_output_embeddings", None)
         head = get_out() if callable(get_out) else None
-        if isinstance(head, nn.Module) and (fqn := _fqn_of(hf_model, head)):
+        if isinstance(head, nn.Module) and (fqn := fqn_of(hf_model, head)):
             roles["head"] = fqn
         else:
             name = next(
@@ -236,15 +209,15 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
         (extras if _has_params(module) else shared).append(fqn)
 
     def full(fqn: str | None) -> str | None:
-        return None if fqn is None else _join(prefix, fqn)
+        return None if fqn is None else join_fqn(prefix, fqn)
 
     return DecoderLayout(
-        base=_join(prefix, base),
-        layers=_join(prefix, roles["layers"]),
+        base=join_fqn(prefix, base),
+        layers=join_fqn(prefix, roles["layers"]),
         layer_names=layer_names,
         embed=full(roles.get("embed")),
         norm=full(roles.get("norm")),
         head=full(roles.get("head")),
-        first_extras=tuple(_join(prefix, f) for f in extras),
-        shared=tuple(_join(prefix, f) for f in shared),
+        first_extras=tuple(join_fqn(prefix, f) for f in extras),
+        shared=tuple(join_fqn(prefix, f) for f in shared),
     )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import sys
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel_mesh.modules import is_dtensor
 from automodel_pipelining.layout import DecoderLayout
 
 __all__ = [
@@ -184,10 +184,7 @@ def _first(output: Any) -> torch.Tensor:
 
 def _to_local_full(t: torch.Tensor) -> torch.Tensor:
     """A DTensor output (e.g. vocab-sharded logits under TP) becomes a full plain tensor (differentiable)."""
-    dtensor_module = sys.modules.get("torch.distributed.tensor")
-    if dtensor_module is not None and isinstance(t, dtensor_module.DTensor):
-        return t.full_tensor()
-    return t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def _check_kwargs(spec: StageForwardSpec, kwargs: dict[str, Any]) -> None:

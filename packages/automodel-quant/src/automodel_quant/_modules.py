@@ -7,6 +7,8 @@ from collections.abc import Iterable, Iterator
 
 from torch import nn
 
+from automodel_mesh.modules import is_adapter_fqn, output_head_fqns, strip_wrapper_segments
+
 __all__ = [
     "clean_fqn",
     "is_adapter_fqn",
@@ -18,20 +20,8 @@ __all__ = [
     "under_prefix",
 ]
 
-# Path segments that wrappers insert (activation checkpointing, torch.compile, FSDP1).
-_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
-# Submodule names of peft's LoRA layers whose linears are adapters, not base weights.
-_ADAPTER_SEGMENTS = ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B")
-
-
-def clean_fqn(fqn: str) -> str:
-    """``fqn`` without the segments that wrappers add (``_checkpoint_wrapped_module`` and friends)."""
-    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_SEGMENTS)
-
-
-def is_adapter_fqn(fqn: str) -> bool:
-    """Whether ``fqn`` lies inside a peft LoRA adapter (``...q_proj.lora_A.default``)."""
-    return any(part in _ADAPTER_SEGMENTS for part in fqn.split("."))
+# The name rules every package shares: wrapper segments, and which sub-modules are LoRA adapters.
+clean_fqn = strip_wrapper_segments
 
 
 def under_prefix(fqn: str, prefixes: Iterable[str]) -> bool:
@@ -49,16 +39,7 @@ def output_head_prefixes(model: nn.Module) -> set[str]:
 
     A LoRA-wrapped head is covered with everything inside it (``lm_head.base_layer`` included).
     """
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = None
-    if callable(get_head):
-        try:
-            head = get_head()
-        except (AttributeError, NotImplementedError):  # models without a head
-            head = None
-    found = {fqn for fqn, m in model.named_modules() if head is not None and m is head}
-    if not found:
-        found = {fqn for fqn, _ in model.named_modules() if fqn.rpartition(".")[2] == "lm_head"}
+    found = output_head_fqns(model)
     # A peft wrapper's get_output_embeddings may return the inner base layer: use its wrapper.
     return {fqn.removesuffix(".base_layer") for fqn in found}
 

@@ -62,7 +62,7 @@ def test_dtype_names_and_dict_round_trip() -> None:
     data = config.to_dict()
     assert data["bnb_4bit_compute_dtype"] == "float16" and data["bnb_4bit_quant_storage"] == "uint8"
     assert BnBQuantizationConfig.from_dict(data) == config
-    with pytest.raises(ValueError, match=r"no field\(s\) \['bits'\]"):
+    with pytest.raises(ValueError, match=r"unknown BnBQuantizationConfig field\(s\) \['bits'\]"):
         BnBQuantizationConfig.from_dict({"bits": 4})
 
 

@@ -7,12 +7,13 @@ Names are compared after `normalize_fqn`, so a model wrapped by activation check
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from automodel_mesh.modules import is_dtensor, strip_wrapper_segments
 
 __all__ = [
     "assert_grads_close",
@@ -24,17 +25,13 @@ __all__ = [
     "to_full",
 ]
 
-# Whole dotted components that wrappers insert anywhere in a name.
-_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 # Prefixes that wrappers put in front of a name: DDP's `module.`, peft's `base_model.model.`.
 _WRAPPER_PREFIXES: tuple[tuple[str, ...], ...] = (("module",), ("base_model", "model"))
 
 
 def to_full(t: torch.Tensor) -> torch.Tensor:
     """A detached CPU copy of ``t``; a DTensor is first gathered with ``full_tensor()`` (a collective)."""
-    # torch.distributed.tensor costs ~2 s to import; if nobody imported it, `t` cannot be a DTensor.
-    dtensor_module = sys.modules.get("torch.distributed.tensor")
-    if dtensor_module is not None and isinstance(t, dtensor_module.DTensor):
+    if is_dtensor(t):
         t = t.full_tensor()
     return t.detach().to(device="cpu", copy=True)
 
@@ -51,7 +48,7 @@ def normalize_fqn(name: str) -> str:
     Returns:
         The name as the unwrapped model would spell it.
     """
-    parts = [part for part in name.split(".") if part not in _WRAPPER_SEGMENTS]
+    parts = strip_wrapper_segments(name).split(".")
     stripped = True
     while stripped:
         stripped = False

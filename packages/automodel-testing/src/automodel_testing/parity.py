@@ -9,7 +9,6 @@ over several optimizer steps. Tests assert on the report, so one launch can chec
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from automodel_mesh.modules import is_dtensor
 from automodel_testing.models import build_tiny_model, make_batch
 from automodel_testing.numerics import normalize_fqn, to_full
 
@@ -65,15 +65,10 @@ class ParityReport:
             raise AssertionError(f"{label} [{self.model_class}]: " + "; ".join(problems))
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
 @contextlib.contextmanager
 def _loss_context(logits: torch.Tensor) -> Iterator[None]:
     # A vocab-sharded DTensor of logits needs loss_parallel for cross entropy to stay sharded.
-    if _is_dtensor(logits):
+    if is_dtensor(logits):
         from torch.distributed.tensor.parallel import loss_parallel
 
         with loss_parallel():

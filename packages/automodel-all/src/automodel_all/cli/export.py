@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel_distributed.checkpoint import read_marker, save_hf_checkpoint, save_peft_adapters
+from automodel_distributed.checkpoint import checkpoint_key, read_marker, save_hf_checkpoint
 
 __all__ = ["export_hf", "generate_sample", "prune_checkpoints"]
 
@@ -58,9 +58,7 @@ def _consolidate_from_dcp(dcp_path: Path, model_config: Any, dtype: torch.dtype,
         head, _, rest = name.partition(".")
         if name not in wanted and head.isdigit():
             name = rest
-        name = name.replace("._checkpoint_wrapped_module.", ".")
-        if name not in wanted:  # a peft-wrapped linear keeps its frozen weight under base_layer
-            name = name.replace(".base_layer.", ".")
+        name = checkpoint_key(name)  # wrapper segments, and peft's base_layer, removed
         if name in wanted:
             state[key] = wanted[name]
             found.add(name)
@@ -92,7 +90,9 @@ def export_hf(
     if model is not None:
         save_hf_checkpoint(model, out, overwrite=True)
         if with_adapters:
-            save_peft_adapters(model, out / "adapter", overwrite=True)
+            from automodel_peft import save_adapters  # the adapters' owner saves them
+
+            save_adapters(model, out / "adapter")
     elif rank == 0:
         assert final_dcp is not None
         _consolidate_from_dcp(final_dcp, model_config, dtype, out)

@@ -46,7 +46,8 @@ def _type_hints(cls: type[Any]) -> dict[str, Any]:
     namespace.setdefault("OffloadPolicy", OffloadPolicy)
     namespace.setdefault("torch", torch)
     try:
-        return typing.get_type_hints(cls, globalns=namespace)
+        # As locals: each base class's annotations still resolve in its own module (a config mixin's).
+        return typing.get_type_hints(cls, localns=namespace)
     except Exception:  # an annotation we cannot resolve: the config's own validation still runs
         return {}
 

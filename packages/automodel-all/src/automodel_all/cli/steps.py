@@ -9,9 +9,7 @@ compute on the whole global batch, whatever the data-parallel size and the numbe
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel_distributed.loss import MaskedCrossEntropy
+from automodel_distributed.strategy import StrategyManager
 
 __all__ = ["TokenLoss", "clip_gradients", "lr_at", "run_step"]
 
@@ -72,41 +71,29 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_group: Any = 
     return float(norm)
 
 
-@contextlib.contextmanager
-def _grad_sync(model: Any, sync: bool) -> Iterator[None]:
-    """Reduce gradients only on the last micro-batch.
-
-    FSDP2 uses ``set_requires_gradient_sync``, DDP ``no_sync``; other models accumulate as usual.
-    """
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
-        yield
-    elif isinstance(model, DistributedDataParallel) and not sync:
-        with model.no_sync():
-            yield
-    else:
-        yield
-
-
 def run_step(
     model: Any,
     rows: torch.Tensor,
     *,
     loss_fn: TokenLoss,
     micro_batch_size: int,
+    strategy: StrategyManager,
     pipeline: Any = None,
     cp_mesh: Any = None,
 ) -> torch.Tensor:
     """Forward and backward over this rank's rows of one step; gradients accumulate in ``.grad``.
+
+    The strategy decides the rest: each forward (and loss) runs under `StrategyManager.autocast` (its
+    ``autocast_dtype``; the backward outside it, as torch recommends, except inside a pipeline schedule,
+    which runs both), each micro-batch under `StrategyManager.gradient_sync` (gradients reduced on the
+    last one only).
 
     Args:
         model: The model (`apply_model_infrastructure`'s result), or unused under pipelining.
         rows: ``[rows, seq + 1]`` token rows of this data-parallel rank (on the model's device).
         loss_fn: The normalised loss.
         micro_batch_size: Rows per forward pass (outside pipelining).
+        strategy: The run's strategy manager (``automodel_distributed.strategy.as_strategy``).
         pipeline: The `AutoPipeline`, which splits ``rows`` into its own microbatches.
         cp_mesh: The mesh context when context parallelism is on (sequences are sharded over ``cp``).
 
@@ -117,7 +104,8 @@ def run_step(
     positions = torch.arange(inputs.shape[1], device=rows.device).unsqueeze(0).expand_as(inputs)
     total = torch.zeros((), dtype=torch.float32, device=rows.device)
     if pipeline is not None:
-        losses = pipeline.step(inputs, target=labels, position_ids=positions)
+        with strategy.autocast():
+            losses = pipeline.step(inputs, target=labels, position_ids=positions)
         for loss in losses:
             total += loss.detach().float() * loss_fn.denominator
         return total
@@ -126,7 +114,7 @@ def run_step(
         raise ValueError(f"{inputs.shape[0]} rows do not split into micro-batches of {micro_batch_size}")
     for index in range(count):
         part = slice(index * micro_batch_size, (index + 1) * micro_batch_size)
-        with _grad_sync(model, index == count - 1):
+        with strategy.gradient_sync(model, enabled=index == count - 1):
             if cp_mesh is not None:
                 from automodel_distributed.context_parallel import (
                     context_parallel_inputs,
@@ -136,13 +124,19 @@ def run_step(
                 batch = context_parallel_inputs(
                     {"input_ids": inputs[part], "position_ids": positions[part], "shift_labels": labels[part]}
                 )
-                with context_parallel_region(cp_mesh, batch) as local:
-                    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-                    loss = loss_fn(logits, local["shift_labels"])
+                # CPU meshes (gloo) run ring attention through automodel's opt-in CPU backend.
+                cpu_ring = cp_mesh.device_type == "cpu"
+                with context_parallel_region(cp_mesh, batch, cpu_ring_attention=cpu_ring) as local:
+                    with strategy.autocast():
+                        logits = model(
+                            input_ids=local["input_ids"], position_ids=local["position_ids"]
+                        ).logits
+                        loss = loss_fn(logits, local["shift_labels"])
                     loss.backward()
             else:
-                logits = model(input_ids=inputs[part], position_ids=positions[part]).logits
-                loss = loss_fn(logits, labels[part])
+                with strategy.autocast():
+                    logits = model(input_ids=inputs[part], position_ids=positions[part]).logits
+                    loss = loss_fn(logits, labels[part])
                 loss.backward()
         total += loss.detach().float() * loss_fn.denominator
     return total

@@ -31,6 +31,7 @@ from automodel_all.cli.model import build_meta_model, load_model_config, model_d
 from automodel_all.cli.progress import Progress
 from automodel_all.cli.steps import TokenLoss, clip_gradients, lr_at, run_step
 from automodel_all.cli.yaml_source import RawJob
+from automodel_distributed.strategy import StrategyManager, as_strategy
 
 __all__ = ["JOB_ENV", "main"]
 
@@ -108,6 +109,8 @@ class _Run:
     parts: list[nn.Module]
     optimizer: torch.optim.Optimizer
     loss_fn: TokenLoss
+    strategy: StrategyManager
+    """The strategy manager: autocast and gradient sync of every step go through it."""
 
     @property
     def pipeline(self) -> Any:
@@ -178,11 +181,13 @@ def _setup(job: JobConfig) -> _Run:
     )
     parts = _parts(model)
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
-    # Built right after sharding, before any forward (an FSDP2 root would otherwise stay unsharded).
     optimizer = torch.optim.AdamW(
         params, lr=job.train.lr, betas=(0.9, 0.95), weight_decay=job.train.weight_decay
     )
-    return _Run(job, resolved, device, mesh, tokenizer, model_config, rows, model, parts, optimizer, loss_fn)
+    strategy = as_strategy(infra.model_wrapper, mesh)
+    return _Run(
+        job, resolved, device, mesh, tokenizer, model_config, rows, model, parts, optimizer, loss_fn, strategy
+    )
 
 
 def _resume(run: _Run) -> int:
@@ -245,6 +250,7 @@ def _loop(run: _Run, start: int) -> None:
             run.rows[sampler.indices(step, dp_rank, dp_size)].to(run.device),
             loss_fn=run.loss_fn,
             micro_batch_size=train_cfg.micro_batch_size,
+            strategy=run.strategy,
             pipeline=run.pipeline,
             cp_mesh=run.mesh if layout.cp > 1 else None,
         )

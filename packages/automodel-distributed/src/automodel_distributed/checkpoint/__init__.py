@@ -1,10 +1,10 @@
-"""Checkpoints for sharded models: Hugging Face load/save straight from/to shards, PEFT adapters, DCP resume.
+"""Checkpoints for sharded models: Hugging Face load/save straight from/to shards, DCP resume.
 
 - `initialize_model_weights` / `materialize_meta_tensors`: give a meta model storage and initial values.
 - `load_hf_checkpoint` / `load_base_model`: read a Hugging Face checkpoint into a sharded model, each rank
   reading only the byte ranges of its own slices (also tensors transformers fuses on load, such as MoE
   experts: `convert`).
-- `save_hf_checkpoint` / `save_peft_adapters`: consolidated safetensors and HF-PEFT adapters.
+- `save_hf_checkpoint`: consolidated safetensors (LoRA adapters: ``automodel_peft.save_adapters``).
 - `save_distributed_checkpoint` / `load_distributed_checkpoint` / `latest_checkpoint`: resumable
   torch.distributed.checkpoint snapshots of model and optimizer, on any world size.
 
@@ -34,7 +34,7 @@ from automodel_distributed.checkpoint.hf_load import (
     load_base_model,
     load_hf_checkpoint,
 )
-from automodel_distributed.checkpoint.hf_save import save_hf_checkpoint, save_peft_adapters
+from automodel_distributed.checkpoint.hf_save import save_hf_checkpoint
 from automodel_distributed.checkpoint.keys import DEFAULT_KEY_RULES, KeyRules, checkpoint_key
 from automodel_distributed.checkpoint.layout import CheckpointFiles, resolve_checkpoint
 from automodel_distributed.checkpoint.materialize import (
@@ -71,6 +71,5 @@ __all__ = [
     "retie_weights",
     "save_distributed_checkpoint",
     "save_hf_checkpoint",
-    "save_peft_adapters",
     "verify_materialized",
 ]

@@ -23,9 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,10 +58,12 @@ from automodel_distributed.checkpoint.materialize import (
     _mark,
     initialize_model_weights,
     retie_weights,
+    run_adapter_init,
     verify_materialized,
 )
 from automodel_distributed.checkpoint.reader import CheckpointReader, open_checkpoint
 from automodel_distributed.checkpoint.slices import Box, tensor_boxes
+from automodel_mesh.modules import is_dtensor
 
 __all__ = [
     "CheckpointMismatchError",
@@ -272,19 +273,17 @@ def _check_buffer_initializers(model: nn.Module) -> None:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
+    if is_dtensor(t):
         return t.to_local().detach()
     return t.detach()
 
 
 def _reshard_fsdp(model: nn.Module) -> None:
     """Put FSDP2 modules back in their sharded state (a no-grad forward can leave the root gathered)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None:
-        return
+    from torch.distributed.fsdp import FSDPModule
+
     for module in model.modules():
-        if isinstance(module, fsdp.FSDPModule):
+        if isinstance(module, FSDPModule):
             module.reshard()
 
 
@@ -323,9 +322,8 @@ def _default_device(model: nn.Module) -> torch.device:
     for t in tensors:
         if t.device.type != "meta":
             return t.device
-    dtensor = sys.modules.get("torch.distributed.tensor")
     for t in tensors:
-        if dtensor is not None and isinstance(t, dtensor.DTensor):
+        if is_dtensor(t):
             kind = t.device_mesh.device_type
             if kind == "cuda":
                 return torch.device("cuda", torch.cuda.current_device())
@@ -386,7 +384,7 @@ def load_hf_checkpoint(
     cache_dir: str | os.PathLike[str] | None = None,
     revision: str | None = None,
     rules: KeyRules = DEFAULT_KEY_RULES,
-    peft_init_method: str | None = None,
+    init_adapters: Callable[[nn.Module], object] | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> LoadReport:
     """Load a Hugging Face checkpoint into ``model``, each rank reading only the slices it holds.
@@ -431,8 +429,8 @@ def load_hf_checkpoint(
         cache_dir: Hugging Face cache to look a hub id up in (default: ``HF_HUB_CACHE``).
         revision: Revision of a hub id.
         rules: Model-name rewrites (wrapper segments and prefixes, adapter markers).
-        peft_init_method: Initialiser of LoRA ``A`` matrices being materialised (see
-            `initialize_model_weights`).
+        init_adapters: Initialiser of the model's LoRA adapters (``automodel_peft.init_adapter_weights``:
+            their owner), called once after the base weights are read (DoRA magnitudes need them).
         process_group: Group whose ranks load together.
 
     Returns:
@@ -470,10 +468,9 @@ def load_hf_checkpoint(
         _reshard_fsdp(model)
         if _has_meta(model):
             dev = torch.device(device) if device is not None else _default_device(model)
-            initialize_model_weights(
-                model, dev, peft_init_method=peft_init_method, skip_keys=plan.report.loaded, rules=rules
-            )
+            initialize_model_weights(model, dev, skip_keys=plan.report.loaded, rules=rules)
         plan.report.bytes_read = _read_all(plan)
+        run_adapter_init(model, init_adapters, rules)
     except Exception as exc:  # shared with every rank below, so none is left waiting
         error = exc
     finally:
@@ -507,7 +504,7 @@ def load_base_model(
     strict: bool = True,
     allow_unexpected: bool = False,
     key_mapping: Mapping[str, str] | None = None,
-    peft_init_method: str | None = None,
+    init_adapters: Callable[[nn.Module], object] | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """NeMo-AutoModel-compatible entry: load the base weights, recompute buffers, re-tie.
@@ -522,7 +519,7 @@ def load_base_model(
         strict: As in `load_hf_checkpoint`.
         allow_unexpected: As in `load_hf_checkpoint`.
         key_mapping: As in `load_hf_checkpoint`.
-        peft_init_method: As in `initialize_model_weights`.
+        init_adapters: As in `load_hf_checkpoint`.
         process_group: As in `load_hf_checkpoint`.
 
     Returns:
@@ -542,12 +539,12 @@ def load_base_model(
             allow_unexpected=allow_unexpected,
             key_mapping=key_mapping,
             cache_dir=root_dir,
-            peft_init_method=peft_init_method,
+            init_adapters=init_adapters,
             process_group=process_group,
         )
         return model
     if _has_meta(model):
-        initialize_model_weights(model, device, peft_init_method=peft_init_method)
+        initialize_model_weights(model, device, init_adapters=init_adapters)
     reinitialize_non_persistent_buffers(model, None)
     retie_weights(model)
     verify_materialized(model)

@@ -15,10 +15,8 @@ import json
 import math
 import os
 import re
-import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,14 +29,13 @@ from automodel_distributed.checkpoint.hf_load import _reshard_fsdp
 from automodel_distributed.checkpoint.keys import (
     DEFAULT_KEY_RULES,
     KeyRules,
-    checkpoint_key,
     collect_tensor_slots,
-    is_adapter_key,
 )
 from automodel_distributed.checkpoint.materialize import _hf_model
 from automodel_distributed.checkpoint.safetensors_io import SafetensorsStreamWriter
+from automodel_mesh.modules import is_dtensor
 
-__all__ = ["parse_size", "plan_shards", "save_hf_checkpoint", "save_peft_adapters"]
+__all__ = ["parse_size", "plan_shards", "save_hf_checkpoint"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -93,10 +90,7 @@ def plan_shards(
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: ``full_tensor()`` for a DTensor (a collective over its mesh), else itself."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
-        return t.full_tensor()
-    return t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def _stream_files(
@@ -156,9 +150,10 @@ def _stream_files(
 
 def _hf_class_name(hf: nn.Module) -> str:
     """The transformers class of ``hf``, skipping FSDP2's dynamic ``FSDP<Class>`` subclass."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
+    from torch.distributed.fsdp import FSDPModule
+
     for cls in type(hf).__mro__:
-        if fsdp is not None and issubclass(cls, fsdp.FSDPModule):
+        if issubclass(cls, FSDPModule):
             continue
         return cls.__name__
     return type(hf).__name__  # pragma: no cover
@@ -199,10 +194,11 @@ def save_hf_checkpoint(
 ) -> Path:
     """Save ``model``'s base weights as a consolidated Hugging Face safetensors checkpoint.
 
-    Keys are the model's checkpoint keys (wrapper segments removed; adapters excluded: see
-    `save_peft_adapters`); a tied weight is saved once, under its source name. Tensors that transformers
-    keeps fused in memory but stores apart (MoE experts) are written in the layout ``save_pretrained``
-    writes (``experts.{e}.gate_proj.weight``...; `convert.disk_layout`), each fused tensor gathered once.
+    Keys are the model's checkpoint keys (wrapper segments removed; LoRA adapters excluded: their
+    owner saves them, ``automodel_peft.save_adapters``); a tied weight is saved once, under its source
+    name. Tensors that transformers keeps fused in memory but stores apart (MoE experts) are written in
+    the layout ``save_pretrained`` writes (``experts.{e}.gate_proj.weight``...; `convert.disk_layout`),
+    each fused tensor gathered once.
     Rank 0 of ``process_group`` writes; every rank gathers.
 
     Preconditions: every rank of the model's meshes calls this, with the same arguments. Collectives:
@@ -270,87 +266,3 @@ def save_hf_checkpoint(
         except Exception as exc:  # shared with every rank by the publish step
             error = exc
     return publish_staging_dir(staging, path, kind="hf", group=process_group, write_error=error)
-
-
-def _adapter_tensors(model: nn.Module, adapter_name: str, rules: KeyRules) -> Iterator[_Entry]:
-    """Adapter parameters as HF-PEFT keys: ``base_model.model.<key>`` with the adapter name removed."""
-    seen: set[int] = set()
-    for fqn, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen or not is_adapter_key(fqn, rules):
-            continue
-        parts = fqn.split(".")
-        if adapter_name not in parts:
-            continue
-        seen.add(id(param))
-        key = checkpoint_key(".".join(p for p in parts if p != adapter_name), rules)
-        yield f"base_model.model.{key}", param
-
-
-def _peft_config(model: nn.Module, adapter_name: str) -> Any:
-    configs = getattr(model, "peft_config", None)
-    inner = _hf_model(model)
-    if configs is None and inner is not None:  # adapters injected into a transformers model in place
-        configs = getattr(inner, "peft_config", None)
-    if not isinstance(configs, dict) or adapter_name not in configs:
-        available = sorted(configs) if isinstance(configs, dict) else []
-        raise ValueError(
-            f"{type(model).__name__} has no peft_config for adapter {adapter_name!r} "
-            f"(adapters: {available}); save_peft_adapters needs a model with peft adapters "
-            "(peft.get_peft_model / automodel_peft)"
-        )
-    return configs[adapter_name]
-
-
-def _write_adapter_config(staging: Path, config: Any) -> None:
-    config = copy.deepcopy(config)
-    if hasattr(config, "inference_mode"):
-        config.inference_mode = True
-    save = getattr(config, "save_pretrained", None)
-    if callable(save):
-        save(str(staging))
-        return
-    to_dict = getattr(config, "to_dict", None)
-    data = to_dict() if callable(to_dict) else dict(config)
-    (staging / "adapter_config.json").write_text(
-        json.dumps(data, indent=2, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
-    )
-
-
-def save_peft_adapters(
-    model: nn.Module,
-    path: str | os.PathLike[str],
-    *,
-    adapter_name: str = "default",
-    overwrite: bool = False,
-    rules: KeyRules = DEFAULT_KEY_RULES,
-    process_group: dist.ProcessGroup | None = None,
-) -> Path:
-    """Save the LoRA adapters of a (sharded) peft model in the format ``PeftModel.from_pretrained`` loads.
-
-    Writes ``adapter_model.safetensors`` and ``adapter_config.json``.
-
-    Adapter tensors are the parameters with a name component starting with ``lora_`` (`KeyRules`)
-    that belong to ``adapter_name``; they are saved as ``base_model.model.<module>.lora_A.weight``.
-    The config is the model's ``peft_config[adapter_name]`` (saved with ``inference_mode=True``).
-
-    Preconditions and collectives: as `save_hf_checkpoint`.
-
-    Raises:
-        ValueError: The model has no peft config for ``adapter_name``, or no adapter tensors.
-        FileExistsError: ``path`` exists and ``overwrite`` is False.
-    """
-    config = _peft_config(model, adapter_name)
-    _reshard_fsdp(model)
-    tensors = dict(_adapter_tensors(model, adapter_name, rules))
-    if not tensors:
-        raise ValueError(f"no adapter parameters of adapter {adapter_name!r} found in {type(model).__name__}")
-    staging = prepare_staging_dir(path, overwrite=overwrite, group=process_group)
-    writer = rank_of(process_group) == 0
-    files = [("adapter_model.safetensors", list(tensors))]
-    error = _stream_files(staging, files, tensors, lambda _: None, writer)
-    if writer and error is None:
-        try:
-            _write_adapter_config(staging, config)
-        except Exception as exc:  # shared with every rank by the publish step
-            error = exc
-    return publish_staging_dir(staging, path, kind="peft", group=process_group, write_error=error)

@@ -4,7 +4,8 @@ Wrappers change parameter names without changing the weights: activation checkpo
 ``_checkpoint_wrapped_module.``, ``torch.compile`` ``_orig_mod.``, DDP a leading ``module.``, peft a
 leading ``base_model.model.`` and a ``.base_layer`` segment inside each adapted layer. `KeyRules`
 holds those rewrites as data (`DEFAULT_KEY_RULES`); extend them by building another `KeyRules`.
-Adapter parameters (segments starting with ``lora_`` by default) are not part of a base checkpoint.
+Adapter parameters (inside the sub-modules of ``automodel_mesh.modules.ADAPTER_SEGMENTS``, the one
+adapter rule every package uses) are not part of a base checkpoint.
 
 Checkpoint-side renames (legacy key names, a saved base model without its head prefix) are regex
 substitutions applied to the checkpoint's keys, like transformers' ``key_mapping`` argument.
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from automodel_mesh.modules import WRAPPER_SEGMENTS, is_adapter_fqn
+
 __all__ = [
     "DEFAULT_KEY_RULES",
     "KeyRules",
@@ -28,7 +31,6 @@ __all__ = [
     "apply_key_mapping",
     "checkpoint_key",
     "collect_tensor_slots",
-    "is_adapter_key",
 ]
 
 
@@ -39,26 +41,16 @@ class KeyRules:
     Attributes:
         drop_segments: Dotted name components removed wherever they appear.
         drop_prefixes: Leading component sequences removed (repeatedly, in any order).
-        adapter_segment_prefixes: A name with a component starting with one of these is an adapter
-            parameter: not expected in a base checkpoint, saved by `save_peft_adapters`.
     """
 
     drop_segments: frozenset[str] = field(
-        default_factory=lambda: frozenset(
-            {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "base_layer"}
-        )
+        default_factory=lambda: frozenset({*WRAPPER_SEGMENTS, "base_layer"})
     )
     drop_prefixes: tuple[tuple[str, ...], ...] = (("module",), ("base_model", "model"))
-    adapter_segment_prefixes: tuple[str, ...] = ("lora_",)
 
 
 DEFAULT_KEY_RULES = KeyRules()
 """Checkpoint-wrapper, compile, FSDP1, DDP and peft name rewrites."""
-
-
-def is_adapter_key(fqn: str, rules: KeyRules = DEFAULT_KEY_RULES) -> bool:
-    """Whether ``fqn`` names an adapter parameter (e.g. ``...q_proj.lora_A.default.weight``)."""
-    return any(part.startswith(rules.adapter_segment_prefixes) for part in fqn.split("."))
 
 
 def checkpoint_key(fqn: str, rules: KeyRules = DEFAULT_KEY_RULES) -> str:
@@ -129,7 +121,7 @@ def collect_tensor_slots(
     Args:
         model: The model (possibly wrapped, sharded, on meta).
         rules: Name rewrites.
-        include_adapters: Keep adapter parameters (skipped by default: not in base checkpoints).
+        include_adapters: Keep LoRA adapter parameters (skipped by default: not in base checkpoints).
 
     Returns:
         Slots in module order; a tensor reachable under several names is one slot.
@@ -150,7 +142,7 @@ def collect_tensor_slots(
             if tensor is None:
                 continue
             fqn = f"{prefix}.{name}" if prefix else name
-            if not include_adapters and is_adapter_key(fqn, rules):
+            if not include_adapters and is_adapter_fqn(fqn):
                 continue
             key = checkpoint_key(fqn, rules)
             slot = by_id.get(id(tensor))

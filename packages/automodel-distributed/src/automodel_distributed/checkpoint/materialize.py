@@ -11,25 +11,30 @@ Initialisation uses transformers' own ``initialize_weights`` (``_init_weights`` 
 model is a transformers model, restricted to the tensors that need it through transformers'
 ``_is_hf_initialized`` flags; otherwise each module's ``reset_parameters()`` (torch's defaults). DTensor
 parameters are initialised through DTensor's random ops. Non-persistent buffers are recomputed by
-`reinitialize_non_persistent_buffers`.
+`reinitialize_non_persistent_buffers`. LoRA adapters are left to their owner: the caller's
+``init_adapters`` (``automodel_peft.init_adapter_weights``) initialises them, once, after the base
+weights are final.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from automodel_distributed.checkpoint.buffers import reinitialize_non_persistent_buffers
-from automodel_distributed.checkpoint.keys import DEFAULT_KEY_RULES, KeyRules, collect_tensor_slots
+from automodel_distributed.checkpoint.keys import (
+    DEFAULT_KEY_RULES,
+    KeyRules,
+    TensorSlot,
+    collect_tensor_slots,
+)
+from automodel_mesh.modules import find_hf_model, is_adapter_fqn, is_dtensor, unwrap
 
 __all__ = [
-    "LORA_INIT_METHODS",
     "initialize_model_weights",
     "materialize_meta_tensors",
     "needs_init",
@@ -41,24 +46,6 @@ logger = logging.getLogger(__name__)
 
 _NEEDS_INIT = "_automodel_needs_init"
 _HF_FLAG = "_is_hf_initialized"
-
-
-def _lora_kaiming(t: torch.Tensor) -> None:
-    nn.init.kaiming_uniform_(t, a=math.sqrt(5))
-
-
-LORA_INIT_METHODS: Mapping[str, Callable[[torch.Tensor], Any]] = {
-    "kaiming": _lora_kaiming,
-    "kaiming_uniform": _lora_kaiming,
-    "xavier": nn.init.xavier_normal_,
-    "xavier_normal": nn.init.xavier_normal_,
-    "xavier_uniform": nn.init.xavier_uniform_,
-    "gaussian": lambda t: nn.init.normal_(t, std=0.02),
-}
-"""``peft_init_method`` -> initialiser of LoRA ``A`` matrices (``B`` matrices are always zeroed)."""
-
-_LORA_A = ("lora_A", "lora_embedding_A")
-_LORA_B = ("lora_B", "lora_embedding_B")
 
 
 def needs_init(t: torch.Tensor) -> bool:
@@ -83,16 +70,16 @@ def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     DTensors are rebuilt from an empty local tensor with ``from_local`` (no sharding propagation, no
     communication), which is much cheaper than ``torch.empty_like`` on the DTensor.
     """
-    if not _is_dtensor(t):
+    if not is_dtensor(t):
         return torch.empty_like(t, device=device)
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
-        local = t.to_local()  # type: ignore[attr-defined]
+        local = t.to_local()
         return DTensor.from_local(
             torch.empty_like(local, device=device),
-            t.device_mesh,  # type: ignore[attr-defined]
-            t.placements,  # type: ignore[attr-defined]
+            t.device_mesh,
+            t.placements,
             run_check=False,
             shape=t.shape,
             stride=t.stride(),
@@ -148,30 +135,10 @@ def materialize_meta_tensors(
     return done
 
 
-_WRAPPER_ATTRIBUTES: tuple[str, ...] = ("_orig_mod", "module")
-"""Attributes through which wrappers expose the module they wrap (torch.compile, DDP)."""
-
-
 def _hf_model(model: nn.Module) -> nn.Module | None:
     """The transformers model inside ``model`` (through peft, compile and DDP wrappers), if any."""
-    current: nn.Module = model
-    for _ in range(8):  # wrappers nest a few levels at most
-        if callable(getattr(current, "initialize_weights", None)):
-            return current
-        get_base = getattr(current, "get_base_model", None)  # peft
-        inner = get_base() if callable(get_base) else None
-        if not isinstance(inner, nn.Module) or inner is current:
-            wrapped = (getattr(current, a, None) for a in _WRAPPER_ATTRIBUTES)
-            inner = next((w for w in wrapped if isinstance(w, nn.Module)), None)
-        if inner is None:
-            return None
-        current = inner
-    return None
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
+    _, inner = find_hf_model(unwrap(model))
+    return inner if callable(getattr(inner, "initialize_weights", None)) else None
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -188,7 +155,7 @@ def _zero_padding_row(embedding: nn.Embedding) -> None:
 
     weight, idx = embedding.weight, embedding.padding_idx
     assert idx is not None
-    local = weight.to_local() if _is_dtensor(weight) else weight  # type: ignore[attr-defined]
+    local = weight.to_local() if is_dtensor(weight) else weight
     _, boxes = tensor_boxes(weight)
     for box in boxes:
         row = idx - box.global_start[0]
@@ -214,7 +181,7 @@ def _run_hf_init(hf: nn.Module, pending: list[torch.Tensor]) -> None:
             todo
             and isinstance(module, nn.Embedding)
             and module.padding_idx is not None
-            and _is_dtensor(module.weight)
+            and is_dtensor(module.weight)
         ):
             padded.append((module, module.padding_idx))
             module.padding_idx = None  # transformers would index the DTensor; we zero it locally
@@ -249,40 +216,22 @@ def _run_torch_init(model: nn.Module, pending: list[torch.Tensor]) -> None:
                 _mark(p, False)
 
 
-def _init_lora(model: nn.Module, method: str | None, pending_ids: set[int]) -> None:
-    init_a = LORA_INIT_METHODS.get(method or "kaiming")
-    if init_a is None:
-        raise ValueError(
-            f"peft_init_method={method!r} is not known; use one of {sorted(LORA_INIT_METHODS)} or None"
-        )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if id(p) not in pending_ids:
-                continue
-            parts = name.split(".")
-            if any(part in _LORA_A for part in parts):
-                init_a(p)
-                _mark(p, False)
-            elif any(part in _LORA_B for part in parts):
-                nn.init.zeros_(p)
-                _mark(p, False)
-
-
 def initialize_model_weights(
     model: nn.Module,
     device: torch.device | str,
     *,
-    peft_init_method: str | None = None,
+    init_adapters: Callable[[nn.Module], object] | None = None,
     skip_keys: Iterable[str] = (),
     rules: KeyRules = DEFAULT_KEY_RULES,
 ) -> nn.Module:
     """Materialise the meta tensors of ``model`` on ``device`` and initialise every tensor needing it.
 
     Steps: `materialize_meta_tensors`; initialise the tensors marked as needing it, except those whose
-    checkpoint key is in ``skip_keys`` (they are about to be loaded), with transformers'
-    ``initialize_weights`` (or torch's ``reset_parameters`` for other models); LoRA ``A`` matrices with
-    ``peft_init_method`` and ``B`` matrices with zeros; recompute non-persistent buffers; re-tie tied
-    weights (`retie_weights`).
+    checkpoint key is in ``skip_keys`` (they are about to be loaded) and the LoRA adapters, with
+    transformers' ``initialize_weights`` (or torch's ``reset_parameters`` for other models); recompute
+    non-persistent buffers; re-tie tied weights (`retie_weights`); then ``init_adapters(model)``. Without
+    ``init_adapters`` the adapters stay marked as needing initialisation (a loader passes none and
+    initialises them after reading the base weights; `verify_materialized` names any left over).
 
     Preconditions: parallelisms already applied. Collectives: DTensor random ops may synchronise the RNG
     seed over a DTensor's mesh the first time they run (every rank must call this).
@@ -290,7 +239,7 @@ def initialize_model_weights(
     Args:
         model: The model; mutated in place.
         device: Device for the new storage.
-        peft_init_method: Initialiser of LoRA ``A`` matrices (`LORA_INIT_METHODS`); None = kaiming.
+        init_adapters: The adapters' owner's initialiser (``automodel_peft.init_adapter_weights``).
         skip_keys: Checkpoint keys left marked as needing initialisation (the caller loads them).
         rules: Name rewrites from model FQNs to checkpoint keys.
 
@@ -298,12 +247,17 @@ def initialize_model_weights(
         ``model``.
 
     Raises:
-        ValueError: A non-persistent buffer cannot be recomputed, or an unknown ``peft_init_method``.
+        ValueError: A non-persistent buffer cannot be recomputed.
     """
     materialize_meta_tensors(model, device, rules)
     skip = set(skip_keys)
-    slots = collect_tensor_slots(model, rules, include_adapters=True)
-    pending = [s.tensor for s in slots if needs_init(s.tensor) and not skip.intersection(s.keys)]
+    adapter_ids = {id(slot.tensor) for slot in adapter_slots(model, rules)}
+    slots = collect_tensor_slots(model, rules)
+    pending = [
+        s.tensor
+        for s in slots
+        if needs_init(s.tensor) and not skip.intersection(s.keys) and id(s.tensor) not in adapter_ids
+    ]
     if pending:
         hf = _hf_model(model)
         with torch.no_grad():
@@ -313,10 +267,31 @@ def initialize_model_weights(
                     _mark(t, False)
             else:
                 _run_torch_init(model, pending)
-        _init_lora(model, peft_init_method, {id(t) for t in pending})
     reinitialize_non_persistent_buffers(model, None)
     retie_weights(model)
+    run_adapter_init(model, init_adapters, rules)
     return model
+
+
+def adapter_slots(model: nn.Module, rules: KeyRules = DEFAULT_KEY_RULES) -> list[TensorSlot]:
+    """The LoRA adapter tensors of ``model`` (``automodel_mesh.modules.is_adapter_fqn``)."""
+    return [
+        slot
+        for slot in collect_tensor_slots(model, rules, include_adapters=True)
+        if any(is_adapter_fqn(fqn) for fqn in slot.fqns)
+    ]
+
+
+def run_adapter_init(
+    model: nn.Module, init_adapters: Callable[[nn.Module], object] | None, rules: KeyRules = DEFAULT_KEY_RULES
+) -> None:
+    """Call the adapters' owner on ``model`` (once the base weights are final) and mark them initialised."""
+    slots = adapter_slots(model, rules)
+    if init_adapters is None or not slots:
+        return
+    init_adapters(model)
+    for slot in slots:
+        _mark(slot.tensor, False)
 
 
 def retie_weights(model: nn.Module) -> list[str]:
@@ -346,7 +321,7 @@ def retie_weights(model: nn.Module) -> list[str]:
             broken.append((f"{target} <- {source}", t))
     if not broken:
         return []
-    if any(_is_dtensor(t) for _, t in broken):
+    if any(is_dtensor(t) for _, t in broken):
         raise RuntimeError(
             f"tied weights {[b for b, _ in broken]} are separate tensors in a sharded model; tie them "
             "before sharding (transformers ties them when the model is built)"
@@ -377,5 +352,6 @@ def verify_materialized(model: nn.Module, rules: KeyRules = DEFAULT_KEY_RULES) -
             f"model is not fully materialised: {len(meta)} tensor(s) still on meta {meta[:10]}, "
             f"{len(uninit)} materialised but never initialised or loaded {uninit[:10]}. Call "
             "initialize_model_weights(model, device) or load them from a checkpoint (strict=True lists "
-            "what a checkpoint lacks)."
+            "what a checkpoint lacks); LoRA adapters are initialised by their owner: pass "
+            "init_adapters=automodel_peft.init_adapter_weights."
         )

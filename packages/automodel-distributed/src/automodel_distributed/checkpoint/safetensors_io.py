@@ -9,8 +9,19 @@ three reasons: (1) every rank validates every header (lengths, offsets, dtypes, 
 before any weight is touched, with errors that name the file and the fix; (2) `read_box` reads a
 slice's bytes with ``os.preadv`` straight into the destination tensor (no mapped pages counted in the
 process's resident set, no intermediate tensor); (3) `SafetensorsStreamWriter` writes a file whose
-tensors arrive one at a time, so a consolidated save never holds a whole file in memory. Files we
-write are read back by ``safetensors`` and ``transformers`` (checked by the tests).
+tensors arrive one at a time, so a consolidated save never holds a whole file in memory (safetensors
+has no streaming writer). Files we write are read back by ``safetensors`` and ``transformers``
+(checked by the tests).
+
+Measured (``benchmarks/bench_safetensors_reader.py``: 4 gloo ranks, each reading its ``Shard(0)`` rows
+of every tensor, warm page cache, worst rank, one run on the 2-core development host): against
+``safe_open(...).get_slice`` and torch's DCP ``HuggingFaceStorageReader``, this reader keeps the peak
+resident memory of a read at 2.3 MiB on the 124.7M Llama (safe_open 251 MiB, 108x; DCP 367 MiB, 158x)
+and 2.4 MiB on the 1.24B Llama-3.2-1B shape (safe_open 1414 MiB, 600x; DCP 1529 MiB, 649x): the
+mapped pages of a rank's whole shard, which count against a job's memory limit next to the shard it
+is filling. Time is within 15% either way (124.7M: 0.05 s ours, 0.04 s safe_open, 0.09 s DCP; 1.24B:
+0.34 s, 0.30 s, 0.30 s). So ours stays, for the memory (a loaded rank peaks at its shard, not twice it)
+and for validating every header before any read; the speed is the library's.
 """
 
 from __future__ import annotations

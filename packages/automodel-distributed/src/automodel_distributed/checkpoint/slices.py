@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from automodel_mesh.modules import is_dtensor
+
 __all__ = [
     "Box",
     "PlacementSpec",
@@ -227,10 +229,7 @@ def tensor_boxes(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[Box]]:
     A plain tensor is its own global tensor (one box). A DTensor is cut by its placements; a rank
     outside the DTensor's mesh holds nothing. No collectives.
     """
-    import sys
-
-    dtensor_module = sys.modules.get("torch.distributed.tensor")
-    if dtensor_module is None or not isinstance(tensor, dtensor_module.DTensor):
+    if not is_dtensor(tensor):
         shape = tuple(tensor.shape)
         return shape, local_boxes([[(0, s)] if s else [] for s in shape])
     shape = tuple(tensor.shape)

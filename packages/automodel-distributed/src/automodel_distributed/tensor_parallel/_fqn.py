@@ -11,16 +11,9 @@ from fnmatch import fnmatch
 
 from torch import nn
 
-__all__ = ["find_hf_model", "join_fqn", "match_modules"]
+from automodel_mesh.modules import join_fqn
 
-
-def join_fqn(prefix: str, name: str) -> str:
-    """``prefix.name`` without stray dots when either side is empty."""
-    if not prefix:
-        return name
-    if not name:
-        return prefix
-    return f"{prefix}.{name}"
+__all__ = ["match_modules"]
 
 
 def match_modules(root: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
@@ -50,27 +43,3 @@ def match_modules(root: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
 
     walk(root, "", key.split("."))
     return found
-
-
-def find_hf_model(model: nn.Module) -> tuple[str, nn.Module]:
-    """Find the model that plans describe inside wrappers that expose ``get_base_model()`` (peft).
-
-    Args:
-        model: The module handed to the tensor-parallel functions.
-
-    Returns:
-        ``(prefix, inner)``: the dotted path of the wrapped model inside ``model`` (``""`` when it is not
-        wrapped) and the wrapped model itself.
-    """
-    prefix, current = "", model
-    while True:
-        get_base = getattr(current, "get_base_model", None)
-        if not callable(get_base):
-            return prefix, current
-        inner = get_base()
-        if inner is current or not isinstance(inner, nn.Module):
-            return prefix, current
-        path = next((name for name, sub in current.named_modules() if sub is inner), None)
-        if path is None:
-            return prefix, current
-        prefix, current = join_fqn(prefix, path), inner

@@ -21,7 +21,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from automodel_distributed.tensor_parallel._fqn import find_hf_model, join_fqn
 from automodel_distributed.tensor_parallel.lora import expand_lora_plan
 from automodel_distributed.tensor_parallel.registry import PlanMapping
 from automodel_distributed.tensor_parallel.resolve import is_sequence_parallel_plan, resolve_tp_plan
@@ -31,6 +30,7 @@ from automodel_distributed.tensor_parallel.validate import (
     modules_by_style,
     validate_tensor_parallel,
 )
+from automodel_mesh.modules import find_hf_model, fqn_of, join_fqn
 
 __all__ = ["apply_tensor_parallel"]
 
@@ -152,7 +152,8 @@ def _check_output_head(model: nn.Module, by_module: Mapping[str, list[ParallelSt
     head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Module):
         return
-    fqn = next((join_fqn(prefix, n) for n, m in hf_model.named_modules() if m is head), None)
+    name = fqn_of(hf_model, head)
+    fqn = join_fqn(prefix, name) if name is not None else None
     if fqn is not None and any(_local_colwise(s) for s in by_module.get(fqn, [])):
         raise ValueError(
             f"the plan makes the output head {fqn!r} return this rank's vocabulary slice as a plain tensor, "

@@ -28,8 +28,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from automodel_distributed.tensor_parallel._fqn import join_fqn, match_modules
+from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.styles import ReplicateParallel
+from automodel_mesh.modules import join_fqn
 
 __all__ = [
     "ColwiseParallelLora",

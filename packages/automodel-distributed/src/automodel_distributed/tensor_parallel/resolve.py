@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from automodel_distributed.tensor_parallel._fqn import find_hf_model, join_fqn, match_modules
+from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.plans import DEFAULT_DECODER_PLAN, DEFAULT_DECODER_SP_PLAN
 from automodel_distributed.tensor_parallel.registry import (
     PlanMapping,
@@ -28,6 +28,7 @@ from automodel_distributed.tensor_parallel.styles import (
     hf_style_is_skipped,
     to_parallel_style,
 )
+from automodel_mesh.modules import find_hf_model, join_fqn
 
 __all__ = ["is_sequence_parallel_plan", "resolve_tp_plan", "translate_hf_tp_plan"]
 

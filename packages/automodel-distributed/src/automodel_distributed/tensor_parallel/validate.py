@@ -14,8 +14,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from automodel_distributed.tensor_parallel._fqn import find_hf_model, match_modules
+from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.styles import ReplicateParallel
+from automodel_mesh.modules import find_hf_model
 
 __all__ = ["PARAM_STYLES", "modules_by_style", "validate_tensor_parallel"]
 

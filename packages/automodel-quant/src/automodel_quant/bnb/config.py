@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from automodel_mesh.config_dict import ConfigDict
 from automodel_quant._dtypes import dtype_name, parse_dtype
 
 __all__ = ["BNB_4BIT_QUANT_TYPES", "BnBQuantizationConfig"]
@@ -17,7 +17,7 @@ BNB_4BIT_QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4")
 
 
 @dataclass(kw_only=True)
-class BnBQuantizationConfig:
+class BnBQuantizationConfig(ConfigDict):
     """Quantized base weights through bitsandbytes (the ``[bnb]`` extra).
 
     Field names are those of ``transformers.BitsAndBytesConfig``; defaults are the QLoRA recipe (4-bit
@@ -117,26 +117,9 @@ class BnBQuantizationConfig:
             out["llm_int8_skip_modules"] = list(self.llm_int8_skip_modules)
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        """Every field, dtypes as names."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = dtype_name(value) if isinstance(value, torch.dtype) else value
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> BnBQuantizationConfig:
-        """Inverse of `to_dict`.
-
-        Raises:
-            ValueError: An unknown key.
-        """
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"BnBQuantizationConfig has no field(s) {unknown}; fields: {sorted(known)}")
-        return cls(**dict(data))
+    def _dict_value(self, name: str, value: Any) -> Any:
+        """Dtypes as names (`to_dict` output is YAML-friendly)."""
+        return dtype_name(value) if isinstance(value, torch.dtype) else value
 
 
 def _parse_storage(value: object) -> torch.dtype:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
+
+from automodel_mesh.config_dict import ConfigDict
 
 __all__ = ["FP8_RECIPES", "FP8Config", "build_fp8_config", "create_fp8_config_from_dict"]
 
@@ -13,10 +15,11 @@ FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 # to_dict() key -> field, as the reference system names them.
 _RENAMED = {"fp8_recipe_name": "recipe_name", "fp8_filter_fqns": "filter_fqns", "fp8_emulate": "emulate"}
+_FIELD_KEYS = {field_name: key for key, field_name in _RENAMED.items()}
 
 
 @dataclass(kw_only=True)
-class FP8Config:
+class FP8Config(ConfigDict):
     """Float8 training of linear layers through ``torchao.float8.convert_to_float8_training``.
 
     `apply_fp8_to_model` converts every ``nn.Linear`` except: the output head (unless
@@ -93,38 +96,28 @@ class FP8Config:
             and self.recipe_name in (None, "tensorwise")
         )
 
+    # The reference system's dict: ``recipe_name``, ``filter_fqns``, ``emulate`` are ``fp8_*`` there;
+    # `from_dict` takes both spellings.
+    _dict_aliases: ClassVar[Mapping[str, str]] = _RENAMED
+
     def to_dict(self) -> dict[str, Any]:
-        """The reference system's dict: ``recipe_name``, ``filter_fqns``, ``emulate`` become ``fp8_*``.
+        """The reference system's dict (``fp8_*`` keys for the renamed fields).
 
         ``convert_output_head``, which the reference system does not have, appears only when True, so a
         config the reference can express gives exactly its seven keys (and `from_dict` round-trips both).
         """
-        out: dict[str, Any] = {}
-        renamed = {v: k for k, v in _RENAMED.items()}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "convert_output_head" and not value:
-                continue
-            out[renamed.get(f.name, f.name)] = list(value) if isinstance(value, list) else value
+        out = super().to_dict()
+        if not self.convert_output_head:
+            del out["convert_output_head"]
         return out
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> FP8Config:
-        """Build from a dict with field names or `to_dict`'s ``fp8_*`` names.
+    def _dict_key(self, name: str) -> str:
+        """``fp8_recipe_name``, ``fp8_filter_fqns``, ``fp8_emulate`` for the renamed fields."""
+        return _FIELD_KEYS.get(name, name)
 
-        Raises:
-            ValueError: An unknown key, or a field given under both names.
-        """
-        known = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for key, value in data.items():
-            name = _RENAMED.get(key, key)
-            if name not in known:
-                raise ValueError(f"FP8Config has no field {key!r}; fields: {sorted(known)}")
-            if name in kwargs:
-                raise ValueError(f"FP8Config.{name} given twice (as {name!r} and as its fp8_ name)")
-            kwargs[name] = value
-        return cls(**kwargs)
+    def _dict_value(self, name: str, value: Any) -> Any:
+        """Lists copied."""
+        return list(value) if isinstance(value, list) else value
 
 
 def build_fp8_config(config: FP8Config | Mapping[str, Any] | None) -> FP8Config:

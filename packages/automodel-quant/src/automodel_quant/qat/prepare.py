@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from torch import nn
 
+from automodel_mesh.modules import is_dtensor
 from automodel_quant._deps import import_torchao
 from automodel_quant._modules import clean_fqn, is_adapter_fqn, linear_modules, parameter_dtypes, shielded
 from automodel_quant.qat.config import QAT_MODES, UnsupportedLayerPolicy
@@ -95,10 +95,7 @@ def _check_bf16(model: nn.Module) -> None:
 
 
 def _check_not_sharded(model: nn.Module, what: str) -> None:
-    # torch.distributed.tensor is slow to import; if nobody imported it, nothing can be a DTensor.
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(dtensor, "DTensor", None)
-    if cls is not None and any(isinstance(p, cls) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         raise ValueError(
             f"{what} needs an unsharded model, but its parameters are DTensors: apply QAT before FSDP2/TP, "
             "and convert a model loaded from a full (gathered) state dict"
