@@ -106,9 +106,12 @@ def test_compile_module_inplace_keeps_the_module() -> None:
 def test_cache_size_limit_is_applied() -> None:
     import torch._dynamo
 
+    torch._dynamo.config.cache_size_limit = 8  # torch's default; other tests may have raised it
     configure_dynamo(CompileConfig(dynamo_cache_size_limit=77))
     assert torch._dynamo.config.cache_size_limit == 77
     assert torch._dynamo.config.accumulated_cache_size_limit >= 77
+    configure_dynamo(CompileConfig(dynamo_cache_size_limit=20))  # never lowered
+    assert torch._dynamo.config.cache_size_limit == 77
 
 
 def test_compile_model_wraps_without_compiling_yet_and_renames_parameters() -> None:
