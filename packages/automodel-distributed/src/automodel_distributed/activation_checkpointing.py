@@ -42,6 +42,7 @@ __all__ = [
     "disable_kv_cache",
     "resolve_checkpointing_mode",
     "selective_checkpoint_policy",
+    "unwrap_checkpoint_wrapper",
 ]
 
 logger = logging.getLogger(__name__)
@@ -279,7 +280,9 @@ def apply_submodule_checkpointing(
     first child found for each role of `SUBMODULE_CHECKPOINT_ROLES` (MLP, attention, the two norms) is
     wrapped with a non-reentrant ``checkpoint_wrapper``. With ``has_kv_sharing`` the attention is left
     alone: recomputing it would write the shared KV cache a second time. Children already wrapped are
-    skipped. `apply_activation_checkpointing` (whole blocks) is what the strategy managers use.
+    skipped; a role name that is a property returning another child (one module serving two roles) wraps
+    that child once, under its registered name, so the state-dict keys are those of a plain wrap.
+    `apply_activation_checkpointing` (whole blocks) is what the strategy managers use.
 
     Preconditions: as for `apply_activation_checkpointing` (after TP, before ``fully_shard``). No
     collectives; works on meta tensors.
@@ -299,16 +302,25 @@ def apply_submodule_checkpointing(
         for role, names in SUBMODULE_CHECKPOINT_ROLES.items():
             if role == "attention" and has_kv_sharing:
                 continue
-            name = next((n for n in names if isinstance(getattr(layer, n, None), nn.Module)), None)
-            if name is None or isinstance(getattr(layer, name), CheckpointWrapper):
+            child = next((c for n in names if isinstance(c := getattr(layer, n, None), nn.Module)), None)
+            if child is None or isinstance(child, CheckpointWrapper):
                 continue
+            # A role name may be a property aliasing a child registered under another name (one mixer
+            # serving as attention and MLP): wrap that child, once, where it is registered, so that no
+            # second child appears and the state-dict keys keep their names.
+            name = next((n for n, c in layer.named_children() if c is child), None)
+            if name is None:
+                continue  # not a direct child of the layer; not ours to replace
             kwargs: dict[str, Any] = {}
             if context_fn is not None and role in ("mlp", "attention"):
                 kwargs["context_fn"] = context_fn
-            wrapper = checkpoint_wrapper(
-                getattr(layer, name), checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs
-            )
+            wrapper = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
             setattr(layer, name, wrapper)
             counts[role] += 1
     logger.info("sub-module activation checkpointing: wrapped %s", counts)
     return counts
+
+
+def unwrap_checkpoint_wrapper(module: nn.Module) -> nn.Module:
+    """The module inside a ``CheckpointWrapper``, or ``module`` itself when it is not wrapped (pure)."""
+    return module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module

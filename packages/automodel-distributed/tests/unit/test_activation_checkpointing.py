@@ -21,6 +21,7 @@ from automodel_distributed.activation_checkpointing import (
     disable_kv_cache,
     resolve_checkpointing_mode,
     selective_checkpoint_policy,
+    unwrap_checkpoint_wrapper,
 )
 from automodel_testing import (
     TINY_FAMILIES,
@@ -217,6 +218,40 @@ def test_submodule_checkpointing_matches_the_plain_model() -> None:
     shared = build_tiny_model("llama")
     kv = apply_submodule_checkpointing(shared.model.layers, has_kv_sharing=True)
     assert kv["attention"] == 0 and not isinstance(shared.model.layers[0].self_attn, CheckpointWrapper)
+
+
+def test_submodule_checkpointing_wraps_an_aliased_child_once_under_its_own_name() -> None:
+    # One mixer serving as attention and MLP through properties (as hybrid / linear-attention layers do).
+    class Mixer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mixer = Mixer()
+
+        @property
+        def mlp(self) -> torch.nn.Module:
+            return self.mixer
+
+        @property
+        def self_attn(self) -> torch.nn.Module:
+            return self.mixer
+
+    layer = Layer()
+    keys = list(layer.state_dict())  # the wrapper's state-dict hook keeps these names
+    counts = apply_submodule_checkpointing([layer], has_kv_sharing=False)
+    assert counts == {"mlp": 1, "attention": 0, "pre_norm": 0, "post_norm": 0}
+    assert [name for name, _ in layer.named_children()] == ["mixer"]
+    assert isinstance(layer.mixer, CheckpointWrapper) and layer.mlp is layer.mixer
+    assert isinstance(unwrap_checkpoint_wrapper(layer.mixer), Mixer)
+    assert list(layer.state_dict()) == keys
+    assert unwrap_checkpoint_wrapper(layer) is layer
 
 
 def test_scope_none_or_empty_means_all() -> None:
