@@ -1,4 +1,4 @@
-"""`translate_hf_tp_plan`: the tensor-parallel plan transformers declares for a model, in our styles.
+"""`translate_hf_tp_plan`, `get_hf_tp_shard_plan`: the TP plan transformers declares, in our styles.
 
 transformers 5 declares a plan per model (``base_model_tp_plan`` on the config, ``_tp_plan`` on the
 class, merged into the instance's ``_tp_plan``) in its own style names. How each name is translated:
@@ -28,10 +28,22 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.linear_styles import MlaKvAprojParallel
-from automodel_distributed.tensor_parallel.styles import HF_STYLE_ALIASES, STYLE_NAMES, hf_style_is_skipped
+from automodel_distributed.tensor_parallel.styles import (
+    HF_STYLE_ALIASES,
+    STYLE_NAMES,
+    hf_style_is_skipped,
+    parallel_style,
+)
 from automodel_mesh.modules import join_fqn
 
-__all__ = ["call_or_none", "is_plain_embedding", "module_fqn", "raw_hf_tp_plan", "translate_hf_tp_plan"]
+__all__ = [
+    "call_or_none",
+    "get_hf_tp_shard_plan",
+    "is_plain_embedding",
+    "module_fqn",
+    "raw_hf_tp_plan",
+    "translate_hf_tp_plan",
+]
 
 
 def call_or_none(model: nn.Module, method: str) -> Any:
@@ -150,3 +162,24 @@ def translate_hf_tp_plan(
         return None, "transformers' tp plan shards no module of this model besides its embeddings"
     note = f"left out (stay replicated): {skipped}" if skipped else "nothing left out"
     return plan, note
+
+
+def get_hf_tp_shard_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """The model's own (transformers) tensor-parallel plan as ``{module path: ParallelStyle}``.
+
+    The reference system's name for `translate_hf_tp_plan` followed by `parallel_style`: the same
+    translation `resolve_tp_plan` uses for transformers' plan (expert and "local" styles left replicated,
+    the input embedding vocab-parallel, the output head column-parallel with vocab-sharded logits). Pure:
+    the model is not changed.
+
+    Raises:
+        ValueError: transformers declares no usable plan for the model (the message says why); give
+            ``FSDP2Config.tp_plan`` or run with ``tp_size=1``.
+    """
+    plan, note = translate_hf_tp_plan(model)
+    if plan is None:
+        raise ValueError(
+            f"Hugging Face TP plan is not supported for {type(model).__name__}: {note}; provide "
+            "FSDP2Config.tp_plan or run with tp_size=1"
+        )
+    return {fqn: s if isinstance(s, ParallelStyle) else parallel_style(s) for fqn, s in plan.items()}
