@@ -52,11 +52,15 @@ def is_conv1d(module: nn.Module) -> bool:
 def linear_features(module: nn.Module) -> tuple[int, int] | None:
     """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``; None for anything else.
 
-    A subclass with a ``forward`` of its own (e.g. a router returning a tuple) is not a linear here: the
-    column/row-parallel output hooks expect the tensor ``F.linear`` returns.
+    A subclass with a ``forward`` of its own counts only when one call on fake tensors (no compute, meta
+    weights included) maps ``(..., in)`` to a tensor ``(..., out)`` as ``F.linear`` does (torchao's
+    ``Float8Linear``); one that returns a tuple (a router) or another shape is not a linear here, since
+    the column/row-parallel output hooks expect the tensor ``F.linear`` returns.
     """
-    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
-        return module.in_features, module.out_features
+    if isinstance(module, nn.Linear):
+        if type(module).forward is nn.Linear.forward or _maps_like_linear(module):
+            return module.in_features, module.out_features
+        return None
     if is_conv1d(module):
         from transformers.pytorch_utils import Conv1D
 
@@ -66,6 +70,17 @@ def linear_features(module: nn.Module) -> tuple[int, int] | None:
         assert isinstance(weight, torch.Tensor)
         return int(weight.shape[0]), int(weight.shape[1])
     return None
+
+
+def _maps_like_linear(module: nn.Linear) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            out = module(torch.empty(2, 3, module.in_features, device=module.weight.device))
+    except Exception:  # it cannot take (..., in): not a plain linear map
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (2, 3, module.out_features)
 
 
 def sum_gradient_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
