@@ -53,6 +53,8 @@ def _seed(seed: int) -> None:
 def _init_process_group(job: JobConfig) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = timedelta(minutes=job.launch.timeout_minutes)
+    if dist.is_initialized():  # a caller running several jobs in one process group (benchmarks)
+        return torch.device("cuda", local_rank) if job.device_type == "cuda" else torch.device("cpu")
     if job.device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
