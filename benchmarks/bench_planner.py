@@ -170,9 +170,8 @@ def main() -> None:
     print("| layout | estimate (MiB) | measured (MiB) | estimate / measured |")
     print("|---|---|---|---|")
     for row in rows:
-        print(
-            f"| {row['layout']} | {row['estimate_mib']:.0f} | {row['measured_mib']:.0f} | {row['ratio']:.2f} |"
-        )
+        estimate, measured = row["estimate_mib"], row["measured_mib"]
+        print(f"| {row['layout']} | {estimate:.0f} | {measured:.0f} | {row['ratio']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -198,7 +198,8 @@ def profile_activations(
         plan_parents = tuple(
             {fqn.rsplit(".", 1)[0] for fqn in styles if fqn.rsplit(".", 1)[0].startswith(block_prefixes)}
         )
-        embed_fqn = names.get(model.get_input_embeddings(), "\0")
+        embedding_module = model.get_input_embeddings()  # type: ignore[operator]
+        embed_fqn = names.get(embedding_module, "\0")
         scope: list[str] = []
         current = [-1]
 
@@ -256,9 +257,9 @@ def profile_activations(
             handle.remove()
     per_block = [[0, 0] for _ in blocks]
     head = embedding = largest = 0
-    for block, kind, size in saved.values():
-        if block >= 0:
-            per_block[block][0 if kind == "boundary" else 1] += size
+    for index, kind, size in saved.values():
+        if index >= 0:
+            per_block[index][0 if kind == "boundary" else 1] += size
         elif kind == "embedding":
             embedding += size
         else:
