@@ -26,7 +26,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-MiB = 2**20
+from bench_checkpoint_load import MiB, _status
+from bench_checkpoint_load import _reset_peak as _reset_rss
+
 MODEL: dict[str, int] = {
     "hidden_size": 768,
     "intermediate_size": 2048,
@@ -96,20 +98,10 @@ def _jobs(tmp: Path) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
     return jobs, estimates
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _reset_peak() -> int:
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed pages back, so the next layout's growth shows
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
+    return _reset_rss()
 
 
 def measure_layouts(jobs: dict[str, dict[str, Any]]) -> dict[str, float]:
