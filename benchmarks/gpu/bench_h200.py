@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = run(args)
     if dist.get_rank() == 0:
         shape = f"{args.layers} layers, bf16, batch {args.batch} x {args.seq}, {results['device']}"
-        print(f"Llama-3.1-8B widths, {shape}")
+        print(f"{'tiny (logic check)' if args.tiny else 'Llama-3.1-8B'} widths, {shape}")
         print("| variant | tokens/s | MFU | step (s) | max allocated (GiB) |")
         print("|---|---|---|---|---|")
         for name, row in results.items():
