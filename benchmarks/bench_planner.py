@@ -119,7 +119,8 @@ def measure_layouts(jobs: dict[str, dict[str, Any]]) -> dict[str, float]:
     # The first setup imports torch's FSDP, DTensor and pipelining modules: run it once unmeasured.
     for name, plain in [("warm-up", jobs[first]), *jobs.items()]:
         job = build_job(RawJob(sections=plain))
-        dist.barrier()
+        if dist.is_initialized():  # the first setup starts the process group
+            dist.barrier()
         base = _reset_peak()
         run = train._setup(job)
         rank_rows = run.rows[: run.resolved.rows_per_dp_rank]
