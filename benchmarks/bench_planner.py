@@ -123,10 +123,12 @@ def measure_layouts(jobs: dict[str, dict[str, Any]]) -> dict[str, float]:
             dist.barrier()
         base = _reset_peak()
         run = train._setup(job)
-        rank_rows = run.rows[: run.resolved.rows_per_dp_rank]
+        import torch
+
+        rows = torch.arange(run.resolved.rows_per_dp_rank)
         run_step(
             run.model if run.pipeline is None else None,
-            rank_rows,
+            run.rows.batch(rows, run.device),
             loss_fn=run.loss_fn,
             micro_batch_size=job.train.micro_batch_size,
             strategy=run.strategy,
