@@ -65,10 +65,8 @@ def restart_count() -> int:
 def _init_process_group(job: JobConfig) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = timedelta(minutes=job.launch.timeout_minutes)
-<<<<<<< HEAD
     if dist.is_initialized():  # a caller running several jobs in one process group (benchmarks)
         return torch.device("cuda", local_rank) if job.device_type == "cuda" else torch.device("cpu")
-=======
     options: dict[str, Any] = {"timeout": timeout}
     restarts = restart_count()
     if restarts:
@@ -80,7 +78,6 @@ def _init_process_group(job: JobConfig) -> torch.device:
 
         store, rank, world = next(rendezvous("env://", timeout=timeout))
         options.update(store=PrefixStore(f"automodel/restart_{restarts}", store), rank=rank, world_size=world)
->>>>>>> main
     if job.device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
