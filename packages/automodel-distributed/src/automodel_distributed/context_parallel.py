@@ -52,10 +52,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from automodel_distributed.layers import find_transformer_blocks
 from automodel_mesh import MeshAxisName, MeshContext
+from automodel_mesh.modules import find_hf_model, unwrap
 
 __all__ = [
     "ATTENTION_MODULE_NAMES",
     "CP_SEQUENCE_KEYS",
+    "SEQUENCE_MIXING_OPS",
     "apply_context_parallel",
     "context_parallel_inputs",
     "context_parallel_region",
@@ -181,7 +183,7 @@ def _strip_attention_mask(
         and isinstance(hidden, torch.Tensor)
         and hidden.shape[1] * active_cp_size > window
     ):
-        raise NotImplementedError(
+        raise ValueError(
             f"{type(module).__name__} uses sliding-window attention (window {window}) over a sequence of "
             f"{hidden.shape[1] * active_cp_size} tokens, which context parallelism does not support "
             "(ring attention is plainly causal); use sequences no longer than the window or cp_size=1"
@@ -190,12 +192,101 @@ def _strip_attention_mask(
     return args, kwargs
 
 
+SEQUENCE_MIXING_OPS: frozenset[str] = frozenset(
+    {"matmul", "__matmul__", "bmm", "baddbmm", "einsum", "mm", "conv1d", "conv2d", "cumsum", "cumprod",
+     "cummax", "logcumsumexp", "roll", "flip"}
+)  # fmt: skip
+"""Ops that can combine the positions of a sequence when they take floating-point activations (a
+product of two activations, a convolution or a scan over time). Under context parallelism each rank holds
+a slice of the sequence and only ``scaled_dot_product_attention`` (ring attention) sees all of it."""
+
+
+def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
+    """Refuse a model whose forward combines positions outside SDPA (a silent error under CP).
+
+    One forward of the transformers model on fake tensors (`automodel_mesh.dataflow`; no compute, no
+    memory, meta models included) labels everything computed from the token embeddings and records the
+    ops of `SEQUENCE_MIXING_OPS` that take such activations: state-space and linear-attention layers
+    (scans, convolutions over time), attention computed by hand, sparse-attention indexers. Layer kinds
+    the config declares that are not attention (``layer_types``) are refused at once, and chunked
+    attention (its mask is dropped under CP) too.
+
+    Raises:
+        ValueError: The forward mixes positions outside SDPA, or it does not run on fake tensors (so
+            that CP cannot be shown to be exact for it).
+    """
+    from automodel_mesh.dataflow import DataFlow, fake_forward
+
+    _, hf = find_hf_model(unwrap(model))
+    config = getattr(hf, "config", None)
+    name = type(hf).__name__
+    kinds = set(getattr(config, "layer_types", None) or ())
+    others = sorted(k for k in kinds if k not in ("full_attention", "sliding_attention"))
+    if others:
+        raise ValueError(
+            f"context parallelism runs only attention as ring attention, but {name} has layers of kind "
+            f"{others} (config.layer_types); use cp_size=1 for it"
+        )
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        raise ValueError(
+            f"{name} uses chunked attention (attention_chunk_size={chunk}), whose "
+            "mask context parallelism cannot apply (ring attention is plainly causal); use cp_size=1"
+        )
+    get_embeddings = getattr(hf, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    if not isinstance(embeddings, nn.Module):
+        raise ValueError(f"context parallelism cannot check {name}: it has no input embedding to trace from")
+    mixing: set[str] = set()
+
+    def on_op(op: str, args: tuple[Any, ...], kwargs: dict[str, Any], labels_of: Any) -> None:
+        if op == "scaled_dot_product_attention":
+            # A mask computed from the activations (a learned, content-dependent mask) is over this
+            # rank's keys only; ring attention runs unmasked, so it cannot apply it.
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if isinstance(mask, torch.Tensor) and labels_of(mask):
+                mixing.add("an SDPA mask computed from activations")
+            return
+        if op not in SEQUENCE_MIXING_OPS:
+            return
+        floats = [
+            a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()
+        ]
+        traced = [a for a in floats if labels_of(a)]
+        products = op in ("matmul", "__matmul__", "bmm", "baddbmm", "einsum", "mm")
+        if len(traced) >= (2 if products else 1):
+            mixing.add(op)
+
+    flow = DataFlow(on_op)
+    hook = embeddings.register_forward_hook(lambda _m, _a, out: flow.set(out, {"activations"}))
+    param = next(hf.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    try:
+        # Unbacked sizes for value-dependent shapes: an MoE dispatch by nonzero() still traces.
+        with fake_forward(flow, data_dependent_shapes=True):
+            hf(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device), use_cache=False)
+    except Exception as exc:
+        raise ValueError(
+            f"context parallelism cannot check {name}: its forward does not run on fake tensors "
+            f"({type(exc).__name__}: {str(exc)[:200]}); use cp_size=1 for it"
+        ) from None
+    finally:
+        hook.remove()
+    if mixing:
+        raise ValueError(
+            f"{name} combines positions of the sequence outside scaled_dot_product_attention "
+            f"({', '.join(sorted(mixing))}: a scan, a convolution over time, attention computed by hand or "
+            "an attention mask computed from activations); under context parallelism each rank holds a "
+            "slice of the sequence and only unmasked SDPA becomes ring attention, so use cp_size=1 for it"
+        )
+
+
 def apply_context_parallel(model: nn.Module) -> nn.Module:
     """Make ``model``'s attention run as plain causal SDPA inside `context_parallel_region`.
 
     Registers a forward pre-hook on the attention sub-module of every transformer block (found by the
     names in `ATTENTION_MODULE_NAMES`) that drops the ``attention_mask`` keyword while a CP region is open
-    (SDPA then runs with ``is_causal=True``), and that raises ``NotImplementedError`` for sliding-window
+    (SDPA then runs with ``is_causal=True``), and that raises ``ValueError`` for sliding-window
     attention over a sequence longer than the window. Outside a region the hooks do nothing. Idempotent.
 
     Preconditions: a transformers model with ``attn_implementation="sdpa"`` and causal attention.
@@ -204,7 +295,8 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
         ``model`` (hooks added).
 
     Raises:
-        ValueError: The model does not use SDPA attention, or no attention sub-module was found.
+        ValueError: The model does not use SDPA attention, combines positions outside it
+            (`_check_positions_mix_only_in_sdpa`), or no attention sub-module was found.
     """
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
@@ -214,6 +306,7 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
             f"{type(model).__name__} uses attn_implementation={impl!r}; load it with "
             "attn_implementation='sdpa'"
         )
+    _check_positions_mix_only_in_sdpa(model)
     hooked = 0
     for fqn, block in find_transformer_blocks(model):
         attention = next(

@@ -123,7 +123,7 @@ def test_sliding_windows_shorter_than_the_sequence_are_refused() -> None:
         token = cp._ACTIVE_CP_SIZE.set(cp_size)
         try:
             if refused:
-                with pytest.raises(NotImplementedError, match=r"window 8.*16 tokens"):
+                with pytest.raises(ValueError, match=r"window 8.*16 tokens"):
                     model(**batch)
             else:
                 model(**batch)
@@ -174,3 +174,42 @@ def test_a_mesh_without_a_cp_axis_is_rejected(tmp_path: pathlib.Path) -> None:
             pass  # even with one cp rank, so that raising cp_size later changes nothing
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("family", "refusal"),
+    [
+        ("llama", None),
+        ("qwen3_moe", None),
+        ("jetmoe", None),  # its MoE dispatch sizes by nonzero(): traced with unbacked sizes
+        ("longcat_flash", r"does not run on fake tensors"),  # Python control flow on those sizes
+        ("mamba", r"uses attn_implementation="),  # no attention at all
+        ("qwen3_next", r"layers of kind \['linear_attention'\]"),  # a scan over time beside attention
+        ("llama4_text", r"chunked_attention"),  # a mask ring attention cannot apply
+        ("doge", r"an SDPA mask computed from activations"),  # a learned, content-dependent mask
+    ],
+)
+def test_only_models_that_mix_positions_in_sdpa_alone_are_accepted(family: str, refusal: str | None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(derive_tiny_config(family))
+    if refusal is None:
+        assert apply_context_parallel(model) is model
+    else:
+        with pytest.raises(ValueError, match=refusal):
+            apply_context_parallel(model)
+
+
+def test_attention_computed_by_hand_is_found_whatever_the_config_says() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_distributed.context_parallel import _check_positions_mix_only_in_sdpa
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):  # GPT-OSS's attention sinks: scores computed with matmul, outside SDPA
+        model = AutoModelForCausalLM.from_config(derive_tiny_config("gpt_oss"))
+    with pytest.raises(ValueError, match=r"outside scaled_dot_product_attention \(matmul:"):
+        _check_positions_mix_only_in_sdpa(model)
