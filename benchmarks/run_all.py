@@ -42,6 +42,7 @@ import bench_fsdp2_manager
 import bench_import_time
 import bench_moe_ep
 import bench_pipeline_bubble
+import bench_planner
 import bench_safetensors_reader
 import bench_vs_nemo
 
@@ -260,6 +261,23 @@ def section_schedules() -> list[Row]:
     return rows
 
 
+def section_planner() -> list[Row]:
+    rows = []
+    for row in bench_planner.measure():
+        rows.append(
+            Row(
+                "planner",
+                f"estimated vs measured peak per rank, {row['layout']} ({bench_planner.RANKS} ranks)",
+                f"{row['estimate_mib']:.0f} MiB",
+                f"{row['measured_mib']:.0f} MiB",
+                _ratio(row["estimate_mib"], row["measured_mib"]),
+                f"`automodel plan` total vs VmHWM growth over setup + 1 AdamW step, max over ranks; "
+                f"Llama 53M fp32, seq {bench_planner.SEQ}",
+            )
+        )
+    return rows
+
+
 SECTIONS: dict[str, Callable[[], list[Row]]] = {
     "pytorch": section_pytorch,
     "transformers": section_transformers,
@@ -267,6 +285,7 @@ SECTIONS: dict[str, Callable[[], list[Row]]] = {
     "imports": section_imports,
     "readers": section_readers,
     "schedules": section_schedules,
+    "planner": section_planner,
 }
 
 

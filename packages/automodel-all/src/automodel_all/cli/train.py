@@ -65,6 +65,8 @@ def restart_count() -> int:
 def _init_process_group(job: JobConfig) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = timedelta(minutes=job.launch.timeout_minutes)
+    if dist.is_initialized():  # a caller running several jobs in one process group (benchmarks)
+        return torch.device("cuda", local_rank) if job.device_type == "cuda" else torch.device("cpu")
     options: dict[str, Any] = {"timeout": timeout}
     restarts = restart_count()
     if restarts:
