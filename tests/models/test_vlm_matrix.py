@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import subprocess
 import tempfile
 import time
 import traceback
@@ -44,6 +45,17 @@ ATOL = 1e-5
 REPORT_ENV = "AUTOMODEL_VLM_MATRIX_REPORT"
 """Where the ``models`` session's run writes its JSON (default: build/models/vlm.json)."""
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+INTRO = (
+    "Every image-text-to-text family of transformers (`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`) x "
+    "every layout, loaded from its `save_pretrained` checkpoint (the family's own key layout, renamed by "
+    "transformers' conversion mapping) into a meta `AutoModelForImageTextToText` through "
+    "`apply_model_infrastructure` and compared with single-process transformers on a batch with one "
+    "image per row (the family's own image processor): first logits, first loss, gradient norm and the "
+    "losses after two SGD steps (fp32, 1e-5). The `frozen` layouts freeze the vision tower with "
+    "`freeze_config` and place it as `FSDP2Config.multimodal.frozen_sharding` says; they also check that "
+    "the frozen tower gets no gradients and no optimizer state and does not move. A case works, is "
+    "**refused** (every rank raised the same `ValueError` from automodel) or fails (anything else)."
+)
 
 FAST_FAMILIES: tuple[str, ...] = (
     "llava",  # CLIP tower + projector + Llama: the plain layout
@@ -325,7 +337,7 @@ def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, pat
 
 
 def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> None:
-    """Every family of ``checkpoints`` under one layout on this rank; results in ``progress/rank<r>.jsonl``."""
+    """Every family of ``checkpoints`` under one layout on this rank (results: ``progress/rank<r>.jsonl``)."""
     from automodel_mesh import MeshContext, ParallelismSizes
 
     layout = LAYOUTS[layout_name]
@@ -448,7 +460,14 @@ def test_full_vlm_matrix(tmp_path_factory: pytest.TempPathFactory) -> None:
             paths[family.model_type] = prepared["path"]
         else:
             broken[family.model_type] = prepared["reference_error"]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+    ).stdout.strip()
     report: dict[str, Any] = {
+        "title": "Vision-language models",
+        "intro": INTRO,
+        "commit": commit or "unknown",
+        "load": "{:.1f} {:.1f} {:.1f}".format(*os.getloadavg()),
         "transformers": transformers.__version__,
         "layouts": {name: asdict(layout) for name, layout in LAYOUTS.items()},
         "reference_errors": broken,
