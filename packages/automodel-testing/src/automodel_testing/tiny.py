@@ -292,15 +292,15 @@ def _apply_relations(config_class: type, defaults: Mapping[str, Any], fields: di
     if "mamba_headdim" in fields and _is_int(get("n_mamba_heads")) and _is_int(get("mamba_expand")):
         fields["mamba_headdim"] = get("mamba_expand") * hidden // get("n_mamba_heads")
     # Multimodal rotary embeddings: the sections (time, height, width) split half the tiny head.
-    rope = fields.get("rope_parameters", defaults.get("rope_parameters"))
+    rotary = fields.get("rope_parameters", defaults.get("rope_parameters"))
     head = get("head_dim")
     if head is None and _is_int(hidden) and _is_int(get(_resolve(config_class, "num_attention_heads"))):
         head = hidden // get(_resolve(config_class, "num_attention_heads"))
-    if isinstance(rope, Mapping) and isinstance(rope.get("mrope_section"), list) and _is_int(head):
-        sections = rope["mrope_section"]
+    if isinstance(rotary, Mapping) and isinstance(rotary.get("mrope_section"), list) and _is_int(head):
+        sections = rotary["mrope_section"]
         scaled = [max(1, section * (head // 2) // sum(sections)) for section in sections]
         scaled[-1] += head // 2 - sum(scaled)
-        fields["rope_parameters"] = {**rope, "mrope_section": scaled}
+        fields["rope_parameters"] = {**rotary, "mrope_section": scaled}
     # Vision towers: a tiny image of IMAGE_PATCHES x IMAGE_PATCHES patches (sizes given as int or pair).
     patch, image = get("patch_size"), defaults.get("image_size")
     if _is_int(patch) and (_is_int(image) or isinstance(image, list)):
@@ -364,7 +364,7 @@ def _tiny_fields(config_class: type, defaults: Mapping[str, Any]) -> dict[str, A
     default_depth = defaults.get(depth_name) if depth_name else None
     for name, value in defaults.items():
         indexes = isinstance(value, list) and value and all(_is_int(v) for v in value)
-        if name.endswith(("_indexes", "_indices")) and _is_int(default_depth) and indexes:
+        if name.endswith(("_indexes", "_indices")) and isinstance(default_depth, int) and indexes:
             fields[name] = _layer_indexes(value, depth, default_depth)
     if isinstance(defaults.get("per_layer_config"), Mapping) and defaults["per_layer_config"]:
         fields["per_layer_config"] = _per_layer(defaults["per_layer_config"], defaults, fields, depth)

@@ -69,7 +69,7 @@ def image_inputs(config: Any, images: int, *, seed: int = 0) -> dict[str, torch.
     """
     import numpy as np
     import transformers
-    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+    from transformers.models.auto.auto_mappings import IMAGE_PROCESSOR_MAPPING_NAMES
 
     names = IMAGE_PROCESSOR_MAPPING_NAMES.get(config.model_type)
     if not names or "pil" not in names:
@@ -126,10 +126,10 @@ def image_batch(
     Raises:
         ValueError: The image tokens do not fit in ``seq``.
     """
-    config = model.config
+    vlm: Any = model  # a transformers vision-language model (its attributes are not typed)
+    config = vlm.config
     pixels = image_inputs(config, rows)
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    features_fn = inner.get_image_features
+    features_fn = vlm.get_image_features
     with torch.no_grad():
         accepted = {k: v for k, v in pixels.items() if _accepts(features_fn, k)}
         per_image = _feature_rows(features_fn(**accepted)) // rows
