@@ -69,9 +69,10 @@ def image_inputs(config: Any, images: int, *, seed: int = 0) -> dict[str, torch.
     """
     import numpy as np
     import transformers
-    from transformers.models.auto.auto_mappings import IMAGE_PROCESSOR_MAPPING_NAMES
+    from transformers.models.auto import image_processing_auto
 
-    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(config.model_type)
+    # The merged registry (standard and non-standard names); the module does not re-export it for mypy.
+    names = vars(image_processing_auto)["IMAGE_PROCESSOR_MAPPING_NAMES"].get(config.model_type)
     if not names or "pil" not in names:
         raise ValueError(f"transformers registers no Pillow image processor for {config.model_type!r}")
     processor_class = getattr(transformers, names["pil"])
