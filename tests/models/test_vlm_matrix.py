@@ -321,6 +321,8 @@ def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, pat
     ]
     if moved:
         checks.append(f"frozen parameters changed: {moved[:3]}")
+    if not layout.lora:
+        checks += _save_back(model, path, f"{path}-saved-{layout.name}")
     out["loss_diff"] = max(abs(a - b) for a, b in zip(out["losses"], out["ref_losses"], strict=True))
     ok = out["logits"] <= ATOL and out["loss_diff"] <= ATOL and out["grad_norm"] <= ATOL * 10
     trains = out["losses"][-1] < out["losses"][0]
@@ -334,6 +336,37 @@ def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, pat
     out["status"] = "fails" if checks else "works"
     out["message"] = "; ".join(checks)
     return out
+
+
+def _save_back(model: Any, original: str, target: str) -> list[str]:
+    """Save the trained model as an HF checkpoint; it must have the original's keys and our weights."""
+    import safetensors
+
+    from transformers import AutoModelForImageTextToText
+
+    from automodel_distributed import save_hf_checkpoint
+    from automodel_testing import normalize_fqn, to_full
+
+    save_hf_checkpoint(model, target, overwrite=True)
+    ours = {normalize_fqn(n): to_full(p).detach() for n, p in model.named_parameters()}
+
+    def keys(folder: str) -> set[str]:
+        found: set[str] = set()
+        for file in pathlib.Path(folder).glob("*.safetensors"):
+            with safetensors.safe_open(str(file), "pt") as handle:
+                found.update(handle.keys())
+        return found
+
+    problems = []
+    if keys(target) != keys(original):
+        problems.append(
+            f"saved keys differ from save_pretrained's: {sorted(keys(target) ^ keys(original))[:4]}"
+        )
+    loaded = dict(AutoModelForImageTextToText.from_pretrained(target, dtype=torch.float32).named_parameters())
+    differ = [n for n, t in ours.items() if n not in loaded or not torch.equal(loaded[n].detach(), t)]
+    if differ:
+        problems.append(f"the saved checkpoint reloads other weights: {differ[:3]}")
+    return problems
 
 
 def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> None:
