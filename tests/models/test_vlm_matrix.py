@@ -341,7 +341,6 @@ def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, pat
 def _save_back(model: Any, original: str, target: str) -> list[str]:
     """Save the trained model as an HF checkpoint; it must have the original's keys and our weights."""
     import safetensors
-
     from transformers import AutoModelForImageTextToText
 
     from automodel_distributed import save_hf_checkpoint
