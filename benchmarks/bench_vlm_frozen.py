@@ -46,13 +46,13 @@ def _bytes(tensor: torch.Tensor) -> int:
 
 def _measure(folder: str, sharding: str) -> dict[str, int]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from automodel_distributed.config import FSDP2Config, MultimodalDistributedConfig
     from automodel_distributed.multimodal import model_parts
     from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
     from automodel_mesh import MeshContext
     from automodel_testing.vlm import image_batch
-    from transformers import AutoConfig, AutoModelForImageTextToText
 
     config = FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
