@@ -207,6 +207,10 @@ FAMILY_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
     },
     # The attention window is in pixels (not tokens): one merged 2 x 2-patch token per window.
     "qwen2_5_vl_vision": {"window_size": 28},
+    # The model falls back to mrope sections of a 128-wide head when the config gives none.
+    "qwen2_5_vl_text": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+    },
 }
 """Model type (of a config or of a sub-config) -> config fields the generic rules cannot derive."""
 
