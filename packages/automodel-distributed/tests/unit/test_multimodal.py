@@ -100,3 +100,16 @@ def test_a_trainable_tower_is_no_frozen_tower() -> None:
     assert frozen_towers(model) == []
     units = plan_fsdp_units(model, reshard_after_forward=None, frozen_sharding="root")
     assert any(".vision_tower." in u.fqn for u in units)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_checkpointing_scopes_follow_the_parts(model_type: str) -> None:
+    from automodel_distributed.layers import blocks_in_scope
+
+    model = _vlm(model_type)
+    parts = model_parts(model)
+    vision = blocks_in_scope(model, ("vision",))
+    language = blocks_in_scope(model, ("language",))
+    assert len(vision) >= 4 and len(language) >= 4
+    assert {parts.role_of(fqn) for fqn, _ in vision} == {"vision"}
+    assert {parts.role_of(fqn) for fqn, _ in language} == {"language"}
