@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from automodel_testing import DistributedRunError, run_distributed
+from automodel_testing.matrix import Row, merge_ranks, read_progress
 
 ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.1
 ATOL = 1e-5
@@ -459,51 +460,6 @@ def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> 
 # ------------------------------------------------------------------------------------ parent side
 
 
-@dataclass
-class Row:
-    """One (family, layout) case of the matrix, merged over the ranks."""
-
-    family: str
-    layout: str
-    status: str
-    message: str = ""
-    logits: float | None = None
-    loss_diff: float | None = None
-    grad_norm: float | None = None
-    seconds: float = 0.0
-
-
-def merge(family: str, layout: str, per_rank: list[dict[str, Any]]) -> Row:
-    """One row from every rank's result: agreement is required (a refusal on some ranks is a failure)."""
-    statuses = {r["status"] for r in per_rank}
-    first = per_rank[0]
-    worst = next((r for r in per_rank if r["status"] == "fails"), first)
-    row = Row(
-        family, layout, worst["status"], worst.get("message", ""), seconds=max(r["seconds"] for r in per_rank)
-    )
-    if len(statuses) > 1:
-        row.status = "fails"
-        row.message = f"ranks disagree: {[r['status'] for r in per_rank]}: {worst.get('message', '')}"
-    if "logits" in worst:
-        row.logits = max(r.get("logits", 0.0) for r in per_rank)
-        row.loss_diff = max(r.get("loss_diff", 0.0) for r in per_rank)
-        row.grad_norm = max(r.get("grad_norm", 0.0) for r in per_rank)
-    if row.status == "fails" and "traceback" in worst:
-        row.message += "\n" + worst["traceback"]
-    return row
-
-
-def _progress(folder: pathlib.Path, world_size: int) -> dict[str, list[dict[str, Any]]]:
-    """Family -> the results of the ranks that recorded one."""
-    found: dict[str, list[dict[str, Any]]] = {}
-    for rank in range(world_size):
-        path = folder / f"rank{rank}.jsonl"
-        for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-            item = json.loads(line)
-            found.setdefault(item.pop("family"), []).append(item)
-    return found
-
-
 def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
     """``layout_name`` over ``checkpoints``, one merged row per family.
 
@@ -530,10 +486,10 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
                 )
             except DistributedRunError as exc:
                 error = str(exc)
-            done = _progress(folder, layout.world_size)
+            done = read_progress(folder, layout.world_size)
             for family in left:
                 if len(done.get(family, [])) == layout.world_size:
-                    rows[family] = merge(family, layout_name, done[family])
+                    rows[family] = merge_ranks(family, layout_name, done[family])
                     continue
                 # The family this launch stopped at: a rank raised, died or hung there.
                 recorded = "; ".join(r.get("message", "") for r in done.get(family, []))

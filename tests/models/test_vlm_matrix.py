@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from automodel_testing import DistributedRunError, run_distributed
+from automodel_testing.matrix import Row, merge_ranks, read_progress
 
 ROWS, SEQ, STEPS, LR = 4, 24, 2, 0.1
 ATOL = 1e-5
@@ -394,20 +395,6 @@ def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> 
             dist.barrier()
 
 
-@dataclass
-class Row:
-    """One (family, layout) case, merged over the ranks."""
-
-    family: str
-    layout: str
-    status: str
-    message: str = ""
-    logits: float | None = None
-    loss_diff: float | None = None
-    grad_norm: float | None = None
-    seconds: float = 0.0
-
-
 def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
     """``layout_name`` over ``checkpoints`` in one launch; one merged row per family."""
     layout = LAYOUTS[layout_name]
@@ -419,38 +406,14 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
             )
         except DistributedRunError as exc:
             error = str(exc)[-2500:]
-        found: dict[str, list[dict[str, Any]]] = {}
-        for rank in range(layout.world_size):
-            file = pathlib.Path(tmp, f"rank{rank}.jsonl")
-            for line in file.read_text(encoding="utf-8").splitlines() if file.is_file() else []:
-                item = json.loads(line)
-                found.setdefault(item.pop("family"), []).append(item)
+        found = read_progress(tmp, layout.world_size)
     rows = []
     for family in checkpoints:
         results = found.get(family, [])
         if len(results) < layout.world_size:
             rows.append(Row(family, layout_name, "fails", f"not every rank finished\n{error}"))
             continue
-        statuses = {r["status"] for r in results}
-        worst = next((r for r in results if r["status"] == "fails"), results[0])
-        row = Row(
-            family,
-            layout_name,
-            worst["status"],
-            worst.get("message", ""),
-            seconds=max(r["seconds"] for r in results),
-        )
-        if len(statuses) > 1:
-            row.status, row.message = (
-                "fails",
-                f"ranks disagree: {[r['status'] for r in results]}: {row.message}",
-            )
-        if "logits" in worst:
-            row.logits = max(r.get("logits", 0.0) for r in results)
-            row.loss_diff = max(r.get("loss_diff", 0.0) for r in results)
-            row.grad_norm = max(r.get("grad_norm", 0.0) for r in results)
-        if "traceback" in worst:
-            row.message += "\n" + worst["traceback"]
+        row = merge_ranks(family, layout_name, results)
         rows.append(row)
     return rows
 

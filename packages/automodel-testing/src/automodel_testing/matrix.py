@@ -1,0 +1,61 @@
+"""The model matrices' results: one row per (family, layout) case, merged from every rank's record.
+
+Each rank of a matrix launch appends one JSON line per family to ``rank<r>.jsonl`` in a progress
+folder (``{"family": ..., "status": "works" | "refused" | "fails", "message": ..., "seconds": ...}``
+plus the measured differences); `read_progress` reads them back and `merge_ranks` turns the ranks'
+records of one case into a `Row`. Ranks must agree: a refusal on some ranks only is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Row", "merge_ranks", "read_progress"]
+
+
+@dataclass
+class Row:
+    """One (family, layout) case of a matrix, merged over the ranks."""
+
+    family: str
+    layout: str
+    status: str
+    message: str = ""
+    logits: float | None = None
+    loss_diff: float | None = None
+    grad_norm: float | None = None
+    seconds: float = 0.0
+
+
+def merge_ranks(family: str, layout: str, per_rank: list[dict[str, Any]]) -> Row:
+    """One row from every rank's record of a case (the worst rank's message; the largest differences)."""
+    statuses = {r["status"] for r in per_rank}
+    first = per_rank[0]
+    worst = next((r for r in per_rank if r["status"] == "fails"), first)
+    row = Row(
+        family, layout, worst["status"], worst.get("message", ""), seconds=max(r["seconds"] for r in per_rank)
+    )
+    if len(statuses) > 1:
+        row.status = "fails"
+        row.message = f"ranks disagree: {[r['status'] for r in per_rank]}: {worst.get('message', '')}"
+    if "logits" in worst:
+        row.logits = max(r.get("logits", 0.0) for r in per_rank)
+        row.loss_diff = max(r.get("loss_diff", 0.0) for r in per_rank)
+        row.grad_norm = max(r.get("grad_norm", 0.0) for r in per_rank)
+    if row.status == "fails" and "traceback" in worst:
+        row.message += "\n" + worst["traceback"]
+    return row
+
+
+def read_progress(folder: str | pathlib.Path, world_size: int) -> dict[str, list[dict[str, Any]]]:
+    """Family -> the records of the ranks that wrote one, from ``folder/rank<r>.jsonl``."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for rank in range(world_size):
+        path = pathlib.Path(folder) / f"rank{rank}.jsonl"
+        for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+            item = json.loads(line)
+            found.setdefault(item.pop("family"), []).append(item)
+    return found
