@@ -33,7 +33,6 @@ import pathlib
 import subprocess
 import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -44,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from automodel_testing import DistributedRunError, run_distributed
-from automodel_testing.matrix import Row, merge_ranks, read_progress
+from automodel_testing.matrix import Row, merge_ranks, read_progress, record_families, refusal
 
 ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.1
 ATOL = 1e-5
@@ -310,19 +309,11 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
             pretrained_model_name_or_path=path,
         )
     except ValueError as exc:
-        return _refusal(exc)
+        return refusal(exc)
     try:
         return _train(layout, ctx, axes, result, batch, local, rows, loss_fn, path)
     except ValueError as exc:  # a refusal that depends on the batch (a sequence longer than a window)
-        return _refusal(exc)
-
-
-def _refusal(exc: ValueError) -> dict[str, Any]:
-    """A refusal is a ValueError that automodel raised; any other exception is a failure."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames or "automodel_" not in frames[-1].filename:
-        raise exc
-    return {"status": "refused", "message": f"{type(exc).__name__}: {exc}"}
+        return refusal(exc)
 
 
 def _train(
@@ -436,25 +427,20 @@ def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> 
     from automodel_mesh import MeshContext, ParallelismSizes
 
     layout = LAYOUTS[layout_name]
-    out = pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl"
-    with _quiet(), out.open("a", encoding="utf-8") as log:
+
+    def after_each(family: str, result: dict[str, Any]) -> None:
+        if "traceback" in result:
+            raise RuntimeError(f"{family} failed under {layout_name}; relaunching for the rest")
+        dist.barrier()
+
+    with _quiet():
         ctx = MeshContext.build(_strategy(layout), ParallelismSizes(**layout.sizes))
-        for model_type, path in checkpoints.items():
-            start = time.perf_counter()
-            try:
-                result = _run_family(layout, ctx, path)
-            except Exception as exc:
-                result = {
-                    "status": "fails",
-                    "message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500],
-                    "traceback": traceback.format_exc()[-3000:],
-                }
-            result["seconds"] = round(time.perf_counter() - start, 2)
-            log.write(json.dumps({"family": model_type, **result}) + "\n")
-            log.flush()
-            if "traceback" in result:
-                raise RuntimeError(f"{model_type} failed under {layout_name}; relaunching for the rest")
-            dist.barrier()
+        record_families(
+            lambda path: _run_family(layout, ctx, path),
+            checkpoints,
+            pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl",
+            after_each=after_each,
+        )
 
 
 # ------------------------------------------------------------------------------------ parent side

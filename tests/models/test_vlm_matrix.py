@@ -29,7 +29,6 @@ import pathlib
 import subprocess
 import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from automodel_testing import DistributedRunError, run_distributed
-from automodel_testing.matrix import Row, merge_ranks, read_progress
+from automodel_testing.matrix import Row, merge_ranks, read_progress, record_families, refusal
 
 ROWS, SEQ, STEPS, LR = 4, 24, 2, 0.1
 ATOL = 1e-5
@@ -177,13 +176,6 @@ def _peft_config() -> Any:
     return PeftConfig(target_modules=["*language_model*proj", "*text_model*proj"], dim=4, alpha=8)
 
 
-def _refusal(exc: ValueError) -> dict[str, Any]:
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames or "automodel_" not in frames[-1].filename:
-        raise exc
-    return {"status": "refused", "message": f"{type(exc).__name__}: {exc}"}
-
-
 def _world_sum(value: torch.Tensor) -> float:
     value = value.detach().double().clone()
     dist.all_reduce(value)
@@ -226,7 +218,7 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
             freeze_config=layout.freeze,
         )
     except ValueError as exc:
-        return _refusal(exc)
+        return refusal(exc)
     return _train(layout, ctx, dp_size, dp_rank, result, path)
 
 
@@ -376,23 +368,14 @@ def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> 
     from automodel_mesh import MeshContext, ParallelismSizes
 
     layout = LAYOUTS[layout_name]
-    out = pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl"
-    with _quiet(), out.open("a", encoding="utf-8") as log:
+    with _quiet():
         ctx = MeshContext.build(_strategy(layout), ParallelismSizes(**layout.sizes))
-        for model_type, path in checkpoints.items():
-            start = time.perf_counter()
-            try:
-                result = _run_family(layout, ctx, path)
-            except Exception as exc:
-                result = {
-                    "status": "fails",
-                    "message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500],
-                    "traceback": traceback.format_exc()[-3000:],
-                }
-            result["seconds"] = round(time.perf_counter() - start, 2)
-            log.write(json.dumps({"family": model_type, **result}) + "\n")
-            log.flush()
-            dist.barrier()
+        record_families(
+            lambda path: _run_family(layout, ctx, path),
+            checkpoints,
+            pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl",
+            after_each=lambda family, result: dist.barrier(),
+        )
 
 
 def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import pathlib
+import time
+import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Row", "merge_ranks", "read_progress"]
+__all__ = ["Row", "merge_ranks", "read_progress", "record_families", "refusal"]
 
 
 @dataclass
@@ -59,3 +62,40 @@ def read_progress(folder: str | pathlib.Path, world_size: int) -> dict[str, list
             item = json.loads(line)
             found.setdefault(item.pop("family"), []).append(item)
     return found
+
+
+def refusal(exc: ValueError) -> dict[str, Any]:
+    """The record of a refusal: a ``ValueError`` automodel raised; any other exception is re-raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or "automodel_" not in frames[-1].filename:
+        raise exc
+    return {"status": "refused", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def record_families(
+    run_one: Callable[[str], dict[str, Any]],
+    checkpoints: Mapping[str, str],
+    log_path: str | pathlib.Path,
+    *,
+    after_each: Callable[[str, dict[str, Any]], None],
+) -> None:
+    """Run ``run_one(path)`` for each family on this rank and append its record to ``log_path``.
+
+    An exception becomes a ``fails`` record with its traceback; ``after_each(family, record)`` runs
+    after each record is written (a barrier, or a raise that stops the launch after a failure).
+    """
+    with pathlib.Path(log_path).open("a", encoding="utf-8") as log:
+        for family, path in checkpoints.items():
+            start = time.perf_counter()
+            try:
+                result = run_one(path)
+            except Exception as exc:
+                result = {
+                    "status": "fails",
+                    "message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500],
+                    "traceback": traceback.format_exc()[-3000:],
+                }
+            result["seconds"] = round(time.perf_counter() - start, 2)
+            log.write(json.dumps({"family": family, **result}) + "\n")
+            log.flush()
+            after_each(family, result)
