@@ -1,10 +1,17 @@
 """Which linear layers a `PeftConfig` adapts: pattern rules and their resolution on a model (pure).
 
-A pattern without ``*`` matches a module whose name is it or ends with ``.`` + it (a leaf name such as
-``"q_proj"`` or a dotted suffix such as ``"self_attn.q_proj"``); a pattern with ``*`` (any characters,
-dots included) must match the whole dotted name (``"*.layers.*.mlp.*_proj"``). Precedence:
-``match_all_linear`` > ``target_modules`` > everything except ``exclude_modules``. The first and last
-leave the model's output head out (a vocabulary-sized adapter is rarely wanted); name it in
+Two pattern forms, as in the reference system:
+
+- a plain name (letters, digits, ``_`` and ``.`` only) matches a module whose name is it or ends with
+  ``.`` + it: a leaf name such as ``"q_proj"`` or a dotted suffix such as ``"self_attn.q_proj"``;
+- anything else is a wildcard / regular expression that must match the whole dotted name: ``*`` and
+  ``.*`` match any characters, except that a ``.*`` right after a complete name segment (at the start of
+  the pattern, after ``.segment`` or after a numeric index) means "this module or anything below it", so
+  ``"*.layers.1.*"`` does not match ``layers.10``; the rest of the pattern is a Python regular
+  expression (``"*.(q|v)_proj"``, ``"*.layers.[0-3].*"``, ``".*"``).
+
+Precedence: ``match_all_linear`` > ``target_modules`` > everything except ``exclude_modules``. The first
+and last leave the model's output head out (a vocabulary-sized adapter is rarely wanted); name it in
 ``target_modules`` to adapt it.
 """
 
@@ -14,31 +21,56 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from automodel_mesh.modules import output_head_fqns
+from automodel_mesh.modules import is_conv1d, maps_like_linear, output_head_fqns
 from automodel_peft._names import clean_fqn, is_adapter_name
 from automodel_peft.config import PeftConfig
 
 __all__ = [
     "ModuleMatcher",
     "is_causal_lm",
+    "is_linear_layer",
     "output_head_names",
+    "pattern_regex",
     "patterns_to_regex",
     "resolve_target_modules",
 ]
 
+_PLAIN = re.compile(r"[\w.]+")
+_WILDCARD = re.compile(r"\.?\*")
+_INDEX_END = re.compile(r"\.\d+$")
 
-def _pattern_regex(pattern: str) -> str:
-    body = ".*".join(re.escape(part) for part in pattern.split("*"))
-    if "*" in pattern:
-        return body  # a wildcard pattern covers the whole name
-    return rf"(?:.*\.)?{body}"  # a leaf name or dotted suffix matches at any depth
+
+def pattern_regex(pattern: str) -> str:
+    """The regular expression (for ``fullmatch`` on a full module name) of one target pattern.
+
+    Raises:
+        ValueError: The pattern is not a valid regular expression.
+    """
+    if _PLAIN.fullmatch(pattern):
+        return rf"(?:.*\.)?{re.escape(pattern)}"  # a leaf name or dotted suffix, at any depth
+    pieces: list[str] = []
+    start = 0
+    for wildcard in _WILDCARD.finditer(pattern):
+        text = pattern[start : wildcard.start()]
+        # ``.*`` after a whole segment keeps its dot as a separator: the segment itself or its children.
+        whole_segment = bool(text) and (start == 0 or text.startswith(".") or bool(_INDEX_END.search(text)))
+        pieces += [text, r"(?:\..*)?" if wildcard.group() == ".*" and whole_segment else ".*"]
+        start = wildcard.end()
+    pieces.append(pattern[start:])
+    regex = "(?:" + "".join(pieces) + ")"
+    try:
+        re.compile(regex)
+    except re.error as exc:
+        raise ValueError(f"target pattern {pattern!r} is not a valid regular expression: {exc}") from None
+    return regex
 
 
 def patterns_to_regex(patterns: Iterable[str]) -> str:
     """One regex that full-matches exactly the names any of ``patterns`` matches (peft's string form)."""
-    return "(?:" + "|".join(_pattern_regex(p) for p in patterns) + ")"
+    return "(?:" + "|".join(pattern_regex(p) for p in patterns) + ")"
 
 
 def _compile(patterns: Sequence[str]) -> re.Pattern[str] | None:
@@ -76,17 +108,38 @@ class ModuleMatcher:
     def match(self, module: nn.Module, name: str) -> bool:
         """Whether the module called ``name`` gets an adapter (linears only; adapters never)."""
         fqn = clean_fqn(name)
-        if not isinstance(module, nn.Linear) or is_adapter_name(fqn) or fqn.endswith(".base_layer"):
+        if not is_linear_layer(module) or is_adapter_name(fqn) or fqn.endswith(".base_layer"):
             return False
         cfg = self.config
         if cfg.match_all_linear:
-            return fqn not in self.output_heads and fqn not in self.left_out
+            return fqn not in self.output_heads and fqn not in self.left_out and _computes_linear(module)
         targets = _compile(cfg.target_modules)
         if targets is not None:
             return targets.fullmatch(fqn) is not None
         excludes = _compile(cfg.exclude_modules)
         kept = excludes is None or excludes.fullmatch(fqn) is None
-        return fqn not in self.output_heads and fqn not in self.left_out and kept
+        return fqn not in self.output_heads and fqn not in self.left_out and kept and _computes_linear(module)
+
+
+def is_linear_layer(module: nn.Module) -> bool:
+    """Whether LoRA can adapt ``module`` as a linear layer: an `nn.Linear` or transformers' ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def _computes_linear(module: nn.Module) -> bool:
+    """Whether the module maps ``(..., in)`` to ``(..., out)``, so a low-rank delta of that shape adds.
+
+    `nn.Linear` and ``Conv1D`` do; a subclass with its own forward must pass `maps_like_linear` (a
+    block-diagonal grouped projection, which only borrows the weight, does not). The broad selectors
+    leave such modules out; naming one in ``target_modules`` still adapts it.
+    """
+    if type(module).forward is nn.Linear.forward or is_conv1d(module):
+        return True
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return False
+    out_features, in_features = weight.shape
+    return maps_like_linear(module, int(in_features), int(out_features))
 
 
 def _router_classes(model: nn.Module) -> tuple[type, ...]:
@@ -134,7 +187,7 @@ def resolve_target_modules(model: nn.Module, config: PeftConfig) -> list[str]:
     left_out = frozenset(
         clean_fqn(name)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
+        if is_linear_layer(module)
         and (isinstance(module, routers) or _refused_by_peft(model, clean_fqn(name)))
     )
     matcher = ModuleMatcher(config, frozenset(output_head_names(model)), left_out)

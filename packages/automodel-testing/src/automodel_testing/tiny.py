@@ -63,6 +63,7 @@ TINY_SIZES: Mapping[str, int] = {
     "head_dim": 16,
     "max_position_embeddings": 64,
     "dff": 128,
+    "ffn_dim": 128,  # OPT, XGLM: a 3072-wide ReLU layer at hidden size 64 puts units within rounding of 0
     # mixture of experts
     "num_experts": 8,
     "n_routed_experts": 8,
@@ -211,6 +212,14 @@ FAMILY_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
     "qwen2_5_vl_text": {
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
     },
+    # The depth is the sum of three sections (input, recurrent, output), each 8 or more layers by default;
+    # the default layer_types lists attention and mlp blocks separately, which a cycled list would halve.
+    "dory": {
+        "n_input_layers": 1,
+        "n_recurrent_layers": 2,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
 }
 """Model type (of a config or of a sub-config) -> config fields the generic rules cannot derive."""
 
@@ -327,7 +336,9 @@ def _tiny_fields(config_class: type, defaults: Mapping[str, Any]) -> dict[str, A
         if name not in defaults:
             continue
         default = defaults[name]
-        if _is_int(default):
+        if _is_int(default) and canonical == "num_hidden_layers":
+            fields[name] = value  # the same depth for every family: pipeline layouts need enough layers
+        elif _is_int(default):
             fields[name] = min(value, default)
         elif isinstance(default, list) and default and all(_is_int(v) for v in default):
             fields[name] = value  # a per-layer list of sizes: one size for the tiny depth

@@ -21,13 +21,26 @@ from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
+from automodel_distributed.tensor_parallel import linear_styles
 from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.styles import ReplicateParallel
 from automodel_mesh.modules import join_fqn
 
-__all__ = ["expand_lora_plan", "is_lora_linear"]
+__all__ = [
+    "ColwiseParallelLora",
+    "RowwiseParallelLora",
+    "SequenceParallelLora",
+    "expand_lora_plan",
+    "is_lora_linear",
+    "translate_to_lora",
+]
 
 
 def is_lora_linear(module: nn.Module) -> bool:
@@ -81,14 +94,14 @@ def _lora_entries(fqn: str, module: nn.Module, style: ParallelStyle) -> dict[str
             entries[join_fqn(fqn, f"lora_A.{adapter}")] = ReplicateParallel(
                 input_layouts=in_layout, desired_input_layouts=Replicate(), use_local_output=False
             )
-            entries[join_fqn(fqn, f"lora_B.{adapter}")] = ColwiseParallel(
+            entries[join_fqn(fqn, f"lora_B.{adapter}")] = linear_styles.ColwiseParallel(
                 input_layouts=Replicate(), output_layouts=out_layout, use_local_output=style.use_local_output
             )
     else:
         assert isinstance(style, RowwiseParallel)
         in_layout, out_layout = style.input_layouts[0], style.output_layouts[0]
         for adapter in adapters:
-            entries[join_fqn(fqn, f"lora_A.{adapter}")] = RowwiseParallel(
+            entries[join_fqn(fqn, f"lora_A.{adapter}")] = linear_styles.RowwiseParallel(
                 input_layouts=in_layout, output_layouts=out_layout, use_local_output=False
             )
             entries[join_fqn(fqn, f"lora_B.{adapter}")] = ReplicateParallel(
@@ -141,3 +154,23 @@ def expand_lora_plan(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dic
             else:
                 out[fqn] = style
     return out
+
+
+# The reference system's LoRA-aware styles. Here a plain column / row / sequence-parallel style on a
+# LoRA-wrapped linear is split over its base layer and adapters by `expand_lora_plan` when
+# `apply_tensor_parallel` applies the plan, so the LoRA variants are the plain torch styles.
+ColwiseParallelLora = ColwiseParallel
+"""torch's ``ColwiseParallel``; LoRA wrappers are handled by `expand_lora_plan`."""
+RowwiseParallelLora = RowwiseParallel
+"""torch's ``RowwiseParallel``; LoRA wrappers are handled by `expand_lora_plan`."""
+SequenceParallelLora = SequenceParallel
+"""torch's ``SequenceParallel`` (it has no LoRA-specific behaviour)."""
+
+
+def translate_to_lora(style: ParallelStyle) -> ParallelStyle:
+    """The reference system's style translation; here the identity (returns ``style`` itself).
+
+    `apply_tensor_parallel` makes any column- or row-parallel entry LoRA-aware when it meets a
+    LoRA-wrapped linear (`expand_lora_plan`), so no style needs translating.
+    """
+    return style
