@@ -245,7 +245,6 @@ def _reference(layout: Layout, path: str, model: Any) -> Any:
 
 
 def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, path: str) -> dict[str, Any]:
-    from automodel_distributed.multimodal import model_parts
     from automodel_testing import normalize_fqn, to_full
 
     batch = torch.load(pathlib.Path(path, "batch.pt"))
@@ -261,15 +260,8 @@ def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, pat
     checks: list[str] = []
     if not layout.lora and ours_frozen != frozen:
         checks.append(f"frozen parameters differ: {sorted(ours_frozen ^ frozen)[:4]}")
-    vision = {fqn for fqn, _ in model_parts(model).parts.get("vision", ())}
-    if layout.frozen_sharding == "replicate" and layout.freeze:
-        sharded = [
-            n
-            for n, p in model.named_parameters()
-            if any(n.startswith(v) for v in vision) and hasattr(p, "full_tensor")
-        ]
-        if sharded:
-            checks.append(f"replicate: frozen tower parameters are sharded: {sharded[:3]}")
+    if layout.freeze:
+        checks += _frozen_placement(model, layout.frozen_sharding)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=LR)
@@ -331,6 +323,34 @@ def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, pat
     out["status"] = "fails" if checks else "works"
     out["message"] = "; ".join(checks)
     return out
+
+
+def _frozen_placement(model: Any, sharding: str) -> list[str]:
+    """Where the frozen vision tower lives must be what ``frozen_sharding`` says.
+
+    ``root``: sharded (DTensors), and no module inside the tower is an FSDP unit of its own (the root
+    unit gathers it); ``per_layer``: sharded, and every tower block is its own FSDP unit;
+    ``replicate``: every tower parameter a whole tensor, no tower module an FSDP unit.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from automodel_distributed.layers import find_transformer_blocks
+    from automodel_distributed.multimodal import model_parts
+
+    (tower,) = model_parts(model).modules("vision")
+    sharded = [hasattr(p, "full_tensor") for p in tower.parameters()]
+    units = [m for m in tower.modules() if isinstance(m, FSDPModule)]
+    blocks = [m for _, m in find_transformer_blocks(model) if any(m is t for t in tower.modules())]
+    problems = []
+    if sharding == "replicate" and (any(sharded) or units):
+        problems.append(f"replicate: {sum(sharded)} tower parameters sharded, {len(units)} tower FSDP units")
+    if sharding in ("root", "per_layer") and not all(sharded):
+        problems.append(f"{sharding}: {sharded.count(False)} tower parameters are not sharded")
+    if sharding == "root" and units:
+        problems.append(f"root: {len(units)} modules inside the tower are FSDP units of their own")
+    if sharding == "per_layer" and (not blocks or not all(isinstance(b, FSDPModule) for b in blocks)):
+        problems.append(f"per_layer: {len(blocks)} tower blocks, not each an FSDP unit")
+    return problems
 
 
 def _save_back(model: Any, original: str, target: str) -> list[str]:
@@ -417,7 +437,10 @@ def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout_name", ["fsdp2_frozen_replicate", "tp", "pp"])
+@pytest.mark.parametrize(
+    "layout_name",
+    ["fsdp2_frozen_root", "fsdp2_frozen_per_layer", "fsdp2_frozen_replicate", "hsdp", "tp", "pp"],
+)
 def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
     rows = run_matrix(layout_name, fast_checkpoints)
     _assert_no_failure(rows)
