@@ -14,13 +14,21 @@ the model's forward signature.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["IMAGE_TOKEN_FIELDS", "image_batch", "image_inputs", "image_token_id"]
+__all__ = [
+    "IMAGE_CHAT_TEMPLATE",
+    "IMAGE_TOKEN_FIELDS",
+    "image_batch",
+    "image_inputs",
+    "image_token_id",
+    "save_tiny_llava",
+]
 
 IMAGE_TOKEN_FIELDS: tuple[str, ...] = ("image_token_id", "image_token_index")
 """Config fields naming the placeholder token that image features replace."""
@@ -160,3 +168,71 @@ def image_batch(
         if _accepts(type(model).forward, name) and name in inspect.signature(type(model).forward).parameters:
             inputs[name] = is_image
     return inputs, labels
+
+
+IMAGE_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ message['role'] | capitalize + ': ' }}"
+    "{%- if message['role'] == 'assistant' -%}{% generation %}"
+    "{%- for part in message['content'] if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
+    "{{ eos_token }}{% endgeneration %}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}<image>{%- else -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}{{ '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'Assistant: ' }}{%- endif -%}"
+)
+"""Plain-text roles; the image part is LLaVA's ``<image>`` placeholder; EOS ends each answer."""
+
+
+def save_tiny_llava(folder: str | Path, words: Sequence[str], *, seed: int = 0) -> Path:
+    """A tiny LLaVA and its processor, saved in ``folder`` for ``automodel train`` tests.
+
+    The model is `automodel_testing.tiny.derive_tiny_config` of ``llava`` (CLIP tower + Llama); the
+    processor is ``LlavaProcessor`` with a word-level tokenizer over ``words`` (plus ``<pad>``,
+    ``<eos>``, ``<unk>``, ``<image>`` and the template's role words), the CLIP image processor at the
+    tower's image size and `IMAGE_CHAT_TEMPLATE`. Nothing is downloaded. Returns ``folder``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        AutoModelForImageTextToText,
+        CLIPImageProcessor,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    specials = ["<pad>", "<eos>", "<unk>", "<image>"]
+    ordinary = sorted({"User", "Assistant", "System", ":", *words} - set(specials))
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + ordinary)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    config = derive_tiny_config("llava")
+    side = config.vision_config.image_size
+    config.text_config.vocab_size = len(tokenizer)
+    config.image_token_index = tokenizer.convert_tokens_to_ids("<image>")
+    config.text_config.pad_token_id = tokenizer.pad_token_id
+    config.text_config.eos_token_id = tokenizer.eos_token_id
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+        ),
+        tokenizer=tokenizer,
+        patch_size=config.vision_config.patch_size,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        num_additional_image_tokens=1,  # CLIP's class token
+        chat_template=IMAGE_CHAT_TEMPLATE,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config)
+    out = Path(folder)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
