@@ -96,18 +96,32 @@ def _all(folder: str) -> dict[str, dict[str, int]]:
     return {sharding: _measure(folder, sharding) for sharding in ("root", "per_layer", "replicate")}
 
 
-def main() -> None:
+def measure(ranks: int = 2) -> dict[str, dict[str, int]]:
+    """``frozen_sharding`` -> the worst rank's ``resident`` and ``gathered`` bytes, and ``full`` (one run).
+
+    Every sharding is measured in the same launch, on the same checkpoint and ranks.
+    """
     with tempfile.TemporaryDirectory() as folder:
         _save(folder)
-        results = launch(_all, 2, folder, timeout_s=900)
+        results = launch(_all, ranks, folder, timeout_s=900)
+    return {
+        sharding: {
+            "full": row["full"],
+            **{k: max(r[sharding][k] for r in results) for k in ("resident", "gathered")},
+        }
+        for sharding, row in results[0].items()
+    }
+
+
+def main() -> None:
+    results = measure()
     print("frozen vision tower, bytes per rank (2 ranks), as a ratio to the unsharded tower")
     print(f"{'frozen_sharding':<16} {'resident':>10} {'ratio':>7} {'whole':>10} {'ratio':>7}")
-    for sharding, row in results[0].items():
-        worst = {k: max(r[sharding][k] for r in results) for k in ("resident", "gathered")}
+    for sharding, row in results.items():
         full = row["full"]
         print(
-            f"{sharding:<16} {worst['resident']:>10} {worst['resident'] / full:>7.2f} "
-            f"{worst['gathered']:>10} {worst['gathered'] / full:>7.2f}"
+            f"{sharding:<16} {row['resident']:>10} {row['resident'] / full:>7.2f} "
+            f"{row['gathered']:>10} {row['gathered'] / full:>7.2f}"
         )
 
 
