@@ -99,12 +99,12 @@ class TokenRows:
 
         int64 ``input_ids``, ``labels``, ``position_ids`` and the `per_token` fields; and the rows'
         `media` concatenated, each with its per-row counts under ``<name>`` + `ROWS_SUFFIX` (so
-        `take_rows` can cut micro-batches).
+        `take_rows` can cut micro-batches). Rows of data with media are one record each (positions
+        ``0 .. seq_len - 1``) and their model computes its own positions (multimodal rotary positions,
+        say), so they have no ``position_ids``.
         """
-        out = {
-            name: getattr(self, name)[rows].to(device=device, dtype=torch.int64)
-            for name in ("input_ids", "labels", "position_ids")
-        }
+        names = ("input_ids", "labels") if self.media is not None else ("input_ids", "labels", "position_ids")
+        out = {name: getattr(self, name)[rows].to(device=device, dtype=torch.int64) for name in names}
         for name, tensor in self.per_token.items():
             out[name] = tensor[rows].to(device=device, dtype=torch.int64)
         if self.media is not None:
@@ -154,17 +154,8 @@ def take_rows(batch: dict[str, torch.Tensor], part: slice) -> dict[str, torch.Te
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The keyword inputs of the model's forward for a batch (labels and per-row counts left out).
-
-    Rows with media are one record each (positions ``0 .. seq_len - 1``), and their model computes its
-    own positions (multimodal rotary positions, say): ``position_ids`` are left out for them.
-    """
-    has_media = any(name.endswith(ROWS_SUFFIX) for name in batch)
-    return {
-        name: tensor
-        for name, tensor in batch.items()
-        if name != "labels" and not name.endswith(ROWS_SUFFIX) and not (has_media and name == "position_ids")
-    }
+    """The keyword inputs of the model's forward for a batch (labels and per-row counts left out)."""
+    return {name: t for name, t in batch.items() if name != "labels" and not name.endswith(ROWS_SUFFIX)}
 
 
 def _pieces(doc: Document, width: int, report: PackReport) -> list[Document]:
