@@ -43,7 +43,15 @@ import torch
 import torch.distributed as dist
 
 from automodel_testing import DistributedRunError, run_distributed
-from automodel_testing.matrix import Row, merge_ranks, read_progress, record_families, refusal
+from automodel_testing.matrix import (
+    Row,
+    assert_no_failure,
+    merge_ranks,
+    prepare_checkpoints,
+    read_progress,
+    record_families,
+    refusal,
+)
 
 ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.1
 ATOL = 1e-5
@@ -493,25 +501,16 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
     return [rows[family] for family in checkpoints]
 
 
-def _assert_no_failure(rows: list[Row]) -> None:
-    failed = [row for row in rows if row.status == "fails"]
-    assert not failed, "\n\n".join(f"{row.family} under {row.layout}: {row.message}" for row in failed)
-
-
 @pytest.fixture(scope="module")
 def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("matrix_fast")
-    prepared = {family: prepare_family(family, root) for family in FAST_FAMILIES}
-    broken = {f: p["reference_error"] for f, p in prepared.items() if "reference_error" in p}
-    assert not broken, f"transformers cannot run these fast-slice families: {broken}"
-    return {family: p["path"] for family, p in prepared.items()}
+    return prepare_checkpoints(prepare_family, FAST_FAMILIES, tmp_path_factory.mktemp("matrix_fast"))
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
-    _assert_no_failure(run_matrix(layout_name, fast_checkpoints))
+    assert_no_failure(run_matrix(layout_name, fast_checkpoints))
 
 
 @pytest.fixture(scope="module")
@@ -564,4 +563,4 @@ def test_full_matrix(
     report["reference_errors"] = broken
     report["layouts"][layout_name] = asdict(LAYOUTS[layout_name])
     report["rows"].extend(asdict(row) for row in rows)
-    _assert_no_failure(rows)
+    assert_no_failure(rows)

@@ -38,7 +38,15 @@ import torch
 import torch.distributed as dist
 
 from automodel_testing import DistributedRunError, run_distributed
-from automodel_testing.matrix import Row, merge_ranks, read_progress, record_families, refusal
+from automodel_testing.matrix import (
+    Row,
+    assert_no_failure,
+    merge_ranks,
+    prepare_checkpoints,
+    read_progress,
+    record_families,
+    refusal,
+)
 
 ROWS, SEQ, STEPS, LR = 4, 24, 2, 0.1
 ATOL = 1e-5
@@ -421,18 +429,9 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
     return rows
 
 
-def _assert_no_failure(rows: list[Row]) -> None:
-    failed = [row for row in rows if row.status == "fails"]
-    assert not failed, "\n\n".join(f"{row.family} under {row.layout}: {row.message}" for row in failed)
-
-
 @pytest.fixture(scope="module")
 def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("vlm_fast")
-    prepared = {family: prepare_family(family, root) for family in FAST_FAMILIES}
-    broken = {f: p["reference_error"] for f, p in prepared.items() if "reference_error" in p}
-    assert not broken, f"transformers cannot run these fast-slice families: {broken}"
-    return {family: p["path"] for family, p in prepared.items()}
+    return prepare_checkpoints(prepare_family, FAST_FAMILIES, tmp_path_factory.mktemp("vlm_fast"))
 
 
 @pytest.mark.distributed
@@ -443,7 +442,7 @@ def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
 )
 def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
     rows = run_matrix(layout_name, fast_checkpoints)
-    _assert_no_failure(rows)
+    assert_no_failure(rows)
     if layout_name == "pp":
         assert all(row.status == "refused" and "multimodal" in row.message for row in rows), rows
 
@@ -482,4 +481,4 @@ def test_full_vlm_matrix(tmp_path_factory: pytest.TempPathFactory) -> None:
     target = pathlib.Path(os.environ.get(REPORT_ENV, ROOT / "build" / "models" / "vlm.json"))
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=1, sort_keys=True), encoding="utf-8")
-    _assert_no_failure([Row(**r) for r in report["rows"]])
+    assert_no_failure([Row(**r) for r in report["rows"]])

@@ -12,11 +12,19 @@ import json
 import pathlib
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Row", "merge_ranks", "read_progress", "record_families", "refusal"]
+__all__ = [
+    "Row",
+    "assert_no_failure",
+    "merge_ranks",
+    "prepare_checkpoints",
+    "read_progress",
+    "record_families",
+    "refusal",
+]
 
 
 @dataclass
@@ -99,3 +107,23 @@ def record_families(
             log.write(json.dumps({"family": family, **result}) + "\n")
             log.flush()
             after_each(family, result)
+
+
+def assert_no_failure(rows: list[Row]) -> None:
+    """Fail (``AssertionError``) naming every case of ``rows`` that fails, with its message."""
+    failed = [row for row in rows if row.status == "fails"]
+    assert not failed, "\n\n".join(f"{row.family} under {row.layout}: {row.message}" for row in failed)
+
+
+def prepare_checkpoints(
+    prepare: Callable[[str, pathlib.Path], dict[str, Any]], families: Sequence[str], root: pathlib.Path
+) -> dict[str, str]:
+    """Family -> checkpoint folder from ``prepare(family, root)``; every family must build.
+
+    Raises:
+        AssertionError: Naming the families whose ``reference_error`` transformers itself raised.
+    """
+    prepared = {family: prepare(family, root) for family in families}
+    broken = {f: p["reference_error"] for f, p in prepared.items() if "reference_error" in p}
+    assert not broken, f"transformers cannot run these fast-slice families: {broken}"
+    return {family: p["path"] for family, p in prepared.items()}
