@@ -122,3 +122,33 @@ def test_refusals_name_the_setting(tiny: dict[str, Any], tmp_path: Path) -> None
         prepare_data(
             DataSection(path=str(tiny["example"]), seq_len=48), tiny["processor"].tokenizer, tmp_path / "tok"
         )
+
+
+@pytest.mark.parametrize(("sharding", "units"), [("replicate", 4), ("root", 4), ("per_layer", 9)])
+def test_plan_of_a_vlm_job_freezes_the_tower_and_places_it(
+    tiny: dict[str, Any], sharding: str, units: int
+) -> None:
+    from automodel_all.cli.main import build_parser, job_from_args
+    from automodel_all.cli.plan import plan
+
+    argv = [
+        "plan", "--model", str(tiny["model"]), "--world-size", "2", "--global-batch-size", "8",
+        "--set", "freeze_config.freeze_vision_tower=true",
+        "--set", f"distributed.multimodal={{frozen_sharding: {sharding}}}",
+    ]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    report = plan(job_from_args(args), world_size=args.world_size)
+    assert "1. freeze model.vision_tower (freeze_config) before sharding" in report
+    assert f"fully_shard each of {units} transformer blocks" in report
+    parameters = float(re.search(r"parameters +([\d.]+) MiB", report).group(1))  # type: ignore[union-attr]
+    tower = sum(v.numel() * 4 for k, v in _weights(tiny["model"]).items() if "vision_tower" in k) / 2**20
+    total = sum(v.numel() * 4 for v in _weights(tiny["model"]).values()) / 2**20
+    # Replicated, the tower is whole on each rank; otherwise everything is halved over 2 ranks.
+    expected = tower + (total - tower) / 2 if sharding == "replicate" else total / 2
+    assert parameters == pytest.approx(expected, abs=0.01), report
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")

@@ -17,6 +17,8 @@ from automodel_all.cli.launch import nproc_per_node
 from automodel_all.cli.model import build_meta_model, load_model_config
 from automodel_all.cli.yaml_source import RawJob
 from automodel_distributed.config import normalize_activation_checkpointing
+from automodel_distributed.fsdp2 import frozen_towers
+from automodel_distributed.layers import find_transformer_blocks
 
 __all__ = ["MemoryEstimate", "estimate_memory", "plan", "planned_steps"]
 
@@ -81,9 +83,15 @@ def estimate_memory(model: nn.Module, resolved: ResolvedJob) -> MemoryEstimate:
     expert_shard = layout.ep * layout.ep_shard * layout.tp if layout.ep > 1 else dense_shard
     zero = getattr(job.distributed, "zero_dp_strategy", 3)
     per_rank = [[0.0, 0.0, 0.0] for _ in range(pp)]
+    multimodal = getattr(job.distributed, "multimodal", None)
+    whole = (
+        [fqn + "." for fqn, _ in frozen_towers(model)]
+        if job.strategy == "fsdp2" and getattr(multimodal, "frozen_sharding", None) == "replicate"
+        else []
+    )  # a frozen tower kept out of FSDP: whole on every rank
     for name, param in model.named_parameters():
         shard = expert_shard if ".experts." in name else dense_shard
-        if job.strategy == "ddp":
+        if job.strategy == "ddp" or name.startswith(tuple(whole)):
             shard = 1
         p_div = g_div = o_div = shard
         if job.strategy == "megatron_fsdp":
@@ -98,6 +106,19 @@ def estimate_memory(model: nn.Module, resolved: ResolvedJob) -> MemoryEstimate:
             per_rank[rank][2] += param.numel() * 8 / o_div
     worst = max(per_rank, key=sum)
     return MemoryEstimate(int(worst[0]), int(worst[1]), int(worst[2]))
+
+
+def _fsdp_block_units(job: JobConfig, model: nn.Module, default: int) -> int:
+    """How many blocks FSDP2 makes units of: a frozen tower's only under ``frozen_sharding=per_layer``."""
+    try:
+        blocks = find_transformer_blocks(model)  # a vision-language model's tower blocks too
+    except ValueError:
+        return default
+    multimodal = getattr(job.distributed, "multimodal", None)
+    if getattr(multimodal, "frozen_sharding", "per_layer") == "per_layer":
+        return len(blocks)
+    towers = [fqn for fqn, _ in frozen_towers(model)]
+    return sum(1 for fqn, _ in blocks if not any(fqn.startswith(t + ".") for t in towers))
 
 
 def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapted: int) -> list[str]:
@@ -122,6 +143,10 @@ def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapt
     # False, "full" or "selective" (a config keeps True as given, as in NeMo AutoModel).
     ac = normalize_activation_checkpointing(getattr(job.distributed, "activation_checkpointing", False))
     blocks = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    units = _fsdp_block_units(job, model, blocks)
+    if job.freeze_config is not None:
+        frozen = [fqn for fqn, _ in frozen_towers(model)] or ["no tower"]
+        steps.insert(0, f"freeze {', '.join(frozen)} (freeze_config) before sharding")
     if resolved.pipeline is not None:
         stages = pipeline_stage_count(resolved.pipeline, layout.pp, blocks) or layout.pp
         steps.append(
@@ -145,7 +170,7 @@ def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapt
             f", replicated over dp_replicate={layout.dp_replicate} (HSDP)" if layout.dp_replicate > 1 else ""
         )
         steps.append(
-            f"fully_shard each of {blocks} transformer blocks, then the root, over "
+            f"fully_shard each of {units} transformer blocks, then the root, over "
             f"dp_shard_cp={layout.dp_shard_cp}{hsdp}"
         )
     elif job.strategy == "ddp":
@@ -202,6 +227,10 @@ def plan(raw: RawJob, *, world_size: int | None = None) -> str:
     model_config = load_model_config(job)
     resolved = resolve_job(job, world, model_config)
     model = build_meta_model(job, model_config)
+    if job.freeze_config is not None:
+        from automodel_distributed.multimodal import apply_freeze_config
+
+        apply_freeze_config(model, job.freeze_config)  # before adapters, as apply_model_infrastructure does
     adapted = 0
     if job.peft is not None:
         from automodel_peft import apply_lora_to_linear_modules
