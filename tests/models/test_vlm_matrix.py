@@ -62,7 +62,10 @@ INTRO = (
     "losses after two SGD steps (fp32, 1e-5). The `frozen` layouts freeze the vision tower with "
     "`freeze_config` and place it as `FSDP2Config.multimodal.frozen_sharding` says; they also check that "
     "the frozen tower gets no gradients and no optimizer state and does not move. A case works, is "
-    "**refused** (every rank raised the same `ValueError` from automodel) or fails (anything else)."
+    "**refused** (every rank raised the same `ValueError` from automodel) or fails (anything else). "
+    "Training one from the command line (a folder of images with JSONL conversations): "
+    "[`automodel train`](cli.md#vision-language-models); per-rank memory of a frozen tower under each "
+    "`frozen_sharding`: [benchmarks](benchmarks.md#vision-language-frozen-tower)."
 )
 
 FAST_FAMILIES: tuple[str, ...] = (
