@@ -51,7 +51,7 @@ def test_train_a_vlm_on_a_folder_of_images(tmp_path: Path) -> None:
         "--eval-split", "validation", "--steps", "6", "--seq-len", "48", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--lr", "0.01", "--warmup-steps", "1", "--checkpoint-every", "0",
         "--set", "freeze_config.freeze_vision_tower=true", "--set", "freeze_config.freeze_embeddings=false",
-        "--set", "distributed.multimodal.frozen_sharding=replicate", "--set", "train.sample_tokens=0",
+        "--set", "distributed.multimodal={frozen_sharding: replicate}", "--set", "train.sample_tokens=0",
         "--nproc-per-node", "2", "--device", "cpu", "--output-dir", str(output),
     ]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540, check=False)
