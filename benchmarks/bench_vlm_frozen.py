@@ -31,12 +31,18 @@ def _save(folder: str) -> None:
     from transformers import AutoModelForImageTextToText
 
     from automodel_testing.tiny import derive_tiny_config
+    from automodel_testing.vlm import image_batch
 
     config = derive_tiny_config("llava")
     for name, value in SIZES.items():
         setattr(config.vision_config, name, value)
     config.projector_hidden_act = "gelu"
-    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(folder)
+    # The batch comes from the whole model: image_batch calls get_image_features, which a sharded model
+    # cannot run outside its root's forward.
+    inputs, _ = image_batch(model, 1, 24)
+    torch.save(inputs, f"{folder}/batch.pt")
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -52,7 +58,6 @@ def _measure(folder: str, sharding: str) -> dict[str, int]:
     from automodel_distributed.multimodal import model_parts
     from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
     from automodel_mesh import MeshContext
-    from automodel_testing.vlm import image_batch
 
     config = FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
@@ -84,7 +89,7 @@ def _measure(folder: str, sharding: str) -> dict[str, int]:
         peak[0] = max(peak[0], now)
 
     handles = [m.register_forward_pre_hook(gathered) for m in tower.modules() if m is not tower]
-    inputs, _ = image_batch(model, 1, 24)
+    inputs = torch.load(f"{folder}/batch.pt")
     with torch.no_grad():
         model(**inputs)
     for handle in handles:
