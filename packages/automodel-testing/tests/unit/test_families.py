@@ -110,7 +110,8 @@ def test_tiny_vision_towers_see_tiny_images(model_type: str) -> None:
         assert vision.out_hidden_size == text.hidden_size  # the tower projects to the text width
     sections = (getattr(text, "rope_parameters", None) or {}).get("mrope_section")
     if sections:
-        assert sum(sections) == text.head_dim // 2
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        assert sum(sections) == head_dim // 2
     depth = vision.depth if hasattr(vision, "depth") else vision.num_hidden_layers
     for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
         assert all(0 <= i < depth for i in getattr(vision, name, None) or [])
