@@ -61,7 +61,8 @@ INTRO = (
     "image per row (the family's own image processor): first logits, first loss, gradient norm and the "
     "losses after two SGD steps (fp32, 1e-5). The `frozen` layouts freeze the vision tower with "
     "`freeze_config` and place it as `FSDP2Config.multimodal.frozen_sharding` says; they also check that "
-    "the frozen tower gets no gradients and no optimizer state and does not move. A case works, is "
+    "the frozen tower gets no gradients and no optimizer state and does not move; `ac_vision` "
+    "checkpoints the vision tower's blocks only (`activation_checkpointing_scope`). A case works, is "
     "**refused** (every rank raised the same `ValueError` from automodel) or fails (anything else). "
     "Training one from the command line (a folder of images with JSONL conversations): "
     "[`automodel train`](cli.md#vision-language-models); per-rank memory of a frozen tower under each "
@@ -87,6 +88,8 @@ class Layout:
     frozen_sharding: str = "root"
     lora: bool = False
     pp_schedule: str | None = None
+    ac_scope: str | None = None
+    """``FSDP2Config.activation_checkpointing_scope`` with full activation checkpointing (None: off)."""
 
 
 _FROZEN_TOWER = {"freeze_vision_tower": True, "freeze_embeddings": False}
@@ -101,6 +104,7 @@ LAYOUTS: dict[str, Layout] = {
         Layout("hsdp", 4, {"dp_replicate_size": 2}, freeze=_FROZEN_TOWER),
         Layout("tp", 2, {"tp_size": 2}),
         Layout("lora_fsdp2", 2, lora=True),
+        Layout("ac_vision", 2, ac_scope="vision"),
         Layout("pp", 2, {"pp_size": 2}, pp_schedule="1f1b"),
     )
 }
@@ -178,6 +182,8 @@ def _strategy(layout: Layout) -> Any:
     return FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
         multimodal=MultimodalDistributedConfig(frozen_sharding=layout.frozen_sharding),  # type: ignore[arg-type]
+        activation_checkpointing=layout.ac_scope is not None,
+        activation_checkpointing_scope=layout.ac_scope or "all",
     )
 
 
@@ -273,6 +279,8 @@ def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, pat
         checks.append(f"frozen parameters differ: {sorted(ours_frozen ^ frozen)[:4]}")
     if layout.freeze:
         checks += _frozen_placement(model, layout.frozen_sharding)
+    if layout.ac_scope is not None:
+        checks += _checkpointed_scope(model, layout.ac_scope)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=LR)
@@ -364,6 +372,25 @@ def _frozen_placement(model: Any, sharding: str) -> list[str]:
     return problems
 
 
+def _checkpointed_scope(model: Any, scope: str) -> list[str]:
+    """Exactly the blocks of the parts ``scope`` names are wrapped for activation checkpointing."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from automodel_distributed.layers import find_transformer_blocks
+    from automodel_distributed.multimodal import model_parts
+
+    parts = model_parts(model)
+    wrapped, expected = set(), set()
+    for fqn, block in find_transformer_blocks(model):
+        if isinstance(block, CheckpointWrapper):
+            wrapped.add(fqn)
+        if parts.role_of(fqn) == scope:
+            expected.add(fqn)
+    if not expected or wrapped != expected:
+        return [f"scope {scope}: wrapped {sorted(wrapped ^ expected)[:3]} differ from the {scope} blocks"]
+    return []
+
+
 def _save_back(model: Any, original: str, target: str) -> list[str]:
     """Save the trained model as an HF checkpoint; it must have the original's keys and our weights."""
     import safetensors
@@ -441,7 +468,15 @@ def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "layout_name",
-    ["fsdp2_frozen_root", "fsdp2_frozen_per_layer", "fsdp2_frozen_replicate", "hsdp", "tp", "pp"],
+    [
+        "fsdp2_frozen_root",
+        "fsdp2_frozen_per_layer",
+        "fsdp2_frozen_replicate",
+        "hsdp",
+        "tp",
+        "ac_vision",
+        "pp",
+    ],
 )
 def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
     rows = run_matrix(layout_name, fast_checkpoints)
