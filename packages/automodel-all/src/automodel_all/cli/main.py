@@ -37,7 +37,11 @@ _OPTIONS: tuple[_Option, ...] = (
     ),
     _Option(("--dtype",), "model", "dtype", str, "parameter dtype: float32, bfloat16 or float16"),
     _Option(
-        ("--data",), "data", "path", str, "a data file or folder, a save_to_disk folder, or builtin:chat"
+        ("--data",),
+        "data",
+        "path",
+        str,
+        "data file or folder, save_to_disk folder, builtin:chat or builtin:image_chat",
     ),
     _Option(("--eval-data",), "data", "eval_path", str, "evaluation data (file, folder, builtin:chat)"),
     _Option(("--eval-split",), "data", "eval_split", str, "split to evaluate on, e.g. validation"),

@@ -20,6 +20,7 @@ from torch import nn
 from automodel_all.cli.config import ResolvedJob, pipeline_stage_count
 from automodel_all.cli.model import model_dtype
 from automodel_all.cli.yaml_source import ConfigError
+from automodel_distributed.fsdp2 import frozen_towers
 
 __all__ = ["DEVICE_PRESETS", "PeakEstimate", "estimate_peak", "parse_device_memory"]
 
@@ -167,6 +168,13 @@ def estimate_peak(
     dense_shard = layout.dp_shard * cp * tp if fsdp else 1
     expert_shard = layout.ep * layout.ep_shard * tp if layout.ep > 1 else dense_shard
     zero = getattr(job.distributed, "zero_dp_strategy", 3)
+    multimodal = getattr(job.distributed, "multimodal", None)
+    whole = (
+        tuple(fqn + "." for fqn, _ in frozen_towers(model))
+        if job.strategy == "fsdp2" and getattr(multimodal, "frozen_sharding", None) == "replicate"
+        else ()
+    )
+    # A frozen tower kept out of FSDP (frozen_sharding="replicate") is whole on every rank.
 
     # Parameters, gradients, optimizer state and FSDP units, per pipeline rank.
     params = [0.0] * pp
@@ -183,6 +191,8 @@ def estimate_peak(
         if pp == 1:
             rank = 0
         shard = expert_shard if ".experts." in name else dense_shard
+        if whole and name.startswith(whole):
+            shard = 1
         p_div = g_div = o_div = float(shard)
         if job.strategy == "megatron_fsdp":
             p_div = shard if zero >= 3 else tp

@@ -22,10 +22,25 @@ from automodel_all.cli.model import build_meta_model, load_model_config
 from automodel_all.cli.peak import PeakEstimate, estimate_peak
 from automodel_all.cli.yaml_source import ConfigError, RawJob
 from automodel_distributed.config import normalize_activation_checkpointing
+from automodel_distributed.fsdp2 import frozen_towers
+from automodel_distributed.layers import find_transformer_blocks
 
 __all__ = ["plan", "plan_report", "planned_steps", "suggest_layouts"]
 
 _MIB = 2**20
+
+
+def _fsdp_block_units(job: JobConfig, model: nn.Module, default: int) -> int:
+    """How many blocks FSDP2 makes units of: a frozen tower's only under ``frozen_sharding=per_layer``."""
+    try:
+        blocks = find_transformer_blocks(model)  # a vision-language model's tower blocks too
+    except ValueError:
+        return default
+    multimodal = getattr(job.distributed, "multimodal", None)
+    if getattr(multimodal, "frozen_sharding", "per_layer") == "per_layer":
+        return len(blocks)
+    towers = [fqn for fqn, _ in frozen_towers(model)]
+    return sum(1 for fqn, _ in blocks if not any(fqn.startswith(t + ".") for t in towers))
 
 
 def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapted: int) -> list[str]:
@@ -50,6 +65,10 @@ def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapt
     # False, "full" or "selective" (a config keeps True as given, as in NeMo AutoModel).
     ac = normalize_activation_checkpointing(getattr(job.distributed, "activation_checkpointing", False))
     blocks = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    units = _fsdp_block_units(job, model, blocks)
+    if job.freeze_config is not None:
+        frozen = [fqn for fqn, _ in frozen_towers(model)] or ["no tower"]
+        steps.insert(0, f"freeze {', '.join(frozen)} (freeze_config) before sharding")
     if resolved.pipeline is not None:
         stages = pipeline_stage_count(resolved.pipeline, layout.pp, blocks) or layout.pp
         steps.append(
@@ -73,7 +92,7 @@ def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapt
             f", replicated over dp_replicate={layout.dp_replicate} (HSDP)" if layout.dp_replicate > 1 else ""
         )
         steps.append(
-            f"fully_shard each of {blocks} transformer blocks, then the root, over "
+            f"fully_shard each of {units} transformer blocks, then the root, over "
             f"dp_shard_cp={layout.dp_shard_cp}{hsdp}"
         )
     elif job.strategy == "ddp":
@@ -233,6 +252,10 @@ def plan_report(
     model_config = load_model_config(job)
     resolved = resolve_job(job, world, model_config)
     model = build_meta_model(job, model_config)
+    if job.freeze_config is not None:
+        from automodel_distributed.multimodal import apply_freeze_config
+
+        apply_freeze_config(model, job.freeze_config)  # before adapters, as apply_model_infrastructure does
     adapted = 0
     if job.peft is not None:
         from automodel_peft import apply_lora_to_linear_modules
