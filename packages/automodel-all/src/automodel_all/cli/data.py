@@ -42,17 +42,11 @@ def data_folder(output_dir: str | Path) -> Path:
     return Path(output_dir) / "data"
 
 
-def resolve_packing(data: DataSection, fmt: str, cp_size: int = 1) -> str:
-    """``data.packing``, or its default: ``concat`` for text, else ``packed`` (``padded`` under CP).
-
-    Context parallelism's ring attention cannot keep packed records apart, so records default to one
-    per row there (the job's checks refuse an explicit ``packed`` with ``cp_size > 1``).
-    """
+def resolve_packing(data: DataSection, fmt: str) -> str:
+    """``data.packing``, or its default: ``concat`` for text, else ``packed`` (exact under CP too)."""
     if data.packing is not None:
         return data.packing
-    if fmt == "text":
-        return "concat"
-    return "padded" if cp_size > 1 else "packed"
+    return "concat" if fmt == "text" else "packed"
 
 
 def fingerprint(rows: TokenRows) -> str:
@@ -80,7 +74,6 @@ def _rows(
     tokenizer: Any,
     cache: Path,
     fmt: str | None,
-    cp_size: int,
 ) -> tuple[str, TokenRows]:
     where = f"data {path or 'builtin:text'} (split {split})"
     records = read_records(path, split, cache)
@@ -93,7 +86,7 @@ def _rows(
     if not docs:
         raise ValueError(f"{where} holds no text")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = pack_documents(docs, data.seq_len, resolve_packing(data, fmt, cp_size), int(pad or 0))
+    rows = pack_documents(docs, data.seq_len, resolve_packing(data, fmt), int(pad or 0))
     _warn_losses(where, rows.report, data.seq_len)
     return fmt, rows
 
@@ -113,12 +106,8 @@ def _warn_losses(where: str, report: PackReport, seq_len: int) -> None:
         )
 
 
-def prepare_data(
-    data: DataSection, tokenizer: Any, output_dir: str | Path, *, cp_size: int = 1
-) -> PreparedData:
+def prepare_data(data: DataSection, tokenizer: Any, output_dir: str | Path) -> PreparedData:
     """Read, tokenize and lay out the training (and evaluation) rows; save them for the workers.
-
-    ``cp_size`` (the job's context-parallel size) only picks the default layout (`resolve_packing`).
 
     Writes ``<output_dir>/data/train.pt`` (and ``eval.pt``), each through a rename, so a worker never
     reads half a file. Deterministic: the same data and tokenizer give the same rows.
@@ -130,18 +119,18 @@ def prepare_data(
     folder = data_folder(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     cache = folder / "cache"
-    fmt, train = _rows(data, data.path, data.split, tokenizer, cache, None, cp_size)
+    fmt, train = _rows(data, data.path, data.split, tokenizer, cache, None)
     evaluation = None
     if data.eval_path is not None or data.eval_split is not None:
         source = data.eval_path if data.eval_path is not None else data.path
         split = data.eval_split or "train"
-        _, evaluation = _rows(data, source, split, tokenizer, cache, fmt, cp_size)
+        _, evaluation = _rows(data, source, split, tokenizer, cache, fmt)
     train.save(folder / "train.pt")
     if evaluation is not None:
         evaluation.save(folder / "eval.pt")
     else:
         (folder / "eval.pt").unlink(missing_ok=True)
-    return PreparedData(fmt, resolve_packing(data, fmt, cp_size), train, evaluation)
+    return PreparedData(fmt, resolve_packing(data, fmt), train, evaluation)
 
 
 def load_data(output_dir: str | Path) -> tuple[TokenRows, TokenRows | None]:
