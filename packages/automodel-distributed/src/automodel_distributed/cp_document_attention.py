@@ -59,10 +59,8 @@ def attention_window(module: nn.Module) -> int | None:
 
     Its own ``sliding_window`` attribute wins (``None`` on full-attention layers), else its config's.
     """
-    if hasattr(module, "sliding_window"):
-        window = module.sliding_window
-    else:
-        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    owner: object = module if hasattr(module, "sliding_window") else getattr(module, "config", None)
+    window = getattr(owner, "sliding_window", None)
     return window if isinstance(window, int) else None
 
 
@@ -97,7 +95,7 @@ class _DocumentLayout:
 
     def mask(self, window: int | None) -> torch.Tensor:
         """``[batch, 1, T/cp, T]``: True where a local query may attend to a gathered key."""
-        if window not in self._masks:
+        if window is not None and window not in self._masks:
             # transformers' sliding_window_overlay: kv_idx > q_idx - window
             self._masks[window] = self._masks[None] & (self._distance < window)[None, None]
         return self._masks[window]
