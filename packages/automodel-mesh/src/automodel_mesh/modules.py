@@ -135,12 +135,14 @@ def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2's linear, its weight stored ``[in, out]``)."""
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # transformers is optional for every package but the ones that load models
-        return False
-    return isinstance(module, Conv1D)
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2's linear, its weight stored ``[in, out]``).
+
+    Read from ``sys.modules`` (mesh does not depend on transformers): a ``Conv1D`` exists only once
+    transformers defined it.
+    """
+    utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(utils, "Conv1D", None)
+    return isinstance(conv1d, type) and isinstance(module, conv1d)
 
 
 def maps_like_linear(module: nn.Module, in_features: int, out_features: int) -> bool:
