@@ -181,12 +181,12 @@ def _strip_attention_mask(
     config = getattr(module, "config", None)
     if document_region_active():
         # Packed rows: the registered attention applies the document mask (and any sliding window).
-        impl = getattr(config, "_attn_implementation", None)
+        impl = getattr(config, "_attn_implementation", "unknown (the module has no config)")
         if impl != CP_DOCUMENT_ATTENTION:
             raise ValueError(
                 f"{type(module).__name__} runs attn_implementation={impl!r}, but packed rows under context "
                 f"parallelism need {CP_DOCUMENT_ATTENTION!r} (set by apply_context_parallel); call "
-                "apply_context_parallel after any set_attn_implementation"
+                "apply_context_parallel after any set_attn_implementation, or use data.packing: padded"
             )
         kwargs["attention_mask"] = None
         return args, kwargs
@@ -353,9 +353,18 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
             hooked += 1
     _, hf = find_hf_model(unwrap(model))
     set_implementation = getattr(hf, "set_attn_implementation", None)
-    if callable(set_implementation) and getattr(hf.config, "_attn_implementation", None) == "sdpa":
+    if getattr(getattr(hf, "config", None), "_attn_implementation", None) == "sdpa":
         register_cp_document_attention()
-        set_implementation(CP_DOCUMENT_ATTENTION)
+        try:
+            if not callable(set_implementation):
+                raise ValueError("it has no set_attn_implementation")
+            set_implementation(CP_DOCUMENT_ATTENTION)
+        except ValueError as exc:
+            warnings.warn(
+                f"context parallelism could not switch {type(hf).__name__} to {CP_DOCUMENT_ATTENTION!r} "
+                f"({exc}); unpacked rows run ring attention as usual, packed rows will be refused",
+                stacklevel=2,
+            )
     logger.info("context parallelism: hooked %d attention module(s) of %s", hooked, type(model).__name__)
     return model
 
@@ -430,7 +439,7 @@ def context_parallel_region(
         assert isinstance(positions, torch.Tensor)
         # Packed rows: shard in the same layout ourselves; attention runs document-masked over gathered
         # keys (no ring attention, so no CPU backend is needed).
-        mine = order.view(cp_mesh.size(), -1)[cp_mesh.get_local_rank()].to(positions.device)
+        mine = order.view(cp_mesh.size(), -1)[cp_mesh.get_local_rank()]
         local = dict(batch)
         local.update({k: batch[k].index_select(dims.get(k, 1), mine.to(batch[k].device)) for k in keys})
         with document_region(cp_mesh.get_group(), positions, order):
