@@ -359,6 +359,8 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
             if not callable(set_implementation):
                 raise ValueError("it has no set_attn_implementation")
             set_implementation(CP_DOCUMENT_ATTENTION)
+            if hf.config._attn_implementation != CP_DOCUMENT_ATTENTION:  # transformers may only log
+                raise ValueError("its attention implementation cannot be set after loading")
         except ValueError as exc:
             warnings.warn(
                 f"context parallelism could not switch {type(hf).__name__} to {CP_DOCUMENT_ATTENTION!r} "
