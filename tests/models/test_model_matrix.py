@@ -33,7 +33,6 @@ import pathlib
 import subprocess
 import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -44,6 +43,15 @@ import torch
 import torch.distributed as dist
 
 from automodel_testing import DistributedRunError, run_distributed
+from automodel_testing.matrix import (
+    Row,
+    assert_no_failure,
+    merge_ranks,
+    prepare_checkpoints,
+    read_progress,
+    record_families,
+    refusal,
+)
 
 ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.1
 ATOL = 1e-5
@@ -309,19 +317,11 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
             pretrained_model_name_or_path=path,
         )
     except ValueError as exc:
-        return _refusal(exc)
+        return refusal(exc)
     try:
         return _train(layout, ctx, axes, result, batch, local, rows, loss_fn, path)
     except ValueError as exc:  # a refusal that depends on the batch (a sequence longer than a window)
-        return _refusal(exc)
-
-
-def _refusal(exc: ValueError) -> dict[str, Any]:
-    """A refusal is a ValueError that automodel raised; any other exception is a failure."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames or "automodel_" not in frames[-1].filename:
-        raise exc
-    return {"status": "refused", "message": f"{type(exc).__name__}: {exc}"}
+        return refusal(exc)
 
 
 def _train(
@@ -441,73 +441,23 @@ def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> 
     from automodel_mesh import MeshContext, ParallelismSizes
 
     layout = LAYOUTS[layout_name]
-    out = pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl"
-    with _quiet(), out.open("a", encoding="utf-8") as log:
+
+    def after_each(family: str, result: dict[str, Any]) -> None:
+        if "traceback" in result:
+            raise RuntimeError(f"{family} failed under {layout_name}; relaunching for the rest")
+        dist.barrier()
+
+    with _quiet():
         ctx = MeshContext.build(_strategy(layout), ParallelismSizes(**layout.sizes))
-        for model_type, path in checkpoints.items():
-            start = time.perf_counter()
-            try:
-                result = _run_family(layout, ctx, path)
-            except Exception as exc:
-                result = {
-                    "status": "fails",
-                    "message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500],
-                    "traceback": traceback.format_exc()[-3000:],
-                }
-            result["seconds"] = round(time.perf_counter() - start, 2)
-            log.write(json.dumps({"family": model_type, **result}) + "\n")
-            log.flush()
-            if "traceback" in result:
-                raise RuntimeError(f"{model_type} failed under {layout_name}; relaunching for the rest")
-            dist.barrier()
+        record_families(
+            lambda path: _run_family(layout, ctx, path),
+            checkpoints,
+            pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl",
+            after_each=after_each,
+        )
 
 
 # ------------------------------------------------------------------------------------ parent side
-
-
-@dataclass
-class Row:
-    """One (family, layout) case of the matrix, merged over the ranks."""
-
-    family: str
-    layout: str
-    status: str
-    message: str = ""
-    logits: float | None = None
-    loss_diff: float | None = None
-    grad_norm: float | None = None
-    seconds: float = 0.0
-
-
-def merge(family: str, layout: str, per_rank: list[dict[str, Any]]) -> Row:
-    """One row from every rank's result: agreement is required (a refusal on some ranks is a failure)."""
-    statuses = {r["status"] for r in per_rank}
-    first = per_rank[0]
-    worst = next((r for r in per_rank if r["status"] == "fails"), first)
-    row = Row(
-        family, layout, worst["status"], worst.get("message", ""), seconds=max(r["seconds"] for r in per_rank)
-    )
-    if len(statuses) > 1:
-        row.status = "fails"
-        row.message = f"ranks disagree: {[r['status'] for r in per_rank]}: {worst.get('message', '')}"
-    if "logits" in worst:
-        row.logits = max(r.get("logits", 0.0) for r in per_rank)
-        row.loss_diff = max(r.get("loss_diff", 0.0) for r in per_rank)
-        row.grad_norm = max(r.get("grad_norm", 0.0) for r in per_rank)
-    if row.status == "fails" and "traceback" in worst:
-        row.message += "\n" + worst["traceback"]
-    return row
-
-
-def _progress(folder: pathlib.Path, world_size: int) -> dict[str, list[dict[str, Any]]]:
-    """Family -> the results of the ranks that recorded one."""
-    found: dict[str, list[dict[str, Any]]] = {}
-    for rank in range(world_size):
-        path = folder / f"rank{rank}.jsonl"
-        for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-            item = json.loads(line)
-            found.setdefault(item.pop("family"), []).append(item)
-    return found
 
 
 def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
@@ -536,10 +486,10 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
                 )
             except DistributedRunError as exc:
                 error = str(exc)
-            done = _progress(folder, layout.world_size)
+            done = read_progress(folder, layout.world_size)
             for family in left:
                 if len(done.get(family, [])) == layout.world_size:
-                    rows[family] = merge(family, layout_name, done[family])
+                    rows[family] = merge_ranks(family, layout_name, done[family])
                     if any("traceback" in r for r in done[family]):
                         break  # the ranks stopped on purpose after this family; relaunch for the rest
                     continue
@@ -551,25 +501,16 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
     return [rows[family] for family in checkpoints]
 
 
-def _assert_no_failure(rows: list[Row]) -> None:
-    failed = [row for row in rows if row.status == "fails"]
-    assert not failed, "\n\n".join(f"{row.family} under {row.layout}: {row.message}" for row in failed)
-
-
 @pytest.fixture(scope="module")
 def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("matrix_fast")
-    prepared = {family: prepare_family(family, root) for family in FAST_FAMILIES}
-    broken = {f: p["reference_error"] for f, p in prepared.items() if "reference_error" in p}
-    assert not broken, f"transformers cannot run these fast-slice families: {broken}"
-    return {family: p["path"] for family, p in prepared.items()}
+    return prepare_checkpoints(prepare_family, FAST_FAMILIES, tmp_path_factory.mktemp("matrix_fast"))
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
-    _assert_no_failure(run_matrix(layout_name, fast_checkpoints))
+    assert_no_failure(run_matrix(layout_name, fast_checkpoints))
 
 
 @pytest.fixture(scope="module")
@@ -622,4 +563,4 @@ def test_full_matrix(
     report["reference_errors"] = broken
     report["layouts"][layout_name] = asdict(LAYOUTS[layout_name])
     report["rows"].extend(asdict(row) for row in rows)
-    _assert_no_failure(rows)
+    assert_no_failure(rows)

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from automodel_all.cli.encode import RecordKeys, encode_records, resolve_format
+from automodel_all.cli.image_data import encode_image_records, has_image_parts
 from automodel_all.cli.packing import PackReport, TokenRows, pack_documents
 from automodel_all.cli.sections import DataSection
-from automodel_all.cli.sources import read_records
+from automodel_all.cli.sources import image_root, read_records
 
 __all__ = [
     "PreparedData",
@@ -43,9 +44,15 @@ def data_folder(output_dir: str | Path) -> Path:
 
 
 def resolve_packing(data: DataSection, fmt: str) -> str:
-    """``data.packing``, or its default: ``concat`` for text, else ``packed`` (exact under CP too)."""
+    """``data.packing``, or its default (``concat``, ``packed`` or ``padded``, by the format).
+
+    ``concat`` for text, ``padded`` for conversations with images, else ``packed`` (exact under context
+    parallelism too: attention is masked per record over the gathered keys).
+    """
     if data.packing is not None:
         return data.packing
+    if fmt == "image_messages":
+        return "padded"
     return "concat" if fmt == "text" else "packed"
 
 
@@ -82,6 +89,21 @@ def _rows(
         raise ValueError(f"{where} holds no records")
     keys = RecordKeys(data.text_key, data.prompt_key, data.completion_key, data.messages_key)
     fmt = fmt or resolve_format(data.format, records[0].keys(), keys, where)
+    if fmt == "messages" and data.format == "auto" and has_image_parts(records[0].get(keys.messages)):
+        fmt = "image_messages"
+    if fmt == "image_messages":
+        packing = resolve_packing(data, fmt)
+        if packing != "padded":
+            raise ValueError(
+                f"{where}: data.packing={packing} cannot hold records with images (their image tokens must "
+                "stay whole with their pixels); use data.packing: padded"
+            )
+        root = image_root(path, cache)
+        rows = encode_image_records(
+            records, tokenizer, messages_key=keys.messages, root=root, seq_len=data.seq_len, where=where
+        )
+        return fmt, rows
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's text formats use its tokenizer
     docs = encode_records(records, tokenizer, fmt=fmt, keys=keys, where=where)
     if not docs:
         raise ValueError(f"{where} holds no text")
