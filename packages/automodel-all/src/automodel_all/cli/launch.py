@@ -152,7 +152,7 @@ def _prepare_data(raw: RawJob, job: JobConfig, model_config: Any) -> None:
     """Read, tokenize and lay out the data once, here; the workers load the rows (`prepare_data`).
 
     Records the resolved ``data.format`` and ``data.packing`` in ``raw`` for the workers (and for the
-    checks of `resolve_job`, such as context parallelism refusing packed rows).
+    checks of `resolve_job`).
     """
     from transformers.utils import logging as hf_logging
 
@@ -161,9 +161,7 @@ def _prepare_data(raw: RawJob, job: JobConfig, model_config: Any) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            prepared = prepare_data(
-                job.data, tokenizer, job.train.output_dir, cp_size=job.parallelism.cp_size
-            )
+            prepared = prepare_data(job.data, tokenizer, job.train.output_dir)
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(f"{raw.where('data', 'path')}: {exc}") from None
     for warning in caught:

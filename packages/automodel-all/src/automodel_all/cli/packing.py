@@ -14,7 +14,8 @@ already shifted; ``-100`` where nothing is predicted) and ``position_ids``:
   positions: it comes after that document's tokens, so causal attention keeps them apart, and its labels
   are ``-100``.
 - ``padded``: one document per row, padded at the end, positions ``0 .. seq_len - 1``: exact under any
-  causal attention without a mask (context parallelism's ring attention included).
+  causal attention without a mask. (``packed`` rows are exact under context parallelism too: its
+  region masks attention per document, `automodel_distributed.cp_document_attention`.)
 
 A document longer than a row is split into row-sized pieces when every token is a target (plain text),
 and truncated otherwise (a conversation's answer means nothing without its prompt); `PackReport` counts

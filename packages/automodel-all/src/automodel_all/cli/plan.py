@@ -115,7 +115,10 @@ def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapt
     if job.peft is not None:
         steps.append("freeze every parameter but the adapters")
     if layout.cp > 1:
-        steps.append(f"context parallelism: ring attention, sequences sharded over cp={layout.cp}")
+        steps.append(
+            f"context parallelism: sequences sharded over cp={layout.cp}; ring attention, or for packed "
+            "rows SDPA over the gathered keys with a per-document mask"
+        )
     return steps
 
 

@@ -83,8 +83,8 @@ class DataSection:
     """How records become rows. ``concat``: joined (EOS between them) and cut into rows, attention across
     records (pre-training style); ``packed``: whole records packed into rows, each with its own
     positions, attention never crossing records; ``padded``: one record per row, padded. ``None``:
-    ``concat`` for text, ``packed`` for prompt/completion and conversations (``padded`` when
-    ``parallelism.cp_size > 1``)."""
+    ``concat`` for text, ``packed`` for prompt/completion and conversations (under context parallelism
+    too, where attention is masked per record over the gathered keys)."""
     tokenizer: str | None = None
     """Tokenizer folder or cached hub id; ``None``: the model's own (or, for the embedded default, a BPE
     tokenizer trained on the corpus, with a chat template)."""
