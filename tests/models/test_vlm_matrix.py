@@ -469,10 +469,9 @@ def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
 @pytest.mark.parametrize(
     "layout_name",
     [
+        # replicate runs in tests/cli/test_train_vlm.py; hsdp (4 ranks) and the rest in `nox -s models`
         "fsdp2_frozen_root",
         "fsdp2_frozen_per_layer",
-        "fsdp2_frozen_replicate",
-        "hsdp",
         "tp",
         "ac_vision",
         "pp",
