@@ -359,7 +359,7 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
             if not callable(set_implementation):
                 raise ValueError("it has no set_attn_implementation")
             set_implementation(CP_DOCUMENT_ATTENTION)
-            if hf.config._attn_implementation != CP_DOCUMENT_ATTENTION:  # transformers may only log
+            if getattr(hf.config, "_attn_implementation", None) != CP_DOCUMENT_ATTENTION:  # it may only log
                 raise ValueError("its attention implementation cannot be set after loading")
         except ValueError as exc:
             warnings.warn(
