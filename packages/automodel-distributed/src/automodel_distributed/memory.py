@@ -137,11 +137,16 @@ class _Producers(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
-    """The causal LM of ``model_config`` built under the active ``FakeTensorMode`` (config untouched)."""
+    """The causal LM of ``model_config`` built under the active ``FakeTensorMode`` (config untouched).
+
+    A vision-language config is profiled by its language model (``get_text_config()``): image tokens
+    count as text tokens, and the vision tower's own activations are not modelled.
+    """
     from transformers import AutoModelForCausalLM
 
     implementation = attn_implementation or getattr(model_config, "_attn_implementation", None) or "sdpa"
-    config = copy.deepcopy(model_config)
+    get_text = getattr(model_config, "get_text_config", None)
+    config = copy.deepcopy(get_text() if callable(get_text) else model_config)
     config.use_cache = False
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
