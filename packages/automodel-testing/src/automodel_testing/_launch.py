@@ -1,4 +1,4 @@
-"""Internals of `run_distributed`: how a function travels to a spawned rank and runs there.
+"""Internals of `run_distributed`: how a function travels to a rank process and runs there.
 
 The parent cannot pickle the function itself: pytest collects test modules with
 ``--import-mode=importlib``, so a test module is usually not importable by name in a fresh
@@ -54,7 +54,9 @@ class LaunchSpec:
         init_method: The rendezvous URL (``file://...``).
         pg_timeout_s: Timeout of the default process group, in seconds.
         init_process_group: Whether to create the default process group before calling the function.
-        env: Environment variables shared by all ranks (see `rank_environment` for the per-rank ones).
+        env: The whole environment of every rank: the caller's at launch plus the shared rank variables
+            (see `rank_environment` for the per-rank ones).
+        cwd: The caller's working directory at launch; every rank runs there.
     """
 
     fn_ref: FunctionRef
@@ -66,6 +68,7 @@ class LaunchSpec:
     pg_timeout_s: float
     init_process_group: bool
     env: Mapping[str, str]
+    cwd: str
 
 
 def rank_environment(spec: LaunchSpec, rank: int) -> dict[str, str]:
@@ -196,16 +199,19 @@ def _become_group_leader() -> None:
 
 
 def worker_main(rank: int, spec: LaunchSpec, queue: Any) -> None:
-    """Entry point of one spawned rank; reports ``("ok"|"error", rank, bytes|str)`` on ``queue``.
+    """Entry point of one rank; reports ``("ok"|"error", rank, bytes|str)`` on ``queue``.
 
+    The rank is forked from `run_distributed`'s fork server, which started long before this launch:
+    its environment and working directory are replaced by the caller's at launch (``spec.env``,
+    ``spec.cwd``) before anything else runs, so a rank sees what a freshly spawned interpreter would.
     The result is pickled here, so an unpicklable return value is reported as this rank's error
     instead of being lost in the queue's feeder thread. The default process group, whoever created
     it, is destroyed at the end.
     """
     _become_group_leader()
-    # The parent already started this interpreter with this environment (so that OMP_NUM_THREADS was
-    # set before torch was imported); setting it again keeps the contract explicit.
+    os.environ.clear()
     os.environ.update(rank_environment(spec, rank))
+    os.chdir(spec.cwd)
     import torch
     import torch.distributed as dist
 

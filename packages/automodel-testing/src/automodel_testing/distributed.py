@@ -1,8 +1,13 @@
 """Run a function on N real ``torch.distributed`` ranks from inside a test, and never hang.
 
-`run_distributed` spawns one process per rank (``spawn`` start method), gives each a real default
-process group (``gloo`` on CPU, ``nccl`` on CUDA) and collects the return values. A rank that raises,
-dies or hangs turns into a `DistributedRunError` that carries every failing rank's traceback.
+`run_distributed` starts one process per rank, gives each a real default process group (``gloo`` on
+CPU, ``nccl`` on CUDA) and collects the return values. A rank that raises, dies or hangs turns into a
+`DistributedRunError` that carries every failing rank's traceback.
+
+Ranks are forked from a ``forkserver`` that has imported torch and transformers once (`PRELOAD`), not
+spawned: a spawned rank spends seconds importing them, every launch, and a test run makes hundreds of
+launches. The server is a clean single-purpose process (it only imported modules), so each rank still
+starts from the same state, with the caller's environment and working directory at launch.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from automodel_testing._launch import LaunchSpec, rank_environment, resolve_func
 if TYPE_CHECKING:
     import pytest
 
-__all__ = ["DistributedRunError", "available_gpus", "run_distributed", "skip_unless_gpus"]
+__all__ = ["PRELOAD", "DistributedRunError", "available_gpus", "run_distributed", "skip_unless_gpus"]
 
 T = TypeVar("T")
 
@@ -38,6 +43,20 @@ _FAILURE_GRACE_S = 5.0  # after the first failure, how long the other ranks get 
 _EXIT_GRACE_S = 15.0  # after every rank returned, how long they get to exit
 _KILL_WAIT_S = 2.0  # how long SIGTERM gets before SIGKILL
 _POLL_S = 0.05
+PRELOAD: tuple[str, ...] = (
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+    "torch._dynamo",
+    "transformers",
+    "transformers.modeling_utils",
+)
+"""Modules the fork server imports once for every rank it forks (a missing one is skipped).
+
+Only third-party modules whose import has no side effect a rank could depend on: reading the
+environment at import time would see the server's, not the launch's."""
 
 
 class DistributedRunError(AssertionError):
@@ -94,8 +113,8 @@ def _free_port() -> int:
 def _patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
     """Set variables in this process's environment for the duration of a ``Process.start()``.
 
-    A spawned interpreter inherits the environment at start, so ``OMP_NUM_THREADS`` is in place
-    before the child imports torch (unpickling the entry point already imports it).
+    The first start also starts the fork server, which inherits this environment: its torch import
+    then sees ``OMP_NUM_THREADS=1``, as every rank's would.
     """
     saved = {key: os.environ.get(key) for key in updates}
     os.environ.update(updates)
@@ -107,6 +126,13 @@ def _patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _context() -> Any:
+    """The ``forkserver`` context, its server preloading `PRELOAD` (set before the server starts)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # the server skips a module it cannot import
+    return ctx
 
 
 def _validate(
@@ -141,7 +167,7 @@ def _shared_env(world_size: int, env: Mapping[str, str] | None) -> dict[str, str
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
     }
-    return {**base, **(env or {})}
+    return {**os.environ, **base, **(env or {})}
 
 
 def _describe_end(code: int | None, was_running: bool) -> str:
@@ -308,9 +334,10 @@ def run_distributed(
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks and return their results.
 
-    Each rank is a fresh interpreter (``spawn``) with ``OMP_NUM_THREADS=1`` (and
-    ``torch.set_num_threads``), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT`` and ``env`` in its environment. Unless
+    Each rank is a fresh process forked from the fork server (see the module docstring), with this
+    process's environment plus ``OMP_NUM_THREADS=1`` (and ``torch.set_num_threads``), ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free
+    ``MASTER_PORT`` and ``env``, in this process's working directory. Unless
     ``init_process_group`` is False, it joins a default process group through a file rendezvous in
     a temporary folder (with ``device="cuda"``, after ``torch.cuda.set_device(rank)``); the group is
     destroyed when ``fn`` returns, whoever created it.
@@ -363,8 +390,9 @@ def run_distributed(
         pg_timeout_s=pg_timeout_s,
         init_process_group=init_process_group,
         env=_shared_env(world_size, env),
+        cwd=os.getcwd(),
     )
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     procs: list[BaseProcess] = []
     try:

@@ -1,7 +1,7 @@
 """run_distributed: results, failure reporting and timeouts on real gloo ranks.
 
 The worker functions live in this module on purpose: pytest imports it with --import-mode=importlib,
-so the spawned ranks must load it from its file.
+so the ranks must load it from its file.
 """
 
 from __future__ import annotations
@@ -78,6 +78,37 @@ def test_returns_per_rank_values_and_sets_env() -> None:
         assert report.env["AUTOMODEL_TEST_FLAG"] == "on"
         assert report.num_threads == 1
     assert reports[0].env["MASTER_PORT"] == reports[1].env["MASTER_PORT"]
+
+
+def _where_am_i() -> dict[str, Any]:
+    return {
+        "cwd": os.getcwd(),
+        "late": os.environ.get("AUTOMODEL_TEST_LATE"),
+        "gone": os.environ.get("AUTOMODEL_TEST_GONE"),
+        "parent": os.getppid(),
+        "pid": os.getpid(),
+    }
+
+
+@pytest.mark.distributed
+def test_ranks_see_the_callers_environment_and_directory_at_launch(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fork server starts at the first launch and outlives it: what the caller changes afterwards
+    # (a variable set or removed, the working directory) must still reach the next launch's ranks.
+    monkeypatch.setenv("AUTOMODEL_TEST_GONE", "set before the first launch")
+    first = run_distributed(_where_am_i, 2)
+    assert all(r["gone"] == "set before the first launch" for r in first)
+    monkeypatch.delenv("AUTOMODEL_TEST_GONE")
+    monkeypatch.setenv("AUTOMODEL_TEST_LATE", "set after the first launch")
+    monkeypatch.chdir(tmp_path)
+    second = run_distributed(_where_am_i, 2)
+    for report in second:
+        assert report["cwd"] == str(tmp_path)
+        assert report["late"] == "set after the first launch"
+        assert report["gone"] is None
+        assert report["parent"] != os.getpid(), "ranks are forked by the fork server, not by the caller"
+    assert {r["pid"] for r in first}.isdisjoint(r["pid"] for r in second), "every launch forks new ranks"
 
 
 @pytest.mark.distributed
