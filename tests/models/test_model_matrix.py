@@ -77,6 +77,9 @@ class Layout:
     pp_schedule: str | None = None
     lora: bool = False
     activation_checkpointing: bool = False
+    moe: bool = False
+    """Expert parallelism (``moe_config=MoEParallelizerConfig()``): MoE families only, the others are
+    skipped; with ``lora`` the fused expert weights get adapters too (``PeftConfig.target_parameters``)."""
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -92,8 +95,22 @@ LAYOUTS: dict[str, Layout] = {
         Layout("lora_fsdp2", 2, lora=True),
         Layout("lora_tp", 2, {"tp_size": 2}, lora=True),
         Layout("ac", 2, activation_checkpointing=True),
+        Layout("ep2", 2, {"ep_size": 2}, moe=True),
+        Layout("ep2_shard2", 4, {"ep_size": 2}, moe=True),
+        Layout("ep2_hsdp", 4, {"dp_replicate_size": 2, "ep_size": 2}, moe=True),
+        Layout("ep2_tp2", 4, {"tp_size": 2, "ep_size": 2}, moe=True),
+        Layout("ep2_pp2", 4, {"pp_size": 2, "ep_size": 2}, pp_schedule="1f1b", moe=True),
+        Layout("ep2_lora", 2, {"ep_size": 2}, lora=True, moe=True),
+        Layout("ep2_ac", 2, {"ep_size": 2}, activation_checkpointing=True, moe=True),
     )
 }
+
+EP_FAST_FAMILIES: tuple[str, ...] = (
+    "qwen3_moe",  # softmax top-k routing, fused experts
+    "deepseek_v3",  # grouped top-k with a correction-bias buffer, shared experts, dense + MoE layers
+    "gpt_oss",  # transposed, interleaved gate/up with biases and a clamped gate, sink attention
+)
+"""Families of the default run's slice under the expert-parallel layouts."""
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -206,22 +223,37 @@ def _world_sum(value: torch.Tensor) -> float:
     return float(value)
 
 
-def _reference(path: str, lora: bool) -> Any:
+def _reference(path: str, peft_config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ref.train()
-    if lora:
+    if peft_config is not None:
         from automodel_peft import apply_lora_to_linear_modules
 
-        apply_lora_to_linear_modules(ref, _peft_config())
+        apply_lora_to_linear_modules(ref, peft_config)
     return ref
 
 
-def _peft_config() -> Any:
+def _peft_config(layout: Layout, model: Any) -> Any:
+    """Every linear; under expert parallelism also the experts' stacked weights (found structurally)."""
     from automodel_peft import PeftConfig
 
-    return PeftConfig(match_all_linear=True, dim=4, alpha=8)
+    if not layout.lora:
+        return None
+    experts: list[str] = []
+    if layout.moe:
+        from automodel_moe import find_experts
+
+        experts = sorted(
+            {
+                f"{site.fqn.rpartition('.')[2]}.{name}"
+                for site in find_experts(model)
+                for name in site.params
+                if getattr(site.core, name).dim() == 3
+            }
+        )
+    return PeftConfig(match_all_linear=True, dim=4, alpha=8, target_parameters=experts)
 
 
 def _copy_adapters(parts: list[Any], ref: Any) -> None:
@@ -282,6 +314,11 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
     pipelined = layout.pp_schedule is not None
     loss_fn = _CapturingLoss(denominator)
     strategy = _strategy(layout)
+    moe_config = None
+    if layout.moe:
+        from automodel_moe import MoEParallelizerConfig
+
+        moe_config = MoEParallelizerConfig()
     try:
         infra = instantiate_infrastructure(
             distributed_config=strategy,
@@ -290,18 +327,20 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
             )
             if pipelined
             else None,
+            moe_config=moe_config,
             device=torch.device("cpu"),
             mesh=ctx,
         )
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        peft_config = _peft_config(layout, model)
         result = apply_model_infrastructure(
             model,
             is_meta_device=True,
             device=torch.device("cpu"),
             model_wrapper=infra.model_wrapper,
             mesh=ctx,
-            peft_config=_peft_config() if layout.lora else None,
+            peft_config=peft_config,
             loss_fn=loss_fn,
             autopipeline=infra.autopipeline,
             parallelize_fn=infra.parallelize_fn,
@@ -311,7 +350,7 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
     except ValueError as exc:
         return _refusal(exc)
     try:
-        return _train(layout, ctx, axes, result, batch, local, rows, loss_fn, path)
+        return _train(layout, ctx, axes, result, batch, local, rows, loss_fn, path, peft_config)
     except ValueError as exc:  # a refusal that depends on the batch (a sequence longer than a window)
         return _refusal(exc)
 
@@ -334,12 +373,13 @@ def _train(
     rows: slice,
     loss_fn: _CapturingLoss,
     path: str,
+    peft_config: Any,
 ) -> dict[str, Any]:
     tokens = ROWS * SEQ
     denominator = tokens / axes.averaging_ranks
     pipelined = layout.pp_schedule is not None
     parts = list(result.parts) if pipelined else [result]
-    ref = _reference(path, layout.lora)
+    ref = _reference(path, peft_config)
     if layout.lora:
         _copy_adapters(parts, ref)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
@@ -543,6 +583,16 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
     return [rows[family] for family in checkpoints]
 
 
+def _has_experts(path: str) -> bool:
+    """Whether the checkpoint's model has experts modules (structurally: `automodel_moe.has_experts`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel_moe import has_experts
+
+    with _quiet(), torch.device("meta"):
+        return has_experts(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
+
+
 def _assert_no_failure(rows: list[Row]) -> None:
     failed = [row for row in rows if row.status == "fails"]
     assert not failed, "\n\n".join(f"{row.family} under {row.layout}: {row.message}" for row in failed)
@@ -551,7 +601,9 @@ def _assert_no_failure(rows: list[Row]) -> None:
 @pytest.fixture(scope="module")
 def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("matrix_fast")
-    prepared = {family: prepare_family(family, root) for family in FAST_FAMILIES}
+    prepared = {
+        family: prepare_family(family, root) for family in dict.fromkeys(FAST_FAMILIES + EP_FAST_FAMILIES)
+    }
     broken = {f: p["reference_error"] for f, p in prepared.items() if "reference_error" in p}
     assert not broken, f"transformers cannot run these fast-slice families: {broken}"
     return {family: p["path"] for family, p in prepared.items()}
@@ -561,7 +613,8 @@ def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
-    _assert_no_failure(run_matrix(layout_name, fast_checkpoints))
+    families = EP_FAST_FAMILIES if LAYOUTS[layout_name].moe else FAST_FAMILIES
+    _assert_no_failure(run_matrix(layout_name, {f: fast_checkpoints[f] for f in families}))
 
 
 @pytest.fixture(scope="module")
@@ -608,6 +661,8 @@ def test_full_matrix(
     from automodel_testing.families import excluded_families
 
     paths, broken = all_checkpoints
+    if LAYOUTS[layout_name].moe:
+        paths = {family: path for family, path in paths.items() if _has_experts(path)}
     rows = run_matrix(layout_name, paths)
     report["transformers"] = transformers.__version__
     report["excluded"] = excluded_families()
