@@ -31,13 +31,17 @@ class ExpertLoad:
         sites: The experts modules to count (`find_experts` of the model or of each pipeline stage).
         ep_size: Expert-parallel size: the experts form ``ep_size`` consecutive blocks, one per ep rank, and
             `summary` also gives the tokens each block received. 1: no such entry.
+        num_experts: The model's expert count, needed when ``sites`` is empty (a pipeline stage without
+            MoE layers still joins `summary`'s collective).
 
     Raises:
-        ValueError: No site, or sites with different expert counts.
+        ValueError: No site and no ``num_experts``, or different expert counts.
     """
 
-    def __init__(self, sites: Sequence[ExpertsSite], *, ep_size: int = 1) -> None:
-        counts = {site.num_experts for site in sites}
+    def __init__(
+        self, sites: Sequence[ExpertsSite], *, ep_size: int = 1, num_experts: int | None = None
+    ) -> None:
+        counts = {site.num_experts for site in sites} | ({num_experts} if num_experts is not None else set())
         if len(counts) != 1:
             raise ValueError(f"ExpertLoad needs experts modules of one expert count, got {sorted(counts)}")
         self.num_experts = counts.pop()
@@ -49,10 +53,19 @@ class ExpertLoad:
         self._handles = [site.module.register_forward_pre_hook(self._hook(site)) for site in sites]
 
     @classmethod
-    def attach(cls, parts: Sequence[nn.Module], *, ep_size: int = 1) -> ExpertLoad | None:
-        """Hook the experts of ``parts`` (a model, or this rank's pipeline stages); None for a dense model."""
+    def attach(
+        cls, parts: Sequence[nn.Module], *, ep_size: int = 1, num_experts: int | None = None
+    ) -> ExpertLoad | None:
+        """Hook the experts of ``parts`` (a model, or this rank's pipeline stages).
+
+        None when they have no experts and ``num_experts`` is None (a dense model). Give ``num_experts``
+        (from the whole model, e.g. `find_experts` of its meta copy) when every rank must take part in
+        `summary`, also a rank whose pipeline stages hold no MoE layer.
+        """
         sites = [site for part in parts for site in find_experts(part)]
-        return cls(sites, ep_size=ep_size) if sites else None
+        if not sites and num_experts is None:
+            return None
+        return cls(sites, ep_size=ep_size, num_experts=num_experts)
 
     def _hook(self, site: ExpertsSite) -> Any:
         num_experts = self.num_experts

@@ -33,13 +33,14 @@ class Progress:
 
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
-    def update(self, *, loss: float, tokens_per_s: float) -> None:
-        """Advance one step."""
+    def update(self, *, loss: float, tokens_per_s: float, extra: str = "") -> None:
+        """Advance one step; ``extra`` is appended to the bar's figures (e.g. the experts' load)."""
         if self._bar is None:
             return
         memory = "rss" if self._device.type == "cpu" else "cuda max"
         self._bar.set_postfix_str(
-            f"loss={loss:.4f} tok/s={tokens_per_s:,.0f} {memory}={memory_gib(self._device):.2f}GiB",
+            f"loss={loss:.4f} tok/s={tokens_per_s:,.0f} {memory}={memory_gib(self._device):.2f}GiB"
+            + (f" {extra}" if extra else ""),
             refresh=False,
         )
         self._bar.update(1)

@@ -111,6 +111,8 @@ class _Run:
     loss_fn: TokenLoss
     strategy: StrategyManager
     """The strategy manager: autocast and gradient sync of every step go through it."""
+    expert_load: Any
+    """An `automodel_moe.ExpertLoad` on every rank for a mixture-of-experts model, else None."""
 
     @property
     def pipeline(self) -> Any:
@@ -134,6 +136,7 @@ def _setup(job: JobConfig) -> _Run:
 
     from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
     from automodel_mesh import MeshContext
+    from automodel_moe import ExpertLoad, find_experts
 
     device = _init_process_group(job)
     tokenizer = AutoTokenizer.from_pretrained(job.data.tokenizer or job.model.name_or_path)
@@ -163,8 +166,12 @@ def _setup(job: JobConfig) -> _Run:
     layout = resolved.layout
     loss_fn = TokenLoss(job.train.global_batch_size * job.data.seq_len / layout.dp_cp)
     path = job.model.name_or_path or ""
+    meta_model = build_meta_model(job, model_config)
+    # The expert count of the whole model (same on every rank, so every rank joins the load's collective,
+    # also one whose pipeline stages hold no MoE layer).
+    expert_counts = {site.num_experts for site in find_experts(meta_model)}
     model = apply_model_infrastructure(
-        build_meta_model(job, model_config),
+        meta_model,
         is_meta_device=True,
         device=device,
         model_wrapper=infra.model_wrapper,
@@ -185,8 +192,25 @@ def _setup(job: JobConfig) -> _Run:
         params, lr=job.train.lr, betas=(0.9, 0.95), weight_decay=job.train.weight_decay
     )
     strategy = as_strategy(infra.model_wrapper, mesh)
+    expert_load = (
+        ExpertLoad.attach(parts, ep_size=mesh.ep_size, num_experts=min(expert_counts))
+        if expert_counts
+        else None
+    )
     return _Run(
-        job, resolved, device, mesh, tokenizer, model_config, rows, model, parts, optimizer, loss_fn, strategy
+        job,
+        resolved,
+        device,
+        mesh,
+        tokenizer,
+        model_config,
+        rows,
+        model,
+        parts,
+        optimizer,
+        loss_fn,
+        strategy,
+        expert_load,
     )
 
 
@@ -266,11 +290,18 @@ def _loop(run: _Run, start: int) -> None:
                 precompute_fp8_scales_for_fsdp(part)
         dist.all_reduce(local)
         loss = float(local) / loss_scale
+        # Collective on every rank: the step's tokens per expert, over the ranks.
+        balance = run.expert_load.summary() if run.expert_load is not None else None
         elapsed = time.perf_counter() - began
         done = step + 1
-        progress.update(loss=loss, tokens_per_s=tokens_per_step / elapsed)
+        extra = f"moe_imbalance={balance['imbalance']:.2f}" if balance is not None else ""
+        progress.update(loss=loss, tokens_per_s=tokens_per_step / elapsed, extra=extra)
         if rank == 0:
-            record = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "seconds": elapsed}
+            record: dict[str, Any] = {
+                "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "seconds": elapsed
+            }  # fmt: skip
+            if balance is not None:
+                record["expert_load"] = balance
             _log(run.out / "train_log.jsonl", record)
         if done == train_cfg.steps or (train_cfg.checkpoint_every and done % train_cfg.checkpoint_every == 0):
             root = run.out / "checkpoints"
