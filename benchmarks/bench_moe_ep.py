@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from _launch import launch
+from bench_checkpoint_load import MiB, _reset_peak, _status
 
 SHAPE = {
     "hidden_size": 2048,
@@ -52,22 +53,6 @@ SHAPE = {
 }
 """Qwen3-30B-A3B's widths (its config.json), a small vocabulary."""
 RANKS, BATCH, SEQ = 4, 1, 256
-MiB = 2**20
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    """Reset VmHWM to the current RSS; return the RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
 
 
 def _model(ep: int, layers: int, experts: int, top_k: int) -> Any:
