@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 
 import torch
 
-__all__ = ["Progress", "memory_gib"]
+__all__ = ["Progress", "memory_gib", "warn"]
+
+
+def warn(message: str) -> None:
+    """Print a warning of the worker (stderr, flushed; the ``warnings`` module may be routed to logging)."""
+    print(f"automodel train: warning: {message}", file=sys.stderr, flush=True)
 
 
 def memory_gib(device: torch.device) -> float:
@@ -33,17 +39,21 @@ class Progress:
 
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
-    def update(self, *, loss: float, tokens_per_s: float, extra: str = "") -> None:
-        """Advance one step; ``extra`` is appended to the bar's figures (e.g. the experts' load)."""
+    def update(self, *, loss: float, tokens_per_s: float) -> None:
+        """Advance one step."""
         if self._bar is None:
             return
         memory = "rss" if self._device.type == "cpu" else "cuda max"
         self._bar.set_postfix_str(
-            f"loss={loss:.4f} tok/s={tokens_per_s:,.0f} {memory}={memory_gib(self._device):.2f}GiB"
-            + (f" {extra}" if extra else ""),
+            f"loss={loss:.4f} tok/s={tokens_per_s:,.0f} {memory}={memory_gib(self._device):.2f}GiB",
             refresh=False,
         )
         self._bar.update(1)
+
+    def write(self, line: str) -> None:
+        """Print a line above the bar (rank 0)."""
+        if self._bar is not None:
+            self._bar.write(line)
 
     def close(self) -> None:
         """Finish the bar."""
