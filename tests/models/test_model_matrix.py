@@ -571,10 +571,14 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
             except DistributedRunError as exc:
                 error = str(exc)
             done = _progress(folder, layout.world_size)
+            # A family that raised is recorded, and the launch ended right after it: the next one never ran.
+            ended_after = any("traceback" in r for results in done.values() for r in results)
             for family in left:
                 if len(done.get(family, [])) == layout.world_size:
                     rows[family] = merge(family, layout_name, done[family])
                     continue
+                if ended_after:
+                    break  # relaunch for it
                 # The family this launch stopped at: a rank raised, died or hung there.
                 recorded = "; ".join(r.get("message", "") for r in done.get(family, []))
                 rows[family] = Row(family, layout_name, "fails", f"{recorded}\n{error[-2500:]}".strip())

@@ -34,7 +34,7 @@ from automodel_distributed.fsdp2 import ExpertSharding, FSDP2Manager, FSDPUnitPl
 from automodel_mesh import MeshAxisName, MeshContext
 from automodel_moe.config import MoEParallelizerConfig
 from automodel_moe.experts import install_dispatch, shard_experts, unsupported_parts
-from automodel_moe.registry import ExpertsCall, ExpertsSite, find_experts, has_experts
+from automodel_moe.registry import ExpertsSite, find_experts, has_experts
 
 __all__ = [
     "ROUTER_SAVE_OPS",
@@ -71,7 +71,7 @@ def check_expert_parallel(model: nn.Module, mesh: MeshContext) -> list[ExpertsSi
         ValueError: No experts module (a dense model, or experts of a class the metadata does not
             describe: the message says how to register one), an expert count not divisible by
             ``ep_size``, parameters that are not per-expert inside an experts module, context
-            parallelism, or tensor parallelism with experts that take every token.
+            parallelism or tensor parallelism (not supported together with EP yet).
     """
     sites = find_experts(model)
     name = type(model).__name__
@@ -96,6 +96,12 @@ def check_expert_parallel(model: nn.Module, mesh: MeshContext) -> list[ExpertsSi
             f"expert parallelism with context parallelism (cp_size={mesh.cp_size}) is not supported yet; "
             "use cp_size=1"
         )
+    if mesh.tp_size > 1:
+        raise ValueError(
+            f"expert parallelism with tensor parallelism (tp_size={mesh.tp_size}) is not supported yet: the "
+            "tensor-parallel applier does not leave the expert-parallel weights alone; use tp_size=1 (EP "
+            "composes with FSDP2, HSDP and pipeline parallelism)"
+        )
     ep = mesh.ep_size
     for site in sites:
         if site.num_experts % ep:
@@ -105,11 +111,6 @@ def check_expert_parallel(model: nn.Module, mesh: MeshContext) -> list[ExpertsSi
             raise ValueError(
                 f"expert parallelism: {site.fqn} ({type(site.core).__name__}) holds parameters that are "
                 f"not cut by expert: {bad}; not supported yet (use ep_size=1)"
-            )
-        if site.call is ExpertsCall.EVERY_TOKEN and mesh.tp_size > 1:
-            raise ValueError(
-                f"expert parallelism with tensor parallelism (tp_size={mesh.tp_size}) is not supported for "
-                f"{type(site.core).__name__}, whose experts take every token; use tp_size=1"
             )
     return sites
 
