@@ -36,6 +36,7 @@ from automodel_distributed.layers import blocks_in_scope, find_transformer_block
 __all__ = [
     "SELECTIVE_AC_ALWAYS_SAVE_OPS",
     "SELECTIVE_AC_MATMUL_OPS",
+    "SELECTIVE_AC_REPLAYED_OPS",
     "apply_activation_checkpointing",
     "disable_kv_cache",
     "resolve_checkpointing_mode",
@@ -67,6 +68,16 @@ SELECTIVE_AC_ALWAYS_SAVE_OPS: tuple[str, ...] = (
 )
 """Ops (``namespace.op.overload``) whose outputs selective AC always saves. Names missing from the
 installed torch are skipped."""
+
+SELECTIVE_AC_REPLAYED_OPS: tuple[str, ...] = (
+    "profiler._record_function_enter.default",
+    "profiler._record_function_enter_new.default",
+    "profiler._record_function_exit.default",
+    "profiler._record_function_exit._RecordFunction",
+)
+"""Profiler ranges, always replayed on recompute. torch treats them as side effects and saves them unless
+told to recompute; but the recompute may open more ranges than the forward did (FSDP2's hooks around an
+experts unit inside a checkpointed block), which a saved entry cannot match."""
 
 _AC_MODE_ATTR = "_automodel_ac_mode"
 
@@ -116,8 +127,11 @@ def selective_checkpoint_policy(
     matmuls = _resolve_ops(SELECTIVE_AC_MATMUL_OPS) if save_matmuls else frozenset()
     always = _resolve_ops((*SELECTIVE_AC_ALWAYS_SAVE_OPS, *save_ops) if save_matmuls else tuple(save_ops))
     counts = {"forward": 0, "recompute": 0}
+    replayed = _resolve_ops(SELECTIVE_AC_REPLAYED_OPS)
 
     def policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in replayed:
+            return CheckpointPolicy.MUST_RECOMPUTE
         if op in always:
             return CheckpointPolicy.MUST_SAVE
         if op in matmuls:
