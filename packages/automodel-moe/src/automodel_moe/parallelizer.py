@@ -6,10 +6,9 @@ cuts their stacked weights over ``ep`` and sends each token to its experts' rank
 (`automodel_moe.experts`), and hands the experts back as FSDP units of their own: sharded over the
 ``ep_shard`` axis along another dim than ``ep``'s (so there can be more shards than local experts), with
 their reduced gradient divided by the dense data-parallel size (their gradients hold every ep rank's
-tokens). The manager then applies the tensor-parallel plan to attention and dense layers (experts stay on
-``ep``), checkpoints the blocks, saving `ROUTER_SAVE_OPS`, and shards the dense units: one path for dense
-and MoE models, honouring every `FSDP2Config` setting. Under pipeline parallelism each stage runs the same
-step on the layers it holds.
+tokens). The manager then checkpoints the blocks, saving `ROUTER_SAVE_OPS`, and shards the dense units:
+one path for dense and MoE models, honouring every `FSDP2Config` setting. Under pipeline parallelism each
+stage runs the same step on the layers it holds. Tensor and context parallelism are refused with EP.
 
 `parallelize_model` is the reference system's entry point: it builds that manager from its keyword
 arguments.
@@ -220,8 +219,7 @@ def parallelize_model(
     Preconditions: ``model`` is a transformers MoE causal LM whose experts `automodel_moe.find_experts`
     finds, with real weights identical on every rank (each rank keeps its slice) or on the meta device;
     nothing is sharded yet. Mesh axes: ``ep`` of ``moe_mesh`` for experts, ``ep_shard`` for the experts'
-    FSDP, ``tp`` of ``world_mesh`` for the tensor-parallel plan of attention and dense layers,
-    ``dp_shard_cp`` (and ``dp_replicate``) for every other module's FSDP.
+    FSDP (``tp`` must have size 1: EP with TP is refused), ``dp_shard_cp`` (and ``dp_replicate``) for every other module's FSDP.
 
     Returns ``model`` (its class becomes ``FSDP<Class>`` when sharded).
 
