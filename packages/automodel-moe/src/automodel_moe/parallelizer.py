@@ -219,7 +219,8 @@ def parallelize_model(
     Preconditions: ``model`` is a transformers MoE causal LM whose experts `automodel_moe.find_experts`
     finds, with real weights identical on every rank (each rank keeps its slice) or on the meta device;
     nothing is sharded yet. Mesh axes: ``ep`` of ``moe_mesh`` for experts, ``ep_shard`` for the experts'
-    FSDP (``tp`` must have size 1: EP with TP is refused), ``dp_shard_cp`` (and ``dp_replicate``) for every other module's FSDP.
+    FSDP (``tp`` must have size 1: EP with TP is refused), ``dp_shard_cp`` (and ``dp_replicate``) for
+    every other module's FSDP.
 
     Returns ``model`` (its class becomes ``FSDP<Class>`` when sharded).
 
