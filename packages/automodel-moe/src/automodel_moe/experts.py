@@ -45,7 +45,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from automodel_moe.registry import SHARDED_ATTR, ExpertsCall, ExpertsSite, _base_chain
 
-__all__ = ["EveryTokenEP", "install_dispatch", "local_parameters", "shard_experts"]
+__all__ = ["EveryTokenEP", "install_dispatch", "local_parameters", "shard_experts", "unsupported_parts"]
 
 
 @contextlib.contextmanager
