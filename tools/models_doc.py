@@ -27,9 +27,9 @@ def _short(message: str) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    """The Markdown page for ``report``."""
-    rows = report["rows"]
-    layouts = list(report["layouts"])
+    """The Markdown page for ``report`` (the expert-parallel layouts go to `render_moe` instead)."""
+    layouts = [name for name, spec in report["layouts"].items() if not spec.get("moe")]
+    rows = [r for r in report["rows"] if r["layout"] in layouts]
     families = sorted({r["family"] for r in rows})
     cell = {(r["family"], r["layout"]): r for r in rows}
     lines = [

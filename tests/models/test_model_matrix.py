@@ -399,14 +399,20 @@ def _train(
             ref_norm = sum(
                 float(p.grad.double().square().sum()) for p in ref.parameters() if p.grad is not None
             )
-            out["grad_norm"] = abs(_grad_square_sum(parts, axes) ** 0.5 - ref_norm**0.5)
+            ours_norm = _grad_square_sum(parts, axes) ** 0.5
+            out["grad_norm"] = abs(ours_norm - ref_norm**0.5)
+            # Relative, so a family whose gradients are tiny still proves its gradients arrive.
+            out["grad_rel"] = out["grad_norm"] / ref_norm**0.5 if ref_norm > 0 else float("inf")
         ref_opt.step()
         ref_opt.zero_grad()
         opt.step()
         opt.zero_grad()
     out["loss_diff"] = max(abs(a - b) for a, b in zip(out["losses"], out["ref_losses"], strict=True))
     ok = out["logits"] <= ATOL and out["loss_diff"] <= ATOL and out["grad_norm"] <= ATOL * 10
-    trains = out["losses"][-1] < out["losses"][0]
+    # Training must show: the loss falls, or, for a family whose two SGD steps move the loss by less than
+    # float32 resolves (the reference does not fall either), the gradients agree to 0.1% of their norm.
+    reference_flat = out["ref_losses"][-1] >= out["ref_losses"][0]
+    trains = out["losses"][-1] < out["losses"][0] or (reference_flat and out["grad_rel"] <= 1e-3)
     out["status"] = "works" if ok and trains else "fails"
     if not trains:
         out["message"] = f"the loss does not fall: {out['losses']}"
@@ -576,6 +582,8 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
             for family in left:
                 if len(done.get(family, [])) == layout.world_size:
                     rows[family] = merge(family, layout_name, done[family])
+                    if any("traceback" in r for r in done[family]):
+                        break  # the ranks stopped on purpose after this family; relaunch for the rest
                     continue
                 if ended_after:
                     break  # relaunch for it

@@ -227,9 +227,10 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
             f"context parallelism runs only attention as ring attention, but {name} has layers of kind "
             f"{others} (config.layer_types); use cp_size=1 for it"
         )
-    if getattr(config, "attention_chunk_size", None):
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
         raise ValueError(
-            f"{name} uses chunked attention (attention_chunk_size={config.attention_chunk_size}), whose "
+            f"{name} uses chunked attention (attention_chunk_size={chunk}), whose "
             "mask context parallelism cannot apply (ring attention is plainly causal); use cp_size=1"
         )
     get_embeddings = getattr(hf, "get_input_embeddings", None)
@@ -239,6 +240,13 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
     mixing: set[str] = set()
 
     def on_op(op: str, args: tuple[Any, ...], kwargs: dict[str, Any], labels_of: Any) -> None:
+        if op == "scaled_dot_product_attention":
+            # A mask computed from the activations (a learned, content-dependent mask) is over this
+            # rank's keys only; ring attention runs unmasked, so it cannot apply it.
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if isinstance(mask, torch.Tensor) and labels_of(mask):
+                mixing.add("an SDPA mask computed from activations")
+            return
         if op not in SEQUENCE_MIXING_OPS:
             return
         floats = [
@@ -266,10 +274,9 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
     if mixing:
         raise ValueError(
             f"{name} combines positions of the sequence outside scaled_dot_product_attention "
-            f"({sorted(mixing)} on activations: a scan, a convolution over time or attention computed by "
-            "hand); under context "
-            "parallelism each rank holds a slice of the sequence and only SDPA becomes ring attention, so "
-            "use cp_size=1 for it"
+            f"({', '.join(sorted(mixing))}: a scan, a convolution over time, attention computed by hand or "
+            "an attention mask computed from activations); under context parallelism each rank holds a "
+            "slice of the sequence and only unmasked SDPA becomes ring attention, so use cp_size=1 for it"
         )
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -25,8 +26,11 @@ from automodel_distributed.tensor_parallel import (
     register_tp_plan,
     resolve_tp_plan,
     translate_hf_tp_plan,
+    validate_tensor_parallel,
 )
 from automodel_distributed.tensor_parallel import registry as tp_registry
+from automodel_distributed.tensor_parallel.derived import derived_tp_plan
+from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock
 from automodel_testing import build_tiny_model
 
 # ----------------------------------------------------------------------------- toy models
@@ -114,7 +118,7 @@ def _isolated_registries(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_style_names_translate_to_layouts(name: str, cls: type, inp: Any, out: Any, local: bool) -> None:
     style = parallel_style(name)
-    assert type(style) is cls
+    assert isinstance(style, cls)
     assert style.input_layouts == (inp,)
     assert style.output_layouts == (out,)
     assert style.use_local_output is local
@@ -203,9 +207,12 @@ def test_named_plan_then_import_path(plan_module: str) -> None:
     assert list(resolve_tp_plan(model, f"{plan_module}.make_plan", tp_size=2)) == [
         "model.layers.*.mlp.down_proj"
     ]
-    with pytest.warns(UserWarning, match="has no sequence-parallel style; it is used as given"):
-        sp = resolve_tp_plan(model, f"{plan_module}.make_plan_for", sequence_parallel=True, tp_size=2)
+    # A plan without sequence-parallel styles gets derived sequence parallelism: one entry per block.
+    sp = resolve_tp_plan(model, f"{plan_module}.make_plan_for", sequence_parallel=True, tp_size=2)
     assert sp["model.layers.*.mlp.up_proj"].output_layouts == (Replicate(),)
+    blocks = [k for k, v in sp.items() if isinstance(v, SequenceShardedBlock)]
+    assert blocks == [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
+    assert [sp[k].cut_output for k in blocks] == [True] * (len(blocks) - 1) + [False]
 
 
 def test_named_factory_gets_the_model() -> None:
@@ -217,8 +224,7 @@ def test_named_factory_gets_the_model() -> None:
         return {"lm_head": "colwise_vocab"}
 
     register_named_tp_plan("unit-factory", factory)
-    with pytest.warns(UserWarning, match="no sequence-parallel style"):
-        resolve_tp_plan(model, "unit-factory", sequence_parallel=True, tp_size=2)
+    resolve_tp_plan(model, "unit-factory", sequence_parallel=True, tp_size=2)
     assert seen == [("LlamaForCausalLM", True)]
 
 
@@ -251,8 +257,6 @@ def test_user_plan_errors() -> None:
     with pytest.warns(UserWarning, match=r"entries \['nothing\.here'\] match no module"):
         kept = resolve_tp_plan(model, {"lm_head": "colwise_vocab", "nothing.here": "colwise"}, tp_size=2)
     assert list(kept) == ["lm_head"]
-    with pytest.warns(UserWarning, match="has no sequence-parallel style"):
-        resolve_tp_plan(model, {"lm_head": "colwise_vocab"}, sequence_parallel=True, tp_size=2)
     with pytest.raises(ValueError, match="tp_plan must be a dict"):
         resolve_tp_plan(model, 3, tp_size=2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tp_size must be an int >= 1"):
@@ -295,8 +299,11 @@ def test_registry_by_class_then_by_name_along_the_mro() -> None:
     with pytest.raises(ValueError, match="already has a plan registered; pass overwrite=True"):
         register_tp_plan(MyLlama, {"lm_head": "colwise_rep"})
     register_tp_plan(MyLlama, {"lm_head": "colwise_rep"}, overwrite=True)
-    with pytest.raises(ValueError, match="has no sequence-parallel variant"):
-        resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
+    # No sequence-parallel variant: the plan with derived sequence parallelism (one entry per block).
+    derived = resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
+    assert (
+        sum(isinstance(v, SequenceShardedBlock) for v in derived.values()) == model.config.num_hidden_layers
+    )
 
 
 def test_registration_errors() -> None:
@@ -362,10 +369,10 @@ def test_hf_plan_from_class_and_config_when_the_instance_has_none() -> None:
 
 def test_hf_plan_with_unknown_styles_is_unusable() -> None:
     model = ToyDecoderForCausalLM()
-    model._tp_plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.mlp": "all_reduce"}
+    model._tp_plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.mlp": "shard_sideways"}
     plan, note = translate_hf_tp_plan(model)
     assert plan is None
-    assert "'all_reduce'" in note
+    assert "'shard_sideways'" in note
 
 
 # ----------------------------------------------------------------------------- default plan and errors
@@ -391,12 +398,17 @@ def test_default_plan_for_a_llama_layout_warns() -> None:
 
 def test_no_usable_plan_lists_the_ways_to_register_one() -> None:
     model = ToyDecoderForCausalLM(container="blocks")
+    for block in model.model.blocks:  # nothing the derived plan could shard either
+        block.self_attn, block.mlp = nn.Identity(), nn.Identity()
+    model.lm_head = nn.Identity()  # type: ignore[assignment]
+    model.model.embed_tokens = nn.Identity()  # type: ignore[assignment]
     with pytest.raises(ValueError, match="no usable tensor-parallel plan for ToyDecoderForCausalLM") as info:
         resolve_tp_plan(model, tp_size=2)
     message = str(info.value)
     for way in ("register_tp_plan(", "register_named_tp_plan(", "FSDP2Config(tp_plan=", "import path"):
         assert way in message
     assert "decoder blocks at `layers.<i>`" in message
+    assert "no linear projection" in message
     assert resolve_tp_plan(model, tp_size=1) == {}
 
 
@@ -404,8 +416,11 @@ def test_default_plan_refuses_blocks_with_extra_parameters() -> None:
     model = ToyDecoderForCausalLM()
     for block in model.model.layers:
         block.self_attn.q_norm = nn.LayerNorm(4)  # a per-head norm the default plan would leave unreduced
-    with pytest.raises(ValueError, match=r"does not fit decoder block 'model.layers.0'.*self_attn.q_norm"):
-        resolve_tp_plan(model, tp_size=2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plan = resolve_tp_plan(model, tp_size=2)  # the derived plan instead, saying why
+    assert any("does not fit decoder block 'model.layers.0'" in str(w.message) for w in seen), seen
+    assert "model.layers.0.self_attn.q_norm" not in plan  # stays replicated
 
 
 def test_keys_get_the_peft_prefix() -> None:
@@ -416,3 +431,57 @@ def test_keys_get_the_peft_prefix() -> None:
     assert "base_model.model.lm_head" in plan
     user = resolve_tp_plan(model, {"lm_head": "colwise_vocab"}, tp_size=2)
     assert list(user) == ["base_model.model.lm_head"]
+
+
+def _tiny(model_type: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(derive_tiny_config(model_type))
+
+
+def test_plan_less_models_get_the_derived_plan() -> None:
+    # GPT-2: no registered, no transformers plan, no Llama layout: every Conv1D gathered, vocab-parallel ends.
+    gpt2 = _tiny("gpt2")
+    with pytest.warns(UserWarning, match="plan derived from the model's structure"):
+        plan = resolve_tp_plan(gpt2, tp_size=2)
+    assert isinstance(plan["transformer.h.0.attn.c_attn"], ColwiseParallel)
+    assert plan["transformer.h.0.attn.c_attn"].output_layouts == (Replicate(),)
+    assert plan["transformer.wte"].input_layouts == (Replicate(),)  # vocab-parallel embedding
+    assert plan["lm_head"].use_local_output is False  # vocab-sharded logits (tied to wte: both Shard(0))
+    assert "transformer.wpe" not in plan  # position embeddings stay replicated
+    validate_tensor_parallel(gpt2, 2, plan=plan)  # Conv1D is a linear for the checks
+    derived, _ = derived_tp_plan(gpt2, tp_size=2)
+    assert derived is not None and set(derived) == set(plan)
+    assert derived_tp_plan(nn.Sequential(nn.ReLU()), tp_size=2)[0] is None
+
+
+def test_automatic_plans_that_do_not_fit_fall_through() -> None:
+    # GPTBigCode (multi-query: one key/value head): no plan splits heads, the derived one gathers them.
+    bigcode = _tiny("gpt_bigcode")
+    with pytest.warns(UserWarning, match="derived"):
+        plan = resolve_tp_plan(bigcode, tp_size=2)
+    validate_tensor_parallel(bigcode, 2, plan=plan)
+    # A transformers plan whose column-parallel attention cannot split one key/value head is skipped.
+    toy = ToyDecoderForCausalLM(heads=1)
+    toy._tp_plan = {  # type: ignore[assignment]
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+    }
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plan = resolve_tp_plan(toy, tp_size=2)
+    assert any("transformers' tp plan does not fit" in str(w.message) for w in seen), seen
+    assert plan["model.layers.0.self_attn.k_proj"].output_layouts == (Replicate(),)
+
+
+def test_inexact_transformers_plans_are_skipped() -> None:
+    doge = _tiny("doge")
+    assert translate_hf_tp_plan(doge)[0] is not None
+    with pytest.warns(
+        UserWarning, match="transformers' tp plan is not exact for it: its row-parallel dt_proj"
+    ):
+        plan = resolve_tp_plan(doge, tp_size=2)
+    assert all(style.output_layouts == (Replicate(),) for key, style in plan.items() if key.endswith("_proj"))

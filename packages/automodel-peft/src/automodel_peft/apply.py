@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from automodel_peft._layers import lora_layers
 from automodel_peft._names import clean_fqn, hf_checkpoint_key, is_adapter_name
 from automodel_peft.config import PeftConfig
 from automodel_peft.dropout import install_post_dropout
-from automodel_peft.matching import resolve_target_modules
+from automodel_peft.matching import is_conv1d, is_linear_layer, resolve_target_modules
 
 if TYPE_CHECKING:
     import peft
@@ -260,6 +260,26 @@ def _finish_adapters(
                 lora_a.copy_(_init_a(lora_a.shape, "xavier"))
 
 
+def _fan_in_fan_out(model: nn.Module, targets: Sequence[str]) -> dict[str, bool]:
+    """The ``fan_in_fan_out`` peft needs: True for transformers' ``Conv1D`` (weight stored ``(in, out)``).
+
+    peft keeps one value per config, so targets of both kinds are refused.
+
+    Raises:
+        ValueError: The targets mix ``Conv1D`` and `nn.Linear` layers.
+    """
+    modules = {clean_fqn(name): module for name, module in model.named_modules()}
+    kinds = {is_conv1d(modules[name]) for name in targets if name in modules}
+    if len(kinds) > 1:
+        conv = [n for n in targets if n in modules and is_conv1d(modules[n])][:3]
+        raise ValueError(
+            f"PeftConfig targets both transformers Conv1D layers ({conv}, ...) and nn.Linear layers; peft "
+            "stores their weights transposed from each other under one fan_in_fan_out setting: adapt one "
+            "kind per config (target_modules or exclude_modules)"
+        )
+    return {"fan_in_fan_out": True} if kinds == {True} else {}
+
+
 def apply_lora(
     model: nn.Module,
     config: PeftConfig | peft.LoraConfig | Mapping[str, Any],
@@ -313,7 +333,7 @@ def apply_lora(
     if peft_cfg is not None:
         targets = resolve_target_modules(model, peft_cfg)
         if not targets:
-            linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:8]
+            linears = [n for n, m in model.named_modules() if is_linear_layer(m)][:8]
             raise ValueError(
                 f"PeftConfig matches no linear layer (target_modules={peft_cfg.target_modules}, "
                 f"exclude_modules="
@@ -321,7 +341,7 @@ def apply_lora(
                 f"{linears}"
             )
         _check_target_parameters(model, peft_cfg.target_parameters)
-        lora_config: Any = peft_cfg.to_lora_config(targets)
+        lora_config: Any = peft_cfg.to_lora_config(targets, **_fan_in_fan_out(model, targets))
     else:
         lora_config = cfg
     _inject(model, lora_config, adapter_name, skip_freeze)

@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from automodel_mesh.modules import output_head_fqns
@@ -30,6 +31,8 @@ from automodel_peft.config import PeftConfig
 __all__ = [
     "ModuleMatcher",
     "is_causal_lm",
+    "is_conv1d",
+    "is_linear_layer",
     "output_head_names",
     "pattern_regex",
     "patterns_to_regex",
@@ -106,17 +109,55 @@ class ModuleMatcher:
     def match(self, module: nn.Module, name: str) -> bool:
         """Whether the module called ``name`` gets an adapter (linears only; adapters never)."""
         fqn = clean_fqn(name)
-        if not isinstance(module, nn.Linear) or is_adapter_name(fqn) or fqn.endswith(".base_layer"):
+        if not is_linear_layer(module) or is_adapter_name(fqn) or fqn.endswith(".base_layer"):
             return False
         cfg = self.config
         if cfg.match_all_linear:
-            return fqn not in self.output_heads and fqn not in self.left_out
+            return fqn not in self.output_heads and fqn not in self.left_out and _computes_linear(module)
         targets = _compile(cfg.target_modules)
         if targets is not None:
             return targets.fullmatch(fqn) is not None
         excludes = _compile(cfg.exclude_modules)
         kept = excludes is None or excludes.fullmatch(fqn) is None
-        return fqn not in self.output_heads and fqn not in self.left_out and kept
+        return fqn not in self.output_heads and fqn not in self.left_out and kept and _computes_linear(module)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2's linear, weight stored ``(in, out)``)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # transformers is optional here
+        return False
+    return isinstance(module, Conv1D)
+
+
+def is_linear_layer(module: nn.Module) -> bool:
+    """Whether LoRA can adapt ``module`` as a linear layer: an `nn.Linear` or transformers' ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def _computes_linear(module: nn.Module) -> bool:
+    """Whether the module maps ``(..., in)`` to ``(..., out)``, so a low-rank delta of that shape adds.
+
+    `nn.Linear` and ``Conv1D`` do; a subclass with its own forward is run once on fake tensors (no compute,
+    meta weights included): a block-diagonal grouped projection, which only borrows the weight, gives
+    another shape or fails. The broad selectors leave such modules out; naming one in
+    ``target_modules`` still adapts it.
+    """
+    if type(module).forward is nn.Linear.forward or is_conv1d(module):
+        return True
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return False
+    out_features, in_features = weight.shape
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            shape = tuple(module(torch.empty(2, 3, in_features)).shape)
+    except Exception:  # it cannot take (..., in): not a plain linear map
+        return False
+    return shape == (2, 3, out_features)
 
 
 def _router_classes(model: nn.Module) -> tuple[type, ...]:
@@ -164,7 +205,7 @@ def resolve_target_modules(model: nn.Module, config: PeftConfig) -> list[str]:
     left_out = frozenset(
         clean_fqn(name)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
+        if is_linear_layer(module)
         and (isinstance(module, routers) or _refused_by_peft(model, clean_fqn(name)))
     )
     matcher = ModuleMatcher(config, frozenset(output_head_names(model)), left_out)

@@ -81,6 +81,21 @@ def test_regex_form_and_causal_lm_detection(llama: nn.Module) -> None:
     assert not is_causal_lm(nn.Sequential(nn.Linear(2, 2)))
 
 
+class _Grouped(nn.Linear):
+    """Borrows nn.Linear's weight but computes something else (one value per row)."""
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return x.sum(-1)
+
+
+def test_broad_selectors_leave_linears_with_their_own_forward_out() -> None:
+    matcher = ModuleMatcher(PeftConfig(match_all_linear=True))
+    assert matcher.match(nn.Linear(2, 2), "a.proj") and not matcher.match(_Grouped(2, 2), "a.proj")
+    assert not ModuleMatcher(PeftConfig(exclude_modules=["other"])).match(_Grouped(2, 2), "a.proj")
+    # named in target_modules, it is adapted
+    assert ModuleMatcher(PeftConfig(target_modules=["proj"])).match(_Grouped(2, 2), "a.proj")
+
+
 def test_regular_expressions_and_the_reference_wildcards(llama: nn.Module) -> None:
     # Issue 17: the reference matches target patterns as regular expressions and wildcards; ".*" used to
     # raise "matches no linear layer" because its "." was escaped.

@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from automodel_mesh.modules import find_hf_model, fqn_of, join_fqn
-from automodel_pipelining.probe import LAYERS_MARK, probe_forward
+from automodel_pipelining.probe import LAYERS_MARK, ForwardProbe, probe_forward
 
 __all__ = [
     "FALLBACK_HEAD_NAMES",
@@ -75,6 +75,13 @@ class DecoderLayout:
     `automodel_pipelining.probe`); a pipeline refuses a model that has any."""
     shared: tuple[str, ...] = ()
     """Parameter-free modules every stage needs (rotary embeddings); each stage gets its own copy."""
+    embed_given_embeds: bool = False
+    """Whether the forward calls the input embedding when given ``inputs_embeds``: later stages then get a
+    stand-in that hands them on (what it computes from them is discarded there)."""
+    layer_output_arity: tuple[int, ...] | None = None
+    """Per layer: ``0`` when it returns a tensor, else the length of the tuple it returns, as one forward
+    on fake tensors showed (`ForwardProbe.output_arity`); ``None`` when the real layers could not run
+    there. A later stage's stand-ins for earlier layers return the same structure."""
 
     @property
     def num_layers(self) -> int:
@@ -251,7 +258,7 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
         if parent not in path:  # only direct children of the path; deeper modules travel with them
             continue
         (extras if _has_params(module) else shared).append(fqn)
-    after, unknown, reason, problems = _probe_layout(
+    after, unknown, reason, problems, probe = _probe_layout(
         hf_model, base, roles["layers"], roles.get("embed"), roles.get("norm"), extras
     )
 
@@ -271,19 +278,22 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
         unplaced_reason=reason,
         problems=tuple(problems),
         shared=tuple(join_fqn(prefix, f) for f in shared),
+        embed_given_embeds=probe is not None and probe.embeds_given_embeds,
+        layer_output_arity=_arity(probe, len(layer_names)),
     )
 
 
 def _probe_layout(
     hf_model: nn.Module, base: str, layers: str, embed: str | None, norm: str | None, extras: Sequence[str]
-) -> tuple[set[str], list[str], str, list[str]]:
+) -> tuple[set[str], list[str], str, list[str], ForwardProbe | None]:
     """Place ``extras`` and check the forward's chaining and isolation (`automodel_pipelining.probe`).
 
     Returns:
-        ``(after, unknown, why, problems)``: the extras the forward calls after its layers (last stage;
-        extras outside the base model run after it); those whose order is unknown because the forward
-        does not run on fake tensors, and why; and what keeps a stage from computing exactly what the
-        model computes (empty when nothing does).
+        ``(after, unknown, why, problems, probe)``: the extras the forward calls after its layers (last
+        stage; extras outside the base model run after it); those whose order is unknown because the
+        forward does not run on fake tensors, and why; what keeps a stage from computing exactly what
+        the model computes (empty when nothing does); and the probe itself (``None`` when the forward
+        does not run on fake tensors).
     """
     inside = [f for f in extras if f.rpartition(".")[0] == base]
     outside = {f for f in extras if f not in inside}
@@ -302,8 +312,15 @@ def _probe_layout(
         watched=watched,
     )
     if probe is None:
-        return outside, inside, why[:400], [why[:400]]
+        return outside, inside, why[:400], [why[:400]], None
     order = probe.order
     cut = order.index(LAYERS_MARK) if LAYERS_MARK in order else len(order)
     placed = {f for f in inside if relative(f) in order[cut + 1 :]}
-    return outside | placed, [], "", list(dict.fromkeys(probe.problems))
+    return outside | placed, [], "", list(dict.fromkeys(probe.problems)), probe
+
+
+def _arity(probe: ForwardProbe | None, num_layers: int) -> tuple[int, ...] | None:
+    """Each layer's output structure as the probe saw it, or ``None`` when the real layers did not run."""
+    if probe is None or not probe.with_layers or len(probe.output_arity) != num_layers:
+        return None
+    return tuple(probe.output_arity)

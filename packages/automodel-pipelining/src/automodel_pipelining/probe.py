@@ -51,6 +51,13 @@ class ForwardProbe:
     """Why a stage could not compute exactly what the model computes (empty: it can)."""
     with_layers: bool = True
     """Whether the real layers ran (else pass-through stand-ins did: layer outputs were not traced)."""
+    output_arity: list[int] = field(default_factory=list)
+    """Per layer, in call order: ``0`` when it returned a tensor, else the length of the tuple it
+    returned (read only when the real layers ran). Type hints are not trusted for this: several
+    transformers layers annotate a tuple and return a tensor, or the reverse."""
+    embeds_given_embeds: bool = False
+    """Whether the forward calls the input embedding even when given ``inputs_embeds`` (it then
+    post-processes them, e.g. a norm), as a later stage calls it."""
 
 
 class _PassThrough(nn.Module):
@@ -94,8 +101,8 @@ def _run(
     if not with_layers:
         target = copy.copy(base)
         target._modules = dict(base._modules)
-        target._modules[layers] = nn.ModuleList(_PassThrough() for _ in container.children())
-        container = target._modules[layers]
+        container = nn.ModuleList(_PassThrough() for _ in container.children())
+        target._modules[layers] = container
     children = list(container.children())
     previous: list[torch.Tensor | None] = [None]
     first_inputs: dict[str, frozenset[str]] = {}
@@ -123,6 +130,8 @@ def _run(
     def after_layer(index: int) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             labels.set(output, {f"layer {index}'s output"})
+            if with_layers:
+                probe.output_arity.append(len(output) if isinstance(output, tuple | list) else 0)
             previous[0] = _first_tensor(output)
 
         return hook
@@ -132,18 +141,28 @@ def _run(
             if name not in first_inputs:
                 probe.order.append(name)
                 first_inputs[name] = labels.labels_of((args, kwargs))
+            elif LAYERS_MARK in probe.order and probe.order.index(name) < probe.order.index(LAYERS_MARK):
+                problem = (
+                    f"{name} runs both before and after the layers (the first and the last stage would "
+                    "both need its parameters)"
+                )
+                if problem not in probe.problems:
+                    probe.problems.append(problem)
 
         return hook
 
     for index, layer in enumerate(children):
         hooks.append(layer.register_forward_pre_hook(before_layer(index), with_kwargs=True))
         hooks.append(layer.register_forward_hook(after_layer(index)))
+    embed_width: list[int] = []
     if embed is not None:
-        hooks.append(
-            base.get_submodule(embed).register_forward_hook(
-                lambda _m, _a, out: labels.set(out, {_EMBEDDINGS})
-            )
-        )
+
+        def after_embed(_module: nn.Module, _args: Any, output: Any) -> None:
+            labels.set(output, {_EMBEDDINGS})
+            if isinstance(output, torch.Tensor):
+                embed_width.append(output.shape[-1])
+
+        hooks.append(base.get_submodule(embed).register_forward_hook(after_embed))
     for name in watched:
         for module in base.get_submodule(name).modules():  # a ModuleList is called through its children
             hooks.append(module.register_forward_pre_hook(before_watched(name), with_kwargs=True))
@@ -157,6 +176,8 @@ def _run(
     finally:
         for hook in hooks:
             hook.remove()
+    if embed is not None and embed_width:
+        probe.embeds_given_embeds = _calls_embedding_given_embeds(base, target, embed, embed_width[0])
     last = f"layer {len(children) - 1}'s output"
     if LAYERS_MARK in probe.order:
         for name in probe.order[probe.order.index(LAYERS_MARK) + 1 :]:
@@ -169,6 +190,25 @@ def _run(
     else:
         probe.problems.append("the forward did not call its first layer")
     return probe
+
+
+def _calls_embedding_given_embeds(base: nn.Module, target: nn.Module, embed: str, width: int) -> bool:
+    """Whether the forward, called the way a later stage calls it (``inputs_embeds``), runs the embedding.
+
+    A forward that fails this way is not judged here (the stage would raise, not compute silently).
+    """
+    called: list[bool] = []
+    hook = base.get_submodule(embed).register_forward_pre_hook(lambda *_: called.append(True))
+    param = next(base.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    try:
+        with fake_forward(DataFlow()):
+            type(base).forward(target, inputs_embeds=torch.zeros(1, 8, width, device=device))
+    except Exception:  # not this check's concern
+        return False
+    finally:
+        hook.remove()
+    return bool(called)
 
 
 def probe_forward(

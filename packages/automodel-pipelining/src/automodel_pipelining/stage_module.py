@@ -46,6 +46,7 @@ from automodel_pipelining.layout import DecoderLayout
 __all__ = ["StageForwardSpec", "build_stage_module"]
 
 _SPEC_ATTR = "_automodel_pp_spec"  # where a patched module keeps its StageForwardSpec
+_RECEIVED_ATTR = "_automodel_pp_received"  # and the stage input its earlier layers' stand-ins return
 
 # Keyword arguments that transformers' own forwards pass down and that a stage can ignore when unset.
 _IGNORABLE_KWARGS = frozenset(
@@ -79,16 +80,22 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
 class _EarlierLayer(nn.Module):
     """Stands for a layer an earlier stage owns: returns the activations this stage received."""
 
-    def __init__(self, received: _Received, as_tuple: bool) -> None:
+    def __init__(self, received: _Received, arity: int) -> None:
         super().__init__()
         self._received = received
-        self._as_tuple = as_tuple
+        self._arity = arity
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The received activations, in the form the model's own layers return their output."""
+        """The received activations, in the form the layer it stands for returns its output.
+
+        ``arity`` 0 returns the tensor; ``n`` a tuple of ``n`` whose other items (attention weights,
+        router logits) are ``None``, which the models' forwards only collect when asked to.
+        """
         if self._received.value is None:
             raise RuntimeError("a pipeline stage ran its earlier layers' stand-ins without a stage input")
-        return (self._received.value,) if self._as_tuple else self._received.value
+        if self._arity == 0:
+            return self._received.value
+        return (self._received.value, *([None] * (self._arity - 1)))
 
 
 class _LaterModule(nn.Module):
@@ -97,6 +104,20 @@ class _LaterModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Stop the stage's forward; the first tensor argument is the stage output."""
         raise _StageBoundary(_first_tensor(args, kwargs))
+
+
+class _EmbeddingPassThrough(nn.Module):
+    """Stands for the input embedding on a later stage whose model forward calls it with ``inputs_embeds``.
+
+    It hands them on: what the forward computes from them before the layers is discarded there.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The ``inputs_embeds`` it was given."""
+        embeds = kwargs.get("inputs_embeds")
+        if isinstance(embeds, torch.Tensor):
+            return embeds
+        return next(a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
 
 
 class _OtherStageModule(nn.Module):
@@ -192,6 +213,17 @@ def _returns_tuple(layer: nn.Module) -> bool:
     return typing.get_origin(hint) is tuple or text.startswith("tuple") or "tuple[" in text
 
 
+def _copy_plain_attributes(layer: nn.Module, stand_in: nn.Module) -> None:
+    """Give ``stand_in`` the layer's public non-tensor attributes (``layer_type``, ``block_type``, ...).
+
+    Model forwards read them off the layer before calling it (to pick its mask, for example).
+    """
+    for name, value in vars(layer).items():
+        if name.startswith("_") or name == "training" or isinstance(value, nn.Module | torch.Tensor):
+            continue
+        setattr(stand_in, name, value)
+
+
 def _stand_ins(
     layout: DecoderLayout, fqns: Sequence[str], stage_index: int, num_stages: int, layers: nn.Module
 ) -> tuple[dict[str, nn.Module], _Received]:
@@ -202,22 +234,38 @@ def _stand_ins(
             "decoder layer (its own layers follow the embedding); move a layer to stage 0"
         )
     received = _Received()
-    as_tuple = any(_returns_tuple(layers.get_submodule(layout.layer_names[i])) for i in owned[:1])
+    if layout.layer_output_arity is not None:
+        arity = layout.layer_output_arity
+    else:  # the layers did not run on fake tensors: read the annotation of the stage's first own layer
+        hinted = any(_returns_tuple(layers.get_submodule(layout.layer_names[i])) for i in owned[:1])
+        arity = (1 if hinted else 0,) * len(layout.layer_fqns)
     stand_ins: dict[str, nn.Module] = {}
     first, last = (owned[0], owned[-1]) if owned else (len(layout.layer_fqns), -1)
     for i, fqn in enumerate(layout.layer_fqns):
         if fqn in fqns:
             continue
+        stand_in: nn.Module | None = None
         if i < first and stage_index > 0:
-            stand_ins[fqn] = _EarlierLayer(received, as_tuple)
+            stand_in = _EarlierLayer(received, arity[i])
         elif i > last:
-            stand_ins[fqn] = _LaterModule()
+            stand_in = _LaterModule()
+        if stand_in is not None:
+            _copy_plain_attributes(layers.get_submodule(layout.layer_names[i]), stand_in)
+            stand_ins[fqn] = stand_in
     if stage_index < num_stages - 1:
-        for fqn in (layout.norm, *layout.last_extras):
-            if fqn is not None and fqn not in fqns:
-                stand_ins[fqn] = _LaterModule()
+        for later in (layout.norm, *layout.last_extras):
+            if later is not None and later not in fqns:
+                stand_ins[later] = _LaterModule()
     # The input embedding stays None on later stages: the model's forward skips it when given
-    # inputs_embeds, and plans that look for it (FSDP units, tied weights) must not find a stand-in.
+    # inputs_embeds, and plans that look for it (FSDP units, tied weights) must not find a stand-in;
+    # only a forward that calls it anyway gets one.
+    if (
+        stage_index > 0
+        and layout.embed_given_embeds
+        and layout.embed is not None
+        and layout.embed not in fqns
+    ):
+        stand_ins[layout.embed] = _EmbeddingPassThrough()
     for fqn in (*layout.first_extras, *layout.last_extras, *layout.unplaced):
         if fqn not in fqns and fqn not in stand_ins:
             stand_ins[fqn] = _OtherStageModule()
@@ -280,7 +328,7 @@ def _stage_forward(
 ) -> torch.Tensor:
     """Token ids (first stage) or received activations in; activations, or logits on the last stage, out."""
     spec: StageForwardSpec = getattr(self, _SPEC_ATTR)
-    received: _Received = self._automodel_pp_received
+    received: _Received = getattr(self, _RECEIVED_ATTR)
     _check_kwargs(spec, kwargs)
     x = inputs if inputs is not None else input_ids if input_ids is not None else inputs_embeds
     if x is None:
@@ -388,7 +436,7 @@ def build_stage_module(
         num_stages=num_stages,
     )
     setattr(patched, _SPEC_ATTR, spec)
-    patched._automodel_pp_received = received
+    setattr(patched, _RECEIVED_ATTR, received)
     patched.forward = types.MethodType(_stage_forward, patched)
     if patched is not stage:
         stage.register_forward_hook(_output_to_tensor_hook)

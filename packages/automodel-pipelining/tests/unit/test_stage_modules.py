@@ -161,8 +161,23 @@ def test_stages_back_to_back_reproduce_the_model(family: str) -> None:
 
 # One family per mechanism the stage forward gets from running the model's own forward: scaled embeddings and
 # soft-capped logits, per-layer sliding/global attention, an index-based layer loop, embedding/residual/logit
-# multipliers, learned positions and extras run before/after the layers, linear attention, state-space layers.
-OWN_FORWARD_FAMILIES = ("gemma2", "cohere2", "lfm2_moe", "granite", "opt", "biogpt", "qwen3_next", "mamba")
+# multipliers, learned positions and extras run before/after the layers, linear attention, state-space layers;
+# layers returning tuples read by index (bloom) or unpacked (bamba), a tensor under a tuple hint (gemma3).
+OWN_FORWARD_FAMILIES = (
+    "gemma2",
+    "cohere2",
+    "lfm2_moe",
+    "granite",
+    "opt",
+    "biogpt",
+    "qwen3_next",
+    "mamba",
+    "bloom",
+    "bamba",
+    "gemma3_text",
+    "nemotron_h",  # its forward reads each layer's block_type before calling it
+    "modernbert-decoder",  # its forward calls the embedding (a norm) on inputs_embeds too
+)
 
 
 @pytest.mark.parametrize("family", OWN_FORWARD_FAMILIES)
@@ -235,6 +250,22 @@ def test_forwards_a_stage_cannot_reproduce_are_found(model: nn.Module, problem: 
     layout = resolve_decoder_layout(model)
     assert any(problem in p for p in layout.problems), layout.problems
     assert not resolve_decoder_layout(build_tiny_model("llama", meta=True)).problems
+
+
+@pytest.mark.parametrize(
+    ("family", "problem"),
+    [
+        ("nanochat", "norm runs both before and after the layers"),  # the final norm also runs first
+    ],
+)
+def test_transformers_forwards_a_stage_cannot_reproduce_are_found(family: str, problem: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(derive_tiny_config(family))
+    assert any(problem in p for p in resolve_decoder_layout(model).problems)
 
 
 def test_state_dict_keys_are_stable_and_checkpoints_load() -> None:

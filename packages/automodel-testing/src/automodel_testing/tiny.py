@@ -195,6 +195,14 @@ FAMILY_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
             "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
     },
+    # The depth is the sum of three sections (input, recurrent, output), each 8 or more layers by default;
+    # the default layer_types lists attention and mlp blocks separately, which a cycled list would halve.
+    "dory": {
+        "n_input_layers": 1,
+        "n_recurrent_layers": 2,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
 }
 """Model type -> config fields the generic rules cannot derive."""
 
@@ -288,7 +296,9 @@ def _tiny_fields(config_class: type, defaults: Mapping[str, Any]) -> dict[str, A
         if name not in defaults:
             continue
         default = defaults[name]
-        if _is_int(default):
+        if _is_int(default) and canonical == "num_hidden_layers":
+            fields[name] = value  # the same depth for every family: pipeline layouts need enough layers
+        elif _is_int(default):
             fields[name] = min(value, default)
         elif isinstance(default, list) and default and all(_is_int(v) for v in default):
             fields[name] = value  # a per-layer list of sizes: one size for the tiny depth

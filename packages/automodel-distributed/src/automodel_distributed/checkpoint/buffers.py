@@ -21,6 +21,7 @@ import copy
 import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,7 +80,7 @@ _FRESH_KEPT = 4  # constructions cached (per model class and config)
 
 
 def _fresh_construction(hf: nn.Module) -> dict[str, torch.Tensor]:
-    config = hf.config  # type: ignore[attr-defined]
+    config: Any = hf.config
     model_class = built_class(hf)
     key = (model_class, config.to_json_string(use_diff=False))
     if key not in _FRESH:

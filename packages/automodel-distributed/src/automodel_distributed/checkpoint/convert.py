@@ -490,7 +490,7 @@ def plan_conversions(
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     # transformers' lookups only test `.get(key) is not None`
     lookup: dict[str, bool] = dict.fromkeys(model_keys, True)
-    gathered: dict[str, tuple[Any, dict[str, list[Node]]]] = {}
+    gathered: dict[str, tuple[Any, dict[str, list[Source]]]] = {}
     for key in sorted(keys, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, base_model_prefix, lookup)
         if renamed not in lookup and key in lookup:
