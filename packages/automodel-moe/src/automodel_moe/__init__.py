@@ -17,6 +17,7 @@ from automodel_moe.registry import ExpertsCall as ExpertsCall
 from automodel_moe.registry import ExpertsSite as ExpertsSite
 from automodel_moe.registry import MoEFamily as MoEFamily
 from automodel_moe.registry import find_experts as find_experts
+from automodel_moe.registry import find_routers as find_routers
 from automodel_moe.registry import has_experts as has_experts
 from automodel_moe.registry import register_moe_family as register_moe_family
 

@@ -13,6 +13,7 @@ from .registry import (
     ExpertsSite,
     MoEFamily,
     find_experts,
+    find_routers,
     has_experts,
     register_moe_family,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "MoEParallelizerConfig",
     "__version__",
     "find_experts",
+    "find_routers",
     "has_experts",
     "load_hf_checkpoint",
     "parallelize_model",

@@ -8,7 +8,9 @@ cuts their stacked weights over ``ep`` and sends each token to its experts' rank
 their reduced gradient divided by the dense data-parallel size (their gradients hold every ep rank's
 tokens). The manager then checkpoints the blocks, saving `ROUTER_SAVE_OPS`, and shards the dense units:
 one path for dense and MoE models, honouring every `FSDP2Config` setting. Under pipeline parallelism each
-stage runs the same step on the layers it holds. Tensor and context parallelism are refused with EP.
+stage runs the same step on the layers it holds. With tensor parallelism the TP plan shards attention and
+the dense layers over ``tp`` and leaves the experts and their routers (`find_routers`) to this step;
+sequence parallelism and context parallelism are refused with EP.
 
 `parallelize_model` is the reference system's entry point: it builds that manager from its keyword
 arguments.
@@ -33,7 +35,7 @@ from automodel_distributed.fsdp2 import ExpertSharding, FSDP2Manager, FSDPUnitPl
 from automodel_mesh import MeshAxisName, MeshContext
 from automodel_moe.config import MoEParallelizerConfig
 from automodel_moe.experts import install_dispatch, shard_experts, unsupported_parts
-from automodel_moe.registry import ExpertsSite, find_experts, has_experts
+from automodel_moe.registry import ExpertsSite, find_experts, find_routers, has_experts
 
 __all__ = [
     "ROUTER_SAVE_OPS",
@@ -69,8 +71,8 @@ def check_expert_parallel(model: nn.Module, mesh: MeshContext) -> list[ExpertsSi
     Raises:
         ValueError: No experts module (a dense model, or experts of a class the metadata does not
             describe: the message says how to register one), an expert count not divisible by
-            ``ep_size``, parameters that are not per-expert inside an experts module, context
-            parallelism or tensor parallelism (not supported together with EP yet).
+            ``ep_size``, parameters that are not per-expert inside an experts module, or context
+            parallelism (not supported together with EP yet).
     """
     sites = find_experts(model)
     name = type(model).__name__
@@ -94,12 +96,6 @@ def check_expert_parallel(model: nn.Module, mesh: MeshContext) -> list[ExpertsSi
         raise ValueError(
             f"expert parallelism with context parallelism (cp_size={mesh.cp_size}) is not supported yet; "
             "use cp_size=1"
-        )
-    if mesh.tp_size > 1:
-        raise ValueError(
-            f"expert parallelism with tensor parallelism (tp_size={mesh.tp_size}) is not supported yet: the "
-            "tensor-parallel applier does not leave the expert-parallel weights alone; use tp_size=1 (EP "
-            "composes with FSDP2, HSDP and pipeline parallelism)"
         )
     ep = mesh.ep_size
     for site in sites:
@@ -155,11 +151,18 @@ class ExpertParallel:
         """Shard the experts over ``ep`` in place; return them as FSDP units on ``ep_shard``.
 
         Mesh axes: ``ep`` (two token exchanges and a count exchange per MoE layer forward), ``ep_shard``
-        for the experts' FSDP. Raises ``ValueError`` before any change (`check_expert_parallel`).
+        for the experts' FSDP, ``tp`` (the ranks of a tensor-parallel group split the tokens they share
+        before the exchange; the TP plan leaves the experts and routers alone). Raises ``ValueError``
+        before any change (`check_expert_parallel`).
         """
         units: tuple[FSDPUnitPlan, ...] = ()
+        exclude: tuple[str, ...] = ()
         if mesh.ep_size > 1:
             sites = apply_expert_parallel(model, mesh)
+            # Tensor parallelism shards the rest: the experts are cut over ep already, and the routers
+            # stay replicated (every rank of a tp group routes the whole batch it shares; the exchange
+            # then splits the tokens over tp).
+            exclude = (*(site.fqn for site in sites), *find_routers(model))
             # Expert gradients hold the contributions of every ep rank's tokens (each counted once, the
             # ranks of a tensor-parallel group splitting theirs): divide by the dense data-parallel size,
             # so both kinds of parameter get the gradient of the mean loss.
@@ -182,6 +185,7 @@ class ExpertParallel:
         cfg = self.config
         return ExpertSharding(
             units=units,
+            tensor_parallel_exclude=exclude,
             checkpoint_save_ops=ROUTER_SAVE_OPS if cfg.ignore_router_for_ac else (),
             mp_policy=cfg.mp_policy,
             reshard_after_forward=cfg.reshard_after_forward,
@@ -219,8 +223,8 @@ def parallelize_model(
     Preconditions: ``model`` is a transformers MoE causal LM whose experts `automodel_moe.find_experts`
     finds, with real weights identical on every rank (each rank keeps its slice) or on the meta device;
     nothing is sharded yet. Mesh axes: ``ep`` of ``moe_mesh`` for experts, ``ep_shard`` for the experts'
-    FSDP (``tp`` must have size 1: EP with TP is refused), ``dp_shard_cp`` (and ``dp_replicate``) for
-    every other module's FSDP.
+    FSDP, ``tp`` for attention and dense layers (the TP plan leaves experts and routers to EP),
+    ``dp_shard_cp`` (and ``dp_replicate``) for every other module's FSDP.
 
     Returns ``model`` (its class becomes ``FSDP<Class>`` when sharded).
 

@@ -38,6 +38,7 @@ __all__ = [
     "ExpertsSite",
     "MoEFamily",
     "find_experts",
+    "find_routers",
     "has_experts",
     "register_moe_family",
 ]
@@ -239,3 +240,39 @@ def has_experts(model: nn.Module) -> bool:
     if find_experts(model) or _ep_plan(model):
         return True
     return any(type(m).__name__.endswith("Experts") for m in model.modules())
+
+
+def _router_specs(model: nn.Module) -> list[tuple[type | None, str | None, str | None]]:
+    """``(class, layer name, class-name suffix)`` of each ``router_logits`` recorder the model declares."""
+    specs: list[tuple[type | None, str | None, str | None]] = []
+    for module in model.modules():
+        recorders = getattr(type(module), "_can_record_outputs", None)
+        entry = recorders.get("router_logits") if isinstance(recorders, Mapping) else None
+        for spec in entry if isinstance(entry, list | tuple) else [entry]:
+            if isinstance(spec, type):
+                specs.append((spec, None, None))
+            elif spec is not None and hasattr(spec, "target_class"):  # transformers' OutputRecorder
+                specs.append((spec.target_class, spec.layer_name, spec.class_name))
+    return specs
+
+
+def find_routers(model: nn.Module) -> list[str]:
+    """The FQNs of ``model``'s routers, in module order (empty when the model declares none).
+
+    A router is found from transformers' own output-capture metadata: the modules its models record
+    ``router_logits`` from (``_can_record_outputs["router_logits"]``: an ``OutputRecorder`` naming the
+    router class, and possibly a layer name or a class-name suffix). Pure: nothing is changed.
+    """
+    specs = _router_specs(model)
+    found: list[str] = []
+    for fqn, module in model.named_modules():
+        for target, layer_name, class_name in specs:
+            if target is not None and not isinstance(module, target):
+                continue
+            if layer_name is not None and layer_name not in fqn:
+                continue
+            if class_name is not None and not type(module).__name__.endswith(class_name):
+                continue
+            found.append(fqn)
+            break
+    return found

@@ -16,6 +16,7 @@ from automodel_moe import (
     MoEFamily,
     MoEParallelizerConfig,
     find_experts,
+    find_routers,
     has_experts,
     register_moe_family,
 )
@@ -69,6 +70,43 @@ def test_experts_are_found_from_the_models_own_metadata() -> None:
     assert find_experts(build_tiny_model("llama")) == [] and not has_experts(build_tiny_model("llama"))
     jetmoe = _tiny("jetmoe")  # experts of a layout nobody describes: seen, but not found
     assert has_experts(jetmoe) and find_experts(jetmoe) == []
+
+
+def test_routers_are_found_from_the_models_output_capture_metadata() -> None:
+    from automodel_testing import build_tiny_model
+
+    assert find_routers(build_tiny_model("qwen3_moe")) == [
+        "model.layers.0.mlp.gate",
+        "model.layers.1.mlp.gate",
+    ]
+    assert find_routers(build_tiny_model("gpt_oss"))[0] == "model.layers.0.mlp.router"
+    assert find_routers(_tiny("deepseek_v3")) == [f"model.layers.{i}.mlp.gate" for i in (1, 2, 3)]
+    assert find_routers(build_tiny_model("llama")) == []
+
+
+def test_tensor_parallel_plan_leaves_the_experts_and_routers_alone() -> None:
+    """The plan entries left after ``exclude`` (pattern entries split where they match both kinds)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from automodel_distributed.tensor_parallel.apply import _leave_out
+
+    model = _tiny("deepseek_v3")
+    plan = {
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),  # the dense layer 0 only
+        "model.layers.*.mlp.experts": ColwiseParallel(),
+        "model.layers.*.mlp.shared_experts.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp": ColwiseParallel(),
+    }
+    exclude = [s.fqn for s in find_experts(model)] + find_routers(model)
+    kept = _leave_out(model, plan, exclude)
+    assert sorted(kept) == [
+        "model.layers.*.mlp",  # a parent of excluded modules is not excluded
+        "model.layers.*.mlp.gate_proj",
+        "model.layers.*.mlp.shared_experts.up_proj",
+    ]
+    split = _leave_out(model, {"model.layers.*.mlp.*": plan["model.layers.*.mlp"]}, exclude)
+    assert "model.layers.1.mlp.shared_experts" in split and "model.layers.0.mlp.gate_proj" in split
+    assert not any(k.endswith((".experts", ".gate")) for k in split), sorted(split)
 
 
 def test_experts_wrapped_by_peft_are_one_site() -> None:
