@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from automodel_moe.registry import SHARDED_ATTR, ExpertsCall, ExpertsSite, _base_chain
@@ -173,19 +173,50 @@ class EveryTokenEP:
     regroups them expert-major, runs the experts' own forward, and sends the results back
     (``all_to_all_single``: one count exchange and two differentiable exchanges per call).
 
+    The ranks of a ``tp`` group hold the same tokens: each first keeps its slice of them (every expert's
+    copy cut the same way), so no token is computed twice, and the results are gathered back over ``tp``
+    (an all-gather; in backward each rank's slice of the gradient, and the row gradients gathered).
+
     Args:
         num_local: Experts per rank.
         ep_mesh: The ``ep`` mesh.
         forward: The experts' original forward (on the local experts).
+        tp_mesh: The ``tp`` mesh (the ranks sharing a batch); ``None`` or size 1 without TP.
     """
 
-    def __init__(self, num_local: int, ep_mesh: DeviceMesh, forward: Callable[..., torch.Tensor]) -> None:
+    def __init__(
+        self,
+        num_local: int,
+        ep_mesh: DeviceMesh,
+        forward: Callable[..., torch.Tensor],
+        tp_mesh: DeviceMesh | None = None,
+    ) -> None:
         self.ep_mesh = ep_mesh
         self.forward = forward
         self.num_local = num_local
+        self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         """Send each rank its experts' rows, run the local experts, bring the results back."""
+        if self.tp_mesh is None:
+            return self._exchange(rows)
+        experts = self.num_local * self.ep_mesh.size()
+        tokens, hidden = rows.shape[0] // experts, rows.shape[-1]
+        grid = rows.reshape(experts, tokens, hidden)
+        # Replicate -> Shard(1): a local cut of every expert's copy of the tokens (no communication).
+        replicated = DTensor.from_local(grid, self.tp_mesh, [Replicate()], run_check=False)
+        mine = replicated.redistribute(self.tp_mesh, [Shard(1)]).to_local()
+        out = self._exchange(mine.reshape(-1, hidden)).reshape(experts, mine.shape[1], -1)
+        full = DTensor.from_local(
+            out.contiguous(),
+            self.tp_mesh,
+            [Shard(1)],
+            shape=torch.Size((experts, tokens, out.shape[-1])),
+            stride=(tokens * out.shape[-1], out.shape[-1], 1),
+        ).full_tensor()
+        return full.reshape(experts * tokens, -1)
+
+    def _exchange(self, rows: torch.Tensor) -> torch.Tensor:
         group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
         local = self.num_local
         tokens = rows.shape[0] // (local * ep)
@@ -220,7 +251,7 @@ def install_dispatch(site: ExpertsSite, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh
     original = module.forward
     exchange: Callable[..., torch.Tensor]
     if site.call is ExpertsCall.EVERY_TOKEN:
-        exchange = EveryTokenEP(site.num_experts // ep_mesh.size(), ep_mesh, original)
+        exchange = EveryTokenEP(site.num_experts // ep_mesh.size(), ep_mesh, original, tp_mesh)
     else:
         # AllToAllEP reads the module's forward and its (now local) expert count at construction.
         exchange = AllToAllEP(module, ep_mesh, tp_mesh)

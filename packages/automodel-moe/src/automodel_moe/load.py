@@ -119,8 +119,10 @@ class ExpertLoad:
         self.counts = None
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size(group)
-            table = local.new_empty(world, self.num_experts)
-            dist.all_gather_into_tensor(table, local.contiguous(), group=group)
+            # Flat: gloo wants each rank's slot of the output shaped like the input.
+            flat = local.new_empty(world * self.num_experts)
+            dist.all_gather_into_tensor(flat, local.contiguous(), group=group)
+            table = flat.view(world, self.num_experts)
         else:
             world, table = 1, local[None]
         table = table.cpu()

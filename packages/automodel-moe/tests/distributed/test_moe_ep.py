@@ -285,12 +285,39 @@ def _sequence_parallel_refused() -> str:
     return "no error"
 
 
+def _tensor_parallel_layout() -> dict[str, Any]:
+    """EP 2 x TP 2 (parity: the model matrix): attention on ``tp``, experts on ``ep``, router on neither."""
+    from torch.distributed.tensor import DTensor
+
+    from automodel_distributed import FSDP2Config, FSDP2Manager
+    from automodel_mesh import MeshContext, ParallelismSizes
+    from automodel_moe import ExpertParallel
+
+    config = FSDP2Config()
+    ctx = MeshContext.build(config, ParallelismSizes(tp_size=2, ep_size=2))
+    model = FSDP2Manager(config, mesh=ctx).with_experts(ExpertParallel()).parallelize(_build("qwen3_moe"))
+    layer = model.model.layers[0]
+    layer = getattr(layer, "_checkpoint_wrapped_module", layer)
+
+    def axes(param: torch.Tensor) -> list[tuple[str, str]]:
+        assert isinstance(param, DTensor)
+        names = param.device_mesh.mesh_dim_names or ()
+        return [(str(n), str(p)) for n, p in zip(names, param.placements, strict=True)]
+
+    return {
+        "q_proj": axes(layer.self_attn.q_proj.weight),
+        "experts": axes(layer.mlp.experts.gate_up_proj),
+        "router": axes(layer.mlp.gate.weight),
+    }
+
+
 def _four_ranks() -> dict[str, Any]:
     results: dict[str, Any] = {f"{f}/ep4": _parity(f, 4) for f in FAMILIES}
     results.update({f"{f}/ep2xshard2": _parity(f, 2) for f in FAMILIES})
     # The experts' all-gather over ep_shard runs inside the checkpointed block, in forward and recompute.
     results["deepseek_v3/ep2xshard2/ac"] = _parity("deepseek_v3", 2, ac=True)
     results["sequence_parallel"] = _sequence_parallel_refused()
+    results["tp_layout"] = _tensor_parallel_layout()
     return results
 
 
@@ -365,3 +392,10 @@ def test_ep4_and_ep2_by_ep_shard2_parity() -> None:
     for results in per_rank:
         message = results["sequence_parallel"]
         assert "sequence_parallel=True" in message and "sequence_parallel=False" in message, message
+        # FSDP's dp_shard_cp axis outermost; the TP plan's tp axis on attention only; the experts keep ep
+        # (with FSDP on ep_shard) and the router is only FSDP-sharded.
+        assert results["tp_layout"] == {
+            "q_proj": [("dp_shard_cp", "Shard(dim=0)"), ("tp", "Shard(dim=0)")],
+            "experts": [("ep_shard", "Shard(dim=1)"), ("ep", "Shard(dim=0)")],
+            "router": [("dp_shard_cp", "Shard(dim=0)")],
+        }, results["tp_layout"]
