@@ -262,7 +262,8 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
     param = next(hf.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     try:
-        with fake_forward(flow):
+        # Unbacked sizes for value-dependent shapes: an MoE dispatch by nonzero() still traces.
+        with fake_forward(flow, data_dependent_shapes=True):
             hf(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device), use_cache=False)
     except Exception as exc:
         raise ValueError(

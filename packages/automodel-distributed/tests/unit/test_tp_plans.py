@@ -41,6 +41,10 @@ class _Attn(nn.Module):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(h, h) for _ in range(4))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q_proj(x) @ self.k_proj(x).transpose(-1, -2)
+        return self.o_proj(scores.softmax(-1) @ self.v_proj(x))
+
 
 class _Mlp(nn.Module):
     def __init__(self, h: int) -> None:
@@ -51,12 +55,19 @@ class _Mlp(nn.Module):
             nn.Linear(2 * h, h),
         )
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
 
 class _Block(nn.Module):
     def __init__(self, h: int) -> None:
         super().__init__()
         self.self_attn, self.mlp = _Attn(h), _Mlp(h)
         self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(h), nn.LayerNorm(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class _Base(nn.Module):
@@ -83,6 +94,14 @@ class ToyDecoderForCausalLM(nn.Module):
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
+        h = self.model.embed_tokens(input_ids)
+        for container in self.model.children():
+            if isinstance(container, nn.ModuleList):
+                for block in container:
+                    h = block(h)
+        return SimpleNamespace(logits=self.lm_head(self.model.norm(h)))
 
 
 def _kinds(plan: dict[str, ParallelStyle]) -> dict[str, str]:
@@ -485,3 +504,75 @@ def test_inexact_transformers_plans_are_skipped() -> None:
     ):
         plan = resolve_tp_plan(doge, tp_size=2)
     assert all(style.output_layouts == (Replicate(),) for key, style in plan.items() if key.endswith("_proj"))
+
+
+# ----------------------------------------------------------------------------- derived SP: the stream check
+
+
+def _meta_family(model_type: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"), warnings.catch_warnings(action="ignore"):
+        return AutoModelForCausalLM.from_config(derive_tiny_config(model_type))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "refused"),
+    [
+        ("opt", None),  # plan-less: the derived plan and derived sequence parallelism
+        ("longcat_flash", None),  # an MoE loop over the experts hit: the block stands in on fake tensors
+        ("dory", None),  # norms and adds of block outputs between its sections: per position, exact
+        ("hrm_text", r"outside its decoder blocks \('add' of a block's output with a full-length tensor"),
+        ("inkling2_text", r"outside its decoder blocks \(.*'cat' between the blocks"),
+    ],
+)
+def test_derived_sequence_parallel_checks_the_stream_between_blocks(
+    model_type: str, refused: str | None
+) -> None:
+    model = _meta_family(model_type)
+    if refused is None:
+        plan = resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
+        assert any(isinstance(v, SequenceShardedBlock) for v in plan.values())
+    else:
+        with pytest.raises(ValueError, match=refused + r".*use sequence_parallel=False"):
+            resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
+    # Plain TP needs no check, and the probe left no hook or forward behind.
+    resolve_tp_plan(model, tp_size=2)
+    assert all("forward" not in vars(m) and not m._forward_hooks for m in model.modules())
+
+
+class _SkipBlock(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(h, h)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return h + self.proj(h + skip)
+
+
+class _SkipDecoder(nn.Module):
+    """Each block also gets the stream from before the previous block (a skip across blocks)."""
+
+    def __init__(self, h: int = 8) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(32, h)
+        self.model.layers = nn.ModuleList(_SkipBlock(h) for _ in range(3))
+        self.lm_head = nn.Linear(h, 32, bias=False)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
+        h = self.model.embed_tokens(input_ids)
+        skip = h
+        for block in self.model.layers:
+            skip, h = h, block(h, skip)
+        return SimpleNamespace(logits=self.lm_head(h))
+
+
+def test_derived_sequence_parallel_refuses_a_block_output_given_as_a_side_input() -> None:
+    with pytest.raises(ValueError, match="_SkipBlock given a block's output besides its stream"):
+        resolve_tp_plan(_SkipDecoder(), sequence_parallel=True, tp_size=2)

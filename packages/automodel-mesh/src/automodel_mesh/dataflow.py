@@ -106,9 +106,18 @@ class DataFlow(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def fake_forward(flow: DataFlow) -> Iterator[None]:
-    """Run the block under ``FakeTensorMode`` (non-fake parameters allowed) and ``flow``, without grad."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def fake_forward(flow: DataFlow, *, data_dependent_shapes: bool = False) -> Iterator[None]:
+    """Run the block under ``FakeTensorMode`` (non-fake parameters allowed) and ``flow``, without grad.
 
-    with FakeTensorMode(allow_non_fake_inputs=True), flow, torch.no_grad():
+    Args:
+        flow: The labelling mode to run under.
+        data_dependent_shapes: Give the fake mode a ``ShapeEnv``, so that ops whose output size depends
+            on values (``nonzero`` in an MoE dispatch, ``item``) produce unbacked sizes instead of
+            raising; Python control flow on such a value still raises.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if data_dependent_shapes else None)
+    with mode, flow, torch.no_grad():
         yield

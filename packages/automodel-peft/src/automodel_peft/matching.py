@@ -24,14 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from automodel_mesh.modules import output_head_fqns
+from automodel_mesh.modules import is_conv1d, maps_like_linear, output_head_fqns
 from automodel_peft._names import clean_fqn, is_adapter_name
 from automodel_peft.config import PeftConfig
 
 __all__ = [
     "ModuleMatcher",
     "is_causal_lm",
-    "is_conv1d",
     "is_linear_layer",
     "output_head_names",
     "pattern_regex",
@@ -122,15 +121,6 @@ class ModuleMatcher:
         return fqn not in self.output_heads and fqn not in self.left_out and kept and _computes_linear(module)
 
 
-def is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2's linear, weight stored ``(in, out)``)."""
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # transformers is optional here
-        return False
-    return isinstance(module, Conv1D)
-
-
 def is_linear_layer(module: nn.Module) -> bool:
     """Whether LoRA can adapt ``module`` as a linear layer: an `nn.Linear` or transformers' ``Conv1D``."""
     return isinstance(module, nn.Linear) or is_conv1d(module)
@@ -139,25 +129,17 @@ def is_linear_layer(module: nn.Module) -> bool:
 def _computes_linear(module: nn.Module) -> bool:
     """Whether the module maps ``(..., in)`` to ``(..., out)``, so a low-rank delta of that shape adds.
 
-    `nn.Linear` and ``Conv1D`` do; a subclass with its own forward is run once on fake tensors (no compute,
-    meta weights included): a block-diagonal grouped projection, which only borrows the weight, gives
-    another shape or fails. The broad selectors leave such modules out; naming one in
-    ``target_modules`` still adapts it.
+    `nn.Linear` and ``Conv1D`` do; a subclass with its own forward must pass `maps_like_linear` (a
+    block-diagonal grouped projection, which only borrows the weight, does not). The broad selectors
+    leave such modules out; naming one in ``target_modules`` still adapts it.
     """
     if type(module).forward is nn.Linear.forward or is_conv1d(module):
         return True
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return False
     out_features, in_features = weight.shape
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            shape = tuple(module(torch.empty(2, 3, in_features)).shape)
-    except Exception:  # it cannot take (..., in): not a plain linear map
-        return False
-    return shape == (2, 3, out_features)
+    return maps_like_linear(module, int(in_features), int(out_features))
 
 
 def _router_classes(model: nn.Module) -> tuple[type, ...]:

@@ -120,3 +120,15 @@ def test_regular_expressions_and_the_reference_wildcards(llama: nn.Module) -> No
     assert len(resolve_target_modules(llama, PeftConfig(exclude_modules=[".*_proj"]))) == 0
     with pytest.raises(ValueError, match=r"PeftConfig.target_modules: target pattern '\*.\(q_proj' is not"):
         PeftConfig(target_modules=["*.(q_proj"])
+
+
+def test_conv1d_and_linears_computed_their_own_way_are_matched() -> None:
+    import torch
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+    from transformers.pytorch_utils import Conv1D
+
+    matcher = ModuleMatcher(PeftConfig(match_all_linear=True))
+    assert matcher.match(Conv1D(8, 4), "h.0.attn.c_attn")  # GPT-2's linear, weight stored (in, out)
+    assert matcher.match(FalconLinear(4, 8), "h.0.mlp.dense_h_to_4h")  # its own forward, a linear map
+    with torch.device("meta"):  # models are adapted on meta, before sharding
+        assert matcher.match(FalconLinear(4, 8), "h.0.mlp.dense_h_to_4h")

@@ -56,6 +56,7 @@ TINY_SIZES: Mapping[str, int] = {
     "head_dim": 16,
     "max_position_embeddings": 64,
     "dff": 128,
+    "ffn_dim": 128,  # OPT, XGLM: a 3072-wide ReLU layer at hidden size 64 puts units within rounding of 0
     # mixture of experts
     "num_experts": 8,
     "n_routed_experts": 8,

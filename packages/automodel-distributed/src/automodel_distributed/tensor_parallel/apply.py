@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from automodel_distributed.tensor_parallel._fqn import match_modules
-from automodel_distributed.tensor_parallel.linear_styles import is_conv1d, linear_features
+from automodel_distributed.tensor_parallel.linear_styles import linear_features
 from automodel_distributed.tensor_parallel.lora import expand_lora_plan
 from automodel_distributed.tensor_parallel.registry import PlanMapping
 from automodel_distributed.tensor_parallel.resolve import resolve_tp_plan
@@ -29,7 +29,7 @@ from automodel_distributed.tensor_parallel.validate import (
     modules_by_style,
     validate_tensor_parallel,
 )
-from automodel_mesh.modules import find_hf_model, fqn_of, join_fqn
+from automodel_mesh.modules import find_hf_model, fqn_of, is_conv1d, join_fqn
 
 __all__ = ["apply_tensor_parallel"]
 

@@ -32,21 +32,15 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
+from automodel_mesh.modules import is_conv1d, maps_like_linear
+
 __all__ = [
     "ColwiseParallel",
     "MlaKvAprojParallel",
     "RowwiseParallel",
-    "is_conv1d",
     "linear_features",
     "sum_gradient_over",
 ]
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is transformers' ``Conv1D`` (a linear with its weight stored ``[in, out]``)."""
-    from transformers.pytorch_utils import Conv1D
-
-    return isinstance(module, Conv1D)
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:
@@ -58,7 +52,9 @@ def linear_features(module: nn.Module) -> tuple[int, int] | None:
     the column/row-parallel output hooks expect the tensor ``F.linear`` returns.
     """
     if isinstance(module, nn.Linear):
-        if type(module).forward is nn.Linear.forward or _maps_like_linear(module):
+        if type(module).forward is nn.Linear.forward or maps_like_linear(
+            module, module.in_features, module.out_features
+        ):
             return module.in_features, module.out_features
         return None
     if is_conv1d(module):
@@ -70,17 +66,6 @@ def linear_features(module: nn.Module) -> tuple[int, int] | None:
         assert isinstance(weight, torch.Tensor)
         return int(weight.shape[0]), int(weight.shape[1])
     return None
-
-
-def _maps_like_linear(module: nn.Linear) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            out = module(torch.empty(2, 3, module.in_features, device=module.weight.device))
-    except Exception:  # it cannot take (..., in): not a plain linear map
-        return False
-    return isinstance(out, torch.Tensor) and tuple(out.shape) == (2, 3, module.out_features)
 
 
 def sum_gradient_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -28,7 +28,11 @@ from automodel_distributed.tensor_parallel.registry import (
     named_plan_names,
     registered_plan_for,
 )
-from automodel_distributed.tensor_parallel.sequence import SequenceLength, sequence_parallel_blocks
+from automodel_distributed.tensor_parallel.sequence import (
+    SequenceLength,
+    check_sequence_stream,
+    sequence_parallel_blocks,
+)
 from automodel_distributed.tensor_parallel.styles import to_parallel_style
 from automodel_distributed.tensor_parallel.validate import validate_tensor_parallel
 from automodel_mesh.modules import find_hf_model, join_fqn
@@ -227,6 +231,8 @@ def _with_sequence_blocks(
     except ValueError as exc:
         raise ValueError(f"sequence parallelism needs the model's decoder blocks: {exc}") from None
     megatron = is_sequence_parallel_plan(plan)
+    if not megatron:
+        check_sequence_stream(model, blocks)
     entries = sequence_parallel_blocks(blocks, SequenceLength(), megatron=megatron)
     logger.info(
         "sequence parallelism from %s: %s over %d decoder blocks",

@@ -24,6 +24,11 @@ sequence-parallel final norm and LM head.
 A `SequenceLength` recorded by a forward pre-hook on the model tells the block hooks the full length,
 so that a block knows whether its input is the full stream or a slice, in whatever order the model calls
 its blocks. Mesh axis: ``tp``.
+
+The derived form is exact only if nothing outside the blocks reads a block's output before the next
+block gathers it (a model that adds the stream to a full-length tensor between blocks, or feeds it to a
+block as a second input, would see a slice): `check_sequence_stream` proves that from one forward on fake
+tensors, before anything is sharded.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils import _pytree as pytree
 
 __all__ = [
     "SequenceLength",
     "SequenceShardedBlock",
+    "check_sequence_stream",
     "install_sequence_length",
     "sequence_parallel_blocks",
 ]
@@ -174,6 +181,183 @@ def sequence_parallel_blocks(
                 length, gather_input=True, cut_input=False, cut_output=index != last
             )
     return entries
+
+
+_SLICE = "sequence slice"
+_PROBE_LENGTH = 12
+"""Length of the probe's sequence: divisible by small TP sizes, and no size of a tiny or real config, so
+that a tensor as long as it is a full-length activation."""
+
+_PER_POSITION_OPS = frozenset(
+    {
+        "add", "sub", "mul", "div", "true_divide", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "abs",
+        "tanh", "sigmoid", "relu", "gelu", "silu", "softplus", "clamp", "where", "masked_fill",
+        "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__",
+        "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__neg__", "__pow__", "__rpow__",
+        "add_", "mul_", "div_", "sub_", "to", "float", "half", "bfloat16", "type_as", "contiguous",
+        "clone", "detach", "dropout", "linear", "layer_norm", "rms_norm", "__get__",
+    }
+)  # fmt: skip
+"""Ops that compute each position from that position alone (elementwise, or over the feature dim)."""
+
+_FEATURE_REDUCTIONS = frozenset(
+    {"mean", "sum", "var", "std", "norm", "amax", "amin", "softmax", "log_softmax"}
+)
+"""Ops that are per position when reduced over the last (feature) dim only."""
+
+
+def _stream_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The block input `SequenceShardedBlock` treats as the stream (first positional tensor, else keyword)."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    value = kwargs.get("hidden_states")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _first_output(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def _slice_read(op: str, args: tuple[Any, ...], kwargs: dict[str, Any], labels_of: Any) -> str | None:
+    """Why op ``op`` between the blocks, given a sequence slice, would compute something else; or None.
+
+    Per-position ops on slices are exact (a norm, a residual add of two block outputs, a dtype cast);
+    an op that mixes positions (a reduction over the sequence, indexing, a concatenation, a convolution)
+    or that meets a full-length activation (an input injection from the embeddings) is not.
+    """
+    tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if op in _FEATURE_REDUCTIONS:
+        dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        ndim = tensors[0].dim() if tensors else 0
+        dims = dims if isinstance(dims, tuple | list) else (dims,)
+        if not all(isinstance(d, int) and d % max(ndim, 1) == ndim - 1 for d in dims):
+            return f"'{op}' over the sequence between the blocks"
+    elif op not in _PER_POSITION_OPS:
+        return f"'{op}' between the blocks"
+    full = [
+        t
+        for t in tensors
+        if t.dim() > _SEQUENCE_DIM and t.shape[_SEQUENCE_DIM] == _PROBE_LENGTH and _SLICE not in labels_of(t)
+    ]
+    if full and op != "linear":  # a linear's weight is no activation
+        return f"'{op}' of a block's output with a full-length tensor between the blocks"
+    return None
+
+
+def _tolerant_forward(forward: Any) -> Any:
+    """A block's ``forward`` for the probe of `check_sequence_stream`.
+
+    When the block's own values decide its control flow (an MoE loop over the experts hit), it stands in
+    as a tensor shaped like its stream: what the check reads is the code between the blocks.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException):
+            stream = _stream_of(args, kwargs)
+            if stream is None:
+                raise
+            return torch.empty_like(stream)
+
+    return run
+
+
+def check_sequence_stream(model: nn.Module, block_fqns: Sequence[str]) -> None:
+    """Refuse a model whose code outside its decoder blocks would read a sequence slice (derived SP).
+
+    One forward of the transformers model on fake tensors (`automodel_mesh.dataflow`; no compute, no
+    memory, meta models included) labels what derived sequence parallelism would cut: the first output of
+    every block but the last, when it is as long as the sequence. A block's input is gathered, so
+    everything a block computes is full length again; what is recorded is every op outside the blocks
+    that reads a labelled tensor (a residual added between blocks, a concatenation with full-length
+    states, a recurrence that mixes block outputs) and every block that gets one other than as its
+    stream. Any of these would see a slice where it expects the whole sequence. A block whose own values
+    decide its control flow (an MoE loop over the experts hit) stands in as a tensor shaped like its
+    stream: its insides run on the gathered stream anyway.
+
+    Args:
+        model: The model to shard (unchanged; the probe's hooks are removed).
+        block_fqns: The decoder blocks, as `sequence_parallel_blocks` gets them.
+
+    Raises:
+        ValueError: Such a read exists, or the forward does not run on fake tensors (so that the derived
+            form cannot be shown to be exact); the message says to use ``sequence_parallel=False``.
+    """
+    from automodel_mesh.dataflow import DataFlow, fake_forward
+    from automodel_mesh.modules import find_hf_model, unwrap
+
+    _, hf = find_hf_model(unwrap(model))
+    name = type(hf).__name__
+    blocks = [model.get_submodule(fqn) for fqn in block_fqns]
+    last = blocks[-1] if blocks else None
+    depth = [0]
+    reads: set[str] = set()
+
+    def on_op(op: str, args: tuple[Any, ...], kwargs: dict[str, Any], labels_of: Any) -> None:
+        if depth[0] or _SLICE not in labels_of((args, kwargs)):
+            return
+        why = _slice_read(op, args, kwargs, labels_of)
+        if why:
+            reads.add(why)
+
+    flow = DataFlow(on_op)
+
+    def unlabel(value: Any) -> None:
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                flow.set(leaf, flow.labels_of(leaf) - {_SLICE})
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if depth[0] == 0:
+            stream = _stream_of(args, kwargs)
+            others = [a for a in (*args, *kwargs.values()) if a is not stream]
+            if _SLICE in flow.labels_of(others):
+                reads.add(f"{type(module).__name__} given a block's output besides its stream")
+        depth[0] += 1
+
+    def post_hook(module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        depth[0] -= 1
+        if depth[0]:
+            return
+        unlabel(output)  # computed from the gathered (full) stream
+        first = _first_output(output)
+        if module is not last and first is not None and first.shape[_SEQUENCE_DIM] == _PROBE_LENGTH:
+            flow.set(first, flow.labels_of(first) | {_SLICE})
+
+    handles = [h for b in blocks for h in (
+        b.register_forward_pre_hook(pre_hook, with_kwargs=True), b.register_forward_hook(post_hook)
+    )]  # fmt: skip
+    for block in blocks:
+        block.forward = _tolerant_forward(block.forward)  # instance attribute: hooks still run
+    param = next(hf.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    try:
+        with fake_forward(flow, data_dependent_shapes=True):
+            hf(input_ids=torch.zeros(1, _PROBE_LENGTH, dtype=torch.long, device=device), use_cache=False)
+    except Exception as exc:
+        raise ValueError(
+            f"sequence parallelism cannot check {name}: its forward does not run on fake tensors "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); use "
+            "sequence_parallel=False for it"
+        ) from None
+    finally:
+        for handle in handles:
+            handle.remove()
+        for block in blocks:
+            del block.forward
+    if reads:
+        raise ValueError(
+            f"sequence parallelism cannot shard {name}: its forward reads the residual stream outside its "
+            f"decoder blocks ({'; '.join(sorted(reads))}), where each rank would hold only a slice of the "
+            "sequence; use sequence_parallel=False for it"
+        )
 
 
 def install_sequence_length(model: nn.Module, length: SequenceLength, tp_size: int) -> None:
