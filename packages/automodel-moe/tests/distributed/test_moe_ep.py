@@ -300,10 +300,11 @@ def _tensor_parallel_layout() -> dict[str, Any]:
     layer = model.model.layers[0]
     layer = getattr(layer, "_checkpoint_wrapped_module", layer)
 
-    def axes(param: torch.Tensor) -> list[tuple[str, str]]:
+    def axes(param: torch.Tensor) -> list[tuple[str, int | None]]:
+        """(mesh axis, the dim it shards) per axis of the parameter's mesh."""
         assert isinstance(param, DTensor)
         names = param.device_mesh.mesh_dim_names or ()
-        return [(str(n), str(p)) for n, p in zip(names, param.placements, strict=True)]
+        return [(str(n), getattr(p, "dim", None)) for n, p in zip(names, param.placements, strict=True)]
 
     return {
         "q_proj": axes(layer.self_attn.q_proj.weight),
@@ -394,9 +395,9 @@ def test_ep4_and_ep2_by_ep_shard2_parity() -> None:
         message = results["sequence_parallel"]
         assert "sequence_parallel=True" in message and "sequence_parallel=False" in message, message
         # FSDP's dp_shard_cp axis outermost; the TP plan's tp axis on attention only; the experts keep ep
-        # (with FSDP on ep_shard) and the router is only FSDP-sharded.
+        # (with FSDP on ep_shard, along dim 1) and the router is only FSDP-sharded.
         assert results["tp_layout"] == {
-            "q_proj": [("dp_shard_cp", "Shard(dim=0)"), ("tp", "Shard(dim=0)")],
-            "experts": [("ep_shard", "Shard(dim=1)"), ("ep", "Shard(dim=0)")],
-            "router": [("dp_shard_cp", "Shard(dim=0)")],
+            "q_proj": [("dp_shard_cp", 0), ("tp", 0)],
+            "experts": [("ep_shard", 1), ("ep", 0)],
+            "router": [("dp_shard_cp", 0)],
         }, results["tp_layout"]
