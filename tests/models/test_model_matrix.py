@@ -19,9 +19,10 @@ each family:
 A case either **works** (every check passes), is **refused** (every rank raised the same `ValueError`
 from the public API: a clear error before any collective), or **fails** (anything else: another
 exception, a difference, a refusal on some ranks only). A failure fails the test: there is no silent
-difference. The default run (``distributed`` marker) runs `FAST_FAMILIES` under every layout, one launch
-per layout; ``uvx nox -s models`` runs every family (``models`` marker) and writes the JSON that
-``tools/models_doc.py`` turns into docs/models.md.
+difference. The default run (``distributed`` marker) runs `FAST_FAMILIES` under every layout without
+experts and `EP_FAST_FAMILIES` under `EP_FAST_LAYOUTS`, one launch per layout; ``uvx nox -s models``
+runs every family (``models`` marker; the expert-parallel layouts over the MoE families) and writes the
+JSON that ``tools/models_doc.py`` turns into docs/models.md and the table of docs/moe.md.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import pathlib
 import subprocess
 import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -44,6 +44,15 @@ import torch
 import torch.distributed as dist
 
 from automodel_testing import DistributedRunError, run_distributed
+from automodel_testing.matrix import (
+    Row,
+    assert_no_failure,
+    merge_ranks,
+    prepare_checkpoints,
+    read_progress,
+    record_families,
+    refusal,
+)
 
 ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.1
 ATOL = 1e-5
@@ -110,7 +119,14 @@ EP_FAST_FAMILIES: tuple[str, ...] = (
     "deepseek_v3",  # grouped top-k with a correction-bias buffer, shared experts, dense + MoE layers
     "gpt_oss",  # transposed, interleaved gate/up with biases and a clamped gate, sink attention
 )
-"""Families of the default run's slice under the expert-parallel layouts."""
+"""The MoE families of the default run's slice."""
+
+EP_FAST_LAYOUTS: tuple[str, ...] = ("ep2_lora",)
+"""The expert-parallel layouts of the default run's slice: one 2-rank launch through the public API
+(checkpoint load, experts on ``ep``, LoRA on attention and on the fused experts). The other expert-parallel
+layouts (the 4-rank ones, ep2 and ep2_ac) run over every MoE family in ``uvx nox -s models`` only; the
+default run also covers ep 2, ep 4, ep 2 x ep_shard 2, activation checkpointing and the EP x TP placement
+in ``packages/automodel-moe/tests/distributed/test_moe_ep.py``."""
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -127,8 +143,9 @@ def _quiet() -> contextlib.AbstractContextManager[None]:
     return warnings.catch_warnings(action="ignore")
 
 
-def prepare_family(model_type: str, root: pathlib.Path) -> dict[str, Any]:
-    """Build the tiny model of ``model_type``, check transformers runs it, and save it.
+def prepare_family(model_type: str, root: pathlib.Path, **overrides: Any) -> dict[str, Any]:
+    """Build the tiny model of ``model_type`` (``overrides``: config fields), check transformers runs it,
+    and save it under ``root``.
 
     Returns:
         ``{"path": folder}``, or ``{"reference_error": why}`` when transformers itself cannot build or
@@ -140,7 +157,7 @@ def prepare_family(model_type: str, root: pathlib.Path) -> dict[str, Any]:
 
     with _quiet():
         try:
-            config = derive_tiny_config(model_type)
+            config = derive_tiny_config(model_type, **overrides)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(1234)
                 model = AutoModelForCausalLM.from_config(config)
@@ -348,19 +365,11 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
             pretrained_model_name_or_path=path,
         )
     except ValueError as exc:
-        return _refusal(exc)
+        return refusal(exc)
     try:
         return _train(layout, ctx, axes, result, batch, local, rows, loss_fn, path, peft_config)
     except ValueError as exc:  # a refusal that depends on the batch (a sequence longer than a window)
-        return _refusal(exc)
-
-
-def _refusal(exc: ValueError) -> dict[str, Any]:
-    """A refusal is a ValueError that automodel raised; any other exception is a failure."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames or "automodel_" not in frames[-1].filename:
-        raise exc
-    return {"status": "refused", "message": f"{type(exc).__name__}: {exc}"}
+        return refusal(exc)
 
 
 def _train(
@@ -481,73 +490,23 @@ def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> 
     from automodel_mesh import MeshContext, ParallelismSizes
 
     layout = LAYOUTS[layout_name]
-    out = pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl"
-    with _quiet(), out.open("a", encoding="utf-8") as log:
+
+    def after_each(family: str, result: dict[str, Any]) -> None:
+        if "traceback" in result:
+            raise RuntimeError(f"{family} failed under {layout_name}; relaunching for the rest")
+        dist.barrier()
+
+    with _quiet():
         ctx = MeshContext.build(_strategy(layout), ParallelismSizes(**layout.sizes))
-        for model_type, path in checkpoints.items():
-            start = time.perf_counter()
-            try:
-                result = _run_family(layout, ctx, path)
-            except Exception as exc:
-                result = {
-                    "status": "fails",
-                    "message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500],
-                    "traceback": traceback.format_exc()[-3000:],
-                }
-            result["seconds"] = round(time.perf_counter() - start, 2)
-            log.write(json.dumps({"family": model_type, **result}) + "\n")
-            log.flush()
-            if "traceback" in result:
-                raise RuntimeError(f"{model_type} failed under {layout_name}; relaunching for the rest")
-            dist.barrier()
+        record_families(
+            lambda path: _run_family(layout, ctx, path),
+            checkpoints,
+            pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl",
+            after_each=after_each,
+        )
 
 
 # ------------------------------------------------------------------------------------ parent side
-
-
-@dataclass
-class Row:
-    """One (family, layout) case of the matrix, merged over the ranks."""
-
-    family: str
-    layout: str
-    status: str
-    message: str = ""
-    logits: float | None = None
-    loss_diff: float | None = None
-    grad_norm: float | None = None
-    seconds: float = 0.0
-
-
-def merge(family: str, layout: str, per_rank: list[dict[str, Any]]) -> Row:
-    """One row from every rank's result: agreement is required (a refusal on some ranks is a failure)."""
-    statuses = {r["status"] for r in per_rank}
-    first = per_rank[0]
-    worst = next((r for r in per_rank if r["status"] == "fails"), first)
-    row = Row(
-        family, layout, worst["status"], worst.get("message", ""), seconds=max(r["seconds"] for r in per_rank)
-    )
-    if len(statuses) > 1:
-        row.status = "fails"
-        row.message = f"ranks disagree: {[r['status'] for r in per_rank]}: {worst.get('message', '')}"
-    if "logits" in worst:
-        row.logits = max(r.get("logits", 0.0) for r in per_rank)
-        row.loss_diff = max(r.get("loss_diff", 0.0) for r in per_rank)
-        row.grad_norm = max(r.get("grad_norm", 0.0) for r in per_rank)
-    if row.status == "fails" and "traceback" in worst:
-        row.message += "\n" + worst["traceback"]
-    return row
-
-
-def _progress(folder: pathlib.Path, world_size: int) -> dict[str, list[dict[str, Any]]]:
-    """Family -> the results of the ranks that recorded one."""
-    found: dict[str, list[dict[str, Any]]] = {}
-    for rank in range(world_size):
-        path = folder / f"rank{rank}.jsonl"
-        for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-            item = json.loads(line)
-            found.setdefault(item.pop("family"), []).append(item)
-    return found
 
 
 def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
@@ -576,12 +535,12 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
                 )
             except DistributedRunError as exc:
                 error = str(exc)
-            done = _progress(folder, layout.world_size)
+            done = read_progress(folder, layout.world_size)
             # A family that raised is recorded, and the launch ended right after it: the next one never ran.
             ended_after = any("traceback" in r for results in done.values() for r in results)
             for family in left:
                 if len(done.get(family, [])) == layout.world_size:
-                    rows[family] = merge(family, layout_name, done[family])
+                    rows[family] = merge_ranks(family, layout_name, done[family])
                     if any("traceback" in r for r in done[family]):
                         break  # the ranks stopped on purpose after this family; relaunch for the rest
                     continue
@@ -595,38 +554,35 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
     return [rows[family] for family in checkpoints]
 
 
-def _has_experts(path: str) -> bool:
-    """Whether the checkpoint's model has experts modules (structurally: `automodel_moe.has_experts`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _has_experts(model_type: str, overrides: dict[str, Any]) -> bool:
+    """Whether the family's tiny model has experts modules (structurally: `automodel_moe.has_experts`)."""
+    from transformers import AutoModelForCausalLM
 
     from automodel_moe import has_experts
+    from automodel_testing.tiny import derive_tiny_config
 
     with _quiet(), torch.device("meta"):
-        return has_experts(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
-
-
-def _assert_no_failure(rows: list[Row]) -> None:
-    failed = [row for row in rows if row.status == "fails"]
-    assert not failed, "\n\n".join(f"{row.family} under {row.layout}: {row.message}" for row in failed)
+        try:
+            model = AutoModelForCausalLM.from_config(derive_tiny_config(model_type, **overrides))
+        except Exception:  # a family that does not build: the decoder layouts report it
+            return False
+    return has_experts(model)
 
 
 @pytest.fixture(scope="module")
 def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("matrix_fast")
-    prepared = {
-        family: prepare_family(family, root) for family in dict.fromkeys(FAST_FAMILIES + EP_FAST_FAMILIES)
-    }
-    broken = {f: p["reference_error"] for f, p in prepared.items() if "reference_error" in p}
-    assert not broken, f"transformers cannot run these fast-slice families: {broken}"
-    return {family: p["path"] for family, p in prepared.items()}
+    families = tuple(dict.fromkeys(FAST_FAMILIES + EP_FAST_FAMILIES))
+    return prepare_checkpoints(prepare_family, families, tmp_path_factory.mktemp("matrix_fast"))
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout_name", [name for name, layout in LAYOUTS.items() if not layout.moe or name in EP_FAST_LAYOUTS]
+)
 def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
     families = EP_FAST_FAMILIES if LAYOUTS[layout_name].moe else FAST_FAMILIES
-    _assert_no_failure(run_matrix(layout_name, {f: fast_checkpoints[f] for f in families}))
+    assert_no_failure(run_matrix(layout_name, {f: fast_checkpoints[f] for f in families}))
 
 
 @pytest.fixture(scope="module")
@@ -637,6 +593,31 @@ def all_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str,
     paths, broken = {}, {}
     for family in decoder_families():
         prepared = prepare_family(family.model_type, root)
+        if "path" in prepared:
+            paths[family.model_type] = prepared["path"]
+        else:
+            broken[family.model_type] = prepared["reference_error"]
+    return paths, broken
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], dict[str, str]]:
+    """The MoE families' checkpoints (and the ones transformers cannot run): the families whose tiny model
+    has experts, those of `MOE_OVERRIDES` (dense or single-expert by default) as their MoE variant.
+
+    Built apart from `all_checkpoints`, so a run of the expert-parallel layouts alone (``-k ep2``) builds
+    only these.
+    """
+    from automodel_testing.families import decoder_families
+    from automodel_testing.tiny import MOE_OVERRIDES
+
+    root = tmp_path_factory.mktemp("matrix_moe")
+    paths, broken = {}, {}
+    for family in decoder_families():
+        overrides = dict(MOE_OVERRIDES.get(family.model_type, {}))
+        if not _has_experts(family.model_type, overrides):
+            continue
+        prepared = prepare_family(family.model_type, root, **overrides)
         if "path" in prepared:
             paths[family.model_type] = prepared["path"]
         else:
@@ -665,20 +646,17 @@ def report() -> Iterator[dict[str, Any]]:
 @pytest.mark.models
 @pytest.mark.timeout(3 * 3600)  # every family in one launch per layout (a failure relaunches for the rest)
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
-def test_full_matrix(
-    layout_name: str, all_checkpoints: tuple[dict[str, str], dict[str, str]], report: dict[str, Any]
-) -> None:
+def test_full_matrix(layout_name: str, request: pytest.FixtureRequest, report: dict[str, Any]) -> None:
     import transformers
 
     from automodel_testing.families import excluded_families
 
-    paths, broken = all_checkpoints
-    if LAYOUTS[layout_name].moe:
-        paths = {family: path for family, path in paths.items() if _has_experts(path)}
+    checkpoints = "moe_checkpoints" if LAYOUTS[layout_name].moe else "all_checkpoints"
+    paths, broken = request.getfixturevalue(checkpoints)
     rows = run_matrix(layout_name, paths)
     report["transformers"] = transformers.__version__
     report["excluded"] = excluded_families()
-    report["reference_errors"] = broken
+    report.setdefault("reference_errors", {}).update(broken)
     report["layouts"][layout_name] = asdict(LAYOUTS[layout_name])
     report["rows"].extend(asdict(row) for row in rows)
-    _assert_no_failure(rows)
+    assert_no_failure(rows)

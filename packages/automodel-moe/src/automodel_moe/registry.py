@@ -234,12 +234,11 @@ def find_experts(model: nn.Module) -> list[ExpertsSite]:
 def has_experts(model: nn.Module) -> bool:
     """Whether ``model`` looks like a mixture of experts.
 
-    True for an experts module `find_experts` finds, an ep plan, or a module class named ``*Experts``
-    (which `find_experts` may not know how to shard).
+    True for an experts module `find_experts` finds, or a module class named ``*Experts`` (which
+    `find_experts` may not know how to shard). An ep plan alone is not enough: a config can switch its
+    experts off (Gemma 4's ``enable_moe_block=False``) and keep the plan.
     """
-    if find_experts(model) or _ep_plan(model):
-        return True
-    return any(type(m).__name__.endswith("Experts") for m in model.modules())
+    return bool(find_experts(model)) or any(type(m).__name__.endswith("Experts") for m in model.modules())
 
 
 def _router_specs(model: nn.Module) -> list[tuple[type | None, str | None, str | None]]:

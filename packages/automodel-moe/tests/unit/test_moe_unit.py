@@ -43,13 +43,13 @@ def test_config_defaults_round_trip_and_validation() -> None:
         MoEParallelizerConfig(mp_policy="bf16")
 
 
-def _tiny(model_type: str) -> Any:
+def _tiny(model_type: str, **overrides: Any) -> Any:
     import transformers
 
     from automodel_testing.tiny import derive_tiny_config
 
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(derive_tiny_config(model_type))
+        return transformers.AutoModelForCausalLM.from_config(derive_tiny_config(model_type, **overrides))
 
 
 def test_experts_are_found_from_the_models_own_metadata() -> None:
@@ -70,6 +70,12 @@ def test_experts_are_found_from_the_models_own_metadata() -> None:
     assert find_experts(build_tiny_model("llama")) == [] and not has_experts(build_tiny_model("llama"))
     jetmoe = _tiny("jetmoe")  # experts of a layout nobody describes: seen, but not found
     assert has_experts(jetmoe) and find_experts(jetmoe) == []
+    from automodel_testing.tiny import MOE_OVERRIDES
+
+    # Gemma 4 keeps its ep plan when its config switches the experts off: that model is dense.
+    gemma4 = _tiny("gemma4_text")
+    assert gemma4.ep_plan and not has_experts(gemma4)
+    assert {s.num_experts for s in find_experts(_tiny("gemma4_text", **MOE_OVERRIDES["gemma4_text"]))} == {8}
 
 
 def test_routers_are_found_from_the_models_output_capture_metadata() -> None:

@@ -20,7 +20,14 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["EXCLUDED", "DecoderFamily", "decoder_families", "excluded_families"]
+__all__ = [
+    "EXCLUDED",
+    "DecoderFamily",
+    "VisionLanguageFamily",
+    "decoder_families",
+    "excluded_families",
+    "vlm_families",
+]
 
 EXCLUDED: Mapping[str, str] = {
     "bert-generation": "encoder-only: a BERT encoder run with is_decoder=True (BertGenerationDecoder)",
@@ -85,3 +92,25 @@ def decoder_families() -> tuple[DecoderFamily, ...]:
 def excluded_families() -> dict[str, str]:
     """The causal-LM model types that are not decoder-only text models: model type -> reason."""
     return dict(_registry()[1])
+
+
+@dataclass(frozen=True)
+class VisionLanguageFamily:
+    """One image-text-to-text family of transformers."""
+
+    model_type: str
+    """``config.model_type`` (the registry key)."""
+    model_class: str
+    """The class ``AutoModelForImageTextToText`` maps the type to."""
+
+
+def vlm_families() -> tuple[VisionLanguageFamily, ...]:
+    """Every image-text-to-text family of the installed transformers (``MODEL_FOR_IMAGE_TEXT_TO_TEXT``).
+
+    Sorted by model type; none is hand-picked or left out (a family the tiny rules cannot build is
+    reported by the matrix as transformers' own error).
+    """
+    from transformers.models.auto import modeling_auto as auto
+
+    names = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    return tuple(VisionLanguageFamily(t, str(names[t])) for t in sorted(names))

@@ -14,8 +14,12 @@ family:
    ``head_dim`` follows the rotary head size of MLA attention, per-layer lists (``layer_types`` and
    friends) are rebuilt for the tiny depth keeping every kind of layer the family has, in order of first
    appearance, and per-layer overrides (``per_layer_config``) keep their ratios to the defaults;
-5. sub-configs (``sub_configs``: a DBRX attention config, the local encoder of BLT) are derived by the
-   same rules.
+5. sub-configs (``sub_configs``: a DBRX attention config, the local encoder of BLT, the vision and text
+   configs of a vision-language model) are derived by the same rules;
+6. vision towers: images of `IMAGE_PATCHES` x `IMAGE_PATCHES` patches (``image_size`` follows
+   ``patch_size``), a tower whose output width (``out_hidden_size``) is the text model's hidden size,
+   and per-layer index lists (``fullatt_block_indexes``, ``deepstack_visual_indexes``) rebuilt for the
+   tiny depth, keeping their share of the layers (at least one, ending at the last layer).
 
 What the rules cannot know lives in `FAMILY_OVERRIDES` (data: model type -> config fields), kept as small
 as the families allow. The result keeps every kind of layer, attention and routing the family has, at
@@ -34,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = [
     "FAMILY_OVERRIDES",
     "HIDDEN_MULTIPLES",
+    "IMAGE_PATCHES",
+    "MOE_OVERRIDES",
     "NUM_LAYERS",
     "TINY_SIZES",
     "VOCAB_SIZE",
@@ -44,6 +50,8 @@ NUM_LAYERS = 4
 """Decoder layers of every tiny model: enough for 2 pipeline ranks with 2 stages each."""
 VOCAB_SIZE = 128
 HIDDEN_SIZE = 64
+IMAGE_PATCHES = 4
+"""Patches per side of a tiny image (a multiple of every family's 2x2 merge of patches)."""
 
 TINY_SIZES: Mapping[str, int] = {
     "vocab_size": VOCAB_SIZE,
@@ -150,6 +158,9 @@ TINY_SIZES: Mapping[str, int] = {
     "unpadded_vocab_size": VOCAB_SIZE,
     "encoder_hash_byte_group_vocab": VOCAB_SIZE,
     "hidden_size_global": HIDDEN_SIZE,
+    # vision-language models: image tokens of a 4 x 4-patch image pooled 2 x 2
+    "mm_tokens_per_image": 4,
+    "image_seq_length": 4,
 }
 """Canonical field name -> tiny value, applied where the family's config has the field (at most the
 family's default)."""
@@ -196,6 +207,12 @@ FAMILY_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
             "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
     },
+    # The attention window is in pixels (not tokens): one merged 2 x 2-patch token per window.
+    "qwen2_5_vl_vision": {"window_size": 28},
+    # The model falls back to mrope sections of a 128-wide head when the config gives none.
+    "qwen2_5_vl_text": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+    },
     # The depth is the sum of three sections (input, recurrent, output), each 8 or more layers by default;
     # the default layer_types lists attention and mlp blocks separately, which a cycled list would halve.
     "dory": {
@@ -205,7 +222,22 @@ FAMILY_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
 }
-"""Model type -> config fields the generic rules cannot derive."""
+"""Model type (of a config or of a sub-config) -> config fields the generic rules cannot derive."""
+
+MOE_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
+    # The default config has the MoE block switched off (the experts exist only with enable_moe_block).
+    "gemma4_text": {
+        "enable_moe_block": True,
+        "num_experts": 8,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
+    },
+    # The default config has a single expert (the released checkpoints have 64).
+    "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
+}
+"""Model type -> the ``derive_tiny_config`` overrides that make its tiny model a mixture of experts with
+several experts, for families whose default config is dense or has one expert. Only the expert-parallel
+layouts of the model matrix use them (the other layouts keep the default tiny model)."""
 
 
 def _resolve(config_class: type, name: str) -> str:
@@ -288,6 +320,29 @@ def _apply_relations(config_class: type, defaults: Mapping[str, Any], fields: di
         fields["mamba_d_ssm"] = get("mamba_n_heads") * get("mamba_d_head")
     if "mamba_headdim" in fields and _is_int(get("n_mamba_heads")) and _is_int(get("mamba_expand")):
         fields["mamba_headdim"] = get("mamba_expand") * hidden // get("n_mamba_heads")
+    # Multimodal rotary embeddings: the sections (time, height, width) split half the tiny head.
+    rotary = fields.get("rope_parameters", defaults.get("rope_parameters"))
+    head = get("head_dim")
+    if head is None and _is_int(hidden) and _is_int(get(_resolve(config_class, "num_attention_heads"))):
+        head = hidden // get(_resolve(config_class, "num_attention_heads"))
+    if isinstance(rotary, Mapping) and isinstance(rotary.get("mrope_section"), list) and _is_int(head):
+        sections = rotary["mrope_section"]
+        scaled = [max(1, section * (head // 2) // sum(sections)) for section in sections]
+        scaled[-1] += head // 2 - sum(scaled)
+        fields["rope_parameters"] = {**rotary, "mrope_section": scaled}
+    # Vision towers: a tiny image of IMAGE_PATCHES x IMAGE_PATCHES patches (sizes given as int or pair).
+    patch, image = get("patch_size"), defaults.get("image_size")
+    if _is_int(patch) and (_is_int(image) or isinstance(image, list)):
+        fields["image_size"] = IMAGE_PATCHES * patch if _is_int(image) else [IMAGE_PATCHES * patch] * 2
+    elif isinstance(patch, list) and patch and isinstance(image, list):
+        fields["image_size"] = [IMAGE_PATCHES * p for p in patch]
+
+
+def _layer_indexes(indexes: Sequence[int], depth: int, default_depth: int) -> list[int]:
+    """Indexes of special layers for the tiny depth: their share of the layers, ending at the last."""
+    count = max(1, min(depth, round(len(indexes) * depth / max(default_depth, 1))))
+    step = max(1, depth // count)
+    return sorted(depth - 1 - j * step for j in range(count))
 
 
 def _tiny_fields(config_class: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -312,7 +367,7 @@ def _tiny_fields(config_class: type, defaults: Mapping[str, Any]) -> dict[str, A
     for name, value in defaults.items():
         if isinstance(value, float) and ("dropout" in name or "jitter" in name or name.endswith("pdrop")):
             fields[name] = 0.0
-        elif name.endswith("token_id") or name.endswith("token_ids"):
+        elif name.endswith(("token_id", "token_ids", "token_index")):
             fields[name] = _token_ids(value)
     # Grouped-query attention only where the family uses it: a multi-head family keeps one key-value
     # head per query head (multi-head latent attention expands its latent to every head).
@@ -337,12 +392,24 @@ def _tiny_fields(config_class: type, defaults: Mapping[str, Any]) -> dict[str, A
         kinds = defaults.get(name)
         if isinstance(kinds, list) and kinds:
             fields[name] = _cycle_kinds(kinds, depth)
+    default_depth = defaults.get(depth_name) if depth_name else None
+    for name, value in defaults.items():
+        indexes = isinstance(value, list) and value and all(_is_int(v) for v in value)
+        if name.endswith(("_indexes", "_indices")) and isinstance(default_depth, int) and indexes:
+            fields[name] = _layer_indexes(value, depth, default_depth)
     if isinstance(defaults.get("per_layer_config"), Mapping) and defaults["per_layer_config"]:
         fields["per_layer_config"] = _per_layer(defaults["per_layer_config"], defaults, fields, depth)
     for name, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
         sub_defaults = defaults.get(name)
         if isinstance(sub_defaults, Mapping) and isinstance(sub_class, type):
-            fields[name] = {**sub_defaults, **_tiny_fields(sub_class, sub_defaults)}
+            sub_overrides = FAMILY_OVERRIDES.get(str(getattr(sub_class, "model_type", "")), {})
+            fields[name] = {**sub_defaults, **_tiny_fields(sub_class, sub_defaults), **sub_overrides}
+    # A vision tower that projects its output itself gives the text model's width.
+    text = fields.get("text_config")
+    if isinstance(text, Mapping) and _is_int(text.get("hidden_size")):
+        for sub in fields.values():
+            if isinstance(sub, dict) and sub is not text and _is_int(sub.get("out_hidden_size")):
+                sub["out_hidden_size"] = text["hidden_size"]
     return fields
 
 

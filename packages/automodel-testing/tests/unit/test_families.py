@@ -85,3 +85,33 @@ def test_sizes_follow_each_family_field_names_and_relations() -> None:
     gemma3 = derive_tiny_config("gemma3_text")
     assert set(gemma3.layer_types) == {"sliding_attention", "full_attention"}
     assert gemma3.sliding_window < 16  # shorter than the test sequence, so that it matters
+
+
+def test_vlm_families_are_the_image_text_to_text_registry() -> None:
+    from transformers.models.auto import modeling_auto
+
+    from automodel_testing.families import vlm_families
+
+    names = modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    assert [f.model_type for f in vlm_families()] == sorted(names)
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3", "internvl"])
+def test_tiny_vision_towers_see_tiny_images(model_type: str) -> None:
+    from automodel_testing.tiny import IMAGE_PATCHES
+
+    config = derive_tiny_config(model_type)
+    vision, text = config.vision_config, config.text_config
+    patch = vision.patch_size if isinstance(vision.patch_size, int) else vision.patch_size[0]
+    image = getattr(vision, "image_size", None)
+    if image is not None:
+        assert (image if isinstance(image, int) else image[0]) == IMAGE_PATCHES * patch
+    if getattr(vision, "out_hidden_size", None) is not None:
+        assert vision.out_hidden_size == text.hidden_size  # the tower projects to the text width
+    sections = (getattr(text, "rope_parameters", None) or {}).get("mrope_section")
+    if sections:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        assert sum(sections) == head_dim // 2
+    depth = vision.depth if hasattr(vision, "depth") else vision.num_hidden_layers
+    for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+        assert all(0 <= i < depth for i in getattr(vision, name, None) or [])
