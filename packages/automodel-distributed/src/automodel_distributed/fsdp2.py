@@ -121,6 +121,14 @@ class ExpertSharding:
 class ExpertParallelism(Protocol):
     """An expert-parallel step the FSDP2 applier runs first (``automodel_moe.ExpertParallel``)."""
 
+    def check(self, model: nn.Module, mesh: MeshContext) -> None:
+        """Raise ``ValueError`` when ``apply`` would refuse the whole ``model``; pure, no collective.
+
+        Under pipeline parallelism ``apply`` runs on each stage, which may hold no experts: the caller
+        checks the whole model first, before it is split, so every rank refuses the same model.
+        """
+        ...
+
     def apply(self, model: nn.Module, mesh: MeshContext) -> ExpertSharding:
         """Shard the experts over the ``ep`` axis in place; return the extra units and settings.
 

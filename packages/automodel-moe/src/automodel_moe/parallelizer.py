@@ -114,10 +114,15 @@ def apply_expert_parallel(model: nn.Module, mesh: MeshContext) -> list[ExpertsSi
     """Cut every experts module of ``model`` over ``ep`` and install its token exchange, in place.
 
     Preconditions: weights real and identical on every rank (each rank then keeps its slice, no
-    communication) or on the meta device; nothing sharded yet; ``mesh.ep_size > 1``. Mesh axes: ``ep``
-    (the exchanges), ``tp`` (ranks sharing a batch). Raises what `check_expert_parallel` raises, before
-    any change. Returns the sites.
+    communication) or on the meta device; nothing sharded yet; ``mesh.ep_size > 1``. Under pipeline
+    parallelism (``mesh.pp_size > 1``) ``model`` is one stage, checked whole before the split
+    (`ExpertParallel.check`): a stage that holds only dense layers has nothing to cut (an empty list).
+    Mesh axes: ``ep`` (the exchanges), ``tp`` (ranks sharing a batch). Raises what
+    `check_expert_parallel` raises, before any change. Returns the sites.
     """
+    if mesh.pp_size > 1 and not has_experts(model):
+        logger.info("expert parallel: this pipeline stage of %s holds no experts", type(model).__name__)
+        return []
     sites = check_expert_parallel(model, mesh)
     ep_mesh = mesh.submesh(MeshAxisName.EP)
     tp_mesh = mesh.submesh(MeshAxisName.TP)
@@ -146,6 +151,15 @@ class ExpertParallel:
     """
 
     config: MoEParallelizerConfig = field(default_factory=MoEParallelizerConfig)
+
+    def check(self, model: nn.Module, mesh: MeshContext) -> None:
+        """Raise what `check_expert_parallel` raises for the whole ``model`` (pure, no collective).
+
+        `apply_model_infrastructure` calls it before any change: under pipeline parallelism `apply` then
+        runs per stage, and a stage holding only dense layers is not refused there.
+        """
+        if mesh.ep_size > 1:
+            check_expert_parallel(model, mesh)
 
     def apply(self, model: nn.Module, mesh: MeshContext) -> ExpertSharding:
         """Shard the experts over ``ep`` in place; return them as FSDP units on ``ep_shard``.

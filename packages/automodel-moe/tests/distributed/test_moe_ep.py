@@ -25,6 +25,11 @@ pytestmark = pytest.mark.distributed
 FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3")
 """Softmax top-k, Mixtral's in-place normalisation, shared experts, GPT-OSS's biased transposed
 interleaved experts, DeepSeek-V3's grouped sigmoid routing with a correction bias (and a dense layer)."""
+EP4_FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
+"""ep 4 (two experts per rank): softmax top-k, GPT-OSS's experts, grouped sigmoid routing."""
+SHARD_FAMILIES = ("mixtral", "qwen2_moe")
+"""ep 2 x ep_shard 2 here (and DeepSeek-V3 with checkpointing); the model matrix runs it over every MoE
+family (``uvx nox -s models``)."""
 BATCH, SEQ, STEPS = 4, 16, 3
 
 
@@ -313,13 +318,31 @@ def _tensor_parallel_layout() -> dict[str, Any]:
     }
 
 
+def _dense_pipeline_stage() -> dict[str, Any]:
+    """Under pp 2 x ep 2 a stage of dense layers has nothing to cut; the whole dense model is refused."""
+    from automodel_distributed import FSDP2Config
+    from automodel_mesh import MeshContext, ParallelismSizes
+    from automodel_moe import ExpertParallel
+    from automodel_moe.parallelizer import apply_expert_parallel
+
+    ctx = MeshContext.build(FSDP2Config(), ParallelismSizes(pp_size=2, ep_size=2))
+    stage = build_tiny_model("llama")
+    try:
+        ExpertParallel().check(stage, ctx)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    return {"stage_sites": len(apply_expert_parallel(stage, ctx)), "whole_model": refused}
+
+
 def _four_ranks() -> dict[str, Any]:
-    results: dict[str, Any] = {f"{f}/ep4": _parity(f, 4) for f in FAMILIES}
-    results.update({f"{f}/ep2xshard2": _parity(f, 2) for f in FAMILIES})
+    results: dict[str, Any] = {f"{f}/ep4": _parity(f, 4) for f in EP4_FAMILIES}
+    results.update({f"{f}/ep2xshard2": _parity(f, 2) for f in SHARD_FAMILIES})
     # The experts' all-gather over ep_shard runs inside the checkpointed block, in forward and recompute.
     results["deepseek_v3/ep2xshard2/ac"] = _parity("deepseek_v3", 2, ac=True)
     results["sequence_parallel"] = _sequence_parallel_refused()
     results["tp_layout"] = _tensor_parallel_layout()
+    results["pp_stage"] = _dense_pipeline_stage()
     return results
 
 
@@ -387,11 +410,14 @@ def test_ep2_parity_activation_checkpointing_bf16_checkpoint_and_errors(tmp_path
 
 def test_ep4_and_ep2_by_ep_shard2_parity() -> None:
     per_rank = run_distributed(_four_ranks, 4, timeout_s=900)
-    for family in FAMILIES:
+    for family in EP4_FAMILIES:
         _check_parity(per_rank, f"{family}/ep4", 2, 4)
+    for family in SHARD_FAMILIES:
         _check_parity(per_rank, f"{family}/ep2xshard2", 4, 2)
     _check_parity(per_rank, "deepseek_v3/ep2xshard2/ac", 4, 2)
     for results in per_rank:
+        stage = results["pp_stage"]
+        assert stage["stage_sites"] == 0 and "needs a mixture-of-experts model" in stage["whole_model"], stage
         message = results["sequence_parallel"]
         assert "sequence_parallel=True" in message and "sequence_parallel=False" in message, message
         # FSDP's dp_shard_cp axis outermost; the TP plan's tp axis on attention only; the experts keep ep
