@@ -358,7 +358,7 @@ def models(session: nox.Session) -> None:
         failed = True  # the table is written either way: it shows what failed
     if not report.is_file():
         _fail(f"the model matrix wrote no report at {report}")
-    session.run("python", "tools/models_doc.py", str(report), "docs/models.md")
+    session.run("python", "tools/models_doc.py", str(report), "docs/models.md", "docs/moe.md")
     if vlm_report.is_file():  # absent when ``-k`` selected decoder layouts only
         session.run("python", "tools/models_doc.py", str(vlm_report), "docs/vlm.md")
     if failed:

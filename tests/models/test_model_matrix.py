@@ -19,9 +19,10 @@ each family:
 A case either **works** (every check passes), is **refused** (every rank raised the same `ValueError`
 from the public API: a clear error before any collective), or **fails** (anything else: another
 exception, a difference, a refusal on some ranks only). A failure fails the test: there is no silent
-difference. The default run (``distributed`` marker) runs `FAST_FAMILIES` under every layout, one launch
-per layout; ``uvx nox -s models`` runs every family (``models`` marker) and writes the JSON that
-``tools/models_doc.py`` turns into docs/models.md.
+difference. The default run (``distributed`` marker) runs `FAST_FAMILIES` under every layout without
+experts and `EP_FAST_FAMILIES` under `EP_FAST_LAYOUTS`, one launch per layout; ``uvx nox -s models``
+runs every family (``models`` marker; the expert-parallel layouts over the MoE families) and writes the
+JSON that ``tools/models_doc.py`` turns into docs/models.md and the table of docs/moe.md.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class Layout:
     pp_schedule: str | None = None
     lora: bool = False
     activation_checkpointing: bool = False
+    moe: bool = False
+    """Expert parallelism (``moe_config=MoEParallelizerConfig()``): MoE families only, the others are
+    skipped; with ``lora`` the fused expert weights get adapters too (``PeftConfig.target_parameters``)."""
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -100,8 +104,29 @@ LAYOUTS: dict[str, Layout] = {
         Layout("lora_fsdp2", 2, lora=True),
         Layout("lora_tp", 2, {"tp_size": 2}, lora=True),
         Layout("ac", 2, activation_checkpointing=True),
+        Layout("ep2", 2, {"ep_size": 2}, moe=True),
+        Layout("ep2_shard2", 4, {"ep_size": 2}, moe=True),
+        Layout("ep2_hsdp", 4, {"dp_replicate_size": 2, "ep_size": 2}, moe=True),
+        Layout("ep2_tp2", 4, {"tp_size": 2, "ep_size": 2}, moe=True),
+        Layout("ep2_pp2", 4, {"pp_size": 2, "ep_size": 2}, pp_schedule="1f1b", moe=True),
+        Layout("ep2_lora", 2, {"ep_size": 2}, lora=True, moe=True),
+        Layout("ep2_ac", 2, {"ep_size": 2}, activation_checkpointing=True, moe=True),
     )
 }
+
+EP_FAST_FAMILIES: tuple[str, ...] = (
+    "qwen3_moe",  # softmax top-k routing, fused experts
+    "deepseek_v3",  # grouped top-k with a correction-bias buffer, shared experts, dense + MoE layers
+    "gpt_oss",  # transposed, interleaved gate/up with biases and a clamped gate, sink attention
+)
+"""The MoE families of the default run's slice."""
+
+EP_FAST_LAYOUTS: tuple[str, ...] = ("ep2_lora",)
+"""The expert-parallel layouts of the default run's slice: one 2-rank launch through the public API
+(checkpoint load, experts on ``ep``, LoRA on attention and on the fused experts). The other expert-parallel
+layouts (the 4-rank ones, ep2 and ep2_ac) run over every MoE family in ``uvx nox -s models`` only; the
+default run also covers ep 2, ep 4, ep 2 x ep_shard 2, activation checkpointing and the EP x TP placement
+in ``packages/automodel-moe/tests/distributed/test_moe_ep.py``."""
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -118,8 +143,9 @@ def _quiet() -> contextlib.AbstractContextManager[None]:
     return warnings.catch_warnings(action="ignore")
 
 
-def prepare_family(model_type: str, root: pathlib.Path) -> dict[str, Any]:
-    """Build the tiny model of ``model_type``, check transformers runs it, and save it.
+def prepare_family(model_type: str, root: pathlib.Path, **overrides: Any) -> dict[str, Any]:
+    """Build the tiny model of ``model_type`` (``overrides``: config fields), check transformers runs it,
+    and save it under ``root``.
 
     Returns:
         ``{"path": folder}``, or ``{"reference_error": why}`` when transformers itself cannot build or
@@ -131,7 +157,7 @@ def prepare_family(model_type: str, root: pathlib.Path) -> dict[str, Any]:
 
     with _quiet():
         try:
-            config = derive_tiny_config(model_type)
+            config = derive_tiny_config(model_type, **overrides)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(1234)
                 model = AutoModelForCausalLM.from_config(config)
@@ -214,22 +240,37 @@ def _world_sum(value: torch.Tensor) -> float:
     return float(value)
 
 
-def _reference(path: str, lora: bool) -> Any:
+def _reference(path: str, peft_config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ref.train()
-    if lora:
+    if peft_config is not None:
         from automodel_peft import apply_lora_to_linear_modules
 
-        apply_lora_to_linear_modules(ref, _peft_config())
+        apply_lora_to_linear_modules(ref, peft_config)
     return ref
 
 
-def _peft_config() -> Any:
+def _peft_config(layout: Layout, model: Any) -> Any:
+    """Every linear; under expert parallelism also the experts' stacked weights (found structurally)."""
     from automodel_peft import PeftConfig
 
-    return PeftConfig(match_all_linear=True, dim=4, alpha=8)
+    if not layout.lora:
+        return None
+    experts: list[str] = []
+    if layout.moe:
+        from automodel_moe import find_experts
+
+        experts = sorted(
+            {
+                f"{site.fqn.rpartition('.')[2]}.{name}"
+                for site in find_experts(model)
+                for name in site.params
+                if getattr(site.core, name).dim() == 3
+            }
+        )
+    return PeftConfig(match_all_linear=True, dim=4, alpha=8, target_parameters=experts)
 
 
 def _copy_adapters(parts: list[Any], ref: Any) -> None:
@@ -290,6 +331,11 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
     pipelined = layout.pp_schedule is not None
     loss_fn = _CapturingLoss(denominator)
     strategy = _strategy(layout)
+    moe_config = None
+    if layout.moe:
+        from automodel_moe import MoEParallelizerConfig
+
+        moe_config = MoEParallelizerConfig()
     try:
         infra = instantiate_infrastructure(
             distributed_config=strategy,
@@ -298,18 +344,20 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
             )
             if pipelined
             else None,
+            moe_config=moe_config,
             device=torch.device("cpu"),
             mesh=ctx,
         )
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        peft_config = _peft_config(layout, model)
         result = apply_model_infrastructure(
             model,
             is_meta_device=True,
             device=torch.device("cpu"),
             model_wrapper=infra.model_wrapper,
             mesh=ctx,
-            peft_config=_peft_config() if layout.lora else None,
+            peft_config=peft_config,
             loss_fn=loss_fn,
             autopipeline=infra.autopipeline,
             parallelize_fn=infra.parallelize_fn,
@@ -319,7 +367,7 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
     except ValueError as exc:
         return refusal(exc)
     try:
-        return _train(layout, ctx, axes, result, batch, local, rows, loss_fn, path)
+        return _train(layout, ctx, axes, result, batch, local, rows, loss_fn, path, peft_config)
     except ValueError as exc:  # a refusal that depends on the batch (a sequence longer than a window)
         return refusal(exc)
 
@@ -334,12 +382,13 @@ def _train(
     rows: slice,
     loss_fn: _CapturingLoss,
     path: str,
+    peft_config: Any,
 ) -> dict[str, Any]:
     tokens = ROWS * SEQ
     denominator = tokens / axes.averaging_ranks
     pipelined = layout.pp_schedule is not None
     parts = list(result.parts) if pipelined else [result]
-    ref = _reference(path, layout.lora)
+    ref = _reference(path, peft_config)
     if layout.lora:
         _copy_adapters(parts, ref)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
@@ -487,12 +536,16 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
             except DistributedRunError as exc:
                 error = str(exc)
             done = read_progress(folder, layout.world_size)
+            # A family that raised is recorded, and the launch ended right after it: the next one never ran.
+            ended_after = any("traceback" in r for results in done.values() for r in results)
             for family in left:
                 if len(done.get(family, [])) == layout.world_size:
                     rows[family] = merge_ranks(family, layout_name, done[family])
                     if any("traceback" in r for r in done[family]):
                         break  # the ranks stopped on purpose after this family; relaunch for the rest
                     continue
+                if ended_after:
+                    break  # relaunch for it
                 # The family this launch stopped at: a rank raised, died or hung there.
                 recorded = "; ".join(r.get("message", "") for r in done.get(family, []))
                 rows[family] = Row(family, layout_name, "fails", f"{recorded}\n{error[-2500:]}".strip())
@@ -501,16 +554,35 @@ def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
     return [rows[family] for family in checkpoints]
 
 
+def _has_experts(model_type: str, overrides: dict[str, Any]) -> bool:
+    """Whether the family's tiny model has experts modules (structurally: `automodel_moe.has_experts`)."""
+    from transformers import AutoModelForCausalLM
+
+    from automodel_moe import has_experts
+    from automodel_testing.tiny import derive_tiny_config
+
+    with _quiet(), torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(derive_tiny_config(model_type, **overrides))
+        except Exception:  # a family that does not build: the decoder layouts report it
+            return False
+    return has_experts(model)
+
+
 @pytest.fixture(scope="module")
 def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return prepare_checkpoints(prepare_family, FAST_FAMILIES, tmp_path_factory.mktemp("matrix_fast"))
+    families = tuple(dict.fromkeys(FAST_FAMILIES + EP_FAST_FAMILIES))
+    return prepare_checkpoints(prepare_family, families, tmp_path_factory.mktemp("matrix_fast"))
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout_name", [name for name, layout in LAYOUTS.items() if not layout.moe or name in EP_FAST_LAYOUTS]
+)
 def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
-    assert_no_failure(run_matrix(layout_name, fast_checkpoints))
+    families = EP_FAST_FAMILIES if LAYOUTS[layout_name].moe else FAST_FAMILIES
+    assert_no_failure(run_matrix(layout_name, {f: fast_checkpoints[f] for f in families}))
 
 
 @pytest.fixture(scope="module")
@@ -521,6 +593,31 @@ def all_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str,
     paths, broken = {}, {}
     for family in decoder_families():
         prepared = prepare_family(family.model_type, root)
+        if "path" in prepared:
+            paths[family.model_type] = prepared["path"]
+        else:
+            broken[family.model_type] = prepared["reference_error"]
+    return paths, broken
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], dict[str, str]]:
+    """The MoE families' checkpoints (and the ones transformers cannot run): the families whose tiny model
+    has experts, those of `MOE_OVERRIDES` (dense or single-expert by default) as their MoE variant.
+
+    Built apart from `all_checkpoints`, so a run of the expert-parallel layouts alone (``-k ep2``) builds
+    only these.
+    """
+    from automodel_testing.families import decoder_families
+    from automodel_testing.tiny import MOE_OVERRIDES
+
+    root = tmp_path_factory.mktemp("matrix_moe")
+    paths, broken = {}, {}
+    for family in decoder_families():
+        overrides = dict(MOE_OVERRIDES.get(family.model_type, {}))
+        if not _has_experts(family.model_type, overrides):
+            continue
+        prepared = prepare_family(family.model_type, root, **overrides)
         if "path" in prepared:
             paths[family.model_type] = prepared["path"]
         else:
@@ -549,18 +646,17 @@ def report() -> Iterator[dict[str, Any]]:
 @pytest.mark.models
 @pytest.mark.timeout(3 * 3600)  # every family in one launch per layout (a failure relaunches for the rest)
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
-def test_full_matrix(
-    layout_name: str, all_checkpoints: tuple[dict[str, str], dict[str, str]], report: dict[str, Any]
-) -> None:
+def test_full_matrix(layout_name: str, request: pytest.FixtureRequest, report: dict[str, Any]) -> None:
     import transformers
 
     from automodel_testing.families import excluded_families
 
-    paths, broken = all_checkpoints
+    checkpoints = "moe_checkpoints" if LAYOUTS[layout_name].moe else "all_checkpoints"
+    paths, broken = request.getfixturevalue(checkpoints)
     rows = run_matrix(layout_name, paths)
     report["transformers"] = transformers.__version__
     report["excluded"] = excluded_families()
-    report["reference_errors"] = broken
+    report.setdefault("reference_errors", {}).update(broken)
     report["layouts"][layout_name] = asdict(LAYOUTS[layout_name])
     report["rows"].extend(asdict(row) for row in rows)
     assert_no_failure(rows)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -35,11 +36,13 @@ from automodel_distributed.layers import blocks_in_scope, find_transformer_block
 
 __all__ = [
     "SELECTIVE_AC_ALWAYS_SAVE_OPS",
+    "SELECTIVE_AC_IGNORED_OPS",
     "SELECTIVE_AC_MATMUL_OPS",
     "SUBMODULE_CHECKPOINT_ROLES",
     "apply_activation_checkpointing",
     "apply_submodule_checkpointing",
     "disable_kv_cache",
+    "ignore_annotations_in_selective_checkpointing",
     "resolve_checkpointing_mode",
     "selective_checkpoint_policy",
     "unwrap_checkpoint_wrapper",
@@ -70,6 +73,20 @@ SELECTIVE_AC_ALWAYS_SAVE_OPS: tuple[str, ...] = (
 )
 """Ops (``namespace.op.overload``) whose outputs selective AC always saves. Names missing from the
 installed torch are skipped."""
+
+SELECTIVE_AC_IGNORED_OPS: tuple[str, ...] = (
+    "profiler._record_function_enter.default",
+    "profiler._record_function_enter_new.default",
+    "profiler._record_function_exit.default",
+    "profiler._record_function_exit._RecordFunction",
+)
+"""Profiler ranges: selective checkpointing runs them as they come and keeps them out of its replay
+accounting (`ignore_annotations_in_selective_checkpointing`). They annotate, they compute nothing, and the
+forward and its recompute legitimately open different ranges: an FSDP2 unit nested inside a
+checkpointed block (the experts on ``ep_shard``) is still idle when the block's recompute starts (its
+output's gradient has not arrived, e.g. DeepSeek-V3's shared experts are recomputed first), so its hooks
+take FSDP's forward-root path on recompute and open ``FSDP::root_pre_forward``, which the forward, under
+the model's root, never did. torch counts every op per kind and fails on the extra one."""
 
 _AC_MODE_ATTR = "_automodel_ac_mode"
 
@@ -142,7 +159,21 @@ def selective_checkpoint_policy(
     return policy
 
 
+def ignore_annotations_in_selective_checkpointing() -> None:
+    """Keep the ops of `SELECTIVE_AC_IGNORED_OPS` out of selective checkpointing's replay accounting.
+
+    Adds them to ``torch.utils.checkpoint.SAC_IGNORED_OPS``, torch's own set of ops that selective
+    checkpointing executes directly, neither saved nor counted (it holds ``aten.detach`` for the same
+    reason: forward and recompute run different numbers of them). Process-wide and idempotent; ops the
+    installed torch lacks are skipped. Called by `apply_activation_checkpointing` whenever it builds a
+    selective context. No collectives.
+    """
+    torch_checkpoint.SAC_IGNORED_OPS.update(_resolve_ops(SELECTIVE_AC_IGNORED_OPS))
+
+
 def _context_fn(save_ops: tuple[str, ...], save_matmuls: bool) -> Callable[[], tuple[Any, Any]]:
+    ignore_annotations_in_selective_checkpointing()
+
     def context_fn() -> tuple[Any, Any]:
         return create_selective_checkpoint_contexts(
             selective_checkpoint_policy(save_ops, save_matmuls=save_matmuls)
@@ -209,7 +240,8 @@ def apply_activation_checkpointing(
     `selective_checkpoint_policy` and recomputes the rest; ``save_ops`` are saved in either mode (the
     save-ops policy hook). All use ``checkpoint_wrapper`` with ``CheckpointImpl.NO_REENTRANT`` around the
     block in its parent container. Also sets ``use_cache=False`` on the model's configs
-    (`disable_kv_cache`).
+    (`disable_kv_cache`), and, when it saves anything, keeps profiler ranges out of selective
+    checkpointing's accounting (`ignore_annotations_in_selective_checkpointing`).
 
     Idempotent: a block that is already checkpoint-wrapped is left as it is (with a warning when its
     mode differs from ``mode``).
@@ -298,6 +330,8 @@ def apply_submodule_checkpointing(
         How many children were wrapped, per role.
     """
     counts = dict.fromkeys(SUBMODULE_CHECKPOINT_ROLES, 0)
+    if context_fn is not None:
+        ignore_annotations_in_selective_checkpointing()
     for layer in layers:
         for role, names in SUBMODULE_CHECKPOINT_ROLES.items():
             if role == "attention" and has_kv_sharing:

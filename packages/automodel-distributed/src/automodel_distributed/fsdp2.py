@@ -102,6 +102,9 @@ class ExpertSharding:
 
     units: tuple[FSDPUnitPlan, ...] = ()
     """Extra FSDP units (the experts), sharded before the dense units, each on its own mesh."""
+    tensor_parallel_exclude: tuple[str, ...] = ()
+    """Module FQNs the tensor-parallel plan leaves alone (``apply_tensor_parallel(exclude=...)``): the
+    experts, already sharded over ``ep``, and their routers, which every rank runs on the whole batch."""
     checkpoint_save_ops: tuple[str, ...] = ()
     """Ops (``namespace.op.overload``) whose outputs activation checkpointing saves instead of recomputing
     (the router's probabilities and the token all-to-alls, so recompute routes exactly as forward did)."""
@@ -117,6 +120,14 @@ class ExpertSharding:
 
 class ExpertParallelism(Protocol):
     """An expert-parallel step the FSDP2 applier runs first (``automodel_moe.ExpertParallel``)."""
+
+    def check(self, model: nn.Module, mesh: MeshContext) -> None:
+        """Raise ``ValueError`` when ``apply`` would refuse the whole ``model``; pure, no collective.
+
+        Under pipeline parallelism ``apply`` runs on each stage, which may hold no experts: the caller
+        checks the whole model first, before it is split, so every rank refuses the same model.
+        """
+        ...
 
     def apply(self, model: nn.Module, mesh: MeshContext) -> ExpertSharding:
         """Shard the experts over the ``ep`` axis in place; return the extra units and settings.
@@ -451,8 +462,9 @@ class FSDP2Manager(StrategyDefaults):
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` in place and return it.
 
-        Order: the expert-parallel step (when ``experts`` is set), the TP plan, activation checkpointing
-        (saving the ops the expert step names), then `apply_fsdp2` (expert units first).
+        Order: the expert-parallel step (when ``experts`` is set), the TP plan (leaving the modules the
+        expert step names alone), activation checkpointing (saving the ops the expert step names), then
+        `apply_fsdp2` (expert units first).
 
         Preconditions: ``model`` is a transformers-style decoder (blocks found from ``_no_split_modules``),
         on the meta device or on CPU/the target device; nothing is sharded yet. Mesh axes: ``ep`` and
@@ -461,8 +473,10 @@ class FSDP2Manager(StrategyDefaults):
         activation checkpointing still applies.
 
         Raises:
-            ValueError: Async TP on a host without CUDA, a TP plan / head-count problem, or a model the
-                expert step cannot shard (all before any collective or change).
+            ValueError: Async TP on a host without CUDA, sequence parallelism with expert parallelism, a
+                TP plan / head-count problem, or a model the expert step cannot shard (all before any
+                collective; only a TP plan problem comes after the expert step's local, collective-free
+                change).
         """
         cfg = self.config
         self._warn_ignored()
@@ -472,6 +486,12 @@ class FSDP2Manager(StrategyDefaults):
             raise ValueError(
                 "FSDP2Config.enable_async_tensor_parallel=True needs CUDA devices (symmetric memory); "
                 "set it to False on CPU"
+            )
+        if cfg.sequence_parallel and tp_size > 1 and self.experts is not None and self.mesh.ep_size > 1:
+            raise ValueError(
+                "FSDP2Config.sequence_parallel=True with expert parallelism (ep_size="
+                f"{self.mesh.ep_size}) is not supported yet: the routers and the token exchange take the "
+                "whole sequence of the tensor-parallel group; set sequence_parallel=False (TP with EP works)"
             )
         extra = self.experts.apply(model, self.mesh) if self.experts is not None else ExpertSharding()
         if cfg.patch_is_packed_sequence:
@@ -485,6 +505,7 @@ class FSDP2Manager(StrategyDefaults):
                 self.mesh.submesh(MeshAxisName.TP),
                 tp_plan=cfg.tp_plan,
                 sequence_parallel=cfg.sequence_parallel,
+                exclude=extra.tensor_parallel_exclude,
             )
         mode = resolve_checkpointing_mode(cfg.activation_checkpointing)
         if mode is not None:

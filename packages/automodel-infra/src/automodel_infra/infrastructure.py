@@ -686,6 +686,11 @@ def apply_model_infrastructure(
     if mesh is None:
         mesh = model_wrapper.mesh if model_wrapper is not None else MeshContext()
     strategy: StrategyManager = as_strategy(model_wrapper, mesh)
+    experts = getattr(model_wrapper, "experts", None)
+    if experts is not None:
+        # The whole model, before any change: pipeline stages run the expert step on the layers they
+        # hold, and a stage of dense layers only must not be where a model EP cannot shard is refused.
+        experts.check(model, mesh)
     path = str(pretrained_model_name_or_path or "")
     weights_already_loaded = bool(_kwargs.get("weights_already_loaded", False))
     need_load = load_base_model and not weights_already_loaded

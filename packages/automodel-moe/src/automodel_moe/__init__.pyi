@@ -5,12 +5,16 @@ from .checkpoint import (
     save_hf_checkpoint,
 )
 from .config import MoEParallelizerConfig
-from .experts import ExpertParallelExperts
-from .parallelizer import parallelize_model
+from .load import ExpertLoad
+from .parallelizer import ExpertParallel, parallelize_model
 from .registry import (
     MOE_FAMILIES,
+    ExpertsCall,
+    ExpertsSite,
     MoEFamily,
-    find_moe_family,
+    find_experts,
+    find_routers,
+    has_experts,
     register_moe_family,
 )
 
@@ -18,11 +22,16 @@ __version__: str
 
 __all__ = [
     "MOE_FAMILIES",
-    "ExpertParallelExperts",
+    "ExpertLoad",
+    "ExpertParallel",
+    "ExpertsCall",
+    "ExpertsSite",
     "MoEFamily",
     "MoEParallelizerConfig",
     "__version__",
-    "find_moe_family",
+    "find_experts",
+    "find_routers",
+    "has_experts",
     "load_hf_checkpoint",
     "parallelize_model",
     "register_moe_family",

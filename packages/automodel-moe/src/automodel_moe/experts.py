@@ -1,77 +1,160 @@
-"""`ExpertParallelExperts`: the fused-experts module of an HF MoE block, sharded over the ``ep`` axis.
+"""Expert parallelism on the model's own experts modules: their weights cut by expert, tokens sent to them.
 
-Each ep rank holds ``num_experts / ep`` consecutive experts. A forward call:
+Nothing of the experts is replaced. `shard_experts` turns each stacked expert parameter of an
+`ExpertsSite` (``[E, ...]``) into a DTensor ``Shard(0)`` over the ``ep`` mesh (each rank holds
+``E / ep`` consecutive experts; ``full_tensor()`` is the transformers tensor, so checkpoints load and
+save by slices) and sets the module's expert count to the local one. LoRA factors of peft's
+``ParamWrapper`` (``target_parameters`` on fused experts) are cut the same way: ``lora_A`` ``[r*E, in]``
+is expert-major (``Shard(0)``), ``lora_B`` ``[out, r*E]`` expert-minor (``_StridedShard(1, r)``), so
+that peft's own reshapes see the local experts.
 
-1. sorts the ``T*K`` (token, choice) pairs by expert and counts them per destination rank;
-2. exchanges the counts (``all_to_all_single``, equal splits) and then the token rows
-   (``all_to_all_single`` with uneven splits, differentiable via ``all_to_all_single_autograd``);
-3. regroups the received rows by local expert and runs the SwiGLU experts as grouped matmuls
-   (``torch._grouped_mm`` when the dtype/strides allow it, else a per-expert loop);
-4. sends the results back (the inverse all-to-all), weights them by the router's top-k weights and sums
-   them per token, exactly as the transformers experts module does.
+`install_dispatch` then replaces the module's ``forward`` (an instance attribute; the class is untouched)
+by a token exchange around the module's original forward, which runs on the local experts with local
+expert ids and plain local tensors (`local_parameters`): the experts' own computation (transformers'
+``ExpertsInterface`` kernels, biases, interleaved or transposed layouts, GPT-OSS's clamped gate,
+post-expert norms, peft's LoRA parametrization) is what runs.
 
-Parameters keep the HF names and shapes: ``gate_up_proj`` ``[E, 2*I, H]`` and ``down_proj`` ``[E, H, I]``
-as DTensors ``Shard(0)`` over the ep mesh, so ``full_tensor()`` is the HF tensor.
+- Routed experts (transformers' convention) use transformers' own ``AllToAllEP``
+  (``transformers.distributed.expert_parallel``) as is: tokens of a tensor-parallel group (which share
+  their batch) are split across its ranks first, then each (token, expert) pair goes to the expert's
+  rank with ``all_to_all_single`` and comes back with a second one, weighted and summed on the sender.
+  transformers refuses this exchange together with pipeline parallelism
+  (``DistributedConfig._validate_resolved_ep_plan``: "not supported/tested yet"), a limit of its own
+  orchestration (one ``DistributedConfig`` for the whole model), not of the exchange: our pipeline
+  stages hold whole layers and the ranks of one ``ep`` group are one stage running the same schedule,
+  so every exchange pairs up. The model matrix's ``ep2_pp2`` layout measures it (exact parity).
+- Experts that take every token (`ExpertsCall.EVERY_TOKEN`, Llama 4) use `EveryTokenEP`: each rank sends
+  every other rank the rows of that rank's experts and gets its experts' outputs back.
+
+Mesh axes: ``ep`` (the exchanges), ``tp`` (the ranks that share a batch; size 1 without TP).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["ExpertParallelExperts", "grouped_swiglu"]
+from automodel_moe.registry import SHARDED_ATTR, ExpertsCall, ExpertsSite, _base_chain
 
-
-def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    item = x.element_size()
-    return (
-        (x.shape[-1] * item) % 16 == 0
-        and (weight.shape[-1] * item) % 16 == 0
-        and (weight.shape[-2] * item) % 16 == 0
-    )
+__all__ = ["EveryTokenEP", "install_dispatch", "local_parameters", "shard_experts", "unsupported_parts"]
 
 
-def grouped_swiglu(
-    x: torch.Tensor,
-    counts: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    act_fn: Callable[[torch.Tensor], torch.Tensor],
-    *,
-    use_grouped_mm: bool | None = None,
-) -> torch.Tensor:
-    """SwiGLU experts over rows grouped by expert.
+@contextlib.contextmanager
+def local_parameters(module: nn.Module) -> Iterator[None]:
+    """Swap every DTensor parameter under ``module`` for its local tensor for the duration, in place.
 
-    Args:
-        x: ``[N, H]`` rows, those of expert 0 first, then expert 1, ...
-        counts: ``[E]`` rows per expert (sums to N).
-        gate_up: ``[E, 2*I, H]`` (``F.linear`` layout, gate rows first).
-        down: ``[E, H, I]`` (``F.linear`` layout).
-        act_fn: Activation of the gate half.
-        use_grouped_mm: Force (True) or forbid (False) ``torch._grouped_mm``; None decides by dtype/strides.
+    The local tensor is a differentiable view (``to_local``), so gradients reach the DTensor (FSDP's
+    unsharded parameter during forward/backward). peft's LoRA parametrization registers what it finds as
+    the parameter's ``original`` and hands it back as a buffer when it removes itself: the buffer is
+    dropped and the DTensor restored. No collective.
     """
-    if use_grouped_mm is None:
-        use_grouped_mm = _grouped_mm_usable(x, gate_up) and _grouped_mm_usable(x, down)
-    if use_grouped_mm and x.shape[0] > 0:
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), offs=offs)
-    outs = []
-    for e, rows in enumerate(torch.split(x, counts.tolist())):
-        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-        outs.append(F.linear(act_fn(gate) * up, down[e]))
-    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if isinstance(param, DTensor):
+                sub._parameters[name] = param.to_local()
+                swapped.append((sub, name, param))
+    try:
+        yield
+    finally:
+        for sub, name, param in swapped:
+            sub._buffers.pop(name, None)
+            sub._parameters[name] = param
+
+
+def _ep_dtensor(
+    full: torch.Tensor, ep_mesh: DeviceMesh, placement: Placement, local: torch.Tensor
+) -> nn.Parameter:
+    value = DTensor.from_local(
+        local, ep_mesh, [placement], run_check=False, shape=full.shape, stride=full.stride()
+    )
+    return nn.Parameter(value, requires_grad=full.requires_grad)
+
+
+def _expert_rows(full: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    if full.is_meta:
+        return torch.empty((stop - start, *full.shape[1:]), dtype=full.dtype, device="meta")
+    return full.detach()[start:stop].clone()
+
+
+def _shard_lora_factors(wrapper: Any, ep_mesh: DeviceMesh, num_experts: int) -> None:
+    """Cut peft's ``ParamWrapper`` factors by expert (see the module docstring), in place."""
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    local = num_experts // ep
+    for adapter, lora_a in wrapper.lora_A.items():
+        rank_r = int(wrapper.r[adapter])
+        a = lora_a.weight  # [r*E, in], expert-major
+        lora_a.weight = _ep_dtensor(
+            a, ep_mesh, Shard(0), _expert_rows(a, rank * local * rank_r, (rank + 1) * local * rank_r)
+        )
+        b = wrapper.lora_B[adapter].weight  # [out, r*E], expert-minor: column r_i * E + e
+        if b.is_meta:
+            b_local = torch.empty((b.shape[0], rank_r * local), dtype=b.dtype, device="meta")
+        else:
+            b_local = b.detach().reshape(b.shape[0], rank_r, num_experts)[
+                :, :, rank * local : (rank + 1) * local
+            ]
+            b_local = b_local.reshape(b.shape[0], rank_r * local).clone()
+        wrapper.lora_B[adapter].weight = _ep_dtensor(
+            b, ep_mesh, _StridedShard(1, split_factor=rank_r), b_local
+        )
+    wrapper.num_experts = local
+
+
+def unsupported_parts(site: ExpertsSite) -> list[str]:
+    """Parameters of a site that expert parallelism cannot cut by expert (empty when it can shard it).
+
+    A parameter that every expert shares would need its gradient summed over ``ep`` as well; peft
+    wrappers other than ``ParamWrapper`` (LoRA on the fused weights) are not known.
+    """
+    bad = [f"{name} {tuple(p.shape)}" for name, p in site.core.named_parameters() if name not in site.params]
+    wrapper: Any
+    for wrapper in _base_chain(site.module)[:-1]:
+        if not (hasattr(wrapper, "lora_A") and hasattr(wrapper, "parameter_name")):
+            bad.append(f"a {type(wrapper).__name__} wrapper")
+        elif wrapper.parameter_name not in site.params:
+            bad.append(f"LoRA on {wrapper.parameter_name}")
+        else:
+            known = {f"lora_A.{k}.weight" for k in wrapper.lora_A} | {
+                f"lora_B.{k}.weight" for k in wrapper.lora_B
+            }
+            bad += [
+                f"{type(wrapper).__name__}.{n}"
+                for n, _ in wrapper.named_parameters()
+                if n not in known and not n.startswith("base_layer.")
+            ]
+    return bad
+
+
+def shard_experts(site: ExpertsSite, ep_mesh: DeviceMesh) -> None:
+    """Cut the site's stacked expert parameters (and LoRA factors) over ``ep_mesh``, in place.
+
+    Preconditions: nothing sharded yet; weights real and identical on every rank (each rank keeps its
+    slice, no communication) or on the meta device; ``num_experts`` divisible by the ep size and
+    `unsupported_parts` empty (checked by the caller before any change). Mutates the parameters and the
+    expert counts of ``site.core`` and its peft wrappers.
+    """
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    local = site.num_experts // ep
+    for name in site.params:
+        full = site.core._parameters[name]
+        assert full is not None and full.shape[0] == site.num_experts, (site.fqn, name)
+        site.core._parameters[name] = _ep_dtensor(
+            full, ep_mesh, Shard(0), _expert_rows(full, rank * local, (rank + 1) * local)
+        )
+    setattr(site.core, site.num_experts_attr, local)
+    site.core.__dict__[SHARDED_ATTR] = site  # find_experts still tells the global layout
+    for wrapper in _base_chain(site.module)[:-1]:
+        _shard_lora_factors(wrapper, ep_mesh, site.num_experts)
 
 
 def _a2a(
@@ -81,90 +164,102 @@ def _a2a(
     return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
 
 
-class ExpertParallelExperts(nn.Module):
-    """Drop-in replacement of a transformers fused-experts module, its experts sharded over ``ep``.
+class EveryTokenEP:
+    """The exchange of experts called with every token (`ExpertsCall.EVERY_TOKEN`, Llama 4).
 
-    Called as ``experts(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``.
-    Mesh axis: ``ep`` (1-D ``ep_mesh``); collectives: three ``all_to_all_single`` per forward (counts,
-    dispatch, combine) and two in backward.
+    The block hands ``rows [E * T, H]``: expert ``e``'s copy of the ``T`` tokens at rows ``e*T:(e+1)*T``.
+    Rank ``s`` of the ``ep`` group holds experts ``s*L:(s+1)*L``: this rank sends it that block of ``L*T``
+    rows, receives the same blocks of its own experts from every rank (after exchanging token counts),
+    regroups them expert-major, runs the experts' own forward, and sends the results back
+    (``all_to_all_single``: one count exchange and two differentiable exchanges per call).
+
+    The ranks of a ``tp`` group hold the same tokens: each first keeps its slice of them (every expert's
+    copy cut the same way), so no token is computed twice, and the results are gathered back over ``tp``
+    (an all-gather; in backward each rank's slice of the gradient, and the row gradients gathered).
+
+    Args:
+        num_local: Experts per rank.
+        ep_mesh: The ``ep`` mesh.
+        forward: The experts' original forward (on the local experts).
+        tp_mesh: The ``tp`` mesh (the ranks sharing a batch); ``None`` or size 1 without TP.
     """
-
-    last_dispatch: dict[str, Any]
 
     def __init__(
         self,
-        gate_up_proj: torch.Tensor,
-        down_proj: torch.Tensor,
-        act_fn: Callable[[torch.Tensor], torch.Tensor],
+        num_local: int,
         ep_mesh: DeviceMesh,
-        *,
-        gate_up_name: str = "gate_up_proj",
-        down_name: str = "down_proj",
+        forward: Callable[..., torch.Tensor],
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
-        super().__init__()
-        ep = ep_mesh.size()
-        num_experts = gate_up_proj.shape[0]
-        if num_experts % ep:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep}")
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // ep
         self.ep_mesh = ep_mesh
-        self.act_fn = act_fn
-        self._gate_up_name, self._down_name = gate_up_name, down_name
-        self.use_grouped_mm: bool | None = None
-        self.last_dispatch = {}
-        for name, full in ((gate_up_name, gate_up_proj), (down_name, down_proj)):
-            if full.is_meta:
-                local = torch.empty(
-                    (self.num_local_experts, *full.shape[1:]), dtype=full.dtype, device="meta"
-                )
-                value = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-            else:
-                value = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
-            self.register_parameter(name, nn.Parameter(value, requires_grad=full.requires_grad))
+        self.forward = forward
+        self.num_local = num_local
+        self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
 
-    def extra_repr(self) -> str:
-        """Expert counts and the ep size."""
-        local = self.num_local_experts
-        return f"num_experts={self.num_experts}, num_local_experts={local}, ep={self.ep_mesh.size()}"
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """Send each rank its experts' rows, run the local experts, bring the results back."""
+        if self.tp_mesh is None:
+            return self._exchange(rows)
+        experts = self.num_local * self.ep_mesh.size()
+        tokens, hidden = rows.shape[0] // experts, rows.shape[-1]
+        grid = rows.reshape(experts, tokens, hidden)
+        # Replicate -> Shard(1): a local cut of every expert's copy of the tokens (no communication).
+        replicated = DTensor.from_local(grid, self.tp_mesh, [Replicate()], run_check=False)
+        mine = replicated.redistribute(self.tp_mesh, [Shard(1)]).to_local()
+        out = self._exchange(mine.reshape(-1, hidden)).reshape(experts, mine.shape[1], -1)
+        full = DTensor.from_local(
+            out.contiguous(),
+            self.tp_mesh,
+            [Shard(1)],
+            shape=torch.Size((experts, tokens, out.shape[-1])),
+            stride=(tokens * out.shape[-1], out.shape[-1], 1),
+        ).full_tensor()
+        return full.reshape(experts * tokens, -1)
 
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """Send rows to their experts' ranks, apply the experts, combine (see the module docstring)."""
-        group = self.ep_mesh.get_group()
-        ep, local_e = self.ep_mesh.size(), self.num_local_experts
-        top_k = top_k_index.shape[1]
-        flat_expert = top_k_index.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        token_of = order // top_k
-        send_rows = hidden_states[token_of]
-
+    def _exchange(self, rows: torch.Tensor) -> torch.Tensor:
+        group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
+        local = self.num_local
+        tokens = rows.shape[0] // (local * ep)
         with torch.no_grad():
-            counts = torch.bincount(flat_expert, minlength=self.num_experts).to(torch.int64)
-            recv_counts = torch.empty_like(counts)
-            dist.all_to_all_single(recv_counts, counts, group=group)  # [ep, local_e]: from each source
-            in_splits = counts.view(ep, local_e).sum(1).tolist()
-            recv_by_src = recv_counts.view(ep, local_e)
-            out_splits = recv_by_src.sum(1).tolist()
-            local_ids = torch.arange(local_e, device=counts.device).repeat(ep)
-            row_expert = torch.repeat_interleave(local_ids, recv_by_src.reshape(-1))
-            perm = torch.argsort(row_expert, stable=True)
-            inverse = torch.argsort(perm)
-            per_expert = recv_by_src.sum(0)
-        self.last_dispatch = {"send_splits": in_splits, "recv_splits": out_splits}
+            mine = torch.tensor([tokens], dtype=torch.int64, device=rows.device)
+            counts = torch.empty(ep, dtype=torch.int64, device=rows.device)
+            dist.all_gather_into_tensor(counts, mine, group=group)
+            per_source = counts.tolist()
+        send = [local * tokens] * ep
+        recv_sizes = [local * t for t in per_source]
+        received = _a2a(rows, recv_sizes, send, group)
+        # Received: source-major, then expert, then token; the experts want expert-major rows.
+        blocks = [b.view(local, t, -1) for b, t in zip(received.split(recv_sizes), per_source, strict=True)]
+        expert_major = torch.cat(blocks, dim=1).reshape(local * sum(per_source), -1)
+        out = self.forward(expert_major).view(local, sum(per_source), -1)
+        back = torch.cat(
+            [o.reshape(local * t, -1) for o, t in zip(out.split(per_source, dim=1), per_source, strict=True)]
+        )
+        return _a2a(back, send, recv_sizes, group)
 
-        recv = _a2a(send_rows, out_splits, in_splits, group)
-        gate_up = getattr(self, self._gate_up_name)
-        down = getattr(self, self._down_name)
-        gate_up_local = gate_up.to_local() if isinstance(gate_up, DTensor) else gate_up
-        down_local = down.to_local() if isinstance(down, DTensor) else down
-        out = grouped_swiglu(
-            recv[perm], per_expert, gate_up_local, down_local, self.act_fn, use_grouped_mm=self.use_grouped_mm
-        )[inverse]
-        back = _a2a(out, in_splits, out_splits, group)
 
-        weights = top_k_weights.reshape(-1)[order]
-        contrib = back * weights[:, None]
-        final = torch.zeros_like(hidden_states)
-        return final.index_add(0, token_of, contrib.to(final.dtype))
+def install_dispatch(site: ExpertsSite, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
+    """Replace ``site.module.forward`` by the token exchange around its own forward, in place.
+
+    Preconditions: `shard_experts` ran on the site. ``tp_mesh``: the ranks holding the same batch (the
+    ``tp`` axis, size 1 without TP). Collectives per call: see `EveryTokenEP` and transformers'
+    ``AllToAllEP``.
+    """
+    from transformers.distributed.expert_parallel import AllToAllEP
+
+    module = site.module
+    original = module.forward
+    exchange: Callable[..., torch.Tensor]
+    if site.call is ExpertsCall.EVERY_TOKEN:
+        exchange = EveryTokenEP(site.num_experts // ep_mesh.size(), ep_mesh, original, tp_mesh)
+    else:
+        # AllToAllEP reads the module's forward and its (now local) expert count at construction.
+        exchange = AllToAllEP(module, ep_mesh, tp_mesh)
+
+    def forward(*args: Any) -> torch.Tensor:
+        with local_parameters(module):
+            local_args = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+            out = exchange(*local_args)
+        return out.to(local_args[0].dtype)
+
+    module.forward = forward

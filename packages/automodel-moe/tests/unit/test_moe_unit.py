@@ -1,14 +1,25 @@
-"""Single-process checks: config, family registry, the grouped experts math, and a lean import."""
+"""Single-process checks: config, experts discovery and registry, the load meter, a lean import, routing-
+preserving checkpointing."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
 
-from automodel_moe import MOE_FAMILIES, MoEFamily, MoEParallelizerConfig, find_moe_family, register_moe_family
+from automodel_moe import (
+    MOE_FAMILIES,
+    ExpertsCall,
+    MoEFamily,
+    MoEParallelizerConfig,
+    find_experts,
+    find_routers,
+    has_experts,
+    register_moe_family,
+)
 
 
 def test_config_defaults_round_trip_and_validation() -> None:
@@ -32,46 +43,130 @@ def test_config_defaults_round_trip_and_validation() -> None:
         MoEParallelizerConfig(mp_policy="bf16")
 
 
-def test_registry_finds_families_and_explains_registration() -> None:
-    assert {"qwen3_moe", "qwen2_moe", "mixtral"} <= set(MOE_FAMILIES)
+def _tiny(model_type: str, **overrides: Any) -> Any:
+    import transformers
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(derive_tiny_config(model_type, **overrides))
+
+
+def test_experts_are_found_from_the_models_own_metadata() -> None:
     from automodel_testing import build_tiny_model
 
-    assert find_moe_family(build_tiny_model("mixtral")).sparse_block_class == "MixtralSparseMoeBlock"
-    with pytest.raises(ValueError, match=r"register_moe_family\(MoEFamily"):
-        find_moe_family(build_tiny_model("llama"))
-    family = MoEFamily(model_type="toy_moe", sparse_block_class="ToyBlock", num_experts_field="n")
+    sites = find_experts(build_tiny_model("qwen3_moe"))
+    assert [s.fqn for s in sites] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert {(s.source, s.num_experts, s.params, s.call) for s in sites} == {
+        ("ep_plan", 8, ("gate_up_proj", "down_proj"), ExpertsCall.ROUTED)
+    }
+    gpt_oss = find_experts(build_tiny_model("gpt_oss"))[0]  # biases are cut by expert too
+    assert gpt_oss.params == ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    # deepseek_v3: the first layer is dense; the MoE layers' shared experts are not routed experts.
+    deepseek = find_experts(_tiny("deepseek_v3"))
+    assert [s.fqn for s in deepseek] == [f"model.layers.{i}.mlp.experts" for i in (1, 2, 3)]
+    llama4 = find_experts(_tiny("llama4_text"))  # outside the convention: the registry's record
+    assert {(s.source, s.call) for s in llama4} == {("registry", ExpertsCall.EVERY_TOKEN)}
+    assert find_experts(build_tiny_model("llama")) == [] and not has_experts(build_tiny_model("llama"))
+    jetmoe = _tiny("jetmoe")  # experts of a layout nobody describes: seen, but not found
+    assert has_experts(jetmoe) and find_experts(jetmoe) == []
+    from automodel_testing.tiny import MOE_OVERRIDES
+
+    # Gemma 4 keeps its ep plan when its config switches the experts off: that model is dense.
+    gemma4 = _tiny("gemma4_text")
+    assert gemma4.ep_plan and not has_experts(gemma4)
+    assert {s.num_experts for s in find_experts(_tiny("gemma4_text", **MOE_OVERRIDES["gemma4_text"]))} == {8}
+
+
+def test_routers_are_found_from_the_models_output_capture_metadata() -> None:
+    from automodel_testing import build_tiny_model
+
+    assert find_routers(build_tiny_model("qwen3_moe")) == [
+        "model.layers.0.mlp.gate",
+        "model.layers.1.mlp.gate",
+    ]
+    assert find_routers(build_tiny_model("gpt_oss"))[0] == "model.layers.0.mlp.router"
+    assert find_routers(_tiny("deepseek_v3")) == [f"model.layers.{i}.mlp.gate" for i in (1, 2, 3)]
+    assert find_routers(build_tiny_model("llama")) == []
+
+
+def test_tensor_parallel_plan_leaves_the_experts_and_routers_alone() -> None:
+    """The plan entries left after ``exclude`` (pattern entries split where they match both kinds)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from automodel_distributed.tensor_parallel.apply import _leave_out
+
+    model = _tiny("deepseek_v3")
+    plan = {
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),  # the dense layer 0 only
+        "model.layers.*.mlp.experts": ColwiseParallel(),
+        "model.layers.*.mlp.shared_experts.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp": ColwiseParallel(),
+    }
+    exclude = [s.fqn for s in find_experts(model)] + find_routers(model)
+    kept = _leave_out(model, plan, exclude)
+    assert sorted(kept) == [
+        "model.layers.*.mlp",  # a parent of excluded modules is not excluded
+        "model.layers.*.mlp.gate_proj",
+        "model.layers.*.mlp.shared_experts.up_proj",
+    ]
+    split = _leave_out(model, {"model.layers.*.mlp.*": plan["model.layers.*.mlp"]}, exclude)
+    assert "model.layers.1.mlp.shared_experts" in split and "model.layers.0.mlp.gate_proj" in split
+    assert not any(k.endswith((".experts", ".gate")) for k in split), sorted(split)
+
+
+def test_experts_wrapped_by_peft_are_one_site() -> None:
+    from automodel_peft import PeftConfig, apply_lora
+    from automodel_testing import build_tiny_model
+
+    model = build_tiny_model("qwen3_moe")
+    apply_lora(
+        model, PeftConfig(target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"], dim=2)
+    )
+    (site, _) = find_experts(model)
+    assert site.fqn == "model.layers.0.mlp.experts" and type(site.module).__name__ == "ParamWrapper"
+    assert type(site.core).__name__ == "Qwen3MoeExperts" and site.params == ("gate_up_proj", "down_proj")
+    with pytest.raises(ValueError, match="match no parameter"):
+        apply_lora(
+            build_tiny_model("qwen3_moe"), PeftConfig(target_modules=["q_proj"], target_parameters=["nope"])
+        )
+
+
+def test_registry_records_override_and_refuse_duplicates() -> None:
+    assert MOE_FAMILIES["Llama4TextExperts"].call is ExpertsCall.EVERY_TOKEN
+    family = MoEFamily(experts_class="ToyExperts", expert_params=("w",))
     try:
         register_moe_family(family)
         with pytest.raises(ValueError, match="already registered"):
             register_moe_family(family)
+        assert register_moe_family(family, overwrite=True) is family
     finally:
-        MOE_FAMILIES.pop("toy_moe", None)
+        MOE_FAMILIES.pop("ToyExperts", None)
 
 
-@pytest.mark.parametrize("use_grouped_mm", [False, True])
-def test_grouped_swiglu_matches_transformers_experts(use_grouped_mm: bool) -> None:
-    """Sorting (token, choice) pairs by expert, grouped SwiGLU, weighting and summing = HF's experts."""
-    from automodel_moe.experts import grouped_swiglu
-    from automodel_testing import build_tiny_model
+def test_expert_load_counts_the_routing_once_per_step() -> None:
+    """One process: the histogram is the router's top-k counts, recomputes are not counted twice."""
+    from automodel_distributed.activation_checkpointing import apply_activation_checkpointing
+    from automodel_moe import ExpertLoad
+    from automodel_testing import build_tiny_model, make_batch
 
-    experts = build_tiny_model("qwen3_moe", seed=3).model.layers[0].mlp.experts
-    torch.manual_seed(0)
-    x = torch.randn(10, 64)
-    index = torch.stack([torch.randperm(8)[:2] for _ in range(10)])
-    weights = torch.rand(10, 2)
-    expected = experts(x, index, weights)
-    order = torch.argsort(index.reshape(-1), stable=True)
-    counts = torch.bincount(index.reshape(-1), minlength=8)
-    y = grouped_swiglu(
-        x[order // 2],
-        counts,
-        experts.gate_up_proj,
-        experts.down_proj,
-        experts.act_fn,
-        use_grouped_mm=use_grouped_mm,
-    )
-    got = torch.zeros_like(x).index_add(0, order // 2, y * weights.reshape(-1)[order, None])
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    model = build_tiny_model("qwen3_moe", seed=0)
+    picked: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        layer.mlp.experts.register_forward_pre_hook(lambda _m, args: picked.append(args[1].clone()))
+    meter = ExpertLoad.attach([model])
+    assert meter is not None and ExpertLoad.attach([build_tiny_model("llama")]) is None
+    apply_activation_checkpointing(model, mode="full")
+    ids = make_batch(128, 2, 16)["input_ids"]
+    model(input_ids=ids).logits.sum().backward()  # forward + recompute in backward
+    expected = torch.bincount(torch.cat([p.reshape(-1) for p in picked[:2]]), minlength=8)
+    summary = meter.summary()
+    assert summary["tokens_per_expert"] == [float(v) for v in expected]
+    assert summary["min_over_ranks"] == summary["max_over_ranks"] == [int(v) for v in expected]
+    assert sum(summary["tokens_per_expert"]) == 2 * 2 * 16 * 2  # layers x rows x tokens x top-k
+    with meter.paused(), torch.no_grad():
+        model(input_ids=ids)
+    assert meter.summary()["tokens_per_expert"] == [0.0] * 8  # reset after a summary, paused since
 
 
 def test_import_is_lean() -> None:

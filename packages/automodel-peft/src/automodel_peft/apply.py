@@ -222,6 +222,17 @@ def _targets_as_given() -> Iterator[None]:
         conversion.convert_peft_config_for_transformers = original
 
 
+def _check_target_parameters(model: nn.Module, targets: list[str]) -> None:
+    """Every ``target_parameters`` entry names some parameter (as peft matches: the name or a suffix)."""
+    names = [name for name, _ in model.named_parameters()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise ValueError(
+            f"PeftConfig.target_parameters {missing} match no parameter of {type(model).__name__} (give a "
+            "parameter name or a dotted suffix of one, e.g. 'mlp.experts.gate_up_proj')"
+        )
+
+
 def _inject(model: nn.Module, lora_config: Any, adapter_name: str, skip_freeze: bool) -> None:
     import peft
 
@@ -329,14 +340,21 @@ def apply_lora(
                 f"{peft_cfg.exclude_modules}, match_all_linear={peft_cfg.match_all_linear}); linears include "
                 f"{linears}"
             )
+        _check_target_parameters(model, peft_cfg.target_parameters)
         lora_config: Any = peft_cfg.to_lora_config(targets, **_fan_in_fan_out(model, targets))
     else:
         lora_config = cfg
     _inject(model, lora_config, adapter_name, skip_freeze)
     adapted = tuple(clean_fqn(name) for name, _, _ in lora_layers(model, adapter_name))
-    if peft_cfg is not None and set(adapted) != set(targets):
+    # Parameter adapters (peft's ParamWrapper, from target_parameters) are not among the planned linears.
+    adapted_linears = {
+        clean_fqn(name)
+        for name, layer, _ in lora_layers(model, adapter_name)
+        if not hasattr(layer, "parameter_name")
+    }
+    if peft_cfg is not None and adapted_linears != set(targets):
         raise RuntimeError(
-            f"peft adapted {sorted(set(adapted) ^ set(targets))} unlike planned; report this as a bug"
+            f"peft adapted {sorted(adapted_linears ^ set(targets))} unlike planned; report this as a bug"
         )
     dtype = (peft_cfg.lora_dtype if peft_cfg is not None else None) or quant_dtype
     method = peft_cfg.lora_A_init if peft_cfg is not None else "kaiming"

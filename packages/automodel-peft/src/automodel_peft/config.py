@@ -71,6 +71,13 @@ class PeftConfig(ConfigDict):
     match_all_linear: bool = False
     """Adapt every linear layer except the output head; not together with either list."""
 
+    target_parameters: list[str] = field(default_factory=list)
+    """Parameters to adapt directly, through peft's ``target_parameters``: each a parameter name or a
+    dotted suffix of one (``"mlp.experts.gate_up_proj"``). This is how fused MoE experts (3-D
+    ``[num_experts, ...]`` weights, not linears) get LoRA: one rank-``dim`` adapter per expert. Adds to
+    the linears the other selectors pick; not with DoRA or dropout (peft's ``ParamWrapper`` has
+    neither)."""
+
     dim: int = 8
     """LoRA rank r."""
 
@@ -102,7 +109,8 @@ class PeftConfig(ConfigDict):
     """Accepted for compatibility; ignored with a warning (no Triton LoRA kernels here)."""
 
     moe_rank_scaling: bool = False
-    """Accepted for compatibility; ignored with a warning (LoRA on grouped MoE experts is not supported)."""
+    """Accepted for compatibility; ignored with a warning (expert adapters, through ``target_parameters``,
+    have rank ``dim`` like every other)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -116,6 +124,7 @@ class PeftConfig(ConfigDict):
                 raise ValueError(f"PeftConfig.{name} must be a bool, got {getattr(self, name)!r}")
         self.target_modules = _as_list(self.target_modules, "target_modules")
         self.exclude_modules = _as_list(self.exclude_modules, "exclude_modules")
+        self.target_parameters = _as_list(self.target_parameters, "target_parameters")
         from automodel_peft.matching import pattern_regex  # matching imports this module
 
         for name in ("target_modules", "exclude_modules"):
@@ -161,6 +170,12 @@ class PeftConfig(ConfigDict):
         if self.lora_A_init not in LORA_A_INITS:
             raise ValueError(f"PeftConfig.lora_A_init={self.lora_A_init!r}; use one of {list(LORA_A_INITS)}")
         self.lora_dtype = _parse_dtype(self.lora_dtype)
+        if self.target_parameters and (self.use_dora or self.dropout > 0):
+            raise ValueError(
+                f"PeftConfig.target_parameters={self.target_parameters} adapts parameters with peft's "
+                "ParamWrapper, which has no DoRA and no dropout; set use_dora=False and dropout=0, or drop "
+                "target_parameters"
+            )
         if self.use_dora and self.dropout > 0 and self.dropout_position == "post":
             raise ValueError(
                 "PeftConfig: DoRA applies dropout to the adapter's input only; with use_dora=True and "
@@ -187,8 +202,8 @@ class PeftConfig(ConfigDict):
             )
         if self.moe_rank_scaling:
             warnings.warn(
-                "PeftConfig.moe_rank_scaling=True is ignored: LoRA on grouped MoE experts is not "
-                "supported, so every adapter has rank dim",
+                "PeftConfig.moe_rank_scaling=True is ignored: every adapter, experts' included "
+                "(target_parameters), has rank dim",
                 stacklevel=3,
             )
         if self.use_memory_efficient_lora:
@@ -233,6 +248,8 @@ class PeftConfig(ConfigDict):
             kwargs["exclude_modules"] = patterns_to_regex(self.exclude_modules)
         else:
             kwargs["target_modules"] = patterns_to_regex(self.target_modules)
+        if self.target_parameters:
+            kwargs["target_parameters"] = list(self.target_parameters)
         kwargs.update(overrides)
         return peft.LoraConfig(**kwargs)
 

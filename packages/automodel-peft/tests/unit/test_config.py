@@ -58,6 +58,11 @@ def test_empty_selection_defaults_to_proj_with_a_warning() -> None:
             {"match_all_linear": True, "use_dora": True, "dropout": 0.1},
             "DoRA applies dropout to the adapter's input only",
         ),
+        (
+            {"match_all_linear": True, "target_parameters": ["experts.down_proj"], "use_dora": True},
+            "no DoRA and no dropout",
+        ),
+        ({"match_all_linear": True, "target_parameters": [3]}, "non-empty module names"),
     ],
 )
 def test_bad_configs_name_the_fields(kwargs: dict[str, object], match: str) -> None:
@@ -110,6 +115,8 @@ def test_to_lora_config() -> None:
     )
     assert post.lora_dropout == 0.0, "post dropout is installed by apply_lora, not by peft"
     assert post.target_modules == {"x.q_proj"} and post.task_type == "CAUSAL_LM"
+    experts = PeftConfig(match_all_linear=True, target_parameters=["experts.gate_up_proj"]).to_lora_config()
+    assert experts.target_parameters == ["experts.gate_up_proj"]
 
 
 def test_ignored_fields_warn() -> None:

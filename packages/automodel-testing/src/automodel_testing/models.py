@@ -1,7 +1,8 @@
 """Tiny Hugging Face causal-LM factories for tests (needs the ``[hf]`` extra).
 
 Every family in `TINY_FAMILIES` builds in milliseconds on CPU: hidden size 64, 2 layers, 4 attention
-heads over 2 key-value heads, a vocabulary of 128, ``use_cache=False`` and SDPA attention. The MoE
+heads over 2 key-value heads, a vocabulary of 128, ``use_cache=False`` and SDPA attention (eager for
+GPT-OSS, whose sinks SDPA cannot run). The MoE
 families have 8 experts, top-2 routing and an expert intermediate size of 32. transformers is imported
 only when a factory is called.
 """
@@ -51,6 +52,18 @@ _FAMILIES: Mapping[str, tuple[str, Mapping[str, Any]]] = {
     ),
     # Mixtral has no dense MLP: each expert's width is `intermediate_size`.
     "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    # GPT-OSS: transposed, interleaved gate/up experts with biases, stored fused on disk. Its attention
+    # sinks have no SDPA path in transformers: eager attention.
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "head_dim": 16,
+            "attn_implementation": "eager",
+        },
+    ),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
 }
 

@@ -39,6 +39,7 @@ __all__ = [
     "FAMILY_OVERRIDES",
     "HIDDEN_MULTIPLES",
     "IMAGE_PATCHES",
+    "MOE_OVERRIDES",
     "NUM_LAYERS",
     "TINY_SIZES",
     "VOCAB_SIZE",
@@ -222,6 +223,21 @@ FAMILY_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
     },
 }
 """Model type (of a config or of a sub-config) -> config fields the generic rules cannot derive."""
+
+MOE_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
+    # The default config has the MoE block switched off (the experts exist only with enable_moe_block).
+    "gemma4_text": {
+        "enable_moe_block": True,
+        "num_experts": 8,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
+    },
+    # The default config has a single expert (the released checkpoints have 64).
+    "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
+}
+"""Model type -> the ``derive_tiny_config`` overrides that make its tiny model a mixture of experts with
+several experts, for families whose default config is dense or has one expert. Only the expert-parallel
+layouts of the model matrix use them (the other layouts keep the default tiny model)."""
 
 
 def _resolve(config_class: type, name: str) -> str:

@@ -22,7 +22,7 @@ def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
 
 
 def test_family_names() -> None:
-    assert TINY_FAMILIES == ("llama", "qwen2", "mistral", "qwen3_moe", "mixtral", "llama_tied")
+    assert TINY_FAMILIES == ("llama", "qwen2", "mistral", "qwen3_moe", "mixtral", "gpt_oss", "llama_tied")
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -32,7 +32,7 @@ def test_builds_runs_and_is_deterministic(family: str) -> None:
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (64, 2, 128)
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
     assert config.use_cache is False
-    assert config._attn_implementation == "sdpa"
+    assert config._attn_implementation == ("eager" if family == "gpt_oss" else "sdpa")
     assert model.training
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied == (family == "llama_tied")

@@ -26,7 +26,7 @@ from automodel_all.cli.data import RowSampler, fingerprint
 from automodel_all.cli.evaluate import evaluate
 from automodel_all.cli.export import prune_checkpoints
 from automodel_all.cli.guards import NonFiniteError, StepStatus, StopRequest, local_grads_finite
-from automodel_all.cli.metrics import ExpertLoad, MetricsWriter
+from automodel_all.cli.metrics import MetricsWriter
 from automodel_all.cli.packing import IGNORE_INDEX
 from automodel_all.cli.progress import Progress, memory_gib, warn
 from automodel_all.cli.resume import ResumePoint, checkpoint_root, save_checkpoint
@@ -57,6 +57,25 @@ def data_position(run: Any, sampler: RowSampler, step: int) -> dict[str, Any]:
     return {**sampler.state(step), "fingerprint": fingerprint(run.rows)}
 
 
+def _expert_load(run: Any) -> Any:
+    """`automodel_moe.ExpertLoad` on every rank for a mixture-of-experts model, else None (collective).
+
+    The ranks agree on the expert count first (one ``all_reduce``): a rank whose pipeline stages hold no
+    MoE layer still joins each step's ``summary``.
+    """
+    import torch
+
+    from automodel_moe import ExpertLoad, find_experts
+
+    counts = {site.num_experts for part in run.parts for site in find_experts(part)}
+    agreed = torch.tensor([max(counts, default=0)], dtype=torch.int64, device=run.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    if int(agreed) == 0:
+        return None
+    ep_size = int(getattr(run.mesh, "ep_size", 1) or 1)
+    return ExpertLoad.attach(run.parts, ep_size=ep_size, num_experts=int(agreed))
+
+
 class _Loop:
     """State shared by the steps of one run."""
 
@@ -74,7 +93,7 @@ class _Loop:
         self.params = [p for group in run.optimizer.param_groups for p in group["params"]]
         self.skipped = start.skipped_steps
         self.metrics = MetricsWriter(run.out, enabled=self.rank == 0, tensorboard=self.train.tensorboard)
-        self.experts = ExpertLoad.attach(run.parts)
+        self.experts = _expert_load(run)
         fp8 = job.fp8
         self.precompute_fp8 = fp8 is not None and fp8.enabled and fp8.precompute_float8_dynamic_scale_for_fsdp
         self.progress = Progress(

@@ -6,7 +6,7 @@ Files in the output folder (rank 0 writes them):
   ``tokens`` (label tokens of the global batch), ``tokens_per_s`` (tokens of documents, padding
   excluded, over all ranks), ``seconds``, ``memory_gib`` (rank 0: resident set on CPU, peak CUDA
   allocation on GPU), ``skipped`` (a step dropped for a NaN/Inf, ``train.on_nonfinite: skip``) and
-  ``skipped_total``; for mixture-of-experts models also ``moe`` (see `ExpertLoad`).
+  ``skipped_total``; for mixture-of-experts models also ``moe`` (`automodel_moe.ExpertLoad.summary`).
 - ``eval_log.jsonl``: one line per evaluation: ``step``, ``eval_loss``, ``eval_ppl``, ``eval_tokens``.
 - ``tensorboard/``: the same scalars as TensorBoard events (``train.tensorboard: true``; the
   ``automodel-all[tensorboard]`` extra).
@@ -22,15 +22,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
 __all__ = [
     "EVAL_LOG",
     "PLOT_FILE",
     "TRAIN_LOG",
-    "ExpertLoad",
     "MetricsWriter",
     "plot_losses",
     "truncate_logs",
@@ -172,74 +167,3 @@ def plot_losses(out: Path, *, required: bool = False) -> Path | None:
     figure.savefig(path)
     plt.close(figure)
     return path
-
-
-class ExpertLoad:
-    """Tokens per expert of a mixture-of-experts model, per step: min / max / mean over the ranks.
-
-    Forward pre-hooks on every experts module (found through `automodel_moe`'s family registry) count
-    the ``top_k_index`` each receives (the transformers 5 experts convention: ``experts(hidden,
-    top_k_index, top_k_weights)``, also that of `ExpertParallelExperts`), summed over the layers this
-    rank holds and the micro-batches of the step. `summary` reduces the counts over all ranks.
-
-    This is the CLI's own meter until ``automodel_moe`` offers a per-step histogram; it is built only
-    when the model has experts (``ExpertLoad.attach`` returns None otherwise).
-    """
-
-    def __init__(self, modules: list[nn.Module], num_experts: int) -> None:
-        self.num_experts = num_experts
-        self.counts = torch.zeros(num_experts, dtype=torch.float64)
-        self.active = True
-        for module in modules:
-            module.register_forward_pre_hook(self._count)
-
-    def _count(self, _module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self.active and len(args) >= 2 and isinstance(args[1], torch.Tensor):
-            index = args[1].detach().flatten().to("cpu", torch.int64)
-            self.counts += torch.bincount(index, minlength=self.num_experts).double()
-
-    @classmethod
-    def attach(cls, parts: list[nn.Module]) -> ExpertLoad | None:
-        """Hook the experts of ``parts`` (a model, or this rank's pipeline stages); None for a dense model."""
-        from automodel_moe.registry import MOE_FAMILIES
-
-        modules: list[nn.Module] = []
-        num_experts = None
-        for part in parts:
-            config = getattr(part, "config", None)
-            family = MOE_FAMILIES.get(str(getattr(config, "model_type", None)))
-            if family is None:
-                continue
-            num_experts = int(getattr(config, family.num_experts_field))
-            for _, module in part.named_modules():
-                if type(module).__name__ == family.sparse_block_class:
-                    experts = getattr(module, family.experts_attr, None)
-                    if isinstance(experts, nn.Module):
-                        modules.append(experts)
-        if num_experts is None:
-            return None
-        return cls(modules, num_experts)
-
-    def summary(self) -> dict[str, Any]:
-        """Reduce this step's counts over every rank and reset them (collective: three ``all_reduce``).
-
-        Returns:
-            ``tokens_per_expert``: the mean over ranks of each expert's count (the histogram);
-            ``min_over_ranks`` / ``max_over_ranks``: each expert's lowest and highest count on a rank;
-            ``imbalance``: the busiest expert's mean count over the average expert's (1.0 is even).
-        """
-        local = self.counts.clone()
-        total, low, high = local.clone(), local.clone(), local.clone()
-        if dist.is_initialized():
-            dist.all_reduce(total)
-            dist.all_reduce(low, op=dist.ReduceOp.MIN)
-            dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        self.counts.zero_()
-        mean = total / (dist.get_world_size() if dist.is_initialized() else 1)
-        average = float(mean.mean())
-        return {
-            "tokens_per_expert": [round(float(v), 2) for v in mean],
-            "min_over_ranks": [int(v) for v in low],
-            "max_over_ranks": [int(v) for v in high],
-            "imbalance": float(mean.max()) / average if average > 0 else 0.0,
-        }

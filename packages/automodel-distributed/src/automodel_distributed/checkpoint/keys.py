@@ -56,10 +56,15 @@ DEFAULT_KEY_RULES = KeyRules()
 def checkpoint_key(fqn: str, rules: KeyRules = DEFAULT_KEY_RULES) -> str:
     """The checkpoint key of a model FQN: wrapper segments and prefixes removed.
 
+    An adapter's own parameters keep peft's ``base_layer`` segments: peft nests one ``ParamWrapper`` per
+    adapted parameter of a module (LoRA on fused MoE experts), and ``experts.base_layer.lora_A`` (the inner
+    wrapper's factor) is another tensor than ``experts.lora_A``.
+
     >>> checkpoint_key("base_model.model.model.layers.0._checkpoint_wrapped_module.mlp.up.base_layer.weight")
     'model.layers.0.mlp.up.weight'
     """
-    parts = [part for part in fqn.split(".") if part not in rules.drop_segments]
+    drop = rules.drop_segments - {"base_layer"} if is_adapter_fqn(fqn) else rules.drop_segments
+    parts = [part for part in fqn.split(".") if part not in drop]
     changed = True
     while changed:
         changed = False

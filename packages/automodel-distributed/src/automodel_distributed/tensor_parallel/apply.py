@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.linear_styles import linear_features
 from automodel_distributed.tensor_parallel.lora import expand_lora_plan
 from automodel_distributed.tensor_parallel.registry import PlanMapping
@@ -155,12 +156,45 @@ def _check_output_head(model: nn.Module, by_module: Mapping[str, list[ParallelSt
         )
 
 
+def _is_under(fqn: str, prefixes: Sequence[str]) -> bool:
+    return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
+
+
+def _leave_out(
+    model: nn.Module, plan: Mapping[str, ParallelStyle], exclude: Sequence[str]
+) -> dict[str, ParallelStyle]:
+    """``plan`` without the modules of ``exclude`` and everything under them.
+
+    An entry whose pattern matches only excluded modules is dropped; one that matches both kinds is
+    replaced by one entry per module it still applies to (concrete names: ``parallelize_module`` takes
+    them as patterns that match themselves).
+    """
+    if not exclude:
+        return dict(plan)
+    kept: dict[str, ParallelStyle] = {}
+    dropped: list[str] = []
+    for key, style in plan.items():
+        matches = [fqn for fqn, _ in match_modules(model, key)]
+        inside = [fqn for fqn in matches if _is_under(fqn, exclude)]
+        if not inside:
+            kept[key] = style
+            continue
+        dropped.append(key)
+        for fqn in matches:
+            if fqn not in inside:
+                kept[fqn] = style
+    if dropped:
+        logger.info("tensor parallel: left to the expert-parallel step (not in the plan): %s", dropped)
+    return kept
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     tp_mesh: DeviceMesh,
     *,
     tp_plan: PlanMapping | str | None = None,
     sequence_parallel: bool = False,
+    exclude: Sequence[str] = (),
 ) -> nn.Module:
     """Shard ``model`` in place over ``tp_mesh`` with tensor (and optionally sequence) parallelism.
 
@@ -197,15 +231,19 @@ def apply_tensor_parallel(
         tp_mesh: The 1-D tensor-parallel mesh (e.g. ``mesh_context.submesh("tp")``).
         tp_plan: A plan dict, a registered plan name or an import path; None resolves one from the model.
         sequence_parallel: Use the sequence-parallel variant of the plan.
+        exclude: Module FQNs (relative to ``model``) the plan leaves alone with everything under them:
+            their parameters stay as they are and may already be DTensors on another mesh (the experts the
+            expert-parallel step sharded over ``ep``, and their routers, which stay replicated).
 
     Returns:
         ``model``, mutated: its sharded parameters are DTensors on ``tp_mesh``. A mesh of size 1 leaves it
         untouched.
 
     Raises:
-        ValueError: A 2-D mesh, a model already holding DTensors, head counts or shard dims that do not
-            divide, no usable plan, a LoRA layer that cannot be sharded, tied parameters sharded differently,
-            a vocab-sliced plain-tensor output head, or sequence parallelism without findable decoder blocks.
+        ValueError: A 2-D mesh, a model already holding DTensors outside ``exclude``, head counts or shard
+            dims that do not divide, no usable plan, a LoRA layer that cannot be sharded, tied parameters
+            sharded differently, a vocab-sliced plain-tensor output head, or sequence parallelism without
+            findable decoder blocks.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(
@@ -216,12 +254,20 @@ def apply_tensor_parallel(
         if tp_plan is not None or sequence_parallel:
             warnings.warn("tp_plan / sequence_parallel are ignored: the tp mesh has one rank", stacklevel=2)
         return model
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    distributed = [
+        fqn for fqn, p in model.named_parameters() if isinstance(p, DTensor) and not _is_under(fqn, exclude)
+    ]
+    if distributed:
         raise ValueError(
-            "the model already holds DTensor parameters: apply tensor parallelism once, before FSDP2"
+            f"the model already holds DTensor parameters ({distributed[:3]}): apply tensor parallelism once, "
+            "before FSDP2"
         )
-    plan = expand_lora_plan(
-        model, resolve_tp_plan(model, tp_plan, sequence_parallel=sequence_parallel, tp_size=tp_size)
+    plan = _leave_out(
+        model,
+        expand_lora_plan(
+            model, resolve_tp_plan(model, tp_plan, sequence_parallel=sequence_parallel, tp_size=tp_size)
+        ),
+        exclude,
     )
     validate_tensor_parallel(model, tp_size, plan=plan)
     by_module = modules_by_style(model, plan)
