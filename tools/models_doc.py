@@ -1,10 +1,14 @@
 """Write docs/models.md (or docs/vlm.md) from a model matrix's JSON report (``uvx nox -s models``).
 
 Usage: ``python tools/models_doc.py build/models/matrix.json docs/models.md`` (``build/models/vlm.json
-docs/vlm.md`` for the vision-language section, whose report brings its own title and introduction)
+docs/vlm.md`` for the vision-language section, whose report brings its own title and introduction).
+Several reports (``a.json b.json ... docs/vlm.md``) are the chunks of one run (the VLM matrix run family
+by family or layout by layout, ``AUTOMODEL_VLM_MATRIX_FAMILIES``): they are merged into one page, and
+must name the same commit and transformers version and share no (family, layout) case.
 
 The table is generated, never edited by hand: every cell is a (family, layout) case of one run of the
-matrix on the commit the report names.
+matrix on the commit the report names. A report that lists its registry (``registry``) and the families
+it ran (``families``) says on the page when the run did not cover every family.
 """
 
 from __future__ import annotations
@@ -32,6 +36,52 @@ def _short(message: str) -> str:
     return first.replace("|", "\\|")[:300]
 
 
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from the chunks of one run.
+
+    Raises:
+        ValueError: The chunks name different commits or transformers versions, or repeat a case.
+    """
+    if len(reports) == 1:
+        return reports[0]
+    for key in ("commit", "transformers", "title"):
+        values = {str(r.get(key)) for r in reports}
+        if len(values) > 1:
+            raise ValueError(f"the reports are not chunks of one run: {key} differs ({sorted(values)})")
+    merged = {**reports[0], "layouts": {}, "rows": [], "reference_errors": {}, "families": []}
+    seen: set[tuple[str, str]] = set()
+    for report in reports:
+        for row in report["rows"]:
+            case = (row["family"], row["layout"])
+            if case in seen:
+                raise ValueError(f"the reports repeat the case {case}")
+            seen.add(case)
+            merged["rows"].append(row)
+        merged["layouts"].update(report["layouts"])
+        merged["reference_errors"].update(report.get("reference_errors") or {})
+        merged["families"] = sorted({*merged["families"], *report.get("families", [])})
+    merged["date"] = max(str(r.get("date", "?")) for r in reports)
+    merged["load"] = "; ".join(str(r.get("load", "?")) for r in reports)
+    return merged
+
+
+def _coverage(report: dict[str, Any]) -> list[str]:
+    """A sentence on the families the run covered, when the report lists them."""
+    registry, ran = report.get("registry"), report.get("families")
+    if registry is None or ran is None:
+        return []
+    missing = sorted(set(registry) - set(ran))
+    broken = len(report.get("reference_errors") or {})
+    text = (
+        f"The run covers {len(ran)} of the {len(registry)} families of the registry: {len(ran) - broken} "
+        f"built and run by plain transformers (the table), {broken} that transformers itself cannot build "
+        "or run at the tiny size (listed at the end)."
+    )
+    if missing:
+        text += f" **Not run** ({len(missing)}): {', '.join(missing)}."
+    return [text, ""]
+
+
 def render(report: dict[str, Any]) -> str:
     """The Markdown page for ``report``."""
     rows = report["rows"]
@@ -47,6 +97,7 @@ def render(report: dict[str, Any]) -> str:
         f"`{report.get('commit', '?')}` (transformers {report.get('transformers', '?')}; machine load "
         f"{report.get('load', '?')}). Do not edit by hand.",
         "",
+        *_coverage(report),
         "## Counts",
         "",
         "| layout | ranks | works | refused | fails |",
@@ -108,13 +159,13 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Read the report named by ``argv[0]`` and write the page ``argv[1]``."""
-    if len(argv) != 2:
+    """Read the reports named by ``argv[:-1]`` (the chunks of one run) and write the page ``argv[-1]``."""
+    if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
-    report = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    Path(argv[1]).write_text(render(report), encoding="utf-8")
-    print(f"wrote {argv[1]} ({len(report['rows'])} cases)")
+    report = merge([json.loads(Path(name).read_text(encoding="utf-8")) for name in argv[:-1]])
+    Path(argv[-1]).write_text(render(report), encoding="utf-8")
+    print(f"wrote {argv[-1]} ({len(report['rows'])} cases)")
     return 0
 
 
