@@ -2,9 +2,9 @@
 
 Usage: ``python tools/models_doc.py build/models/matrix.json docs/models.md`` (``build/models/vlm.json
 docs/vlm.md`` for the vision-language section, whose report brings its own title and introduction).
-Several reports (``a.json b.json ... docs/vlm.md``) are the chunks of one run (the VLM matrix run family
-by family or layout by layout, ``AUTOMODEL_VLM_MATRIX_FAMILIES``): they are merged into one page, and
-must name the same commit and transformers version and share no (family, layout) case.
+Several reports (every ``.json`` argument: ``a.json b.json docs/vlm.md``) are the chunks of one run
+(the VLM matrix run family by family or layout by layout, ``AUTOMODEL_VLM_MATRIX_FAMILIES``): they are
+merged into one page, and must name the same commit and transformers version and share no case.
 
 The table is generated, never edited by hand: every cell is a (family, layout) case of one run of the
 matrix on the commit the report names. A report that lists its registry (``registry``) and the families
@@ -159,13 +159,15 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Read the reports named by ``argv[:-1]`` (the chunks of one run) and write the page ``argv[-1]``."""
-    if len(argv) < 2:
+    """Read the reports (the ``.json`` arguments: the chunks of one run) and write the page (the ``.md``)."""
+    reports = [name for name in argv if name.endswith(".json")]
+    pages = [name for name in argv if not name.endswith(".json")]
+    if not reports or len(pages) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    report = merge([json.loads(Path(name).read_text(encoding="utf-8")) for name in argv[:-1]])
-    Path(argv[-1]).write_text(render(report), encoding="utf-8")
-    print(f"wrote {argv[-1]} ({len(report['rows'])} cases)")
+    report = merge([json.loads(Path(name).read_text(encoding="utf-8")) for name in reports])
+    Path(pages[0]).write_text(render(report), encoding="utf-8")
+    print(f"wrote {pages[0]} ({len(report['rows'])} cases)")
     return 0
 
 

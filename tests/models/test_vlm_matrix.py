@@ -17,8 +17,10 @@ in one launch; on each rank, for each family:
   weights must not move; under ``replicate`` the frozen tower must hold whole (not sharded) tensors.
 
 A case works, is refused (the same `ValueError` on every rank), or fails. The default run
-(``distributed`` marker) runs `FAST_FAMILIES` under every layout; ``uvx nox -s models`` runs every family
-(``models`` marker) and writes the JSON for ``tools/models_doc.py`` (docs/vlm.md).
+(``distributed`` marker) runs `FAST_FAMILIES` under some layouts; ``uvx nox -s models`` runs every family
+(``models`` marker), one test and one launch per layout (a family that raises stops the launch and a new
+one runs the families after it), and writes the JSON for ``tools/models_doc.py`` (docs/vlm.md). A run in
+chunks selects families with `FAMILIES_ENV` and layouts with ``-k``, each chunk into its own report.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from automodel_testing.matrix import (
 )
 
 ROWS, SEQ, STEPS, LR = 4, 24, 2, 0.1
+"""Rows of the batch, their length (at least the image tokens and 12 text tokens), SGD steps, rate."""
 ATOL = 1e-5
 REPORT_ENV = "AUTOMODEL_VLM_MATRIX_REPORT"
 """Where the ``models`` session's run writes its JSON (default: build/models/vlm.json)."""
@@ -140,7 +143,7 @@ def prepare_family(model_type: str, root: pathlib.Path) -> dict[str, Any]:
     from transformers import AutoModelForImageTextToText
 
     from automodel_testing.tiny import derive_tiny_config
-    from automodel_testing.vlm import image_batch
+    from automodel_testing.vlm import image_batch, image_tokens
 
     with _quiet():
         try:
@@ -148,7 +151,9 @@ def prepare_family(model_type: str, root: pathlib.Path) -> dict[str, Any]:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(1234)
                 model = AutoModelForImageTextToText.from_config(config)
-            inputs, labels = image_batch(model, ROWS, SEQ)
+            # Towers whose image is a fixed number of query tokens (BLIP-2's 32) get longer rows.
+            seq = max(SEQ, image_tokens(model) + SEQ // 2)
+            inputs, labels = image_batch(model, ROWS, seq)
             logits = model(**inputs).logits
             _token_sum(logits, labels).backward()
         except Exception as exc:
