@@ -74,8 +74,8 @@ def _coverage(report: dict[str, Any]) -> list[str]:
     broken = len(report.get("reference_errors") or {})
     text = (
         f"The run covers {len(ran)} of the {len(registry)} families of the registry: {len(ran) - broken} "
-        f"built and run by plain transformers (the table), {broken} that transformers itself cannot build "
-        "or run at the tiny size (listed at the end)."
+        f"built and trained by plain transformers at the tiny size (the table), {broken} without such a "
+        "tiny model (listed at the end with the error met first)."
     )
     if missing:
         text += f" **Not run** ({len(missing)}): {', '.join(missing)}."
@@ -135,7 +135,9 @@ def render(report: dict[str, Any]) -> str:
             "## Families transformers itself cannot run",
             "",
             "Their tiny model does not build or run forward and backward in one process with plain "
-            "transformers, so there is nothing to compare with:",
+            "transformers, so there is nothing to compare with. The error is the first one met: from "
+            "transformers itself, or from the test's own derivation of the tiny config "
+            "(`automodel_testing.tiny`) and of its inputs (`automodel_testing.vlm` for images):",
             "",
             "| family | error |",
             "|---|---|",

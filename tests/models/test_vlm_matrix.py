@@ -448,19 +448,16 @@ def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
 @pytest.mark.parametrize(
     "layout_name",
     [
-        # replicate runs in tests/cli/test_train_vlm.py; hsdp (4 ranks) and the rest in `nox -s models`
+        # replicate runs in tests/cli/test_train_vlm.py; hsdp (4 ranks), pp (refused: the refusal's message
+        # is tested in automodel-pipelining's unit tests) and the rest in `nox -s models`
         "fsdp2_frozen_root",
         "fsdp2_frozen_per_layer",
         "tp",
         "ac_vision",
-        "pp",
     ],
 )
 def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
-    rows = run_matrix(layout_name, fast_checkpoints)
-    assert_no_failure(rows)
-    if layout_name == "pp":
-        assert all(row.status == "refused" and "multimodal" in row.message for row in rows), rows
+    assert_no_failure(run_matrix(layout_name, fast_checkpoints))
 
 
 @pytest.fixture(scope="module")
