@@ -85,7 +85,8 @@ def _coverage(report: dict[str, Any]) -> list[str]:
 def render(report: dict[str, Any]) -> str:
     """The Markdown page for ``report``."""
     rows = report["rows"]
-    layouts = list(report["layouts"])
+    # In the order the run ran them (the JSON's keys are sorted).
+    layouts = [name for name in dict.fromkeys(r["layout"] for r in rows) if name in report["layouts"]]
     families = sorted({r["family"] for r in rows})
     cell = {(r["family"], r["layout"]): r for r in rows}
     lines = [
