@@ -18,11 +18,12 @@ run, per rank:
 from __future__ import annotations
 
 import tempfile
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from _launch import launch
+from automodel_distributed.config import FrozenSharding
 
 SIZES = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4}
 
@@ -50,7 +51,7 @@ def _bytes(tensor: torch.Tensor) -> int:
     return int(local.numel() * local.element_size())
 
 
-def _measure(folder: str, sharding: str) -> dict[str, int]:
+def _measure(folder: str, sharding: FrozenSharding) -> dict[str, int]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -61,7 +62,7 @@ def _measure(folder: str, sharding: str) -> dict[str, int]:
 
     config = FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
-        multimodal=MultimodalDistributedConfig(frozen_sharding=sharding),  # type: ignore[arg-type]
+        multimodal=MultimodalDistributedConfig(frozen_sharding=sharding),
     )
     ctx = MeshContext.build(config)
     infra = instantiate_infrastructure(distributed_config=config, device=torch.device("cpu"), mesh=ctx)
@@ -98,7 +99,7 @@ def _measure(folder: str, sharding: str) -> dict[str, int]:
 
 
 def _all(folder: str) -> dict[str, dict[str, int]]:
-    return {sharding: _measure(folder, sharding) for sharding in ("root", "per_layer", "replicate")}
+    return {sharding: _measure(folder, sharding) for sharding in get_args(FrozenSharding)}
 
 
 def measure(ranks: int = 2) -> dict[str, dict[str, int]]:

@@ -2,12 +2,16 @@
 
 Usage: ``python tools/models_doc.py build/models/matrix.json docs/models.md [docs/moe.md]``
 (``build/models/vlm.json docs/vlm.md`` for the vision-language section, whose report brings its own
-title and introduction)
+title and introduction). Several reports (every ``.json`` argument: ``a.json b.json docs/vlm.md``) are
+the chunks of one run (the VLM matrix run family by family or layout by layout,
+``AUTOMODEL_VLM_MATRIX_FAMILIES``): they are merged into one page, and must name the same commit and
+transformers version and share no case.
 
 The table is generated, never edited by hand: every cell is a (family, layout) case of one run of the
-matrix on the commit the report names. With a third argument, the block between `MOE_START` and
-`MOE_END` of that page is replaced by the expert-parallel layouts' table (the MoE families; the matrix
-runs those layouts on them only).
+matrix on the commit the report names. A report that lists its registry (``registry``) and the families
+it ran (``families``) says on the page when the run did not cover every family. With a second page,
+the block between `MOE_START` and `MOE_END` of that page is replaced by the expert-parallel layouts'
+table (the MoE families; the matrix runs those layouts on them only).
 """
 
 from __future__ import annotations
@@ -37,9 +41,60 @@ def _short(message: str) -> str:
     return first.replace("|", "\\|")[:300]
 
 
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from the chunks of one run.
+
+    Raises:
+        ValueError: The chunks name different commits or transformers versions, or repeat a case.
+    """
+    if len(reports) == 1:
+        return reports[0]
+    for key in ("commit", "transformers", "title"):
+        values = {str(r.get(key)) for r in reports}
+        if len(values) > 1:
+            raise ValueError(f"the reports are not chunks of one run: {key} differs ({sorted(values)})")
+    merged = {**reports[0], "layouts": {}, "rows": [], "reference_errors": {}, "families": []}
+    seen: set[tuple[str, str]] = set()
+    for report in reports:
+        for row in report["rows"]:
+            case = (row["family"], row["layout"])
+            if case in seen:
+                raise ValueError(f"the reports repeat the case {case}")
+            seen.add(case)
+            merged["rows"].append(row)
+        merged["layouts"].update(report["layouts"])
+        merged["reference_errors"].update(report.get("reference_errors") or {})
+        merged["families"] = sorted({*merged["families"], *report.get("families", [])})
+    merged["date"] = max(str(r.get("date", "?")) for r in reports)
+    merged["load"] = "; ".join(str(r.get("load", "?")) for r in reports)
+    return merged
+
+
+def _coverage(report: dict[str, Any]) -> list[str]:
+    """A sentence on the families the run covered, when the report lists them."""
+    registry, ran = report.get("registry"), report.get("families")
+    if registry is None or ran is None:
+        return []
+    missing = sorted(set(registry) - set(ran))
+    broken = len(report.get("reference_errors") or {})
+    text = (
+        f"The run covers {len(ran)} of the {len(registry)} families of the registry: {len(ran) - broken} "
+        f"built and trained by plain transformers at the tiny size (the table), {broken} without such a "
+        "tiny model (listed at the end with the error met first)."
+    )
+    if missing:
+        text += f" **Not run** ({len(missing)}): {', '.join(missing)}."
+    return [text, ""]
+
+
 def render(report: dict[str, Any]) -> str:
     """The Markdown page for ``report`` (the expert-parallel layouts go to `render_moe` instead)."""
-    layouts = [name for name, spec in report["layouts"].items() if not spec.get("moe")]
+    # In the order the run ran them (the JSON's keys are sorted).
+    layouts = [
+        name
+        for name in dict.fromkeys(r["layout"] for r in report["rows"])
+        if name in report["layouts"] and not report["layouts"][name].get("moe")
+    ]
     rows = [r for r in report["rows"] if r["layout"] in layouts]
     families = sorted({r["family"] for r in rows})
     cell = {(r["family"], r["layout"]): r for r in rows}
@@ -52,6 +107,7 @@ def render(report: dict[str, Any]) -> str:
         f"`{report.get('commit', '?')}` (transformers {report.get('transformers', '?')}; machine load "
         f"{report.get('load', '?')}). Do not edit by hand.",
         "",
+        *_coverage(report),
         "## Counts",
         "",
         "| layout | ranks | works | refused | fails |",
@@ -89,7 +145,9 @@ def render(report: dict[str, Any]) -> str:
             "## Families transformers itself cannot run",
             "",
             "Their tiny model does not build or run forward and backward in one process with plain "
-            "transformers, so there is nothing to compare with:",
+            "transformers, so there is nothing to compare with. The error is the first one met: from "
+            "transformers itself, or from the test's own derivation of the tiny config "
+            "(`automodel_testing.tiny`) and of its inputs (`automodel_testing.vlm` for images):",
             "",
             "| family | error |",
             "|---|---|",
@@ -167,21 +225,27 @@ def update_block(page: str, block: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Read the report named by ``argv[0]``, write the page ``argv[1]``, update the MoE page ``argv[2]``."""
-    if len(argv) not in (2, 3):
+    """Read the reports (the ``.json`` arguments), write the first page and update the MoE page (a second).
+
+    The reports are the chunks of one run; the first ``.md`` argument is the page, an optional second
+    one the MoE page whose generated block is replaced.
+    """
+    reports = [name for name in argv if name.endswith(".json")]
+    pages = [name for name in argv if not name.endswith(".json")]
+    if not reports or len(pages) not in (1, 2):
         print(__doc__, file=sys.stderr)
         return 2
-    report = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    report = merge([json.loads(Path(name).read_text(encoding="utf-8")) for name in reports])
     if any(not spec.get("moe") for spec in report["layouts"].values()):
-        Path(argv[1]).write_text(render(report), encoding="utf-8")
-        print(f"wrote {argv[1]} ({len(report['rows'])} cases)")
+        Path(pages[0]).write_text(render(report), encoding="utf-8")
+        print(f"wrote {pages[0]} ({len(report['rows'])} cases)")
     else:  # a run of the expert-parallel layouts only (``-k ep2``) leaves the decoder page as it is
-        print(f"left {argv[1]} as it is: the report has no layout without experts")
-    moe = render_moe(report) if len(argv) == 3 else None
+        print(f"left {pages[0]} as it is: the report has no layout without experts")
+    moe = render_moe(report) if len(pages) == 2 else None
     if moe is not None:
-        page = Path(argv[2])
+        page = Path(pages[1])
         page.write_text(update_block(page.read_text(encoding="utf-8"), moe), encoding="utf-8")
-        print(f"updated the MoE families of {argv[2]}")
+        print(f"updated the MoE families of {pages[1]}")
     return 0
 
 

@@ -189,3 +189,16 @@ def test_the_sft_examples_plan_for_their_model_shapes(
     lora = "lora" in example
     assert (match.group(3) == "M") == lora, report  # only the adapters train under LoRA
     assert _mib(report, "total") > 0
+
+
+def test_the_vlm_example_plans_a_model_whose_text_config_has_no_causal_lm_class(tmp_path: Path) -> None:
+    from automodel_testing.tiny import derive_tiny_config
+
+    # Qwen2.5-VL: transformers maps its text config to no causal-LM class, so the planner profiles the
+    # activations on the whole model run on text.
+    derive_tiny_config("qwen2_5_vl").save_pretrained(tmp_path / "qwen2_5_vl")
+    path = Path(__file__).parents[2] / "examples" / "sft_qwen2_5_vl_frozen_tower.yaml"
+    report = _plan(str(path), "--model", str(tmp_path / "qwen2_5_vl"), "--world-size", "8", "--device", "cpu")
+    assert "Qwen2_5_VLForConditionalGeneration" in report, report
+    assert "freeze model.visual (freeze_config) before sharding" in report, report
+    assert _mib(report, "activations") > 0

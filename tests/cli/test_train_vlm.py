@@ -1,6 +1,8 @@
-"""``automodel train`` on a vision-language model: a tiny LLaVA, a folder of images with JSONL
+"""``automodel train`` on a vision-language model: the example job file
+``examples/sft_qwen2_5_vl_frozen_tower.yaml`` with a tiny LLaVA, a folder of images with JSONL
 conversations (the embedded example, written by `write_image_chat_example`), 2 gloo workers under FSDP2
-with the vision tower frozen (``freeze_config``) and replicated (``distributed.multimodal``).
+with the vision tower frozen (``freeze_config``) and replicated (``distributed.multimodal``), and
+activation checkpointing of the language model's blocks.
 
 One launch (~30 s of start-up on a small CPU machine). It must show: the first step's loss equals
 single-process transformers on the same rows (images included) within 1e-5, so the pixels reach the
@@ -24,6 +26,8 @@ import torch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft_qwen2_5_vl_frozen_tower.yaml"
+
 
 def _words(line: str) -> set[str]:
     texts = [p.get("text") or "" for m in json.loads(line)["messages"] for p in m["content"]]
@@ -46,12 +50,14 @@ def test_train_a_vlm_on_a_folder_of_images(tmp_path: Path) -> None:
     model = save_tiny_llava(tmp_path / "model", sorted(words))
     output = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The example job file, with the tiny model and data, a short run and fp32 (for the 1e-5 check); its
+    # freeze_config, frozen_sharding and activation-checkpointing scope are kept.
     command = [
-        sys.executable, "-m", "automodel_all.cli", "train", "--model", str(model), "--data", str(example),
-        "--eval-split", "validation", "--steps", "6", "--seq-len", "48", "--global-batch-size", "8",
+        sys.executable, "-m", "automodel_all.cli", "train", str(EXAMPLE), "--model", str(model),
+        "--data", str(example), "--steps", "6", "--seq-len", "48", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--lr", "0.01", "--warmup-steps", "1", "--checkpoint-every", "0",
-        "--set", "freeze_config.freeze_vision_tower=true", "--set", "freeze_config.freeze_embeddings=false",
-        "--set", "distributed.multimodal={frozen_sharding: replicate}", "--set", "train.sample_tokens=0",
+        "--set", "model.dtype=float32",
+        "--set", "distributed.mp_policy={param_dtype: float32, reduce_dtype: float32}",
         "--nproc-per-node", "2", "--device", "cpu", "--output-dir", str(output),
     ]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540, check=False)

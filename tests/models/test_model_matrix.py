@@ -32,7 +32,6 @@ import json
 import os
 import pathlib
 import subprocess
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -43,15 +42,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from automodel_testing import DistributedRunError, run_distributed
 from automodel_testing.matrix import (
     Row,
     assert_no_failure,
-    merge_ranks,
+    barrier_or_stop,
+    gradient_difference,
+    judge,
+    launch_layout,
     prepare_checkpoints,
-    read_progress,
     record_families,
     refusal,
+    sgd_parity,
+    squared_grad_sum,
 )
 
 ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.1
@@ -291,15 +293,9 @@ def _copy_adapters(parts: list[Any], ref: Any) -> None:
 
 def _grad_square_sum(parts: list[Any], axes: _Axes) -> float:
     """Sum of squared gradient entries over the whole model (each full gradient counted once)."""
-    from automodel_testing import to_full
-
-    total = torch.zeros((), dtype=torch.float64)
-    for part in parts:
-        for param in part.parameters():
-            if param.grad is not None:
-                total += to_full(param.grad).double().square().sum()
+    total = squared_grad_sum(p for part in parts for p in part.parameters())
     counted = axes.dp_rank == 0 and axes.cp_rank == 0 and axes.tp_rank == 0
-    return _world_sum(total if counted else torch.zeros((), dtype=torch.float64))
+    return _world_sum(torch.tensor(total if counted else 0.0, dtype=torch.float64))
 
 
 def _strategy(layout: Layout) -> Any:
@@ -393,44 +389,28 @@ def _train(
         _copy_adapters(parts, ref)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
     opt = torch.optim.SGD([p for part in parts for p in part.parameters() if p.requires_grad], lr=LR)
-    out: dict[str, Any] = {"losses": [], "ref_losses": []}
-    for step in range(STEPS + 1):
-        ref_logits = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        ref_loss = _token_sum(ref_logits, batch["labels"]) / tokens
-        ref_loss.backward()
-        local_sum, logits = _forward_backward(layout, ctx, axes, result, local, loss_fn, denominator)
+    out: dict[str, Any] = {}
+    logits: dict[str, torch.Tensor | None] = {}
+
+    def reference() -> float:
+        logits["ref"] = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss = _token_sum(logits["ref"], batch["labels"]) / tokens
+        loss.backward()
+        return float(loss)
+
+    def ours() -> float:
+        local_sum, logits["ours"] = _forward_backward(layout, ctx, axes, result, local, loss_fn, denominator)
         owns_loss = axes.tp_rank == 0 and (not pipelined or result.info.has_last_stage)
-        out["losses"].append(_world_sum(local_sum if owns_loss else torch.zeros(())) / tokens)
-        out["ref_losses"].append(float(ref_loss))
-        if step == 0:
-            expected = ref_logits.detach()[rows]
-            out["logits"] = float((logits - expected).abs().max()) if logits is not None else 0.0
-            ref_norm = sum(
-                float(p.grad.double().square().sum()) for p in ref.parameters() if p.grad is not None
-            )
-            ours_norm = _grad_square_sum(parts, axes) ** 0.5
-            out["grad_norm"] = abs(ours_norm - ref_norm**0.5)
-            # Relative, so a family whose gradients are tiny still proves its gradients arrive.
-            out["grad_rel"] = out["grad_norm"] / ref_norm**0.5 if ref_norm > 0 else float("inf")
-        ref_opt.step()
-        ref_opt.zero_grad()
-        opt.step()
-        opt.zero_grad()
-    out["loss_diff"] = max(abs(a - b) for a, b in zip(out["losses"], out["ref_losses"], strict=True))
-    ok = out["logits"] <= ATOL and out["loss_diff"] <= ATOL and out["grad_norm"] <= ATOL * 10
-    # Training must show: the loss falls, or, for a family whose two SGD steps move the loss by less than
-    # float32 resolves (the reference does not fall either), the gradients agree to 0.1% of their norm.
-    reference_flat = out["ref_losses"][-1] >= out["ref_losses"][0]
-    trains = out["losses"][-1] < out["losses"][0] or (reference_flat and out["grad_rel"] <= 1e-3)
-    out["status"] = "works" if ok and trains else "fails"
-    if not trains:
-        out["message"] = f"the loss does not fall: {out['losses']}"
-    elif not ok:
-        out["message"] = (
-            f"differs from transformers: logits {out['logits']:.2e}, losses {out['loss_diff']:.2e}, "
-            f"gradient norm {out['grad_norm']:.2e}"
-        )
-    return out
+        return _world_sum(local_sum if owns_loss else torch.zeros(())) / tokens
+
+    def first() -> None:
+        mine, expected = logits["ours"], logits["ref"]
+        assert expected is not None
+        out["logits"] = float((mine - expected.detach()[rows]).abs().max()) if mine is not None else 0.0
+        out.update(gradient_difference(_grad_square_sum(parts, axes), ref))
+
+    out.update(sgd_parity(STEPS, reference, ours, [ref_opt, opt], first=first))
+    return judge(out, ATOL)
 
 
 def _forward_backward(
@@ -490,19 +470,13 @@ def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> 
     from automodel_mesh import MeshContext, ParallelismSizes
 
     layout = LAYOUTS[layout_name]
-
-    def after_each(family: str, result: dict[str, Any]) -> None:
-        if "traceback" in result:
-            raise RuntimeError(f"{family} failed under {layout_name}; relaunching for the rest")
-        dist.barrier()
-
     with _quiet():
         ctx = MeshContext.build(_strategy(layout), ParallelismSizes(**layout.sizes))
         record_families(
             lambda path: _run_family(layout, ctx, path),
             checkpoints,
             pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl",
-            after_each=after_each,
+            after_each=barrier_or_stop(layout_name),
         )
 
 
@@ -510,48 +484,9 @@ def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> 
 
 
 def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
-    """``layout_name`` over ``checkpoints``, one merged row per family.
-
-    One launch runs every family; when a family fails with an exception (or a rank dies or hangs), the
-    launch stops, that family is a failure, and a new launch runs the families after it.
-    """
-    layout = LAYOUTS[layout_name]
-    rows: dict[str, Row] = {}
-    left = dict(checkpoints)
-    with tempfile.TemporaryDirectory(prefix=f"matrix-{layout_name}-") as tmp:
-        while left:
-            folder = pathlib.Path(tmp, str(len(rows)))
-            folder.mkdir()
-            error = ""
-            try:
-                run_distributed(
-                    run_layout,
-                    layout.world_size,
-                    layout_name,
-                    left,
-                    str(folder),
-                    timeout_s=3600,
-                    pg_timeout_s=60,
-                )
-            except DistributedRunError as exc:
-                error = str(exc)
-            done = read_progress(folder, layout.world_size)
-            # A family that raised is recorded, and the launch ended right after it: the next one never ran.
-            ended_after = any("traceback" in r for results in done.values() for r in results)
-            for family in left:
-                if len(done.get(family, [])) == layout.world_size:
-                    rows[family] = merge_ranks(family, layout_name, done[family])
-                    if any("traceback" in r for r in done[family]):
-                        break  # the ranks stopped on purpose after this family; relaunch for the rest
-                    continue
-                if ended_after:
-                    break  # relaunch for it
-                # The family this launch stopped at: a rank raised, died or hung there.
-                recorded = "; ".join(r.get("message", "") for r in done.get(family, []))
-                rows[family] = Row(family, layout_name, "fails", f"{recorded}\n{error[-2500:]}".strip())
-                break
-            left = {f: p for f, p in left.items() if f not in rows}
-    return [rows[family] for family in checkpoints]
+    """``layout_name`` over ``checkpoints``, one merged row per family (`launch_layout`: one launch runs
+    every family; after a family that raised, a new launch runs the families after it)."""
+    return launch_layout(run_layout, layout_name, LAYOUTS[layout_name].world_size, checkpoints)
 
 
 def _has_experts(model_type: str, overrides: dict[str, Any]) -> bool:

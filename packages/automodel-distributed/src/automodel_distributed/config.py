@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "DDPConfig",
     "DistributedConfig",
     "FSDP2Config",
+    "FrozenSharding",
     "MegatronFSDPConfig",
     "MultimodalDistributedConfig",
     "default_mp_policy",
@@ -35,6 +36,9 @@ __all__ = [
 
 ActivationCheckpointingMode: TypeAlias = bool | Literal["full", "selective"]
 """``False`` (off), ``True`` or ``"full"`` (recompute whole blocks), ``"selective"`` (save matmuls)."""
+
+FrozenSharding: TypeAlias = Literal["root", "per_layer", "replicate"]
+"""Where FSDP2 puts a frozen multimodal tower (`MultimodalDistributedConfig.frozen_sharding`)."""
 
 ACTIVATION_CHECKPOINTING_SCOPES: tuple[str, ...] = ("all", "language", "vision", "audio", "multimodal")
 """Which layer groups activation checkpointing applies to."""
@@ -131,12 +135,12 @@ def _check_dtype(obj: object, name: str) -> None:
 class MultimodalDistributedConfig(ConfigDict):
     """How frozen multimodal towers are sharded by FSDP2 (`automodel_distributed.fsdp2.apply_fsdp2`)."""
 
-    frozen_sharding: Literal["root", "per_layer", "replicate"] = "root"
+    frozen_sharding: FrozenSharding = "root"
     """``root``: frozen towers join the root FSDP unit; ``per_layer``: one unit per tower layer;
     ``replicate``: kept out of FSDP and replicated."""
 
     def __post_init__(self) -> None:
-        if self.frozen_sharding not in ("root", "per_layer", "replicate"):
+        if self.frozen_sharding not in get_args(FrozenSharding):
             raise ValueError(
                 f"MultimodalDistributedConfig.frozen_sharding={self.frozen_sharding!r}; "
                 "use 'root', 'per_layer' or 'replicate'"

@@ -43,6 +43,7 @@ from automodel_distributed.activation_checkpointing import (
 from automodel_distributed.compile import compile_blocks
 from automodel_distributed.config import (
     CompileConfig,
+    FrozenSharding,
     FSDP2Config,
     MultimodalDistributedConfig,
     default_mp_policy,
@@ -173,7 +174,7 @@ def plan_fsdp_units(
     *,
     reshard_after_forward: bool | int | None,
     pipelined: bool = False,
-    frozen_sharding: str = "per_layer",
+    frozen_sharding: FrozenSharding = "per_layer",
 ) -> list[FSDPUnitPlan]:
     """Decide the dense FSDP units of a model, in forward order, without touching it.
 
@@ -266,7 +267,7 @@ def apply_fsdp2(
     extra_units: Sequence[FSDPUnitPlan] = (),
     lm_head_param_dtype: torch.dtype | None = None,
     wrap_root: bool = True,
-    frozen_sharding: str = "per_layer",
+    frozen_sharding: FrozenSharding = "per_layer",
 ) -> nn.Module:
     """Apply ``fully_shard`` to the extra units, every unit of `plan_fsdp_units`, then the root.
 

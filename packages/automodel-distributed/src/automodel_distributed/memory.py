@@ -140,18 +140,26 @@ def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str 
     """The causal LM of ``model_config`` built under the active ``FakeTensorMode`` (config untouched).
 
     A vision-language config is profiled by its language model (``get_text_config()``): image tokens
-    count as text tokens, and the vision tower's own activations are not modelled.
+    count as text tokens, and the vision tower's own activations are not modelled. Where transformers
+    maps the text config to no causal-LM class (Qwen2.5-VL's text config has none), the whole
+    image-text-to-text model is built and runs on text alone: its tower's blocks save nothing.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     implementation = attn_implementation or getattr(model_config, "_attn_implementation", None) or "sdpa"
     get_text = getattr(model_config, "get_text_config", None)
-    config = copy.deepcopy(get_text() if callable(get_text) else model_config)
+    text = get_text() if callable(get_text) else model_config
+    whole = text is not model_config and text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    config = copy.deepcopy(model_config if whole else text)
     config.use_cache = False
+    if whole:
+        config.get_text_config().use_cache = False
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+        auto = AutoModelForImageTextToText if whole else AutoModelForCausalLM
+        return auto.from_config(config, attn_implementation=implementation)
     finally:
         torch.set_default_dtype(previous)
 

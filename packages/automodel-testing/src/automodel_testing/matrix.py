@@ -4,26 +4,44 @@ Each rank of a matrix launch appends one JSON line per family to ``rank<r>.jsonl
 folder (``{"family": ..., "status": "works" | "refused" | "fails", "message": ..., "seconds": ...}``
 plus the measured differences); `read_progress` reads them back and `merge_ranks` turns the ranks'
 records of one case into a `Row`. Ranks must agree: a refusal on some ranks only is a failure.
+
+The rank side of a case shares `sgd_parity` (the reference and the model trained side by side) and
+`judge` (the tolerances and the training check); the parent side shares `launch_layout` (one launch per
+layout, relaunched for the families after one that raised) and `select_families`.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from automodel_testing.distributed import DistributedRunError, run_distributed
+from automodel_testing.numerics import to_full
 
 __all__ = [
     "Row",
     "assert_no_failure",
+    "barrier_or_stop",
+    "gradient_difference",
+    "judge",
+    "launch_layout",
     "merge_ranks",
     "prepare_checkpoints",
     "read_progress",
     "record_families",
     "refusal",
+    "select_families",
+    "sgd_parity",
+    "squared_grad_sum",
 ]
 
 
@@ -127,3 +145,174 @@ def prepare_checkpoints(
     broken = {f: p["reference_error"] for f, p in prepared.items() if "reference_error" in p}
     assert not broken, f"transformers cannot run these fast-slice families: {broken}"
     return {family: p["path"] for family, p in prepared.items()}
+
+
+# ------------------------------------------------------------------------------------ rank side
+
+
+def sgd_parity(
+    steps: int,
+    reference: Callable[[], float],
+    ours: Callable[[], float],
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    first: Callable[[], None],
+) -> dict[str, list[float]]:
+    """Train the reference and the model side by side: ``steps + 1`` forward/backward passes.
+
+    ``reference()`` and ``ours()`` each run one forward and backward and return the (world) mean loss;
+    ``first()`` runs after the first pair, before any optimizer step (to compare logits and gradients);
+    every optimizer of ``optimizers`` then steps and zeroes its gradients.
+
+    Returns:
+        ``{"losses": [...], "ref_losses": [...]}``, one entry per pass.
+    """
+    out: dict[str, list[float]] = {"losses": [], "ref_losses": []}
+    for step in range(steps + 1):
+        out["ref_losses"].append(reference())
+        out["losses"].append(ours())
+        if step == 0:
+            first()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return out
+
+
+def squared_grad_sum(params: Iterable[torch.Tensor]) -> float:
+    """Sum of the squared entries of every gradient of ``params`` (DTensor gradients gathered whole)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for param in params:
+        if param.grad is not None:
+            total += to_full(param.grad).double().square().sum()
+    return float(total)
+
+
+def gradient_difference(ours_square_sum: float, reference: torch.nn.Module) -> dict[str, float]:
+    """The gradient norm's difference from the reference's (whose gradients are in place).
+
+    Returns:
+        ``grad_norm``: the difference relative to the norm where the norm exceeds 1 (fp32 sums in a
+        different order differ in proportion to the magnitude: Gemma 3's scaled embeddings give norms in
+        the hundreds), absolute below; ``grad_rel``: the difference relative to the norm, so that a
+        family whose gradients are tiny still proves they arrive (infinite when the reference has none).
+    """
+    ref_norm = squared_grad_sum(reference.parameters()) ** 0.5
+    difference = abs(ours_square_sum**0.5 - ref_norm)
+    return {
+        "grad_norm": difference / max(1.0, ref_norm),
+        "grad_rel": difference / ref_norm if ref_norm > 0 else float("inf"),
+    }
+
+
+def judge(out: dict[str, Any], atol: float, problems: Sequence[str] = ()) -> dict[str, Any]:
+    """Set ``loss_diff``, ``status`` and ``message`` of a case's record ``out`` and return it.
+
+    ``out`` holds ``losses`` and ``ref_losses`` (from `sgd_parity`), ``logits`` (the largest difference
+    of the first logits) and `gradient_difference`'s fields. The case works when logits and losses are
+    within ``atol``, the gradient norm within ``10 * atol``, training shows (the loss falls; or, for a
+    family whose few SGD steps move the loss by less than float32 resolves, the reference's does not
+    fall either and the gradients agree to 0.1% of their norm), and ``problems`` (the caller's own
+    checks) is empty.
+    """
+    out["loss_diff"] = max(abs(a - b) for a, b in zip(out["losses"], out["ref_losses"], strict=True))
+    checks = list(problems)
+    if out["logits"] > atol or out["loss_diff"] > atol or out["grad_norm"] > atol * 10:
+        checks.append(
+            f"differs from transformers: logits {out['logits']:.2e}, losses {out['loss_diff']:.2e}, "
+            f"gradient norm {out['grad_norm']:.2e}"
+        )
+    reference_flat = out["ref_losses"][-1] >= out["ref_losses"][0]
+    if not (out["losses"][-1] < out["losses"][0] or (reference_flat and out["grad_rel"] <= 1e-3)):
+        checks.append(f"the loss does not fall: {out['losses']}")
+    out["status"] = "fails" if checks else "works"
+    out["message"] = "; ".join(checks)
+    return out
+
+
+def barrier_or_stop(layout: str) -> Callable[[str, dict[str, Any]], None]:
+    """`record_families`' ``after_each``: a barrier, or a raise that stops the launch after a failure.
+
+    A family that raised (anything but a refusal) may leave the process group out of step (a peer
+    waiting for a collective that never comes), so the launch stops there; `launch_layout` launches
+    again for the families left.
+    """
+
+    def after_each(family: str, result: dict[str, Any]) -> None:
+        if "traceback" in result:
+            raise RuntimeError(f"{family} failed under {layout}; relaunching for the rest")
+        dist.barrier()
+
+    return after_each
+
+
+# ------------------------------------------------------------------------------------ parent side
+
+
+def launch_layout(
+    run_layout: Callable[[str, dict[str, str], str], None],
+    layout: str,
+    world_size: int,
+    checkpoints: Mapping[str, str],
+    *,
+    timeout_s: float = 3600,
+) -> list[Row]:
+    """``run_layout(layout, checkpoints, progress_folder)`` on ``world_size`` ranks; one row per family.
+
+    One launch runs every family (each rank records into the progress folder with `record_families`
+    and `barrier_or_stop`); when a family fails with an exception, or a rank dies or hangs, the launch
+    stops, that family is a failure, and a new launch runs the families after it.
+    """
+    rows: dict[str, Row] = {}
+    left = dict(checkpoints)
+    with tempfile.TemporaryDirectory(prefix=f"matrix-{layout}-") as tmp:
+        while left:
+            folder = pathlib.Path(tmp, str(len(rows)))
+            folder.mkdir()
+            error = ""
+            try:
+                run_distributed(
+                    run_layout, world_size, layout, left, str(folder), timeout_s=timeout_s, pg_timeout_s=60
+                )
+            except DistributedRunError as exc:
+                error = str(exc)
+            done = read_progress(folder, world_size)
+            for family in left:
+                if len(done.get(family, [])) == world_size:
+                    rows[family] = merge_ranks(family, layout, done[family])
+                    if any("traceback" in r for r in done[family]):
+                        break  # the ranks stopped on purpose after this family; relaunch for the rest
+                    continue
+                # The family this launch stopped at: a rank raised, died or hung there.
+                recorded = "; ".join(r.get("message", "") for r in done.get(family, []))
+                rows[family] = Row(family, layout, "fails", f"{recorded}\n{error[-2500:]}".strip())
+                break
+            left = {f: p for f, p in left.items() if f not in rows}
+    return [rows[family] for family in checkpoints]
+
+
+def select_families(families: Sequence[str], selection: str | None) -> list[str]:
+    """The families of a matrix run that ``selection`` names (a run of the ``models`` session in chunks).
+
+    Args:
+        families: Every family of the matrix, in its order.
+        selection: ``None`` or empty (every family), a comma-separated list of model types, or a slice
+            ``START:STOP`` of ``families`` (Python slice bounds, either may be empty).
+
+    Raises:
+        ValueError: A named family is not in ``families``, or the slice is malformed.
+    """
+    if not selection:
+        return list(families)
+    if ":" in selection:
+        start, _, stop = selection.partition(":")
+        try:
+            bounds = slice(int(start) if start else None, int(stop) if stop else None)
+        except ValueError:
+            raise ValueError(f"family selection {selection!r}: use START:STOP with integers") from None
+        return list(families)[bounds]
+    names = [name.strip() for name in selection.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(families))
+    if unknown:
+        raise ValueError(f"family selection {selection!r}: {unknown} are not families of this matrix")
+    return [family for family in families if family in names]

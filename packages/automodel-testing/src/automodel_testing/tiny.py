@@ -325,8 +325,14 @@ def _apply_relations(config_class: type, defaults: Mapping[str, Any], fields: di
     head = get("head_dim")
     if head is None and _is_int(hidden) and _is_int(get(_resolve(config_class, "num_attention_heads"))):
         head = hidden // get(_resolve(config_class, "num_attention_heads"))
-    if isinstance(rotary, Mapping) and isinstance(rotary.get("mrope_section"), list) and _is_int(head):
-        sections = rotary["mrope_section"]
+    # A family that reads mrope sections (its config exempts them from rotary validation) but gives none
+    # by default falls back to sections of a 128-wide head in its model: give the tiny head its own, in
+    # the usual 2:3:3 split.
+    sections = rotary.get("mrope_section") if isinstance(rotary, Mapping) else None
+    reads_sections = "mrope_section" in (getattr(config_class, "ignore_keys_at_rope_validation", None) or ())
+    if isinstance(rotary, Mapping) and sections is None and reads_sections:
+        sections = [2, 3, 3]
+    if isinstance(rotary, Mapping) and isinstance(sections, list) and _is_int(head):
         scaled = [max(1, section * (head // 2) // sum(sections)) for section in sections]
         scaled[-1] += head // 2 - sum(scaled)
         fields["rope_parameters"] = {**rotary, "mrope_section": scaled}

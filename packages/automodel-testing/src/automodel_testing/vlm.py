@@ -27,6 +27,7 @@ __all__ = [
     "image_batch",
     "image_inputs",
     "image_token_id",
+    "image_tokens",
     "save_tiny_llava",
 ]
 
@@ -122,6 +123,19 @@ def _accepts(fn: Any, name: str) -> bool:
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
+def _tokens_per_image(model: Any, pixels: Mapping[str, torch.Tensor], images: int) -> int:
+    features_fn = model.get_image_features
+    with torch.no_grad():
+        accepted = {k: v for k, v in pixels.items() if _accepts(features_fn, k)}
+        return _feature_rows(features_fn(**accepted)) // images
+
+
+def image_tokens(model: nn.Module) -> int:
+    """How many image tokens one tiny image (`image_inputs`) becomes in ``model`` (``get_image_features``)."""
+    vlm: Any = model
+    return _tokens_per_image(vlm, image_inputs(vlm.config, 1), 1)
+
+
 def image_batch(
     model: nn.Module, rows: int, seq: int, *, seed: int = 7
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -138,10 +152,7 @@ def image_batch(
     vlm: Any = model  # a transformers vision-language model (its attributes are not typed)
     config = vlm.config
     pixels = image_inputs(config, rows)
-    features_fn = vlm.get_image_features
-    with torch.no_grad():
-        accepted = {k: v for k, v in pixels.items() if _accepts(features_fn, k)}
-        per_image = _feature_rows(features_fn(**accepted)) // rows
+    per_image = _tokens_per_image(vlm, pixels, rows)
     text = seq + 1 - per_image
     if text < 2:
         raise ValueError(f"{per_image} image tokens per image do not fit in sequences of {seq}")
