@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +115,13 @@ def import_times(python: Path, repeats: int = 2) -> dict[str, float]:
         raise NemoUnavailable(str(exc)) from exc
 
 
-def measure(folder: Path, steps: int = 5) -> dict[str, Any]:
-    """Install, then run the jobs; per implementation: means over its jobs of the maxima over ranks."""
+def measure(folder: Path, steps: int = 5, settings: Sequence[bool] = (True, False)) -> dict[str, Any]:
+    """Install, then run the jobs; per implementation: means over its jobs of the maxima over ranks.
+
+    Ours runs once per value of ``FSDP2Config.tune_host_allocator`` in ``settings`` (a process-wide
+    allocator setting, so each value gets its own jobs); ``results["automodel"][value]`` holds its
+    figures. Every figure ``key`` also comes as ``key + "_runs"``: one value per job, in job order.
+    """
     from automodel_testing import save_tiny_checkpoint
 
     checkpoint = folder / "llama-33m"
@@ -124,14 +130,19 @@ def measure(folder: Path, steps: int = 5) -> dict[str, Any]:
     python = make_environment(folder)
     results: dict[str, Any] = {"install_s": time.perf_counter() - start}
     _log(f"scratch environment ready in {results['install_s']:.0f} s")
-    jobs: dict[str, list[dict[str, Any]]] = {"automodel": [], "nemo": []}
-    # A B B A: each implementation runs twice, first and last, so a drift in machine load over the
-    # run hits both alike; every job is a fresh torchrun.
-    for index, impl in enumerate(("automodel", "nemo", "nemo", "automodel")):
+    # Ours, NeMo, then the same jobs in reverse: each runs twice, first and last, so a drift in machine
+    # load over the run hits all alike; every job is a fresh torchrun.
+    forward: list[tuple[str, bool | None]] = [("automodel", tuned) for tuned in settings] + [("nemo", None)]
+    order = forward + forward[::-1]
+    jobs: dict[tuple[str, bool | None], list[dict[str, Any]]] = {job: [] for job in forward}
+    for index, (impl, tuned) in enumerate(order):
+        extra = ["--steps", str(steps)]
+        if tuned is not None:
+            extra += ["--tune-host-allocator", str(tuned).lower()]
         start = time.perf_counter()
-        per_rank = run_job(python, impl, checkpoint, folder / f"out{index}", "--steps", str(steps))
-        _log(f"{impl} job: {time.perf_counter() - start:.0f} s")
-        jobs[impl].append(
+        per_rank = run_job(python, impl, checkpoint, folder / f"out{index}", *extra)
+        _log(f"{impl} job (tune_host_allocator={tuned}): {time.perf_counter() - start:.0f} s")
+        jobs[impl, tuned].append(
             {
                 key: max(r[key] for r in per_rank)
                 for key in ("apply_s", "apply_peak_mib", "peak_mib", "step_s")
@@ -139,9 +150,21 @@ def measure(folder: Path, steps: int = 5) -> dict[str, Any]:
             | {"losses": [r["losses"] for r in per_rank]}
         )
         results["torch"], results["transformers"] = per_rank[0]["torch"], per_rank[0]["transformers"]
-    for impl, runs in jobs.items():
-        results[impl] = {key: statistics.mean(run[key] for run in runs) for key in runs[0] if key != "losses"}
-        results[impl]["losses"] = [run["losses"] for run in runs]
+    results["order"] = " ".join(
+        "NeMo" if impl == "nemo" else f"ours[{'on' if tuned else 'off'}]" for impl, tuned in order
+    )
+    results["automodel"] = {}
+    for (impl, tuned), runs in jobs.items():
+        figures: dict[str, Any] = {}
+        for key in runs[0]:
+            if key != "losses":
+                figures[key] = statistics.mean(run[key] for run in runs)
+                figures[key + "_runs"] = [run[key] for run in runs]
+        figures["losses"] = [run["losses"] for run in runs]
+        if impl == "nemo":
+            results["nemo"] = figures
+        else:
+            results["automodel"][tuned] = figures
     start = time.perf_counter()
     results["imports"] = import_times(python)
     _log(f"import times: {time.perf_counter() - start:.0f} s")
@@ -158,14 +181,17 @@ def main() -> None:
         except NemoUnavailable as exc:
             print(f"NeMo AutoModel comparison not run: {exc}")
             return
-    ours, nemo = r["automodel"], r["nemo"]
+    nemo = r["nemo"]
     print(
-        f"torch {r['torch']}, transformers {r['transformers']} (scratch env made in {r['install_s']:.0f} s)"
+        f"torch {r['torch']}, transformers {r['transformers']} (scratch env made in {r['install_s']:.0f} s); "
+        f"jobs {r['order']}"
     )
-    for key, label in (("apply_s", "apply s"), ("peak_mib", "peak MiB apply+step"), ("step_s", "step s")):
-        ratio = ours[key] / nemo[key]
-        print(f"{label:<22} automodel {ours[key]:8.3f}  nemo {nemo[key]:8.3f}  ratio {ratio:.2f}")
-    print(f"same losses: {ours['losses'] == nemo['losses']}")
+    for tuned, ours in r["automodel"].items():
+        print(f"automodel with tune_host_allocator={tuned}:")
+        for key, label in (("apply_s", "apply s"), ("peak_mib", "peak MiB apply+step"), ("step_s", "step s")):
+            ratio = ours[key] / nemo[key]
+            print(f"  {label:<22} automodel {ours[key]:8.3f}  nemo {nemo[key]:8.3f}  ratio {ratio:.2f}")
+        print(f"  same losses: {ours['losses'] == nemo['losses']}")
     imports = r["imports"]
     ours_ratio, nemo_ratio = imports["automodel"] / imports["torch"], imports["nemo"] / imports["torch"]
     print(

@@ -1,6 +1,11 @@
 """Run every benchmark and print ONE table: each figure as a ratio to a baseline measured in the same run.
 
-    uv run --all-packages python benchmarks/run_all.py [--only SECTION ...] [--json results.json]
+    uv run --all-packages python benchmarks/run_all.py [--only SECTION ...] [--json run.json] [--publish]
+
+``--json`` writes the run's sections (rows with their provenance: date, commit, machine, load average
+before and after, wall time) as the JSON that ``tools/benchmark_report.py`` reads; ``--publish`` merges
+them into ``docs/benchmarks.json`` (replacing only the sections run) and regenerates the table of
+``docs/benchmarks.md`` from it. Nobody edits that table by hand.
 
 Sections (each one also runs alone as its own script, with more detail):
 
@@ -16,23 +21,21 @@ Sections (each one also runs alone as its own script, with more detail):
 - ``schedules``: pipeline bubble against the schedules' theory, expert parallelism against replicated
   experts (`bench_pipeline_bubble.py`, `bench_moe_ep.py`).
 
-Ratios are ours / baseline: below 1 is better for time and memory. On a CPU host (gloo), times are
-only meaningful as ratios between rows of the same run; they say nothing about GPU speed.
+A figure that depends on a setting of ours (``FSDP2Config.tune_host_allocator`` for every CPU
+row that trains through `FSDP2Manager`) is measured once per value of the setting, in the same run,
+and shown as one row per value. Ratios are ours / baseline: below 1 is better for time and memory. On
+a CPU host (gloo), times are only meaningful as ratios between rows of the same run; they say nothing
+about GPU speed.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -45,89 +48,77 @@ import bench_pipeline_bubble
 import bench_safetensors_reader
 import bench_vs_nemo
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import benchmark_report  # noqa: E402  (tools/ is not a package; the report module lives there)
+from benchmark_report import Provenance, Row, Section  # noqa: E402
+
 MiB = 2**20
-
-
-@dataclass
-class Row:
-    """One line of the table: a figure of ours against its baseline from the same run."""
-
-    section: str
-    what: str
-    ours: str
-    baseline: str
-    ratio: str
-    note: str = ""
-
-
-def _ratio(ours: float, base: float) -> str:
-    return f"{ours / base:.2f}" if base else "-"
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f} ms"
+# The setting every allocator-dependent CPU row is measured under, both values in the same run.
+ALLOCATOR_SETTINGS: tuple[tuple[str, bool], ...] = (
+    ("tune_host_allocator=True (default)", True),
+    ("tune_host_allocator=False", False),
+)
 
 
 def section_pytorch() -> list[Row]:
-    r = bench_fsdp2_manager.measure(steps=5, rounds=3)
-    note = "Llama 25M, batch 2 x 128 per rank, AdamW; median step, alternating rounds"
-    return [
-        Row(
-            "vs hand-written PyTorch",
-            "step time, FSDP2 over 2 ranks: `FSDP2Manager` vs `fully_shard` by hand",
-            _ms(r["fsdp2"]["ours"]),
-            _ms(r["fsdp2"]["theirs"]),
-            _ratio(r["fsdp2"]["ours"], r["fsdp2"]["theirs"]),
-            note,
-        ),
-        Row(
-            "vs hand-written PyTorch",
-            "step time, TP 2: `FSDP2Manager` TP plan vs `parallelize_module` by hand",
-            _ms(r["tp2"]["ours"]),
-            _ms(r["tp2"]["theirs"]),
-            _ratio(r["tp2"]["ours"], r["tp2"]["theirs"]),
-            note,
-        ),
-    ]
+    section = "vs hand-written PyTorch"
+    rows = []
+    for label, tuned in ALLOCATOR_SETTINGS:
+        r = bench_fsdp2_manager.measure(steps=5, rounds=3, tune_host_allocator=tuned)
+        note = "Llama 25M, batch 2 x 128 per rank, AdamW; median step, alternating rounds"
+        for layout, what in (
+            ("fsdp2", "step time, FSDP2 over 2 ranks: `FSDP2Manager` vs `fully_shard` by hand"),
+            ("tp2", "step time, TP 2: `FSDP2Manager` TP plan vs `parallelize_module` by hand"),
+        ):
+            rows.append(
+                Row(
+                    section=section,
+                    name=what,
+                    ours=r[layout]["ours"] * 1e3,
+                    baseline=r[layout]["theirs"] * 1e3,
+                    unit="ms",
+                    settings=label,
+                    notes=note + "; " + r["baseline_note"],
+                )
+            )
+    return rows
 
 
 def section_transformers() -> list[Row]:
+    section = "vs plain transformers"
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
         path, size = bench_checkpoint_load.write_checkpoint(Path(tmp))
         base = bench_checkpoint_load.measure_baseline(path)
         what = f"Llama 125M ({size:.0f} MiB fp32)"
-        for label, threshold in (
-            ("glibc defaults, tune_host_allocator=False", None),
-            ("FSDP2Manager default: 1 MiB mmap threshold", MiB),
-        ):
-            per_rank = bench_checkpoint_load.measure_ours(path, 2, threshold, 0)
-            peak = max(r["peak"] for r in per_rank)
+        for label, tuned in ALLOCATOR_SETTINGS:
+            per_rank = bench_checkpoint_load.measure_ours(path, 2, tuned)
             rows.append(
                 Row(
-                    "vs plain transformers",
-                    f"peak memory per rank, load + 1 SGD step, {what}: FSDP2 x 2 ranks ({label}) "
-                    "vs `from_pretrained` in 1 process",
-                    f"{peak:.0f} MiB",
-                    f"{base['peak']:.0f} MiB",
-                    _ratio(peak, base["peak"]),
-                    "peak RSS growth (VmHWM) over load + step, max over ranks",
+                    section=section,
+                    name=f"peak memory per rank, load + 1 SGD step, {what}: FSDP2 x 2 ranks vs "
+                    "`from_pretrained` in 1 process",
+                    ours=max(r["peak"] for r in per_rank),
+                    baseline=base["peak"],
+                    unit="MiB",
+                    settings=label,
+                    notes="peak RSS growth (VmHWM) over load + step, max over ranks",
                 )
             )
-            if threshold is None:
-                load = max(r["load_s"] for r in per_rank)
-                rows.append(
-                    Row(
-                        "vs plain transformers",
-                        f"load time, {what}: meta + `parallelize` + `load_hf_checkpoint` x 2 ranks "
-                        "vs `from_pretrained`",
-                        f"{load:.2f} s",
-                        f"{base['load_s']:.2f} s",
-                        _ratio(load, base["load_s"]),
-                        "each rank reads only its slices "
-                        f"({max(r['bytes_read'] for r in per_rank) / MiB:.0f} MiB)",
-                    )
+            rows.append(
+                Row(
+                    section=section,
+                    name=f"load time, {what}: meta + `parallelize` + `load_hf_checkpoint` x 2 ranks "
+                    "vs `from_pretrained`",
+                    ours=max(r["load_s"] for r in per_rank),
+                    baseline=base["load_s"],
+                    unit="s",
+                    settings=label,
+                    notes="each rank reads only its slices "
+                    f"({max(r['bytes_read'] for r in per_rank) / MiB:.0f} MiB)",
                 )
+            )
     return rows
 
 
@@ -143,13 +134,13 @@ def section_readers() -> list[Row]:
         for what, key, unit in (("peak memory", "peak_mib", "MiB"), ("read time", "seconds", "s")):
             out.append(
                 Row(
-                    "safetensors reader",
-                    f"{what} per rank, Llama 125M fp32, 4 ranks reading their Shard(0) rows: ours vs "
+                    section="safetensors reader",
+                    name=f"{what} per rank, Llama 125M fp32, 4 ranks reading their Shard(0) rows: ours vs "
                     f"{row['reader']}",
-                    f"{ours[key]:.2f} {unit}",
-                    f"{row[key]:.2f} {unit}",
-                    _ratio(ours[key], row[key]),
-                    "worst rank; warm page cache; peak = VmHWM growth (mapped pages count)",
+                    ours=ours[key],
+                    baseline=row[key],
+                    unit=unit,
+                    notes="worst rank; warm page cache; peak = VmHWM growth (mapped pages count)",
                 )
             )
     return out
@@ -159,60 +150,69 @@ def section_nemo() -> list[Row]:
     section = "vs NeMo AutoModel (same job)"
     with tempfile.TemporaryDirectory(prefix="bench-nemo-") as tmp:
         try:
-            r = bench_vs_nemo.measure(Path(tmp))
+            r = bench_vs_nemo.measure(Path(tmp), settings=[tuned for _, tuned in ALLOCATOR_SETTINGS])
         except bench_vs_nemo.NemoUnavailable as exc:
             return [
                 Row(
-                    section,
-                    "apply, step time and memory against nemo-automodel",
-                    "-",
-                    "-",
-                    "-",
-                    f"not run: {exc}",
+                    section=section,
+                    name="apply, step time and memory against nemo-automodel",
+                    ours=None,
+                    baseline=None,
+                    notes=f"not run: {exc}",
                 )
             ]
-    ours, nemo = r["automodel"], r["nemo"]
+    nemo = r["nemo"]
     env = f"{bench_vs_nemo.NEMO_REQUIREMENT}, torch {r['torch']}, transformers {r['transformers']}"
-    runs = ours["losses"] + nemo["losses"]
-    same = all(run == runs[0] for run in runs)
     what = "Llama 33M, FSDP2 x 2 ranks, fp32, load from checkpoint"
+    jobs = f"mean of 2 fresh jobs each (order {r['order']})"
+    rows = []
+    for label, tuned in ALLOCATOR_SETTINGS:
+        ours = r["automodel"][tuned]
+        runs = ours["losses"] + nemo["losses"]
+        same = all(run == runs[0] for run in runs)
+        for name, key, unit, scale, note in (
+            (f"`apply_model_infrastructure` time, {what}", "apply_s", "s", 1.0, f"one scratch env: {env}"),
+            ("peak memory per rank, apply + first step", "peak_mib", "MiB", 1.0, "max over ranks"),
+            (
+                "step time (SGD, batch 1 x 64 per rank), median of 5 steps",
+                "step_s",
+                "ms",
+                1e3,
+                "losses " + ("bit-identical at every step" if same else "DIFFER"),
+            ),
+        ):
+            rows.append(
+                Row(
+                    section=section,
+                    name=name,
+                    ours=ours[key] * scale,
+                    baseline=nemo[key] * scale,
+                    unit=unit,
+                    settings=label,
+                    notes=f"{jobs}; {note}",
+                    spread=_spread(ours[key + "_runs"], nemo[key + "_runs"]),
+                )
+            )
     imports = r["imports"]
-    jobs = "mean of 2 fresh jobs each (order A B B A)"
-    return [
+    rows.append(
         Row(
-            section,
-            f"`apply_model_infrastructure` time, {what}",
-            f"{ours['apply_s']:.2f} s",
-            f"{nemo['apply_s']:.2f} s",
-            _ratio(ours["apply_s"], nemo["apply_s"]),
-            f"{jobs}; both in one scratch env: {env}",
-        ),
-        Row(
-            section,
-            "peak memory per rank, apply + first step",
-            f"{ours['peak_mib']:.0f} MiB",
-            f"{nemo['peak_mib']:.0f} MiB",
-            _ratio(ours["peak_mib"], nemo["peak_mib"]),
-            f"{jobs}; max over ranks",
-        ),
-        Row(
-            section,
-            "step time (SGD, batch 1 x 64 per rank), median of 5 steps",
-            _ms(ours["step_s"]),
-            _ms(nemo["step_s"]),
-            _ratio(ours["step_s"], nemo["step_s"]),
-            f"{jobs}; losses " + ("bit-identical at every step" if same else "DIFFER"),
-        ),
-        Row(
-            section,
-            "import of the orchestration module (`automodel_infra.infrastructure` vs "
+            section=section,
+            name="import of the orchestration module (`automodel_infra.infrastructure` vs "
             "`nemo_automodel._transformers.infrastructure`)",
-            f"{imports['automodel']:.2f} CPU s",
-            f"{imports['nemo']:.2f} CPU s",
-            _ratio(imports["automodel"], imports["nemo"]),
-            f"CPU time, smallest of 2 fresh processes; `import torch` alone: {imports['torch']:.2f} CPU s",
-        ),
-    ]
+            ours=imports["automodel"],
+            baseline=imports["nemo"],
+            unit="CPU s",
+            notes="CPU time, smallest of 2 fresh processes; `import torch` alone: "
+            f"{imports['torch']:.2f} CPU s",
+        )
+    )
+    return rows
+
+
+def _spread(ours: list[float], theirs: list[float]) -> tuple[float, float] | None:
+    """Smallest and largest ratio over the pairs of jobs (job i of ours against job i of theirs)."""
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True) if b]
+    return (min(ratios), max(ratios)) if len(ratios) > 1 else None
 
 
 def section_imports() -> list[Row]:
@@ -220,41 +220,43 @@ def section_imports() -> list[Row]:
     torch_s = best.pop("torch")
     return [
         Row(
-            "import time",
-            f"`import {module}` vs `import torch`",
-            f"{seconds:.2f} CPU s",
-            f"{torch_s:.2f} CPU s",
-            _ratio(seconds, torch_s),
-            "CPU time of the import, smallest of 3 fresh processes",
+            section="import time",
+            name=f"`import {module}` vs `import torch`",
+            ours=seconds,
+            baseline=torch_s,
+            unit="CPU s",
+            notes="CPU time of the import, smallest of 3 fresh processes",
         )
         for module, seconds in best.items()
     ]
 
 
 def section_schedules() -> list[Row]:
+    section = "pipeline and experts"
     rows = []
     bubble = bench_pipeline_bubble.summarize(pp=2, microbatches=8, seq_len=128, steps=3, warmup=1)
     for row in bubble:
         rows.append(
             Row(
-                "pipeline and experts",
-                f"pipeline bubble, {row['schedule']} (p 2, m 8, v {row['v']}): measured vs theory",
-                f"{row['measured']:.3f}",
-                f"{row['theory']:.3f}",
-                _ratio(row["measured"], row["theory"]),
-                f"step {row['step_s']:.2f} s ({row['step_s'] / bubble[0]['step_s']:.2f}x gpipe); "
+                section=section,
+                name=f"pipeline bubble, {row['schedule']} (p 2, m 8, v {row['v']}): measured vs theory",
+                ours=row["measured"],
+                baseline=row["theory"],
+                notes=f"step {row['step_s']:.2f} s ({row['step_s'] / bubble[0]['step_s']:.2f}x gpipe); "
                 "measured idle includes P2P latency",
             )
         )
     moe = bench_moe_ep.measure(steps=4)
     rows.append(
         Row(
-            "pipeline and experts",
-            "step time, Qwen3-MoE 16 experts: expert parallel (ep 2) vs replicated experts (FSDP2), 2 ranks",
-            _ms(moe["ep_s"]),
-            _ms(moe["replicated_s"]),
-            _ratio(moe["ep_s"], moe["replicated_s"]),
-            f"all-to-all share of the ep step {moe['a2a_share']:.0%}",
+            section=section,
+            name="step time, Qwen3-MoE 16 experts: expert parallel (ep 2) vs replicated experts (FSDP2), "
+            "2 ranks",
+            ours=moe["ep_s"] * 1e3,
+            baseline=moe["replicated_s"] * 1e3,
+            unit="ms",
+            notes=f"all-to-all share of the ep step {moe['a2a_share']:.0%}; the MoE parallelizer leaves "
+            "the allocator alone",
         )
     )
     return rows
@@ -270,61 +272,51 @@ SECTIONS: dict[str, Callable[[], list[Row]]] = {
 }
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (
-        f"{cpu}, {os.cpu_count()} cores, no GPU used (gloo); Python {platform.python_version()}, "
-        f"torch {torch.__version__}; load average {load:.1f} at start"
-    )
-
-
-def _print_table(rows: list[Row]) -> None:
-    print("| section | benchmark | ours | baseline | ratio | note |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r.section} | {r.what} | {r.ours} | {r.baseline} | {r.ratio} | {r.note} |")
+def _print_table(sections: list[Section]) -> None:
+    print(benchmark_report.render(sections))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS), help="run only these sections")
-    parser.add_argument("--json", type=Path, help="also write the rows and the machine line here")
+    parser.add_argument("--json", type=Path, help="write the run's sections here (benchmark_report reads it)")
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="merge the sections into docs/benchmarks.json and regenerate docs/benchmarks.md's table",
+    )
     args = parser.parse_args()
-    machine = _machine()
-    started = datetime.datetime.now(datetime.UTC)
-    rows: list[Row] = []
-    timings: dict[str, float] = {}
+    machine = benchmark_report.machine_description(torch.__version__) + ", no GPU used (gloo)"
+    sections: list[Section] = []
     failed = False
     for name in args.only or list(SECTIONS):
+        load_before = benchmark_report.load_average()
         start = time.perf_counter()
         print(f"[run_all] {name} ...", file=sys.stderr, flush=True)
         try:
-            rows += SECTIONS[name]()
+            rows = SECTIONS[name]()
         except Exception as exc:  # one broken benchmark must not hide the others' figures
             failed = True
             traceback.print_exc()
-            rows.append(
-                Row(name, "(section failed)", "-", "-", "-", f"{type(exc).__name__}: {str(exc)[:200]}")
-            )
-        timings[name] = time.perf_counter() - start
-        print(f"[run_all] {name}: {timings[name]:.0f} s", file=sys.stderr, flush=True)
-    total = sum(timings.values())
-    print(f"\nautomodel benchmarks, {started:%Y-%m-%d %H:%M} UTC")
-    print(f"machine: {machine}")
+            rows = [Row(section=name, name="(section failed)", ours=None, baseline=None,
+                        notes=f"{type(exc).__name__}: {str(exc)[:200]}")]  # fmt: skip
+        wall = time.perf_counter() - start
+        sections.append(Section(key=name, provenance=Provenance.now(machine, load_before, wall), rows=rows))
+        print(f"[run_all] {name}: {wall:.0f} s", file=sys.stderr, flush=True)
     print("ratio = ours / baseline, measured in the same run (below 1: ours is faster or smaller).")
     print("CPU timings are only meaningful as ratios; they say nothing about GPU speed.\n")
-    _print_table(rows)
-    print(f"\nwall time: {total:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + ")")
+    _print_table(sections)
     if args.json:
-        payload = {"date": f"{started:%Y-%m-%d %H:%M} UTC", "machine": machine, "timings": timings}
-        payload["rows"] = [asdict(r) for r in rows]
-        args.json.write_text(json.dumps(payload, indent=2))
+        benchmark_report.dump_sections(sections, args.json)
+    if args.publish:
+        if failed:
+            print("[run_all] not publishing: a section failed", file=sys.stderr)
+        else:
+            merged = benchmark_report.merge_sections(benchmark_report.load_sections(), sections)
+            benchmark_report.dump_sections(merged)
+            page = benchmark_report.PAGE.read_text()
+            benchmark_report.PAGE.write_text(benchmark_report.update_page(page, merged))
+            print(f"[run_all] published to {benchmark_report.DATA}, {benchmark_report.PAGE}", file=sys.stderr)
     return 1 if failed else 0
 
 

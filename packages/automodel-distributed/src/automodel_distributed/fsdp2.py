@@ -476,6 +476,11 @@ class FSDP2Manager(StrategyDefaults):
             lm_head_param_dtype=extra.lm_head_param_dtype,
             wrap_root=extra.wrap_root,
         )
+        if cfg.tune_host_allocator and self.mesh.device_type == "cpu":
+            # Collective buffers on the host: keep them across steps (see configure_host_allocator).
+            from automodel_distributed.checkpoint.host_memory import pool_fsdp_buffers
+
+            pool_fsdp_buffers(model)
         return model
 
     def dp_mesh(self) -> DeviceMesh:

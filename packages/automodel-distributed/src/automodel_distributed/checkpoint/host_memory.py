@@ -21,8 +21,21 @@ import ctypes.util
 import functools
 import logging
 import platform
+from collections.abc import Sequence
 
-__all__ = ["configure_host_allocator", "release_host_memory"]
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+__all__ = [
+    "HostBufferPool",
+    "PooledAllGather",
+    "PooledReduceScatter",
+    "configure_host_allocator",
+    "pool_fsdp_buffers",
+    "release_host_memory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -77,3 +90,101 @@ def release_host_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+class HostBufferPool:
+    """Buffers of FSDP2's collectives kept from step to step instead of allocated and freed each time.
+
+    Every step, FSDP2 asks for the same few buffer shapes (each unit's all-gather output, its
+    reduce-scatter input and output). `allocate` hands out a view of a kept buffer of that shape that
+    no tensor uses any more, or keeps a new one. A freed and re-requested host buffer costs a fresh
+    mapping (page faults and zeroing) above glibc's mmap threshold, or heap fragmentation below it; a
+    kept one costs neither. The pool holds at most as many buffers of a shape as were in use at once.
+    Not thread-safe; one pool per model.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A tensor of ``size`` and ``dtype`` on ``device`` (uninitialised, as ``torch.empty``)."""
+        key = (tuple(int(s) for s in size), dtype, torch.device(device))
+        kept = self._buffers.setdefault(key, [])
+        for buffer in kept:
+            # Users of the storage: the kept tensor and the temporary storage object of this check.
+            # Anything more is a view still in use (FSDP's copies out of it, a gradient, a pending op).
+            if torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2:
+                return buffer.view(key[0])
+        buffer = torch.empty(key[0], dtype=dtype, device=device)
+        kept.append(buffer)
+        return buffer.view(key[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept by the pool."""
+        return sum(b.untyped_storage().nbytes() for kept in self._buffers.values() for b in kept)
+
+
+class PooledAllGather(AllGather):
+    """FSDP2's all-gather (``all_gather_into_tensor``) with its output buffer from a `HostBufferPool`."""
+
+    def __init__(self, pool: HostBufferPool) -> None:
+        self.pool = pool
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A pooled buffer (see `HostBufferPool.allocate`)."""
+        return self.pool.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Gather ``input_tensor`` of every rank of ``group`` into ``output_tensor``."""
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class PooledReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter (``reduce_scatter_tensor``) with its buffers from a `HostBufferPool`."""
+
+    def __init__(self, pool: HostBufferPool) -> None:
+        self.pool = pool
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A pooled buffer (see `HostBufferPool.allocate`)."""
+        return self.pool.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Reduce ``input_tensor`` over ``group`` with ``op``; this rank's chunk lands in ``output_tensor``."""
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def pool_fsdp_buffers(model: torch.nn.Module) -> HostBufferPool:
+    """Make every FSDP2 unit of ``model`` take its collective buffers from one new `HostBufferPool`.
+
+    Preconditions: ``fully_shard`` has been applied (units are `FSDPModule`). Mutates each unit's
+    all-gather and reduce-scatter (``set_custom_all_gather`` / ``set_custom_reduce_scatter``); the
+    collectives themselves are unchanged. No collectives run.
+    """
+    pool = HostBufferPool()
+    all_gather, reduce_scatter = PooledAllGather(pool), PooledReduceScatter(pool)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
+    return pool
