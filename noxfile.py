@@ -11,9 +11,11 @@ Test tiers, disjoint so that each test runs once in the default run:
 - ``distributed``: ``-m "distributed and not gpu and not faults"`` over every package's tests and
   ``tests/``, in the whole workspace;
 - ``e2e``: ``tests/`` (cross-package), ``-m "not gpu and not distributed and not faults"``, whole workspace;
-- ``faults``: ``tests/faults/`` (``-m "faults and not gpu"``): property tests of every config and mesh
-  layout, the bad-configuration corpus, faults injected into real gloo ranks; prints the ledger table
-  of docs/faults.md and writes it as JSON;
+- ``faults``: ``tests/faults/`` (``-m "faults and not gpu and not slow_faults"``): property tests of
+  every config and mesh layout, the bad-configuration corpus, faults injected into real gloo ranks and
+  into ``automodel train`` jobs; prints the ledger table of docs/faults.md and writes it as JSON;
+- ``faults_slow``: the fault cases that cost a minute or more each (``-m "slow_faults and not gpu"``:
+  two simulated nodes, the skip-on-NaN job); not a default;
 - ``gpu(gpus=N)``: ``-m gpu`` with N CUDA devices; skips when the machine has fewer. Not a default.
 
 pytest exits with 5 when it selects no test. That is accepted only where there is nothing to run yet
@@ -304,17 +306,14 @@ def e2e(session: nox.Session) -> None:
     )
 
 
-@nox.session
-@_timed
-def faults(session: nox.Session) -> None:
-    """Bad inputs, injected faults and hangs (tests/faults); prints and writes the docs/faults.md ledger."""
+def _faults(session: nox.Session, marker: str) -> None:
     _uv_sync(session, *WORKSPACE_SYNC)
     report = Path(session.create_tmp()) / "faults-report.json"
     report.unlink(missing_ok=True)
     _pytest(
         session,
         [ROOT / "tests" / "faults"],
-        "faults and not gpu",
+        marker,
         allow_empty=False,
         what="the faults tier",
         why_empty="",
@@ -324,6 +323,20 @@ def faults(session: nox.Session) -> None:
         _fail(f"the faults run wrote no ledger at {report}")
     totals = json.loads(report.read_text(encoding="utf-8"))["totals"]
     session.log(f"faults ledger ({report}): {totals}")
+
+
+@nox.session
+@_timed
+def faults(session: nox.Session) -> None:
+    """Bad inputs, injected faults and hangs (tests/faults); prints and writes the docs/faults.md ledger."""
+    _faults(session, "faults and not gpu and not slow_faults")
+
+
+@nox.session(default=False)
+@_timed
+def faults_slow(session: nox.Session) -> None:
+    """The fault cases of a minute or more each (``slow_faults``: two simulated nodes, skip-on-NaN)."""
+    _faults(session, "slow_faults and not gpu")
 
 
 @nox.session

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -78,8 +79,6 @@ def test_impossible_layouts_fail_with_a_clear_error(
 
 
 def test_every_example_job_file_is_valid_and_the_runnable_ones_plan() -> None:
-    from pathlib import Path
-
     from automodel_all.cli.config import build_job
     from automodel_all.cli.yaml_source import load_yaml
 
@@ -92,3 +91,59 @@ def test_every_example_job_file_is_valid_and_the_runnable_ones_plan() -> None:
     assert "split into 4 pipeline stages over pp=2 (schedule interleaved_1f1b" in report
     assert "fully_shard each of 8 transformer blocks" in report
     assert "fsdp2 on 2 rank(s)" in _plan(str(examples[0].parent / "default.yaml"), "--device", "cpu")
+
+
+# The published shapes of the models the SFT examples name (config.json only: no weights are needed to plan).
+_SHAPES = {
+    "llama": (
+        "LlamaConfig",
+        dict(
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+            max_position_embeddings=131072, rope_theta=500000.0,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+            num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False, max_position_embeddings=40960,
+        ),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("example", "shape", "world", "expected"),
+    [
+        ("sft_llama_lora.yaml", "llama", 8, ["LlamaForCausalLM", "add LoRA adapters (rank 16, alpha 32)"]),
+        ("sft_llama_full.yaml", "llama", 8, ["LlamaForCausalLM", "tensor-parallel plan over tp=2"]),
+        ("sft_qwen3_moe_lora.yaml", "qwen3_moe", 8, ["Qwen3MoeForCausalLM", "expert parallelism over ep=8"]),
+        (
+            "sft_qwen3_moe_full.yaml",
+            "qwen3_moe",
+            16,
+            ["Qwen3MoeForCausalLM", "experts sharded over ep_shard=2"],
+        ),
+    ],
+)
+def test_the_sft_examples_plan_for_their_model_shapes(
+    example: str, shape: str, world: int, expected: list[str], tmp_path: Path
+) -> None:
+    import transformers
+
+    name, fields = _SHAPES[shape]
+    folder = tmp_path / shape
+    getattr(transformers, name)(**fields).save_pretrained(folder)
+    path = Path(__file__).parents[2] / "examples" / example
+    report = _plan(str(path), "--model", str(folder), "--world-size", str(world), "--device", "cpu")
+    for text in expected:
+        assert text in report, report
+    match = re.search(r"model: \S+ \(.*\), ([\d.]+) B parameters, ([\d.]+) ([MB]) trainable", report)
+    assert match, report
+    total = float(match.group(1))  # the published sizes (1.24 B and 30.5 B), plus adapters under LoRA
+    assert (1.23 < total < 1.26) if shape == "llama" else (30.4 < total < 30.6), report
+    lora = "lora" in example
+    assert (match.group(3) == "M") == lora, report  # only the adapters train under LoRA
+    assert _mib(report, "total") > 0

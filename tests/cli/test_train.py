@@ -1,16 +1,23 @@
-"""``automodel train`` end to end: 2 gloo workers, a Hugging Face export, and an exact resume.
+"""``automodel train`` end to end: 2 gloo workers, a Hugging Face export, and an exact resume; and a
+fine-tuning job as people run one (chat data, LoRA, evaluation, metrics) on a Qwen3-MoE-shaped model.
 
-Two launches in all (each costs ~15-30 s of process start-up on a small CPU machine): a 10-step run on 2
-workers that saves distributed checkpoints at steps 5 and 10, then a ``--resume`` run on ONE worker in a
-copy of its output folder without the step-10 checkpoint. It must continue from step 5 with the same
-losses: this proves the resume (model, AdamW state, learning-rate schedule and data position) and, as the
-world size changed, the global-token loss normalisation (2 data-parallel ranks give the gradients of one
-process) and DCP resharding. Observed difference: 5e-7 (fp32 rounding of the reduction order).
+Three launches in all (each costs ~15-30 s of process start-up on a small CPU machine):
+
+1. a 10-step run on 2 workers that saves distributed checkpoints at steps 5 and 10, then a ``--resume``
+   run on ONE worker in a copy of its output folder without the step-10 checkpoint. It must continue
+   from step 5 with the same losses: this proves the resume (model, AdamW state, learning-rate schedule
+   and the data position recorded in the checkpoint) and, as the world size changed, the global-token
+   loss normalisation (2 data-parallel ranks give the gradients of one process) and DCP resharding.
+   Observed difference: 5e-7 (fp32 rounding of the reduction order).
+2. LoRA SFT of a tiny Qwen3-MoE on the embedded chat dataset, experts parallel over 2 workers, with an
+   evaluation split every 5 steps, TensorBoard and the loss-curve PNG: the metrics lines hold every
+   field, the expert-load histogram counts every routed token, the evaluation loss falls.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -74,6 +81,13 @@ def test_train_saves_a_loadable_model_and_resumes_exactly(tmp_path: Path) -> Non
     assert torch.isfinite(logits).all()
     checkpoints = sorted(p.name for p in (first / "checkpoints").iterdir())
     assert checkpoints == ["step_00000005", "step_00000010"]
+    marker = json.loads((first / "checkpoints" / "step_00000005" / ".automodel_complete.json").read_text())
+    assert marker["extra_state"]["data"]["step"] == 5 and marker["extra_state"]["reason"] == "periodic"
+    assert (
+        marker["extra_state"]["data"]["global_batch_size"] == 8
+        and marker["extra_state"]["data"]["fingerprint"]
+    )
+    assert {"rank_state/rank_00000.pt", "rank_state/rank_00001.pt", "__0_0.distcp"} <= set(marker["files"])
 
     # Resume from step 5 in a copy whose newest checkpoint is gone (as if the job had died at step 7).
     second = tmp_path / "resumed"
@@ -85,3 +99,53 @@ def test_train_saves_a_loadable_model_and_resumes_exactly(tmp_path: Path) -> Non
     for step in range(6, 11):
         assert resumed[step] == pytest.approx(losses[step], abs=1e-5), (step, resumed[step], losses[step])
     assert (second / "hf" / "config.json").is_file()
+
+
+def test_lora_sft_of_a_moe_model_on_chat_data_with_evaluation_and_metrics(tmp_path: Path) -> None:
+    from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
+    from automodel_testing import save_tiny_checkpoint
+
+    # 2 MoE layers, 8 experts, top-2, with the vocabulary of the embedded tokenizer.
+    model = save_tiny_checkpoint("qwen3_moe", tmp_path / "qwen3_moe", vocab_size=2048)
+    tokenizer = train_tokenizer(builtin_corpus(), tmp_path / "tokenizer")
+    output = tmp_path / "sft"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "automodel_all.cli", "train", "--model", str(model),
+        "--tokenizer", str(tokenizer),
+        "--data", "builtin:chat", "--eval-split", "validation", "--eval-every", "5", "--steps", "10",
+        "--seq-len", "64", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "0.01",
+        "--warmup-steps", "2", "--ep", "2", "--set", "peft.target_modules=[q_proj, v_proj]",
+        "--tensorboard", "--set", "train.sample_prompt=What is 2 plus 3?", "--set", "train.sample_tokens=8",
+        "--nproc-per-node", "2", "--device", "cpu", "--output-dir", str(output),
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    records = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    fields = {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "seconds", "memory_gib", "skipped", "moe"}
+    assert all(fields <= set(r) for r in records)
+    # Loss on the answers only: far fewer label tokens than the 8 x 64 slots of a step.
+    assert all(0 < r["tokens"] < 8 * 64 * 0.7 for r in records)
+    moe = records[-1]["moe"]
+    assert len(moe["tokens_per_expert"]) == 8 and moe["imbalance"] >= 1.0
+    # Every routed token counted: 4 rows x 64 slots per rank, top-2, 2 MoE layers.
+    assert sum(moe["tokens_per_expert"]) == pytest.approx(4 * 64 * 2 * 2)
+    assert all(lo <= hi for lo, hi in zip(moe["min_over_ranks"], moe["max_over_ranks"], strict=True))
+    evals = [json.loads(line) for line in (output / "eval_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [5, 10]
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"] and evals[1]["eval_ppl"] == pytest.approx(
+        math.exp(evals[1]["eval_loss"])
+    )
+    assert (output / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # TensorBoard holds the same scalars as the JSON lines.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(output / "tensorboard"))
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "eval/eval_loss", "moe/imbalance"} <= tags, tags
+    assert [e.value for e in board.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records])
+    assert any((output / "tensorboard").glob("events.out.tfevents.*"))
+    assert (output / "hf" / "adapter" / "adapter_config.json").is_file()
+    assert "sample: 'User: What is 2 plus 3?\\nAssistant:" in result.stdout, result.stdout[-2000:]

@@ -25,7 +25,10 @@ the mean loss over the whole sequence is the *sum* over the cp ranks of the grad
 
 Labels are shifted *before* sharding (``shift_labels``), because shifting a shard would pair tokens with
 labels of the neighbouring chunk. Requirements: SDPA attention (``attn_implementation="sdpa"``), causal
-attention with no padding or packing mask, and a sequence length divisible by ``2 * cp_size``.
+attention with no padding or packing mask, and a sequence length divisible by ``2 * cp_size``. Packed
+rows (position ids restarting per document) are refused: ring attention cannot keep documents apart.
+Right padding is exact (causal attention never lets a token see the padding after it), so one sequence
+per row, padded at the end, is the way to train on short records under CP.
 
 CPU: PyTorch ships ring attention only for the CUDA kernels; on a CPU mesh (gloo) the region needs
 ``cpu_ring_attention=True``, the explicit switch to automodel's test backend
@@ -124,7 +127,8 @@ def context_parallel_inputs(batch: Mapping[str, Any], *, ignore_index: int = -10
 
     Raises:
         ValueError: The ``attention_mask`` masks some positions (padding or packing is not supported
-            under CP), or there is neither ``input_ids`` nor ``inputs_embeds``.
+            under CP), the ``position_ids`` restart inside a row (packed sequences), or there is neither
+            ``input_ids`` nor ``inputs_embeds``.
     """
     out = dict(batch)
     ids = out.get("input_ids", out.get("inputs_embeds"))
@@ -137,8 +141,20 @@ def context_parallel_inputs(batch: Mapping[str, Any], *, ignore_index: int = -10
             "context parallelism supports causal attention without padding: the attention_mask masks "
             f"{int((~mask.bool()).sum())} position(s); pack sequences without padding or drop the mask"
         )
-    if out.get("position_ids") is None:
+    positions = out.get("position_ids")
+    if positions is None:
         out["position_ids"] = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand(batch_size, -1)
+    elif isinstance(positions, torch.Tensor) and positions.shape[-1] > 1:
+        # Ring attention is causal over the whole row; restarting positions mean packed documents, whose
+        # block-diagonal mask it cannot apply (they would silently attend to each other).
+        restarts = int((positions[..., 1:] - positions[..., :-1] != 1).sum())
+        if restarts:
+            raise ValueError(
+                f"context parallelism runs causal ring attention over whole rows, but the position_ids "
+                f"restart {restarts} time(s) inside rows (packed sequences, each needing its own attention "
+                "block); give one sequence per row, padded at the end (causal attention keeps the padding "
+                "out of the sequence's tokens)"
+            )
     labels = out.pop("labels", None)
     if isinstance(labels, torch.Tensor):
         shifted = torch.full_like(labels, ignore_index)

@@ -66,6 +66,15 @@ def test_padding_masks_and_missing_ids_are_rejected() -> None:
         context_parallel_inputs({"labels": batch["labels"]})
 
 
+def test_packed_rows_are_refused_and_contiguous_positions_pass() -> None:
+    batch = make_batch(128, 2, 8)
+    batch["position_ids"] = torch.arange(8).expand(2, 8).clone()
+    assert torch.equal(context_parallel_inputs(batch)["position_ids"], batch["position_ids"])
+    batch["position_ids"][1] = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2])  # three documents in row 1
+    with pytest.raises(ValueError, match=r"restart 2 time\(s\) inside rows \(packed sequences"):
+        context_parallel_inputs(batch)
+
+
 def test_cpu_ring_attention_internals_exist_in_this_torch() -> None:
     assert cpu_ring_attention_available() == (True, "")
 

@@ -328,6 +328,12 @@ def resolve_job(job: JobConfig, world_size: int, model_config: Any = None) -> Re
             raise ConfigError(f"{raw.where('model', 'attn_implementation')}: context parallelism needs sdpa")
         if layout.pp > 1:
             raise ConfigError(f"{raw.where('parallelism')}: cp_size > 1 with pp_size > 1 is not supported")
+        if job.data.packing == "packed":
+            raise ConfigError(
+                f"{raw.where('data', 'packing')}: data.packing=packed with cp_size={layout.cp}: ring "
+                "attention is causal over whole rows and cannot keep packed records apart; use "
+                "data.packing: padded (one record per row, exact under CP) or cp_size: 1"
+            )
     if model_config is not None:
         _check_model_shape(job, layout, model_config)
     return ResolvedJob(

@@ -1,88 +1,155 @@
-"""Training data: read text, tokenize, pack into fixed-length rows, and give each rank its rows.
+"""Training data: read records, tokenize them, lay them out in rows, and give each rank its rows.
 
-Documents are tokenized, joined with the EOS token between them, and cut into rows of ``seq_len + 1``
-tokens (inputs are ``row[:-1]``, labels ``row[1:]``, so every position has a label and no padding is
-needed). The order of rows is a seeded permutation per epoch; the global batch of step ``s`` is the
-next ``global_batch_size`` rows of that stream, and data-parallel rank ``r`` takes the ``r``-th equal
-slice of it. Everything is a pure function of (seed, step), so a resumed run sees exactly the batches an
-uninterrupted run would have seen.
+The launcher prepares the rows once (`prepare_data`: `sources` -> `encode` -> `packing`) and saves them
+under ``<output_dir>/data``; every worker loads them (`load_data`). Errors in the data therefore stop
+the job before any worker starts, naming the file and record.
+
+The order of rows is a seeded permutation per epoch; the global batch of step ``s`` is the next
+``global_batch_size`` rows of that stream, and data-parallel rank ``r`` takes the ``r``-th equal slice
+of it (`RowSampler`). The data position is therefore a pure function of (seed, step): a resumed run, on
+any world size, sees exactly the batches an uninterrupted run would have seen. Checkpoints record it
+(`RowSampler.state`) with a fingerprint of the rows, so a resume on other data is noticed.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["RowSampler", "pack_rows", "read_documents"]
+from automodel_all.cli.encode import RecordKeys, encode_records, resolve_format
+from automodel_all.cli.packing import PackReport, TokenRows, pack_documents
+from automodel_all.cli.sections import DataSection
+from automodel_all.cli.sources import read_records
 
-_SUFFIXES = (".txt", ".jsonl", ".md")
-
-
-def _read_file(path: Path, text_key: str) -> list[str]:
-    if path.suffix == ".jsonl":
-        docs = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON record ({exc.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                raise ValueError(
-                    f"{path}:{number}: the record has no string field {text_key!r} (data.text_key)"
-                )
-            docs.append(record[text_key])
-        return docs
-    return [path.read_text(encoding="utf-8")]
+__all__ = [
+    "PreparedData",
+    "RowSampler",
+    "data_folder",
+    "fingerprint",
+    "load_data",
+    "prepare_data",
+    "resolve_packing",
+]
 
 
-def read_documents(path: str | Path, text_key: str = "text") -> list[str]:
-    """The documents under ``path``.
+def data_folder(output_dir: str | Path) -> Path:
+    """Where the launcher writes the prepared rows (and ``datasets`` its cache)."""
+    return Path(output_dir) / "data"
 
-    A ``.txt``/``.md`` file is one document, a ``.jsonl`` file one per record; a folder is read
-    recursively, its files sorted by path.
 
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: A folder without such files, a bad JSONL record, or no text at all.
+def resolve_packing(data: DataSection, fmt: str, cp_size: int = 1) -> str:
+    """``data.packing``, or its default: ``concat`` for text, else ``packed`` (``padded`` under CP).
+
+    Context parallelism's ring attention cannot keep packed records apart, so records default to one
+    per row there (the job's checks refuse an explicit ``packed`` with ``cp_size > 1``).
     """
-    root = Path(path)
-    if not root.exists():
-        raise FileNotFoundError(f"data.path {root} does not exist")
-    files = (
-        sorted(p for p in root.rglob("*") if p.suffix in _SUFFIXES and p.is_file())
-        if root.is_dir()
-        else [root]
-    )
-    if not files:
-        raise ValueError(f"data.path {root} holds no {', '.join(_SUFFIXES)} files")
-    docs = [doc for file in files for doc in _read_file(file, text_key) if doc.strip()]
+    if data.packing is not None:
+        return data.packing
+    if fmt == "text":
+        return "concat"
+    return "padded" if cp_size > 1 else "packed"
+
+
+def fingerprint(rows: TokenRows) -> str:
+    """A short digest of the rows' contents (recorded in checkpoints)."""
+    digest = hashlib.sha256()
+    for tensor in (rows.input_ids, rows.labels, rows.position_ids):
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """What `prepare_data` wrote."""
+
+    format: str
+    packing: str
+    train: TokenRows
+    eval: TokenRows | None
+
+
+def _rows(
+    data: DataSection,
+    path: str | None,
+    split: str,
+    tokenizer: Any,
+    cache: Path,
+    fmt: str | None,
+    cp_size: int,
+) -> tuple[str, TokenRows]:
+    where = f"data {path or 'builtin:text'} (split {split})"
+    records = read_records(path, split, cache)
+    records = records if isinstance(records, list) else list(records)
+    if not records:
+        raise ValueError(f"{where} holds no records")
+    keys = RecordKeys(data.text_key, data.prompt_key, data.completion_key, data.messages_key)
+    fmt = fmt or resolve_format(data.format, records[0].keys(), keys, where)
+    docs = encode_records(records, tokenizer, fmt=fmt, keys=keys, where=where)
     if not docs:
-        raise ValueError(f"data.path {root} holds no text")
-    return docs
+        raise ValueError(f"{where} holds no text")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = pack_documents(docs, data.seq_len, resolve_packing(data, fmt, cp_size), int(pad or 0))
+    _warn_losses(where, rows.report, data.seq_len)
+    return fmt, rows
 
 
-def pack_rows(documents: list[str], tokenizer: Any, seq_len: int) -> torch.Tensor:
-    """Tokenize, join with EOS, and cut into ``[num_rows, seq_len + 1]`` int64 rows (the tail is dropped).
+def _warn_losses(where: str, report: PackReport, seq_len: int) -> None:
+    if report.truncated:
+        warnings.warn(
+            f"{where}: {report.truncated} of {report.documents} records are longer than data.seq_len + 1 = "
+            f"{seq_len + 1} tokens and were truncated; raise data.seq_len to keep them whole",
+            stacklevel=3,
+        )
+    if report.dropped:
+        warnings.warn(
+            f"{where}: {report.dropped} records (or pieces) have no token to learn from (for example an "
+            "answer truncated away) and were left out",
+            stacklevel=3,
+        )
+
+
+def prepare_data(
+    data: DataSection, tokenizer: Any, output_dir: str | Path, *, cp_size: int = 1
+) -> PreparedData:
+    """Read, tokenize and lay out the training (and evaluation) rows; save them for the workers.
+
+    ``cp_size`` (the job's context-parallel size) only picks the default layout (`resolve_packing`).
+
+    Writes ``<output_dir>/data/train.pt`` (and ``eval.pt``), each through a rename, so a worker never
+    reads half a file. Deterministic: the same data and tokenizer give the same rows.
 
     Raises:
-        ValueError: Fewer tokens than one row.
+        FileNotFoundError: A data path does not exist.
+        ValueError: The data cannot be read or does not fit the format, naming the file and record.
     """
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for encoded in tokenizer(documents, add_special_tokens=False)["input_ids"]:
-        ids.extend(encoded)
-        if eos is not None:
-            ids.append(eos)
-    width = seq_len + 1
-    rows = len(ids) // width
-    if rows == 0:
-        raise ValueError(f"the data has {len(ids)} tokens, fewer than one row of seq_len + 1 = {width}")
-    return torch.tensor(ids[: rows * width], dtype=torch.int64).view(rows, width)
+    folder = data_folder(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    cache = folder / "cache"
+    fmt, train = _rows(data, data.path, data.split, tokenizer, cache, None, cp_size)
+    evaluation = None
+    if data.eval_path is not None or data.eval_split is not None:
+        source = data.eval_path if data.eval_path is not None else data.path
+        split = data.eval_split or "train"
+        _, evaluation = _rows(data, source, split, tokenizer, cache, fmt, cp_size)
+    train.save(folder / "train.pt")
+    if evaluation is not None:
+        evaluation.save(folder / "eval.pt")
+    else:
+        (folder / "eval.pt").unlink(missing_ok=True)
+    return PreparedData(fmt, resolve_packing(data, fmt, cp_size), train, evaluation)
+
+
+def load_data(output_dir: str | Path) -> tuple[TokenRows, TokenRows | None]:
+    """The rows `prepare_data` saved: training rows, and evaluation rows when there are any."""
+    folder = data_folder(output_dir)
+    train = TokenRows.load(folder / "train.pt")
+    evaluation = TokenRows.load(folder / "eval.pt") if (folder / "eval.pt").is_file() else None
+    return train, evaluation
 
 
 class RowSampler:
@@ -120,3 +187,15 @@ class RowSampler:
         batch = self._permutation(epoch)[start : start + self.global_batch_size]
         share = self.global_batch_size // dp_size
         return batch[dp_rank * share : (dp_rank + 1) * share]
+
+    def state(self, step: int) -> dict[str, int]:
+        """The data position after ``step`` steps, as recorded in a checkpoint."""
+        epoch, position = divmod(step, self._steps_per_epoch)
+        return {
+            "step": step,
+            "epoch": epoch,
+            "batch_in_epoch": position,
+            "seed": self.seed,
+            "num_rows": self.num_rows,
+            "global_batch_size": self.global_batch_size,
+        }

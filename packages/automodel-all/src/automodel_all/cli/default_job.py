@@ -4,7 +4,8 @@
   language), one document per topic, in sorted order, prose lines only.
 - Tokenizer: a byte-level BPE of `DEFAULT_VOCAB_SIZE` tokens trained on that corpus with the
   ``tokenizers`` library (a dependency of transformers), saved as a ``PreTrainedTokenizerFast`` that
-  ``AutoTokenizer.from_pretrained`` loads.
+  ``AutoTokenizer.from_pretrained`` loads, with the chat template of the embedded chat dataset
+  (`automodel_all.cli.chat_data`).
 - Model: a small Llama-style ``LlamaConfig`` (about 1.2 M parameters) that trains visibly in minutes
   on two CPU processes.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from automodel_all.cli.chat_data import CHAT_TEMPLATE
 
 __all__ = ["DEFAULT_VOCAB_SIZE", "EOS_TOKEN", "builtin_corpus", "default_model_config", "train_tokenizer"]
 
@@ -67,6 +70,7 @@ def train_tokenizer(documents: list[str], folder: str | Path, vocab_size: int = 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN
     )
+    fast.chat_template = CHAT_TEMPLATE  # plain-text roles: adds no token, so the vocabulary is unchanged
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))

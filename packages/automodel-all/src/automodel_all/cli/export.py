@@ -102,8 +102,12 @@ def export_hf(
     return out
 
 
-def generate_sample(folder: Path, prompt: str, tokens: int, seed: int) -> str:
-    """Load ``folder`` with plain ``from_pretrained`` (and its adapter, if any) and sample ``tokens``."""
+def generate_sample(folder: Path, prompt: str, tokens: int, seed: int, *, chat: bool = False) -> str:
+    """Load ``folder`` with plain ``from_pretrained`` (and its adapter, if any) and sample ``tokens``.
+
+    With ``chat``, ``prompt`` is a user turn rendered with the tokenizer's chat template (the generation
+    prompt added), and the sample is the prompt's text followed by the model's answer.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -115,7 +119,13 @@ def generate_sample(folder: Path, prompt: str, tokens: int, seed: int) -> str:
 
         model = PeftModel.from_pretrained(model, str(folder / "adapter"))
     model.eval()
-    inputs = tokenizer(prompt, return_tensors="pt")
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    else:
+        inputs = tokenizer(prompt, return_tensors="pt")
     torch.manual_seed(seed)
     with torch.no_grad():
         output = model.generate(

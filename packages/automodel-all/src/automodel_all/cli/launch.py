@@ -2,8 +2,13 @@
 
 Everything that can be wrong with a job is checked here, in the launching process, before any worker
 starts: the sections, the mesh layout for the world size, the batch sizes, the model's shape and the
-data path. Workers are started with ``torch.distributed.run`` (what ``torchrun`` runs), called in
-process with the same flags, so multi-node runs, Slurm and elastic restarts work as with torchrun.
+data, which is read, tokenized and laid out in rows here, once (`prepare_data`). Workers are started
+with ``torch.distributed.run`` (what ``torchrun`` runs), called in process with the same flags, so
+multi-node runs, Slurm and elastic restarts work as with torchrun.
+
+Signals: SIGTERM and SIGUSR1 (preemption) are forwarded to the workers, which finish their step, save
+a checkpoint and exit; the launcher waits ``launch.shutdown_timeout`` seconds for them, then exits 0
+if they saved that checkpoint (1 otherwise).
 """
 
 from __future__ import annotations
@@ -12,13 +17,17 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
+from automodel_all.cli.data import prepare_data
 from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
 from automodel_all.cli.model import load_model_config, model_dtype
 from automodel_all.cli.train import JOB_ENV
@@ -39,12 +48,15 @@ def _ensure_tokenizer(raw: RawJob, job: JobConfig) -> None:
     if job.data.tokenizer is not None or job.model.name_or_path is not None:
         return
     folder = Path(job.train.output_dir).resolve() / "tokenizer"
-    if not (folder / "tokenizer.json").is_file():
+    # A folder from before the chat template existed is trained again (same vocabulary, now with it).
+    if not (folder / "tokenizer.json").is_file() or not (folder / "chat_template.jinja").is_file():
         documents = builtin_corpus()
         staging = folder.with_name(f".tokenizer.{os.getpid()}")
         train_tokenizer(documents, staging)
         # Another node sharing the folder may have published the same tokenizer first.
         with contextlib.suppress(OSError):
+            if folder.exists() and not (folder / "chat_template.jinja").is_file():
+                shutil.rmtree(folder)
             staging.rename(folder)
     raw.set("data", "tokenizer", str(folder), "the embedded default")
 
@@ -103,13 +115,27 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
             f"{raw.where('launch', 'nproc_per_node')}: nproc_per_node={nproc} but only "
             f"{torch.cuda.device_count()} GPU(s) are visible"
         )
-    if job.data.path is not None and not Path(job.data.path).exists():
-        raise ConfigError(f"{raw.where('data', 'path')}: data.path {job.data.path} does not exist")
+    from automodel_all.cli.sources import check_source
+
+    for key in ("path", "eval_path"):
+        try:
+            check_source(getattr(job.data, key))
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(f"{raw.where('data', key)}: data.{key}: {exc}") from None
+    if job.train.tensorboard:
+        from automodel_all.cli.metrics import open_tensorboard
+
+        try:
+            open_tensorboard(Path(job.train.output_dir) / "tensorboard").close()
+        except ImportError as exc:
+            raise ConfigError(f"{raw.where('train', 'tensorboard')}: {exc}") from None
     _ensure_tokenizer(raw, job)
     job = build_job(raw)
     _ensure_initial_weights(raw, job)
     job = build_job(raw)
     model_config = load_model_config(job)
+    _prepare_data(raw, job, model_config)
+    job = build_job(raw)
     world = world_size if world_size is not None else job.launch.nnodes * nproc
     resolved = resolve_job(job, world, model_config)
     # Workers get the resolved micro-batch explicitly (resolve_job may have chosen it).
@@ -122,11 +148,48 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
     return resolved, raw.to_plain()
 
 
+def _prepare_data(raw: RawJob, job: JobConfig, model_config: Any) -> None:
+    """Read, tokenize and lay out the data once, here; the workers load the rows (`prepare_data`).
+
+    Records the resolved ``data.format`` and ``data.packing`` in ``raw`` for the workers (and for the
+    checks of `resolve_job`, such as context parallelism refusing packed rows).
+    """
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(job.data.tokenizer or job.model.name_or_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            prepared = prepare_data(
+                job.data, tokenizer, job.train.output_dir, cp_size=job.parallelism.cp_size
+            )
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(f"{raw.where('data', 'path')}: {exc}") from None
+    for warning in caught:
+        if issubclass(warning.category, UserWarning) and str(warning.message).startswith("data "):
+            print(f"automodel train: warning: {warning.message}", file=sys.stderr)
+    largest = max(int(prepared.train.input_ids.max()), int(prepared.train.labels.max()))
+    if largest >= model_config.vocab_size:
+        raise ConfigError(
+            f"{raw.where('data', 'tokenizer')}: the tokenizer produces id {largest} but the model's "
+            f"vocabulary has {model_config.vocab_size} entries; use the model's own tokenizer "
+            "(data.tokenizer)"
+        )
+    raw.set("data", "format", prepared.format, raw.where("data", "format"))
+    raw.set("data", "packing", prepared.packing, raw.where("data", "packing"))
+
+
 def torchrun_args(job: JobConfig) -> list[str]:
     """The ``torchrun`` flags for this job (the worker module last)."""
     launch = job.launch
     args = ["--nnodes", str(launch.nnodes), "--nproc-per-node", str(nproc_per_node(job))]
     args += ["--max-restarts", str(launch.max_restarts)]
+    # Forward the preemption signals to the workers too (torchrun's default list lacks SIGUSR1), and give
+    # them time to checkpoint before it kills them.
+    args += ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+    args += ["--shutdown-timeout", str(launch.shutdown_timeout)]
     if launch.rdzv_endpoint:
         args += ["--rdzv-backend", launch.rdzv_backend, "--rdzv-endpoint", launch.rdzv_endpoint]
         args += ["--rdzv-id", launch.rdzv_id, "--node-rank", str(launch.node_rank)]
@@ -146,8 +209,25 @@ def torchrun_args(job: JobConfig) -> list[str]:
     return [*args, "--module", "automodel_all.cli.train"]
 
 
+def _preempted_checkpoint(job: JobConfig, since: float) -> Path | None:
+    """The checkpoint the workers saved after a stop signal that arrived at ``since``, if any."""
+    from automodel_distributed.checkpoint import latest_checkpoint, read_marker
+
+    latest = latest_checkpoint(Path(job.train.output_dir) / "checkpoints", kind="dcp")
+    if latest is None:
+        return None
+    marker = read_marker(latest)
+    fresh = float(marker.get("time") or 0.0) >= since
+    return latest if fresh and (marker.get("extra_state") or {}).get("reason") == "preempted" else None
+
+
 def launch(resolved: ResolvedJob, plain: dict[str, Any]) -> int:
-    """Start the workers and wait for them; return the exit status (0 when every worker succeeded)."""
+    """Start the workers and wait for them; return the exit status.
+
+    0 when every worker succeeded, or when a stop signal (SIGTERM, SIGUSR1) made them save a checkpoint
+    and exit in time; 1 when a worker failed.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -157,8 +237,22 @@ def launch(resolved: ResolvedJob, plain: dict[str, Any]) -> int:
         # One thread per worker: several workers share the cores (torchrun would also warn about it).
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = get_args_parser().parse_args(torchrun_args(job))
+    started = time.time()
     try:
         run(args)
+    except SignalException as exc:
+        saved = _preempted_checkpoint(job, started)
+        if saved is not None:
+            print(
+                f"automodel train: stopped by {exc.sigval.name}; the workers saved {saved}", file=sys.stderr
+            )
+            return 0
+        print(
+            f"automodel train: stopped by {exc.sigval.name} before the workers saved a checkpoint "
+            f"(launch.shutdown_timeout={job.launch.shutdown_timeout} s)",
+            file=sys.stderr,
+        )
+        return 1
     except ChildFailedError as exc:
         failures = exc.failures
         first = min(failures.values(), key=lambda f: f.timestamp) if failures else None

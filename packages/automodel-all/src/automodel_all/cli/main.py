@@ -36,7 +36,12 @@ _OPTIONS: tuple[_Option, ...] = (
         ("--model",), "model", "name_or_path", str, "HF model folder or cached hub id (default: embedded)"
     ),
     _Option(("--dtype",), "model", "dtype", str, "parameter dtype: float32, bfloat16 or float16"),
-    _Option(("--data",), "data", "path", str, "a .txt/.jsonl file or a folder of them (default: built-in)"),
+    _Option(
+        ("--data",), "data", "path", str, "a data file or folder, a save_to_disk folder, or builtin:chat"
+    ),
+    _Option(("--eval-data",), "data", "eval_path", str, "evaluation data (file, folder, builtin:chat)"),
+    _Option(("--eval-split",), "data", "eval_split", str, "split to evaluate on, e.g. validation"),
+    _Option(("--packing",), "data", "packing", str, "concat, packed or padded (default by format)"),
     _Option(("--tokenizer",), "data", "tokenizer", str, "tokenizer folder or cached hub id"),
     _Option(("--seq-len",), "data", "seq_len", int, "tokens per training row"),
     # strategy and sizes
@@ -73,6 +78,11 @@ _OPTIONS: tuple[_Option, ...] = (
     ),
     _Option(("--output-dir",), "train", "output_dir", str, "where checkpoints and the model go"),
     _Option(("--resume",), "train", "resume", None, "continue from the latest distributed checkpoint"),
+    _Option(
+        ("--resume-fallback",), "train", "resume_fallback", None, "resume from an older checkpoint if needed"
+    ),
+    _Option(("--eval-every",), "train", "eval_every", int, "steps between evaluations (0: at the end)"),
+    _Option(("--tensorboard",), "train", "tensorboard", None, "also write TensorBoard events"),
     # launcher (torchrun's flags)
     _Option(("--nproc-per-node",), "launch", "nproc_per_node", int, "workers on this node"),
     _Option(("--nnodes",), "launch", "nnodes", int, "number of nodes"),
@@ -83,6 +93,9 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option(("--master-addr",), "launch", "master_addr", str, "node 0's address (static rendezvous)"),
     _Option(("--master-port",), "launch", "master_port", int, "node 0's port (static rendezvous)"),
     _Option(("--max-restarts",), "launch", "max_restarts", int, "worker-group restarts on failure"),
+    _Option(
+        ("--shutdown-timeout",), "launch", "shutdown_timeout", int, "seconds to checkpoint after SIGTERM"
+    ),
     _Option(("--device",), "launch", "device", str, "auto (default), cpu or cuda"),
 )
 

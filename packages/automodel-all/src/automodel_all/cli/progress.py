@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 
 import torch
 
-__all__ = ["Progress", "memory_gib"]
+__all__ = ["Progress", "memory_gib", "warn"]
+
+
+def warn(message: str) -> None:
+    """Print a warning of the worker (stderr, flushed; the ``warnings`` module may be routed to logging)."""
+    print(f"automodel train: warning: {message}", file=sys.stderr, flush=True)
 
 
 def memory_gib(device: torch.device) -> float:
@@ -43,6 +49,11 @@ class Progress:
             refresh=False,
         )
         self._bar.update(1)
+
+    def write(self, line: str) -> None:
+        """Print a line above the bar (rank 0)."""
+        if self._bar is not None:
+            self._bar.write(line)
 
     def close(self) -> None:
         """Finish the bar."""

@@ -7,6 +7,7 @@ worker processes are started. Each is a ``kw_only`` dataclass whose fields are t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,21 +47,51 @@ class ModelSection:
 
 @dataclass(kw_only=True)
 class DataSection:
-    """Training text (YAML section ``data:``)."""
+    """Training (and evaluation) data (YAML section ``data:``)."""
 
     path: str | None = None
-    """A ``.txt`` / ``.jsonl`` file or a folder of them (read recursively, in sorted order). ``None``: a
-    corpus made from text that ships with Python (the documentation topics of ``pydoc_data``)."""
+    """Where the records come from: a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.csv`` / ``.arrow`` /
+    ``.txt`` / ``.md`` file, a folder of them (read recursively; splits inferred from file names), a
+    ``save_to_disk`` folder, or ``builtin:chat`` (the embedded chat dataset). ``None`` (or
+    ``builtin:text``): a corpus made from text that ships with Python (``pydoc_data``)."""
+    format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"
+    """What a record is. ``auto``: ``messages`` if the records have ``messages_key``, else
+    ``prompt_completion`` if they have ``prompt_key`` and ``completion_key``, else ``text``."""
     text_key: str = "text"
-    """Field holding the text in each JSONL record."""
+    """Field holding the text of a ``text`` record."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt of a ``prompt_completion`` record (no loss on it)."""
+    completion_key: str = "completion"
+    """Field holding the completion of a ``prompt_completion`` record (the loss is on it)."""
+    messages_key: str = "messages"
+    """Field holding a conversation (a list of ``{role, content}``), rendered with the tokenizer's chat
+    template; the loss is on the assistant's tokens only."""
+    split: str = "train"
+    """Split of ``path`` to train on."""
+    eval_path: str | None = None
+    """Evaluation records (same kinds of source as ``path``); ``None``: ``eval_split`` of ``path``, or
+    no evaluation."""
+    eval_split: str | None = None
+    """Split to evaluate on (of ``eval_path`` if given, else of ``path``), e.g. ``validation``."""
     seq_len: int = 128
-    """Tokens per training row; documents are concatenated (EOS between them) and cut into rows."""
+    """Tokens per training row."""
+    packing: Literal["concat", "packed", "padded"] | None = None
+    """How records become rows. ``concat``: joined (EOS between them) and cut into rows, attention across
+    records (pre-training style); ``packed``: whole records packed into rows, each with its own
+    positions, attention never crossing records; ``padded``: one record per row, padded. ``None``:
+    ``concat`` for text, ``packed`` for prompt/completion and conversations (``padded`` when
+    ``parallelism.cp_size > 1``)."""
     tokenizer: str | None = None
     """Tokenizer folder or cached hub id; ``None``: the model's own (or, for the embedded default, a BPE
-    tokenizer trained on the corpus)."""
+    tokenizer trained on the corpus, with a chat template)."""
 
     def __post_init__(self) -> None:
         _positive(self, "seq_len")
+        for name in ("text_key", "prompt_key", "completion_key", "messages_key", "split"):
+            if not getattr(self, name):
+                raise ValueError(f"DataSection.{name} must not be empty")
+        if self.eval_split is not None and not self.eval_split:
+            raise ValueError("DataSection.eval_split must not be empty (null: no evaluation split)")
 
 
 @dataclass(kw_only=True)
@@ -93,9 +124,25 @@ class TrainSection:
     keep_checkpoints: int = 2
     """Distributed checkpoints kept (older ones are deleted); 0 keeps all."""
     output_dir: str = "automodel_output"
-    """Where checkpoints, the final Hugging Face model and ``train_log.jsonl`` go."""
+    """Where checkpoints, the final Hugging Face model, the prepared data and the logs go."""
     resume: bool = False
-    """Continue from the latest complete distributed checkpoint under ``output_dir/checkpoints``."""
+    """Continue from the latest complete distributed checkpoint under ``output_dir/checkpoints`` (its
+    files are verified against the checksums in its completion marker first). Workers that the launcher
+    restarts after a failure (``launch.max_restarts``) resume on their own."""
+    resume_fallback: bool = False
+    """When the newest checkpoint fails verification, resume from the newest one that passes (with a
+    warning) instead of stopping with the error."""
+    eval_every: int = 0
+    """Evaluate every this many steps (and at the end) when there is evaluation data; 0: at the end only."""
+    on_nonfinite: Literal["error", "skip"] = "error"
+    """A NaN or Inf loss or gradient norm: ``error`` stops the job naming the step and the rank(s);
+    ``skip`` drops that step's update (no optimizer step) and counts it in the log."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard events under ``output_dir/tensorboard`` (needs the
+    ``automodel-all[tensorboard]`` extra)."""
+    plot: bool | None = None
+    """Draw ``output_dir/loss_curve.png`` at the end (needs the ``automodel-all[plot]`` extra,
+    matplotlib). ``None``: when matplotlib is installed; ``true``: a warning says so when it is not."""
     sample_prompt: str = "The "
     """Prompt of the sample generated from the saved model at the end."""
     sample_tokens: int = 40
@@ -104,10 +151,16 @@ class TrainSection:
     def __post_init__(self) -> None:
         _positive(self, "steps", "global_batch_size", "micro_batch_size")
         _positive(
-            self, "warmup_steps", "checkpoint_every", "keep_checkpoints", "sample_tokens", allow_zero=True
+            self,
+            "warmup_steps",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "sample_tokens",
+            "eval_every",
+            allow_zero=True,
         )
-        if not self.lr > 0:
-            raise ValueError(f"TrainSection.lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"TrainSection.lr must be a finite number > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainSection.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -141,12 +194,15 @@ class LaunchSection:
     """``auto``: CUDA (nccl) when GPUs are visible, else CPU (gloo)."""
     timeout_minutes: float = 10.0
     """Timeout of collectives (a stuck rank fails the job instead of hanging)."""
+    shutdown_timeout: int = 60
+    """Seconds the workers get after SIGTERM or SIGUSR1 (preemption) to finish their step, save a
+    checkpoint and exit, before the launcher kills them."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None:
             _positive(self, "nproc_per_node")
         _positive(self, "nnodes")
-        _positive(self, "node_rank", "max_restarts", allow_zero=True)
+        _positive(self, "node_rank", "max_restarts", "shutdown_timeout", allow_zero=True)
         if self.node_rank >= self.nnodes:
             raise ValueError(f"LaunchSection.node_rank={self.node_rank} must be < nnodes={self.nnodes}")
         if not self.timeout_minutes > 0:

@@ -9,6 +9,7 @@ compute on the whole global batch, whatever the data-parallel size and the numbe
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -48,11 +49,12 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_group: Any = None) -> float:
-    """Clip the global gradient norm over every rank's parameters; return the norm before clipping.
+def clip_gradients(params: list[nn.Parameter], max_norm: float | None, pp_group: Any = None) -> float:
+    """The global gradient norm over every rank's parameters (before clipping); clip to ``max_norm``.
 
     DTensor gradients (FSDP2, TP) give the norm over their mesh; with pipeline stages the squares are
-    summed over the ``pp`` group. Collective over the gradients' meshes (and ``pp_group``).
+    summed over the ``pp`` group. ``max_norm=None`` only measures. Collective over the gradients' meshes
+    (and ``pp_group``).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
@@ -66,22 +68,59 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_group: Any = 
         square = norm.square()
         dist.all_reduce(square, group=pp_group)
         norm = square.sqrt()
-    if grads:
+    if grads and max_norm is not None and bool(torch.isfinite(norm)):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(grads[0].device))
     return float(norm)
 
 
+def _forward_loss(
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    loss_fn: TokenLoss,
+    strategy: StrategyManager,
+    cp_mesh: Any,
+    backward: bool,
+) -> torch.Tensor:
+    """One forward (under the strategy's autocast) and backward of ``batch``; the loss, detached."""
+    if cp_mesh is None:
+        with strategy.autocast():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            loss = loss_fn(logits, batch["labels"])
+        if backward:
+            loss.backward()
+        return loss.detach()
+    from automodel_distributed.context_parallel import context_parallel_inputs, context_parallel_region
+
+    sharded = context_parallel_inputs(
+        {
+            "input_ids": batch["input_ids"],
+            "position_ids": batch["position_ids"],
+            "shift_labels": batch["labels"],
+        }
+    )
+    # CPU meshes (gloo) run ring attention through automodel's opt-in CPU backend.
+    cpu_ring = cp_mesh.device_type == "cpu"
+    with context_parallel_region(cp_mesh, sharded, cpu_ring_attention=cpu_ring) as local:
+        with strategy.autocast():  # forward and backward inside the region
+            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            loss = loss_fn(logits, local["shift_labels"])
+        if backward:
+            loss.backward()
+    return loss.detach()
+
+
 def run_step(
     model: Any,
-    rows: torch.Tensor,
+    batch: dict[str, torch.Tensor],
     *,
     loss_fn: TokenLoss,
     micro_batch_size: int,
     strategy: StrategyManager,
     pipeline: Any = None,
     cp_mesh: Any = None,
+    backward: bool = True,
 ) -> torch.Tensor:
-    """Forward and backward over this rank's rows of one step; gradients accumulate in ``.grad``.
+    """Forward (and backward) over this rank's rows of one step; gradients accumulate in ``.grad``.
 
     The strategy decides the rest: each forward (and loss) runs under `StrategyManager.autocast` (its
     ``autocast_dtype``; the backward outside it, as torch recommends, except inside a pipeline schedule,
@@ -90,22 +129,24 @@ def run_step(
 
     Args:
         model: The model (`apply_model_infrastructure`'s result), or unused under pipelining.
-        rows: ``[rows, seq + 1]`` token rows of this data-parallel rank (on the model's device).
-        loss_fn: The normalised loss.
+        batch: This rank's rows: ``input_ids``, ``labels`` (already shifted, -100 where nothing is
+            predicted) and ``position_ids`` (restarting per packed document), each ``[rows, seq]``, on
+            the model's device.
+        loss_fn: The normalised loss (its ``denominator`` set for this step).
         micro_batch_size: Rows per forward pass (outside pipelining).
         strategy: The run's strategy manager (``automodel_distributed.strategy.as_strategy``).
-        pipeline: The `AutoPipeline`, which splits ``rows`` into its own microbatches.
+        pipeline: The `AutoPipeline`, which splits the rows into its own microbatches.
         cp_mesh: The mesh context when context parallelism is on (sequences are sharded over ``cp``).
+        backward: False for evaluation: forward only (call under ``torch.no_grad()``).
 
     Returns:
         The sum of this rank's token losses (detached; zero on pipeline ranks without the last stage).
     """
-    inputs, labels = rows[:, :-1], rows[:, 1:]
-    positions = torch.arange(inputs.shape[1], device=rows.device).unsqueeze(0).expand_as(inputs)
-    total = torch.zeros((), dtype=torch.float32, device=rows.device)
+    inputs, labels = batch["input_ids"], batch["labels"]
+    total = torch.zeros((), dtype=torch.float32, device=inputs.device)
     if pipeline is not None:
         with strategy.autocast():
-            losses = pipeline.step(inputs, target=labels, position_ids=positions)
+            losses = pipeline.step(inputs, target=labels, position_ids=batch["position_ids"])
         for loss in losses:
             total += loss.detach().float() * loss_fn.denominator
         return total
@@ -114,29 +155,13 @@ def run_step(
         raise ValueError(f"{inputs.shape[0]} rows do not split into micro-batches of {micro_batch_size}")
     for index in range(count):
         part = slice(index * micro_batch_size, (index + 1) * micro_batch_size)
-        with strategy.gradient_sync(model, enabled=index == count - 1):
-            if cp_mesh is not None:
-                from automodel_distributed.context_parallel import (
-                    context_parallel_inputs,
-                    context_parallel_region,
-                )
-
-                batch = context_parallel_inputs(
-                    {"input_ids": inputs[part], "position_ids": positions[part], "shift_labels": labels[part]}
-                )
-                # CPU meshes (gloo) run ring attention through automodel's opt-in CPU backend.
-                cpu_ring = cp_mesh.device_type == "cpu"
-                with context_parallel_region(cp_mesh, batch, cpu_ring_attention=cpu_ring) as local:
-                    with strategy.autocast():
-                        logits = model(
-                            input_ids=local["input_ids"], position_ids=local["position_ids"]
-                        ).logits
-                        loss = loss_fn(logits, local["shift_labels"])
-                    loss.backward()
-            else:
-                with strategy.autocast():
-                    logits = model(input_ids=inputs[part], position_ids=positions[part]).logits
-                    loss = loss_fn(logits, labels[part])
-                loss.backward()
-        total += loss.detach().float() * loss_fn.denominator
+        micro = {name: tensor[part] for name, tensor in batch.items()}
+        sync = (
+            strategy.gradient_sync(model, enabled=index == count - 1)
+            if backward
+            else contextlib.nullcontext()
+        )
+        with sync:
+            loss = _forward_loss(model, micro, loss_fn, strategy, cp_mesh, backward)
+        total += loss.float() * loss_fn.denominator
     return total

@@ -1,9 +1,14 @@
 """The worker process of ``automodel train`` (started by the elastic launcher, one per rank).
 
-Receives the job as JSON in the ``AUTOMODEL_JOB`` environment variable, then: process group (gloo on
-CPU, nccl on CUDA) -> mesh (`MeshContext.build`) -> `instantiate_infrastructure` -> the model on meta
--> `apply_model_infrastructure` -> AdamW -> optional resume from the latest distributed checkpoint ->
-the training loop -> periodic distributed checkpoints -> the Hugging Face export and a sample (rank 0).
+Receives the job as JSON in the ``AUTOMODEL_JOB`` environment variable, then: stop-signal handlers
+(SIGTERM, SIGUSR1) -> process group (gloo on CPU, nccl on CUDA) -> the rows the launcher prepared ->
+mesh (`MeshContext.build`) -> `instantiate_infrastructure` -> the model on meta ->
+`apply_model_infrastructure` -> AdamW -> resume from the newest verified checkpoint (with ``--resume``,
+and always when the launcher restarted the workers after a failure) -> the training loop
+(`automodel_all.cli.loop`) -> the Hugging Face export, a sample and the loss curve (rank 0).
+
+A stop signal ends the loop after the step in progress with a checkpoint; the worker then exits 0
+without exporting (the next launch with ``--resume`` continues exactly).
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import json
 import logging
 import os
 import random
-import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,12 +28,15 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
-from automodel_all.cli.data import RowSampler, pack_rows, read_documents
-from automodel_all.cli.default_job import builtin_corpus
-from automodel_all.cli.export import export_hf, generate_sample, prune_checkpoints
+from automodel_all.cli.data import RowSampler, fingerprint, load_data
+from automodel_all.cli.export import export_hf, generate_sample
+from automodel_all.cli.guards import StopRequest
+from automodel_all.cli.loop import LoopResult, train_loop
+from automodel_all.cli.metrics import plot_losses, truncate_logs
 from automodel_all.cli.model import build_meta_model, load_model_config, model_dtype
-from automodel_all.cli.progress import Progress
-from automodel_all.cli.steps import TokenLoss, clip_gradients, lr_at, run_step
+from automodel_all.cli.packing import TokenRows
+from automodel_all.cli.resume import ResumePoint, resume_from_checkpoint
+from automodel_all.cli.steps import TokenLoss
 from automodel_all.cli.yaml_source import RawJob
 from automodel_distributed.strategy import StrategyManager, as_strategy
 
@@ -50,47 +57,37 @@ def _seed(seed: int) -> None:
         pass
 
 
+def restart_count() -> int:
+    """How often the elastic launcher restarted this worker group (``TORCHELASTIC_RESTART_COUNT``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def _init_process_group(job: JobConfig) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = timedelta(minutes=job.launch.timeout_minutes)
+    options: dict[str, Any] = {"timeout": timeout}
+    restarts = restart_count()
+    if restarts:
+        # torchrun restarts the workers against the same store server, which still holds the keys the
+        # previous generation wrote (each process group's peer addresses): a new group of the same name
+        # would read them and wait on dead peers. One key prefix per restart keeps generations apart.
+        from torch.distributed.distributed_c10d import PrefixStore
+        from torch.distributed.rendezvous import rendezvous
+
+        store, rank, world = next(rendezvous("env://", timeout=timeout))
+        options.update(store=PrefixStore(f"automodel/restart_{restarts}", store), rank=rank, world_size=world)
     if job.device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", device_id=device, **options)
         return device
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=timeout)
+    dist.init_process_group("gloo", **options)
     return torch.device("cpu")
-
-
-def _load_rows(job: JobConfig, tokenizer: Any) -> torch.Tensor:
-    documents = read_documents(job.data.path, job.data.text_key) if job.data.path else builtin_corpus()
-    return pack_rows(documents, tokenizer, job.data.seq_len)
-
-
-def _dp_coordinates(resolved: ResolvedJob, mesh: Any) -> tuple[int, int]:
-    """This rank's data-parallel index and the data-parallel size."""
-    if mesh.device_mesh is None:  # DDP: every rank is a data-parallel rank
-        return dist.get_rank(), dist.get_world_size()
-    group = mesh.get_group("dp")
-    return dist.get_rank(group), resolved.dp_size
 
 
 def _parts(model: Any) -> list[nn.Module]:
     return list(model.parts) if not isinstance(model, nn.Module) else [model]
-
-
-def _log(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record) + "\n")
-
-
-def _truncate_log(path: Path, last_step: int) -> None:
-    """Keep the log lines of steps up to ``last_step`` (a resumed run rewrites what follows)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
 
 
 @dataclass
@@ -103,7 +100,10 @@ class _Run:
     mesh: Any
     tokenizer: Any
     model_config: Any
-    rows: torch.Tensor
+    rows: TokenRows
+    """The training rows (prepared by the launcher)."""
+    eval_rows: TokenRows | None
+    """The evaluation rows, if the job has evaluation data."""
     model: Any
     """`apply_model_infrastructure`'s result: a module, or the `AutoPipeline`."""
     parts: list[nn.Module]
@@ -140,12 +140,7 @@ def _setup(job: JobConfig) -> _Run:
     model_config = load_model_config(job, tokenizer.eos_token_id)
     resolved = resolve_job(job, dist.get_world_size(), model_config)  # fills in a default micro-batch
     _seed(job.train.seed)
-    rows = _load_rows(job, tokenizer)
-    if int(rows.max()) >= model_config.vocab_size:
-        raise ValueError(
-            f"the tokenizer produces id {int(rows.max())} but the model's vocabulary has "
-            f"{model_config.vocab_size} entries; use the model's own tokenizer (data.tokenizer)"
-        )
+    rows, eval_rows = load_data(job.train.output_dir)
     mesh = MeshContext.build(
         job.distributed,
         job.parallelism,
@@ -160,8 +155,7 @@ def _setup(job: JobConfig) -> _Run:
         device=device,
         mesh=mesh,
     )
-    layout = resolved.layout
-    loss_fn = TokenLoss(job.train.global_batch_size * job.data.seq_len / layout.dp_cp)
+    loss_fn = TokenLoss(1.0)  # the loop sets the denominator of each step (label tokens / dp_cp)
     path = job.model.name_or_path or ""
     model = apply_model_infrastructure(
         build_meta_model(job, model_config),
@@ -186,101 +180,52 @@ def _setup(job: JobConfig) -> _Run:
     )
     strategy = as_strategy(infra.model_wrapper, mesh)
     return _Run(
-        job, resolved, device, mesh, tokenizer, model_config, rows, model, parts, optimizer, loss_fn, strategy
+        job,
+        resolved,
+        device,
+        mesh,
+        tokenizer,
+        model_config,
+        rows,
+        eval_rows,
+        model,
+        parts,
+        optimizer,
+        loss_fn,
+        strategy,
     )
 
 
-def _resume(run: _Run) -> int:
-    """Load the newest complete distributed checkpoint when ``train.resume``; return the step to start at.
+def _resume(run: _Run) -> ResumePoint:
+    """Where to start: the newest verified checkpoint when resuming, else step 0 (collective).
 
-    Rank 0 also trims ``train_log.jsonl`` to the steps before it (collective when a checkpoint loads).
+    Resumes when ``train.resume`` is set and always after a restart by the launcher (a failed worker
+    group restarted with ``launch.max_restarts``). Rank 0 also trims the logs to the steps before it.
     """
-    from automodel_distributed.checkpoint import latest_checkpoint, load_distributed_checkpoint
-
     rank = dist.get_rank()
-    root = run.out / "checkpoints"
-    start = 0
-    if run.job.train.resume:
-        latest = latest_checkpoint(root, kind="dcp")
-        if latest is None:
-            if rank == 0:
-                print(f"--resume: no complete checkpoint under {root}; starting from step 0", flush=True)
-        else:
-            start = load_distributed_checkpoint(run.state_module, run.optimizer, latest).step or 0
-            if rank == 0:
-                print(f"resumed from {latest} (step {start})", flush=True)
+    restarts = restart_count()
+    start = ResumePoint(0, 0, None)
+    if run.job.train.resume or restarts:
+        sampler = RowSampler(len(run.rows), run.job.train.global_batch_size, run.job.train.seed)
+        start = resume_from_checkpoint(
+            run.state_module,
+            run.optimizer,
+            run.out,
+            fallback=run.job.train.resume_fallback,
+            data={**sampler.state(0), "fingerprint": fingerprint(run.rows)},
+            device=run.device,
+        )
+        if rank == 0:
+            why = f" (restart {restarts} by the launcher)" if restarts else ""
+            if start.path is None:
+                root = run.out / "checkpoints"
+                print(f"resume{why}: no complete checkpoint under {root}; starting from step 0")
+            else:
+                print(f"resumed from {start.path} (step {start.step}){why}", flush=True)
     if rank == 0:
         run.out.mkdir(parents=True, exist_ok=True)
-        log = run.out / "train_log.jsonl"
-        if start == 0:
-            log.unlink(missing_ok=True)
-        _truncate_log(log, start)
+        truncate_logs(run.out, start.step)
     return start
-
-
-def _loop(run: _Run, start: int) -> None:
-    """Train from step ``start`` to ``train.steps``, logging and checkpointing (collective)."""
-    from automodel_distributed.checkpoint import save_distributed_checkpoint
-
-    job, layout, train_cfg = run.job, run.resolved.layout, run.job.train
-    rank = dist.get_rank()
-    sampler = RowSampler(run.rows.shape[0], train_cfg.global_batch_size, train_cfg.seed)
-    dp_rank, dp_size = _dp_coordinates(run.resolved, run.mesh)
-    pp_group = run.mesh.get_group("pp") if layout.pp > 1 else None
-    tokens_per_step = train_cfg.global_batch_size * job.data.seq_len
-    loss_scale = tokens_per_step * layout.tp  # tp ranks compute the same loss
-    params = [p for group in run.optimizer.param_groups for p in group["params"]]
-    precompute_fp8 = (
-        job.fp8 is not None and job.fp8.enabled and job.fp8.precompute_float8_dynamic_scale_for_fsdp
-    )
-    progress = Progress(total=train_cfg.steps, initial=start, enabled=rank == 0, device=run.device)
-    for step in range(start, train_cfg.steps):
-        began = time.perf_counter()
-        lr = lr_at(
-            step,
-            lr=train_cfg.lr,
-            warmup_steps=train_cfg.warmup_steps,
-            total_steps=train_cfg.steps,
-            min_lr_ratio=train_cfg.min_lr_ratio,
-        )
-        for group in run.optimizer.param_groups:
-            group["lr"] = lr
-        local = run_step(
-            run.model if run.pipeline is None else None,
-            run.rows[sampler.indices(step, dp_rank, dp_size)].to(run.device),
-            loss_fn=run.loss_fn,
-            micro_batch_size=train_cfg.micro_batch_size,
-            strategy=run.strategy,
-            pipeline=run.pipeline,
-            cp_mesh=run.mesh if layout.cp > 1 else None,
-        )
-        grad_norm = float("nan")
-        if train_cfg.max_grad_norm:
-            grad_norm = clip_gradients(params, train_cfg.max_grad_norm, pp_group)
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        if precompute_fp8:
-            from automodel_quant.fp8 import precompute_fp8_scales_for_fsdp
-
-            for part in run.parts:
-                precompute_fp8_scales_for_fsdp(part)
-        dist.all_reduce(local)
-        loss = float(local) / loss_scale
-        elapsed = time.perf_counter() - began
-        done = step + 1
-        progress.update(loss=loss, tokens_per_s=tokens_per_step / elapsed)
-        if rank == 0:
-            record = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "seconds": elapsed}
-            _log(run.out / "train_log.jsonl", record)
-        if done == train_cfg.steps or (train_cfg.checkpoint_every and done % train_cfg.checkpoint_every == 0):
-            root = run.out / "checkpoints"
-            save_distributed_checkpoint(
-                run.state_module, run.optimizer, root / f"step_{done:08d}", step=done, overwrite=True
-            )
-            if rank == 0:
-                prune_checkpoints(root, train_cfg.keep_checkpoints)
-            dist.barrier()
-    progress.close()
 
 
 def _finish(run: _Run) -> None:
@@ -303,15 +248,35 @@ def _finish(run: _Run) -> None:
             "(load it with AutoModelForCausalLM.from_pretrained)"
         )
         if train_cfg.sample_tokens:
-            text = generate_sample(hf_dir, train_cfg.sample_prompt, train_cfg.sample_tokens, train_cfg.seed)
+            chat = run.job.data.format == "messages"
+            text = generate_sample(
+                hf_dir, train_cfg.sample_prompt, train_cfg.sample_tokens, train_cfg.seed, chat=chat
+            )
             print(f"sample: {text!r}", flush=True)
+        if train_cfg.plot is not False:
+            png = plot_losses(run.out, required=train_cfg.plot is True)
+            if png is not None:
+                print(f"loss curve: {png.resolve()}", flush=True)
 
 
-def train(job: JobConfig) -> None:
+def _report_preemption(run: _Run, result: LoopResult) -> None:
+    if dist.get_rank() == 0:
+        print(
+            f"stopped by {result.signal_name} after step {result.step}: saved a checkpoint under "
+            f"{run.out / 'checkpoints'}; run the same command with --resume to continue",
+            flush=True,
+        )
+
+
+def train(job: JobConfig, stop: StopRequest | None = None) -> None:
     """Run the job on this rank. Every rank of the world calls it, with the same job."""
+    stop = stop or StopRequest()
     run = _setup(job)
-    _loop(run, _resume(run))
-    _finish(run)
+    result = train_loop(run, _resume(run), stop)
+    if result.outcome == "preempted":
+        _report_preemption(run, result)
+    else:
+        _finish(run)
     dist.destroy_process_group()
 
 
@@ -332,7 +297,8 @@ def main() -> None:
     text = os.environ.get(JOB_ENV)
     if not text:
         raise SystemExit(f"{JOB_ENV} is not set: workers are started by `automodel train`")
-    train(build_job(RawJob(sections=json.loads(text))))
+    stop = StopRequest().install()  # before anything slow, so an early signal is not lost
+    train(build_job(RawJob(sections=json.loads(text))), stop)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,17 @@
   reading only the byte ranges of its own slices (also tensors transformers fuses on load, such as MoE
   experts: `convert`).
 - `save_hf_checkpoint`: consolidated safetensors (LoRA adapters: ``automodel_peft.save_adapters``).
-- `save_distributed_checkpoint` / `load_distributed_checkpoint` / `latest_checkpoint`: resumable
-  torch.distributed.checkpoint snapshots of model and optimizer, on any world size.
+- `save_distributed_checkpoint` / `load_distributed_checkpoint` / `latest_checkpoint` /
+  `complete_checkpoints`: resumable torch.distributed.checkpoint snapshots of model and optimizer, on
+  any world size.
 
-Every save is atomic: written to a temporary sibling folder, completed by a marker, then renamed.
+Every save is atomic: written to a temporary sibling folder, completed by a marker (with the SHA-256 of
+every file: `file_checksums` / `verify_checkpoint`), then renamed.
 """
 
 from automodel_distributed.checkpoint.atomic import (
     COMPLETE_MARKER,
+    complete_checkpoints,
     is_complete_checkpoint,
     latest_checkpoint,
     read_marker,
@@ -24,6 +27,7 @@ from automodel_distributed.checkpoint.buffers import (
 from automodel_distributed.checkpoint.convert import UnsupportedConversionError
 from automodel_distributed.checkpoint.dcp import (
     CheckpointInfo,
+    CheckpointWriteError,
     load_distributed_checkpoint,
     save_distributed_checkpoint,
 )
@@ -35,6 +39,7 @@ from automodel_distributed.checkpoint.hf_load import (
     load_hf_checkpoint,
 )
 from automodel_distributed.checkpoint.hf_save import save_hf_checkpoint
+from automodel_distributed.checkpoint.integrity import file_checksums, verify_checkpoint
 from automodel_distributed.checkpoint.keys import DEFAULT_KEY_RULES, KeyRules, checkpoint_key
 from automodel_distributed.checkpoint.layout import CheckpointFiles, resolve_checkpoint
 from automodel_distributed.checkpoint.materialize import (
@@ -51,12 +56,15 @@ __all__ = [
     "CheckpointFiles",
     "CheckpointInfo",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "CorruptCheckpointError",
     "KeyRules",
     "LoadReport",
     "UnsupportedConversionError",
     "check_hf_checkpoint",
     "checkpoint_key",
+    "complete_checkpoints",
+    "file_checksums",
     "initialize_model_weights",
     "is_complete_checkpoint",
     "latest_checkpoint",
@@ -71,5 +79,6 @@ __all__ = [
     "retie_weights",
     "save_distributed_checkpoint",
     "save_hf_checkpoint",
+    "verify_checkpoint",
     "verify_materialized",
 ]

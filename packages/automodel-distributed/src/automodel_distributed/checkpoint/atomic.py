@@ -1,10 +1,13 @@
 """Atomic checkpoint folders: write into a hidden sibling, add a completion marker last, then rename.
 
-A save goes to ``<parent>/.<name>.incomplete``. When every rank has finished writing, rank 0 writes
-``COMPLETE_MARKER`` (JSON: format, step, extra state, world size, time) into it, fsyncs, and renames
-the folder to ``<parent>/<name>``. A crash at any point leaves either no ``<name>`` at all or the
-previous complete one; loaders check the marker and `latest_checkpoint` only considers folders that
-have one and whose names do not start with ``.``.
+A save goes to ``<parent>/.<name>.incomplete``. When every rank has finished writing, the ranks hash
+its files together (`integrity.file_checksums`), then rank 0 writes ``COMPLETE_MARKER`` (JSON: format,
+step, extra state, world size, time, and the size and SHA-256 of every file) into it, fsyncs, and
+renames the folder to ``<parent>/<name>``. A crash at any point leaves either no ``<name>`` at all or the
+previous complete one; loaders check the marker (and can verify the files against it,
+`integrity.verify_checkpoint`), and `latest_checkpoint` only considers folders that have one and whose
+names do not start with ``.``. A save that fails while writing (a full disk) removes its staging folder,
+so the space it took is given back and the previous checkpoints stay as they were.
 
 Overwriting an existing checkpoint (``overwrite=True``) renames it to ``.<name>.old`` just before the
 new one is renamed into place, and deletes it afterwards; a crash between those two renames leaves the
@@ -24,9 +27,11 @@ from typing import Any
 import torch.distributed as dist
 
 from automodel_distributed.checkpoint._dist import agree_on_failure, rank_of, world_of
+from automodel_distributed.checkpoint.integrity import MARKER_FILES_KEY, file_checksums
 
 __all__ = [
     "COMPLETE_MARKER",
+    "complete_checkpoints",
     "is_complete_checkpoint",
     "latest_checkpoint",
     "prepare_staging_dir",
@@ -99,8 +104,9 @@ def publish_staging_dir(
 ) -> Path:
     """Finish a save: agree that every rank wrote its files, then write the marker and rename.
 
-    Collectives: two ``all_gather_object`` over ``group`` (one before publishing, one after, so that
-    on return every rank sees the published folder).
+    Collectives over ``group``: the failure agreement (an ``all_reduce``), the checksums (two
+    ``all_gather_object``; each rank hashes a share of the files) and one after publishing, so that on
+    return every rank sees the published folder.
 
     Args:
         staging: The folder from `prepare_staging_dir`.
@@ -115,11 +121,17 @@ def publish_staging_dir(
         The published folder.
 
     Raises:
-        The write error of any rank (nothing published; the staging folder is left for inspection and
-        removed by the next save to the same path).
+        The write error of any rank (nothing published; rank 0 removes the staging folder, so a disk that
+        filled up gets its space back).
     """
     path = Path(final)
-    agree_on_failure(write_error, f"writing checkpoint {path}", group)
+    try:
+        agree_on_failure(write_error, f"writing checkpoint {path}", group)
+    except BaseException:
+        if rank_of(group) == 0:  # every rank has stopped writing: the agreement above is collective
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    checksums = file_checksums(staging, exclude=frozenset({COMPLETE_MARKER}), group=group)
     error: BaseException | None = None
     if rank_of(group) == 0:
         try:
@@ -129,6 +141,7 @@ def publish_staging_dir(
                 "extra_state": dict(extra_state or {}),
                 "world_size": world_of(group),
                 "time": time.time(),
+                MARKER_FILES_KEY: checksums,
             }
             marker_path = staging / COMPLETE_MARKER
             with marker_path.open("w", encoding="utf-8") as f:
@@ -183,8 +196,8 @@ def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
     return not Path(path).name.startswith(".")
 
 
-def latest_checkpoint(root: str | os.PathLike[str], *, kind: str | None = None) -> Path | None:
-    """The newest complete checkpoint folder directly under ``root``, or None.
+def complete_checkpoints(root: str | os.PathLike[str], *, kind: str | None = None) -> list[Path]:
+    """The complete checkpoint folders directly under ``root``, newest first.
 
     Only folders with a completion marker count (staging and ``.old`` folders never do). Newest means
     the highest recorded ``step``, then the latest save time.
@@ -195,9 +208,8 @@ def latest_checkpoint(root: str | os.PathLike[str], *, kind: str | None = None) 
     """
     base = Path(root)
     if not base.is_dir():
-        return None
-    best: tuple[int, float, str] | None = None
-    found: Path | None = None
+        return []
+    found: list[tuple[tuple[int, float, str], Path]] = []
     for child in base.iterdir():
         if not child.is_dir() or child.name.startswith("."):
             continue
@@ -208,7 +220,13 @@ def latest_checkpoint(root: str | os.PathLike[str], *, kind: str | None = None) 
         if kind is not None and marker.get("format") != kind:
             continue
         step = marker.get("step")
-        rank = (step if isinstance(step, int) else -1, float(marker.get("time") or 0.0), child.name)
-        if best is None or rank > best:
-            best, found = rank, child
-    return found
+        found.append(
+            ((step if isinstance(step, int) else -1, float(marker.get("time") or 0.0), child.name), child)
+        )
+    return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
+
+
+def latest_checkpoint(root: str | os.PathLike[str], *, kind: str | None = None) -> Path | None:
+    """The newest complete checkpoint folder directly under ``root``, or None (see `complete_checkpoints`)."""
+    found = complete_checkpoints(root, kind=kind)
+    return found[0] if found else None

@@ -1,13 +1,21 @@
 """Resumable distributed checkpoints of model and optimizer (torch.distributed.checkpoint).
 
 Each rank writes its own shards (``dcp.save`` with a ``FileSystemWriter``) into the staging folder
-of an atomic save; the step and any JSON extra state go into the completion marker. Loading goes
-through ``get_state_dict`` / ``dcp.load`` / ``set_state_dict``, so a checkpoint saved on one world
-size or layout loads on another (DCP reshards by global offsets).
+of an atomic save, and optionally its own small state (``rank_state``: RNG states, ...) as
+``rank_state/rank_<r>.pt``; the step, any JSON extra state and the checksums of every file go into the
+completion marker. Loading verifies the files against those checksums, then goes through
+``get_state_dict`` / ``dcp.load`` / ``set_state_dict``, so a checkpoint saved on one world size or layout
+loads on another (DCP reshards by global offsets).
+
+Guards: a model holding a NaN or Inf is not saved (`save_distributed_checkpoint` raises before writing
+anything, naming the tensor and the ranks); a write that fails (a full disk) publishes nothing, removes
+its staging folder and raises `CheckpointWriteError`, naming the cause; the previous checkpoints are
+untouched in both cases.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,16 +26,87 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from automodel_distributed.checkpoint._dist import agree_on_failure, rank_of
 from automodel_distributed.checkpoint.atomic import (
+    COMPLETE_MARKER,
     prepare_staging_dir,
     publish_staging_dir,
     read_marker,
 )
 from automodel_distributed.checkpoint.hf_load import _default_device, _has_meta, _reshard_fsdp
+from automodel_distributed.checkpoint.integrity import MARKER_FILES_KEY, verify_checkpoint
 from automodel_distributed.checkpoint.keys import collect_tensor_slots
 from automodel_distributed.checkpoint.materialize import _mark, materialize_meta_tensors, verify_materialized
 
-__all__ = ["CheckpointInfo", "load_distributed_checkpoint", "save_distributed_checkpoint"]
+__all__ = [
+    "RANK_STATE_DIR",
+    "CheckpointInfo",
+    "CheckpointWriteError",
+    "load_distributed_checkpoint",
+    "save_distributed_checkpoint",
+]
+
+RANK_STATE_DIR = "rank_state"
+"""Sub-folder of a distributed checkpoint holding each rank's ``rank_state`` (``rank_<r>.pt``)."""
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class CheckpointWriteError(OSError):
+    """A distributed checkpoint could not be written (nothing was published).
+
+    Attributes:
+        path: The checkpoint folder that was being saved.
+    """
+
+    def __init__(self, path: Path, cause: BaseException) -> None:
+        self.path = path
+        found = _os_error(cause)
+        reason = f"{type(cause).__name__}: {cause}"
+        hint = ""
+        if found is not None:
+            reason = f"{found.strerror or found} ({found.filename or 'a checkpoint file'})"
+            if found.errno in _DISK_FULL:
+                hint = "; free disk space (or lower the number of checkpoints kept) and save again"
+        super().__init__(
+            found.errno if found is not None else errno.EIO,
+            f"saving the distributed checkpoint {path} failed: {reason}. Nothing was published and its "
+            f"staging folder was removed; the previous checkpoints are intact{hint}",
+        )
+
+
+def _probe_space(folder: Path, rank: int) -> OSError | None:
+    """After a failed write: whether ``folder``'s file system still takes 1 MiB (the error if not).
+
+    torch's writers can report a full disk without its errno (``torch.save`` raises ``RuntimeError:
+    unexpected pos``); writing a probe tells a full disk apart from other failures.
+    """
+    probe = folder / f".space_probe_{rank}"
+    try:
+        with probe.open("wb") as handle:
+            handle.write(bytes(2**20))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        return exc
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
+def _os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
+    """The first ``OSError`` in ``exc``, its causes, or the per-rank failures of a DCP exception."""
+    if exc is None or depth > 8:
+        return None
+    if isinstance(exc, OSError):
+        return exc
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if isinstance(failures, Mapping):
+        for item in failures.values():
+            inner = item[0] if isinstance(item, tuple) else item
+            if isinstance(inner, BaseException) and (found := _os_error(inner, depth + 1)) is not None:
+                return found
+    return _os_error(exc.__cause__ or exc.__context__, depth + 1)
 
 
 @dataclass(frozen=True)
@@ -45,6 +124,8 @@ class CheckpointInfo:
     step: int | None
     extra_state: Mapping[str, Any] = field(default_factory=dict)
     world_size: int = 1
+    rank_state: Mapping[str, Any] | None = None
+    """This rank's ``rank_state`` from the save (None when that rank did not exist or saved none)."""
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -56,6 +137,35 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _check_finite(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank if any rank's share of the model holds a NaN or Inf (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    bad = []
+    for name, tensor in model.state_dict().items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if (
+            isinstance(local, torch.Tensor)
+            and local.is_floating_point()
+            and not bool(torch.isfinite(local).all())
+        ):
+            bad.append(name)
+    error = None
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        error = ValueError(
+            f"not saving a checkpoint: {bad[0]}{more} holds NaN or Inf values on rank {rank_of(group)}; the "
+            "training diverged (a NaN/Inf check on the loss and gradient norm stops it earlier)"
+        )
+    agree_on_failure(error, "checking the model for NaN/Inf before saving", group)
+
+
+def _save_rank_state(staging: Path, rank_state: Mapping[str, Any], group: dist.ProcessGroup | None) -> None:
+    folder = staging / RANK_STATE_DIR
+    folder.mkdir(exist_ok=True)
+    torch.save(dict(rank_state), folder / f"rank_{rank_of(group):05d}.pt")
+
+
 def save_distributed_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -63,24 +173,30 @@ def save_distributed_checkpoint(
     *,
     step: int | None = None,
     extra_state: Mapping[str, Any] | None = None,
+    rank_state: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    check_finite: bool = True,
     process_group: dist.ProcessGroup | None = None,
 ) -> Path:
     """Save model (and optimizer) state for resuming, each rank writing its own shards, atomically.
 
     Preconditions: every rank calls this with the same ``path`` on a shared file system. Collectives:
-    those of ``get_state_dict`` and ``dcp.save`` (plan gather/scatter over the default group) plus the
-    atomic publish (three ``all_gather_object`` over ``process_group``). Nothing is mutated, except that
-    an optimizer without state yet gets it initialised by ``get_state_dict``, and FSDP2 modules are
-    resharded.
+    the finite check (an ``all_reduce``), those of ``get_state_dict`` and ``dcp.save`` (plan
+    gather/scatter over the default group) plus the atomic publish (failure agreement, checksums and a
+    final ``all_gather_object`` over ``process_group``). Nothing is mutated, except that an optimizer
+    without state yet gets it initialised by ``get_state_dict``, and FSDP2 modules are resharded.
 
     Args:
         model: The (sharded) model.
         optimizer: Its optimizer, or None for model state only.
         path: The checkpoint folder to publish (e.g. ``<root>/step_00001000``).
         step: Training step, recorded in the marker (`latest_checkpoint` orders by it).
-        extra_state: JSON-serialisable state to record (data-loader position, RNG seeds, ...).
+        extra_state: JSON-serialisable state to record, the same on every rank (data-loader position,
+            ...); it goes into the completion marker.
+        rank_state: This rank's own state (RNG states, ...), anything ``torch.load(weights_only=True)``
+            reads back (tensors, numbers, strings, lists, tuples, dicts); written per rank.
         overwrite: Replace an existing folder at ``path``.
+        check_finite: Refuse to save a model holding a NaN or Inf (checked on every rank's shards).
         process_group: Ranks that save together (default: the world).
 
     Returns:
@@ -88,22 +204,45 @@ def save_distributed_checkpoint(
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False.
-        torch.distributed.checkpoint.api.CheckpointException: A rank failed to write (on every rank).
+        ValueError: ``check_finite`` and some rank's shards hold a NaN or Inf (nothing written).
+        CheckpointWriteError: A rank failed to write (on every rank; nothing published, the staging
+            folder removed).
     """
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
     _reshard_fsdp(model)
-    staging = prepare_staging_dir(path, overwrite=overwrite, group=process_group)
+    if check_finite:
+        _check_finite(model, process_group)
+    final = Path(path)
+    staging = prepare_staging_dir(final, overwrite=overwrite, group=process_group)
     state = _state(model, optimizer)
     error: BaseException | None = None
     try:
         save(state, storage_writer=FileSystemWriter(str(staging)))
-    except Exception as exc:  # dcp gathers every rank's failure and raises on all of them
+        if rank_state is not None:
+            _save_rank_state(staging, rank_state, process_group)
+    # dcp gathers every rank's failure and raises it on all of them, as a BaseException subclass.
+    except (Exception, CheckpointException) as exc:
         error = exc
-    return publish_staging_dir(
-        staging, path, kind="dcp", step=step, extra_state=extra_state, group=process_group, write_error=error
-    )
+        if _os_error(exc) is None and (full := _probe_space(staging, rank_of(process_group))) is not None:
+            full.__cause__ = exc  # the probe's errno (ENOSPC) names what the writer's message hides
+            error = full
+    try:
+        return publish_staging_dir(
+            staging,
+            final,
+            kind="dcp",
+            step=step,
+            extra_state=extra_state,
+            group=process_group,
+            write_error=error,
+        )
+    except (Exception, CheckpointException) as exc:
+        if error is None and _os_error(exc) is None:
+            raise
+        raise CheckpointWriteError(final, error if error is not None else exc) from exc
 
 
 def load_distributed_checkpoint(
@@ -113,6 +252,7 @@ def load_distributed_checkpoint(
     *,
     strict: bool = True,
     device: torch.device | str | None = None,
+    verify: bool = True,
 ) -> CheckpointInfo:
     """Load a checkpoint written by `save_distributed_checkpoint` into ``model`` (and ``optimizer``).
 
@@ -120,7 +260,8 @@ def load_distributed_checkpoint(
     on ``device`` first (every tensor is then filled from the checkpoint).
 
     Preconditions: ``path`` is complete (has the completion marker; checked before any collective, on
-    every rank); every rank calls this. Collectives: those of ``dcp.load`` and ``set_state_dict``.
+    every rank); every rank calls this. Collectives: the verification (``all_gather_object``; each rank
+    hashes a share of the files), those of ``dcp.load`` and ``set_state_dict``.
 
     Args:
         model: The (sharded) model; loaded in place.
@@ -129,12 +270,16 @@ def load_distributed_checkpoint(
         strict: Every model (and optimizer) tensor must be in the checkpoint. With False, a model
             that was on meta must be initialised first (`initialize_model_weights`).
         device: Where meta tensors are materialised (default as in `load_hf_checkpoint`).
+        verify: Check every file against the checksums of the completion marker first (checkpoints
+            saved before checksums existed have none and are loaded unverified).
 
     Returns:
-        The recorded step, extra state and saving world size.
+        The recorded step, extra state, saving world size and this rank's ``rank_state``.
 
     Raises:
         FileNotFoundError: ``path`` is missing or incomplete (an interrupted save).
+        CorruptCheckpointError: ``verify`` and a file's bytes differ from the recorded checksum (on every
+            rank, naming the file); nothing was loaded.
         RuntimeError: A tensor is still on meta or uninitialised afterwards.
     """
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -151,6 +296,9 @@ def load_distributed_checkpoint(
             f"{folder} holds a {marker.get('format')!r} checkpoint, not a distributed one; load it with "
             "load_hf_checkpoint"
         )
+    recorded = marker.get(MARKER_FILES_KEY)
+    if verify and isinstance(recorded, dict):
+        verify_checkpoint(folder, recorded, exclude=frozenset({COMPLETE_MARKER}))
     if _has_meta(model):
         materialize_meta_tensors(model, device if device is not None else _default_device(model))
     _reshard_fsdp(model)
@@ -169,9 +317,11 @@ def load_distributed_checkpoint(
             _mark(slot.tensor, False)
     verify_materialized(model)
     step = marker.get("step")
+    own = folder / RANK_STATE_DIR / f"rank_{rank_of():05d}.pt"
     return CheckpointInfo(
         folder,
         step if isinstance(step, int) else None,
         dict(marker.get("extra_state") or {}),
         int(marker.get("world_size") or 1),
+        torch.load(own, weights_only=True) if own.is_file() else None,
     )

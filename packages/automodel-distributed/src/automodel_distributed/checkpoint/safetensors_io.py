@@ -84,10 +84,12 @@ class CorruptCheckpointError(ValueError):
 
     Attributes:
         path: The offending file.
+        problem: What is wrong with it.
     """
 
     def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
         self.path = Path(path)
+        self.problem = problem
         super().__init__(
             f"checkpoint file {self.path} is corrupt: {problem}. Re-download or re-save it (a partial "
             "copy or an interrupted save leaves files like this)."

@@ -173,8 +173,37 @@ def _check_sp_attention(model: nn.Module) -> None:
         )
 
 
-def _sp_input_check(tp_size: int) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-    def check(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _packed_mask(model: nn.Module, inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The causal mask of packed rows, built by transformers from the *whole* sequence's positions.
+
+    Under SP the base model sees the embeddings' local sequence slice and would build its mask for that
+    length. transformers' own `create_causal_mask` is called here with the full length instead; a 4D mask
+    passed in is used by the model as is. None when no row is packed (plain causal attention then).
+    """
+    from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
+
+    if find_packed_sequence_indices(position_ids) is None:
+        return None
+    _, hf_model = find_hf_model(model)
+    config = hf_model.config
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ValueError(
+            f"sequence parallelism with packed sequences (position_ids restarting inside a row) builds the "
+            f"full-attention mask only, but {type(hf_model).__name__} has {sorted(layer_types)} layers; "
+            "use tensor parallelism without sequence_parallel, or one sequence per row"
+        )
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    shape_only = torch.empty(*inputs.shape[:2], 0, dtype=dtype, device=inputs.device)
+    mask = create_causal_mask(config, shape_only, None, None, position_ids=position_ids)
+    assert isinstance(mask, torch.Tensor), type(mask)
+    return mask
+
+
+def _sp_inputs(
+    tp_size: int,
+) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]] | None]:
+    def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
         x = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp_size:
@@ -183,8 +212,9 @@ def _sp_input_check(tp_size: int) -> Callable[[nn.Module, tuple[Any, ...], dict[
                 f"{x.shape[1]}; pad the batch to a multiple of {tp_size}"
             )
         if len(args) > 1:
-            return  # positional position_ids / attention_mask cannot be told apart here
-        if kwargs.get("position_ids") is None:
+            return None  # positional position_ids / attention_mask cannot be told apart here
+        positions = kwargs.get("position_ids")
+        if positions is None:
             raise ValueError(
                 "sequence parallelism needs explicit position_ids (e.g. torch.arange(seq_len) per row): "
                 "transformers would derive them from the local sequence slice"
@@ -194,6 +224,11 @@ def _sp_input_check(tp_size: int) -> Callable[[nn.Module, tuple[Any, ...], dict[
                 "sequence parallelism does not take an attention_mask (transformers would build the mask "
                 "from the local sequence slice); pass unpadded or packed batches with position_ids instead"
             )
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            mask = _packed_mask(module, x, positions.expand(x.shape[0], -1))
+            if mask is not None:
+                return args, {**kwargs, "attention_mask": mask}
+        return None
 
     return check
 
@@ -228,8 +263,11 @@ def apply_tensor_parallel(
     Sequence parallelism (``sequence_parallel=True``) keeps activations between blocks sharded on the
     sequence dim. With transformers models it needs: ``attn_implementation="sdpa"``; explicit
     ``position_ids``; no ``attention_mask``; a sequence length divisible by the TP size; ``use_cache=False``.
-    A forward pre-hook on ``model`` raises a ``ValueError`` when a batch breaks one of these. Hidden states
-    returned by the base model are sequence slices; the logits are full.
+    A forward pre-hook on ``model`` raises a ``ValueError`` when a batch breaks one of these. Packed rows
+    (``position_ids`` restarting per document) get their block-diagonal causal mask from the same hook:
+    transformers' ``create_causal_mask`` over the whole sequence (the base model would build it for its
+    local slice), for models whose layers all use full attention. Hidden states returned by the base
+    model are sequence slices; the logits are full.
 
     Mesh axes and collectives: ``tp_mesh`` is the 1-D ``tp`` axis; sharding scatters/broadcasts weights
     from TP rank 0; the forward and backward all-reduce (TP) or all-gather / reduce-scatter (SP) over it.
@@ -282,7 +320,7 @@ def apply_tensor_parallel(
     for module, attr, value in head_fixes:
         setattr(module, attr, value)
     if is_sp:
-        model.register_forward_pre_hook(_sp_input_check(tp_size), with_kwargs=True)
+        model.register_forward_pre_hook(_sp_inputs(tp_size), with_kwargs=True)
     logger.info(
         "tensor parallel over %d ranks%s: %d plan entries",
         tp_size,

@@ -1,0 +1,240 @@
+"""The training loop of a worker: steps, checks every rank agrees on, metrics, evaluation, checkpoints.
+
+Per step (every rank, in this order):
+
+1. the learning rate of the step (warm-up, cosine decay);
+2. the loss normaliser: ``N / dp_cp`` with ``N`` the label tokens of the whole global batch (known on
+   every rank: every rank holds the rows, and the order is a function of seed and step);
+3. forward and backward over this rank's rows (`run_step`);
+4. one ``all_reduce`` (`StepStatus`): the loss, a stop request, NaN/Inf per rank in the loss and the
+   gradients; then the global gradient norm (clipped when ``train.max_grad_norm``);
+5. a NaN or Inf stops the job on every rank with `NonFiniteError` naming the step and the ranks, or
+   (``train.on_nonfinite: skip``) drops the update and counts the step;
+6. the optimizer step; the JSON line; evaluation every ``train.eval_every`` steps; a checkpoint every
+   ``train.checkpoint_every`` steps, at the end, and when a stop signal arrived (then the loop ends).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from automodel_all.cli.data import RowSampler, fingerprint
+from automodel_all.cli.evaluate import evaluate
+from automodel_all.cli.export import prune_checkpoints
+from automodel_all.cli.guards import NonFiniteError, StepStatus, StopRequest, local_grads_finite
+from automodel_all.cli.metrics import ExpertLoad, MetricsWriter
+from automodel_all.cli.packing import IGNORE_INDEX
+from automodel_all.cli.progress import Progress, memory_gib, warn
+from automodel_all.cli.resume import ResumePoint, checkpoint_root, save_checkpoint
+from automodel_all.cli.steps import clip_gradients, lr_at, run_step
+
+__all__ = ["LoopResult", "train_loop"]
+
+
+class LoopResult:
+    """How the loop ended: ``completed`` or ``preempted`` (with the signal's name)."""
+
+    def __init__(self, outcome: str, step: int, signal_name: str | None = None) -> None:
+        self.outcome = outcome
+        self.step = step
+        self.signal_name = signal_name
+
+
+def _dp_coordinates(run: Any) -> tuple[int, int]:
+    """This rank's data-parallel index and the data-parallel size."""
+    if run.mesh.device_mesh is None:  # DDP: every rank is a data-parallel rank
+        return dist.get_rank(), dist.get_world_size()
+    group = run.mesh.get_group("dp")
+    return dist.get_rank(group), run.resolved.dp_size
+
+
+def data_position(run: Any, sampler: RowSampler, step: int) -> dict[str, Any]:
+    """What a checkpoint records about the data (see `automodel_all.cli.resume`)."""
+    return {**sampler.state(step), "fingerprint": fingerprint(run.rows)}
+
+
+class _Loop:
+    """State shared by the steps of one run."""
+
+    def __init__(self, run: Any, start: ResumePoint, stop: StopRequest) -> None:
+        job, layout = run.job, run.resolved.layout
+        self.run, self.stop = run, stop
+        self.train = job.train
+        self.rank = dist.get_rank()
+        self.sampler = RowSampler(len(run.rows), self.train.global_batch_size, self.train.seed)
+        self.dp_rank, self.dp_size = _dp_coordinates(run)
+        self.pp_group = run.mesh.get_group("pp") if layout.pp > 1 else None
+        self.cp_mesh = run.mesh if layout.cp > 1 else None
+        self.tp = layout.tp
+        self.dp_cp = layout.dp_cp
+        self.params = [p for group in run.optimizer.param_groups for p in group["params"]]
+        self.skipped = start.skipped_steps
+        self.metrics = MetricsWriter(run.out, enabled=self.rank == 0, tensorboard=self.train.tensorboard)
+        self.experts = ExpertLoad.attach(run.parts)
+        fp8 = job.fp8
+        self.precompute_fp8 = fp8 is not None and fp8.enabled and fp8.precompute_float8_dynamic_scale_for_fsdp
+        self.progress = Progress(
+            total=self.train.steps, initial=start.step, enabled=self.rank == 0, device=run.device
+        )
+
+    # ------------------------------------------------------------------------------------ one step
+
+    def _global_counts(self, step: int) -> tuple[int, int]:
+        """Label tokens and document tokens of the whole global batch of ``step`` (local: no collective)."""
+        rows = self.sampler.indices(step, 0, 1)
+        return int((self.run.rows.labels[rows] != IGNORE_INDEX).sum()), int(self.run.rows.tokens[rows].sum())
+
+    def step(self, step: int) -> tuple[dict[str, Any], bool]:
+        """Train step ``step`` (0-based); returns its log record and whether a stop was requested."""
+        run, train = self.run, self.train
+        began = time.perf_counter()
+        lr = lr_at(
+            step,
+            lr=train.lr,
+            warmup_steps=train.warmup_steps,
+            total_steps=train.steps,
+            min_lr_ratio=train.min_lr_ratio,
+        )
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        labels, tokens = self._global_counts(step)
+        run.loss_fn.denominator = max(labels, 1) / self.dp_cp
+        local = run_step(
+            run.model if run.pipeline is None else None,
+            run.rows.batch(self.sampler.indices(step, self.dp_rank, self.dp_size), run.device),
+            loss_fn=run.loss_fn,
+            micro_batch_size=train.micro_batch_size,
+            strategy=run.strategy,
+            pipeline=run.pipeline,
+            cp_mesh=self.cp_mesh,
+        )
+        status = StepStatus.agree(
+            local, stop=self.stop.requested, grads_finite=local_grads_finite(self.params), device=run.device
+        )
+        grad_norm = clip_gradients(self.params, train.max_grad_norm, self.pp_group)
+        done = step + 1
+        skipped = False
+        if not (status.finite and math.isfinite(grad_norm)):
+            problem = status.describe(done, None if math.isfinite(grad_norm) else grad_norm)
+            if train.on_nonfinite == "error":
+                raise NonFiniteError(
+                    f"{problem}. Stopping before the update, so the weights and the last checkpoint stay "
+                    "finite; lower train.lr, check the data, or set train.on_nonfinite: skip"
+                )
+            skipped = True
+            self.skipped += 1
+            if self.rank == 0:
+                warn(f"{problem}: skipped (no update), {self.skipped} step(s) skipped so far")
+        else:
+            run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        if self.precompute_fp8 and not skipped:
+            from automodel_quant.fp8 import precompute_fp8_scales_for_fsdp
+
+            for part in run.parts:
+                precompute_fp8_scales_for_fsdp(part)
+        elapsed = time.perf_counter() - began
+        loss = status.loss_sum / (max(labels, 1) * self.tp) if not status.bad_loss else float("nan")
+        record: dict[str, Any] = {
+            "step": done,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": labels,
+            "tokens_per_s": tokens / elapsed,
+            "seconds": elapsed,
+            "memory_gib": memory_gib(run.device),
+            "skipped": skipped,
+            "skipped_total": self.skipped,
+        }
+        if self.experts is not None:
+            record["moe"] = self.experts.summary()
+        return record, status.stop
+
+    # ----------------------------------------------------------------------------- eval, checkpoint
+
+    def evaluate(self, done: int) -> None:
+        run = self.run
+        if run.eval_rows is None:
+            return
+        if self.experts is not None:
+            self.experts.active = False
+        per_forward = (
+            run.resolved.rows_per_dp_rank if run.pipeline is not None else self.train.micro_batch_size
+        )
+        result = evaluate(
+            run.model if run.pipeline is None else None,
+            run.eval_rows,
+            loss_fn=run.loss_fn,
+            strategy=run.strategy,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            rows_per_forward=per_forward,
+            tp_size=self.tp,
+            device=run.device,
+            pipeline=run.pipeline,
+            cp_mesh=self.cp_mesh,
+        )
+        if self.experts is not None:
+            self.experts.active = True
+        self.metrics.evaluation({"step": done, **result})
+        if self.rank == 0:
+            self.progress.write(
+                f"step {done}: eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f} "
+                f"({result['eval_tokens']} tokens)"
+            )
+
+    def checkpoint(self, done: int, reason: str) -> None:
+        run = self.run
+        save_checkpoint(
+            run.state_module,
+            run.optimizer,
+            run.out,
+            step=done,
+            data=data_position(run, self.sampler, done),
+            skipped_steps=self.skipped,
+            reason=reason,
+            device=run.device,
+        )
+        if self.rank == 0:
+            prune_checkpoints(checkpoint_root(run.out), self.train.keep_checkpoints)
+        dist.barrier()
+
+    # ------------------------------------------------------------------------------------------ run
+
+    def run_from(self, start: int) -> LoopResult:
+        train = self.train
+        try:
+            for step in range(start, train.steps):
+                record, stop = self.step(step)
+                done = step + 1
+                self.metrics.step(record)
+                self.progress.update(loss=record["loss"], tokens_per_s=record["tokens_per_s"])
+                last = done == train.steps
+                if stop and not last:  # preempted: the checkpoint first, within the launcher's grace period
+                    self.checkpoint(done, "preempted")
+                    name = (
+                        self.stop.signal.name
+                        if self.stop.signal is not None
+                        else "a stop signal on another rank"
+                    )
+                    return LoopResult("preempted", done, name)
+                if last or (train.eval_every and done % train.eval_every == 0):
+                    self.evaluate(done)
+                if last or (train.checkpoint_every and done % train.checkpoint_every == 0):
+                    self.checkpoint(done, "final" if last else "periodic")
+            if start >= train.steps and self.run.eval_rows is not None:
+                self.evaluate(start)
+            return LoopResult("completed", max(start, train.steps))
+        finally:
+            self.progress.close()
+            self.metrics.close()
+
+
+def train_loop(run: Any, start: ResumePoint, stop: StopRequest) -> LoopResult:
+    """Train from ``start.step`` to ``train.steps`` (collective; see the module docstring)."""
+    return _Loop(run, start, stop).run_from(start.step)

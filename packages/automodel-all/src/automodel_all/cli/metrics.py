@@ -1,0 +1,245 @@
+"""What a run records: one JSON line per step and per evaluation, TensorBoard events, a loss-curve PNG.
+
+Files in the output folder (rank 0 writes them):
+
+- ``train_log.jsonl``: one line per optimizer step: ``step``, ``loss``, ``lr``, ``grad_norm``,
+  ``tokens`` (label tokens of the global batch), ``tokens_per_s`` (tokens of documents, padding
+  excluded, over all ranks), ``seconds``, ``memory_gib`` (rank 0: resident set on CPU, peak CUDA
+  allocation on GPU), ``skipped`` (a step dropped for a NaN/Inf, ``train.on_nonfinite: skip``) and
+  ``skipped_total``; for mixture-of-experts models also ``moe`` (see `ExpertLoad`).
+- ``eval_log.jsonl``: one line per evaluation: ``step``, ``eval_loss``, ``eval_ppl``, ``eval_tokens``.
+- ``tensorboard/``: the same scalars as TensorBoard events (``train.tensorboard: true``; the
+  ``automodel-all[tensorboard]`` extra).
+- ``loss_curve.png``: training and evaluation loss against the step, drawn at the end when
+  matplotlib is installed (the ``automodel-all[plot]`` extra; ``train.plot``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "EVAL_LOG",
+    "PLOT_FILE",
+    "TRAIN_LOG",
+    "ExpertLoad",
+    "MetricsWriter",
+    "plot_losses",
+    "truncate_logs",
+]
+
+TRAIN_LOG = "train_log.jsonl"
+EVAL_LOG = "eval_log.jsonl"
+PLOT_FILE = "loss_curve.png"
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def truncate_logs(out: Path, last_step: int) -> None:
+    """Keep the log lines of steps up to ``last_step`` (a resumed run rewrites what follows)."""
+    for name in (TRAIN_LOG, EVAL_LOG):
+        path = out / name
+        if last_step == 0:
+            path.unlink(missing_ok=True)
+            continue
+        kept = [r for r in _read(path) if r["step"] <= last_step]
+        if path.is_file():
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+
+
+class MetricsWriter:
+    """Appends the JSON lines (and TensorBoard events) on rank 0; a no-op on the other ranks.
+
+    Args:
+        out: The output folder.
+        enabled: True on the rank that writes (rank 0).
+        tensorboard: Also write TensorBoard events under ``out/tensorboard``.
+
+    Raises:
+        ImportError: ``tensorboard`` is asked for but the package is missing (names the extra).
+    """
+
+    def __init__(self, out: Path, *, enabled: bool, tensorboard: bool) -> None:
+        self._out = out
+        self._enabled = enabled
+        self._board: Any = None
+        if enabled and tensorboard:
+            self._board = open_tensorboard(out / "tensorboard")
+
+    def _write(self, name: str, record: dict[str, Any], prefix: str) -> None:
+        if not self._enabled:
+            return
+        # NaN / Inf (a skipped step) become null: JSON has no such numbers.
+        plain = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        with (self._out / name).open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(plain) + "\n")
+        if self._board is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self._board.add_scalar(f"{prefix}/{key}", value, record["step"])
+            for key, value in (record.get("moe") or {}).items():
+                if isinstance(value, int | float):
+                    self._board.add_scalar(f"moe/{key}", value, record["step"])
+
+    def step(self, record: dict[str, Any]) -> None:
+        """Record one training step."""
+        self._write(TRAIN_LOG, record, "train")
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        """Record one evaluation."""
+        self._write(EVAL_LOG, record, "eval")
+
+    def close(self) -> None:
+        """Flush TensorBoard."""
+        if self._board is not None:
+            self._board.close()
+
+
+def open_tensorboard(folder: Path) -> Any:
+    """A ``SummaryWriter`` writing into ``folder``.
+
+    Raises:
+        ImportError: The ``tensorboard`` package is missing; the message names the extra to install.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ImportError(
+            "train.tensorboard needs the tensorboard package: pip install 'automodel-all[tensorboard]' "
+            f"(or uv sync --extra tensorboard) ({exc})"
+        ) from None
+    return SummaryWriter(log_dir=str(folder))
+
+
+def plot_losses(out: Path, *, required: bool = False) -> Path | None:
+    """Draw ``out/loss_curve.png`` from the logs (training loss, and evaluation loss if any).
+
+    Args:
+        out: The output folder.
+        required: Warn (naming the extra) when matplotlib is missing; otherwise skip silently.
+
+    Returns:
+        The PNG, or None when matplotlib is not installed or nothing was logged.
+    """
+    train = [
+        r for r in _read(out / TRAIN_LOG) if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])
+    ]
+    evals = _read(out / EVAL_LOG)
+    if not train:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if required:
+            warnings.warn(
+                "train.plot: matplotlib is not installed, so no loss_curve.png was drawn; install "
+                "'automodel-all[plot]' (or set train.plot: false)",
+                stacklevel=2,
+            )
+        return None
+    figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
+    axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="training loss", linewidth=1)
+    if evals:
+        axis.plot(
+            [r["step"] for r in evals],
+            [r["eval_loss"] for r in evals],
+            "o-",
+            label="evaluation loss",
+            linewidth=2,
+        )
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss (nats per target token)")
+    axis.set_title(f"automodel train: {out.name}")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    path = out / PLOT_FILE
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+class ExpertLoad:
+    """Tokens per expert of a mixture-of-experts model, per step: min / max / mean over the ranks.
+
+    Forward pre-hooks on every experts module (found through `automodel_moe`'s family registry) count
+    the ``top_k_index`` each receives (the transformers 5 experts convention: ``experts(hidden,
+    top_k_index, top_k_weights)``, also that of `ExpertParallelExperts`), summed over the layers this
+    rank holds and the micro-batches of the step. `summary` reduces the counts over all ranks.
+
+    This is the CLI's own meter until ``automodel_moe`` offers a per-step histogram; it is built only
+    when the model has experts (``ExpertLoad.attach`` returns None otherwise).
+    """
+
+    def __init__(self, modules: list[nn.Module], num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.counts = torch.zeros(num_experts, dtype=torch.float64)
+        self.active = True
+        for module in modules:
+            module.register_forward_pre_hook(self._count)
+
+    def _count(self, _module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self.active and len(args) >= 2 and isinstance(args[1], torch.Tensor):
+            index = args[1].detach().flatten().to("cpu", torch.int64)
+            self.counts += torch.bincount(index, minlength=self.num_experts).double()
+
+    @classmethod
+    def attach(cls, parts: list[nn.Module]) -> ExpertLoad | None:
+        """Hook the experts of ``parts`` (a model, or this rank's pipeline stages); None for a dense model."""
+        from automodel_moe.registry import MOE_FAMILIES
+
+        modules: list[nn.Module] = []
+        num_experts = None
+        for part in parts:
+            config = getattr(part, "config", None)
+            family = MOE_FAMILIES.get(str(getattr(config, "model_type", None)))
+            if family is None:
+                continue
+            num_experts = int(getattr(config, family.num_experts_field))
+            for _, module in part.named_modules():
+                if type(module).__name__ == family.sparse_block_class:
+                    experts = getattr(module, family.experts_attr, None)
+                    if isinstance(experts, nn.Module):
+                        modules.append(experts)
+        if num_experts is None:
+            return None
+        return cls(modules, num_experts)
+
+    def summary(self) -> dict[str, Any]:
+        """Reduce this step's counts over every rank and reset them (collective: three ``all_reduce``).
+
+        Returns:
+            ``tokens_per_expert``: the mean over ranks of each expert's count (the histogram);
+            ``min_over_ranks`` / ``max_over_ranks``: each expert's lowest and highest count on a rank;
+            ``imbalance``: the busiest expert's mean count over the average expert's (1.0 is even).
+        """
+        local = self.counts.clone()
+        total, low, high = local.clone(), local.clone(), local.clone()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        self.counts.zero_()
+        mean = total / (dist.get_world_size() if dist.is_initialized() else 1)
+        average = float(mean.mean())
+        return {
+            "tokens_per_expert": [round(float(v), 2) for v in mean],
+            "min_over_ranks": [int(v) for v in low],
+            "max_over_ranks": [int(v) for v in high],
+            "imbalance": float(mean.max()) / average if average > 0 else 0.0,
+        }

@@ -1,0 +1,212 @@
+"""Token documents -> fixed-length training rows, in one of three layouts (``data.packing``).
+
+Every layout gives, per row of ``seq_len`` slots, ``input_ids``, ``labels`` (the target of each slot,
+already shifted; ``-100`` where nothing is predicted) and ``position_ids``:
+
+- ``concat``: the documents are joined into one stream and cut into rows of ``seq_len + 1`` tokens
+  (inputs ``row[:-1]``, labels ``row[1:]``); positions run ``0 .. seq_len - 1`` and attention crosses
+  document boundaries, as in pre-training on a corpus. No padding.
+- ``packed``: whole documents are placed into rows (best-fit decreasing), each with its own positions
+  ``0, 1, ...``. transformers sees the position restarts and builds a block-diagonal causal mask
+  (``masking_utils.find_packed_sequence_indices``), so attention never crosses documents and each
+  document's loss is what it would be alone. A document of ``L`` tokens takes ``L - 1`` slots (inputs
+  ``ids[:-1]``, labels ``ids[1:]``). The tail of a row is padding that continues the last document's
+  positions: it comes after that document's tokens, so causal attention keeps them apart, and its labels
+  are ``-100``.
+- ``padded``: one document per row, padded at the end, positions ``0 .. seq_len - 1``: exact under any
+  causal attention without a mask (context parallelism's ring attention included).
+
+A document longer than a row is split into row-sized pieces when every token is a target (plain text),
+and truncated otherwise (a conversation's answer means nothing without its prompt); `PackReport` counts
+both, and the documents left with nothing to predict.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from automodel_all.cli.encode import Document
+
+__all__ = ["IGNORE_INDEX", "PACKINGS", "PackReport", "TokenRows", "pack_documents"]
+
+IGNORE_INDEX = -100
+"""Label of slots without a target (the loss ignores them)."""
+
+PACKINGS = ("concat", "packed", "padded")
+"""Values of ``data.packing``."""
+
+
+@dataclass
+class PackReport:
+    """What packing did to the documents."""
+
+    documents: int = 0
+    split: int = 0
+    """Documents longer than a row cut into several (plain text)."""
+    truncated: int = 0
+    """Documents longer than a row cut at the row's end (prompt/completion, conversations)."""
+    dropped: int = 0
+    """Documents (or pieces) with no target token left, not used."""
+    rows: int = 0
+    fill: float = 0.0
+    """Fraction of slots holding document tokens (1.0: no padding)."""
+
+
+@dataclass
+class TokenRows:
+    """Training rows: ``input_ids``, ``labels``, ``position_ids`` of shape ``[rows, seq_len]``.
+
+    Stored as int32 (half the memory of int64); `batch` returns int64 tensors.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    tokens: torch.Tensor
+    """``[rows]`` slots holding document tokens (not padding), for throughput figures."""
+    report: PackReport = field(default_factory=PackReport)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        """Slots per row."""
+        return int(self.input_ids.shape[1])
+
+    def batch(self, rows: torch.Tensor, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The rows ``rows`` as int64 tensors ``input_ids``, ``labels``, ``position_ids`` (on ``device``)."""
+        return {
+            name: getattr(self, name)[rows].to(device=device, dtype=torch.int64)
+            for name in ("input_ids", "labels", "position_ids")
+        }
+
+    def save(self, path: Path) -> None:
+        """Write the rows to ``path`` (``torch.save``; written beside it, then renamed into place)."""
+        staging = path.with_name(f".{path.name}.{os.getpid()}.partial")  # nodes may share the folder
+        state = {name: getattr(self, name) for name in ("input_ids", "labels", "position_ids", "tokens")}
+        torch.save({**state, "report": vars(self.report)}, staging)
+        staging.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> TokenRows:
+        """Read rows written by `save`."""
+        state = torch.load(path, weights_only=True)
+        report = PackReport(**state.pop("report"))
+        return cls(**state, report=report)
+
+
+def _pieces(doc: Document, width: int, report: PackReport) -> list[Document]:
+    """``doc`` cut to at most ``width`` tokens: split when all are targets, else truncated."""
+    if len(doc.ids) <= width:
+        return [doc]
+    if all(doc.targets):
+        report.split += 1
+        step = width - 1  # consecutive pieces share one token, so every token is a label exactly once
+        return [
+            Document(doc.ids[i : i + width], doc.targets[i : i + width])
+            for i in range(0, len(doc.ids) - 1, step)
+        ]
+    report.truncated += 1
+    return [Document(doc.ids[:width], doc.targets[:width])]
+
+
+def _slots(doc: Document) -> tuple[list[int], list[int]]:
+    """A document's slots: inputs ``ids[:-1]``, labels ``ids[1:]`` where a target, else -100."""
+    labels = [t if keep else IGNORE_INDEX for t, keep in zip(doc.ids[1:], doc.targets[1:], strict=True)]
+    return doc.ids[:-1], labels
+
+
+def _concat(docs: Sequence[Document], seq_len: int, report: PackReport) -> TokenRows:
+    ids = [t for d in docs for t in d.ids]
+    targets = [k for d in docs for k in d.targets]
+    width = seq_len + 1
+    count = len(ids) // width
+    if count == 0:
+        raise ValueError(f"the data has {len(ids)} tokens, fewer than one row of seq_len + 1 = {width}")
+    stream = torch.tensor(ids[: count * width], dtype=torch.int32).view(count, width)
+    keep = torch.tensor(targets[: count * width], dtype=torch.bool).view(count, width)
+    labels = torch.where(keep[:, 1:], stream[:, 1:], torch.full_like(stream[:, 1:], IGNORE_INDEX))
+    positions = torch.arange(seq_len, dtype=torch.int32).expand(count, seq_len).contiguous()
+    report.rows, report.fill = count, 1.0
+    return TokenRows(stream[:, :-1].contiguous(), labels, positions, torch.full((count,), seq_len), report)
+
+
+def _best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of document indices: best-fit decreasing (each document into the fullest row it fits)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free slots, bin index), sorted
+    for index in order:
+        need = lengths[index]
+        at = bisect.bisect_left(free, (need, -1))
+        if at == len(free):
+            bins.append([index])
+            bisect.insort(free, (capacity - need, len(bins) - 1))
+            continue
+        room, target = free.pop(at)
+        bins[target].append(index)
+        bisect.insort(free, (room - need, target))
+    return bins
+
+
+def pack_documents(docs: Sequence[Document], seq_len: int, packing: str, pad_id: int) -> TokenRows:
+    """Lay the documents out in rows of ``seq_len`` slots (see the module docstring).
+
+    Args:
+        docs: The encoded records, in order.
+        seq_len: Slots per row.
+        packing: One of `PACKINGS`.
+        pad_id: Token id of padding slots (never attended to by a document token, never a label).
+
+    Raises:
+        ValueError: Nothing is left to train on (no row, or no document with a target).
+    """
+    assert packing in PACKINGS, packing
+    report = PackReport(documents=len(docs))
+    if packing == "concat":
+        return _concat(docs, seq_len, report)
+    pieces = []
+    for doc in docs:
+        for piece in _pieces(doc, seq_len + 1, report):
+            if len(piece.ids) < 2 or not any(piece.targets[1:]):
+                report.dropped += 1
+            else:
+                pieces.append(piece)
+    if not pieces:
+        raise ValueError(
+            f"none of the {len(docs)} records has a token to learn from (all masked or too short)"
+        )
+    bins = (
+        [[i] for i in range(len(pieces))]
+        if packing == "padded"
+        else _best_fit([len(p.ids) - 1 for p in pieces], seq_len)
+    )
+    count = len(bins)
+    input_ids = torch.full((count, seq_len), pad_id, dtype=torch.int32)
+    labels = torch.full((count, seq_len), IGNORE_INDEX, dtype=torch.int32)
+    positions = torch.empty((count, seq_len), dtype=torch.int32)
+    tokens = torch.empty(count, dtype=torch.int32)
+    for row, members in enumerate(bins):
+        at = 0
+        for index in members:
+            inputs, targets = _slots(pieces[index])
+            end = at + len(inputs)
+            input_ids[row, at:end] = torch.tensor(inputs, dtype=torch.int32)
+            labels[row, at:end] = torch.tensor(targets, dtype=torch.int32)
+            positions[row, at:end] = torch.arange(len(inputs), dtype=torch.int32)
+            at = end
+        # Padding continues the last document's positions: it follows that document, so causal attention
+        # keeps the document from seeing it, and no extra segment (mask block) is needed.
+        last = int(positions[row, at - 1])
+        positions[row, at:] = torch.arange(last + 1, last + 1 + seq_len - at, dtype=torch.int32)
+        tokens[row] = at
+    report.rows = count
+    report.fill = float(tokens.sum()) / (count * seq_len)
+    return TokenRows(input_ids, labels, positions, tokens, report)

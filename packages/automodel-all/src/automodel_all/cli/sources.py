@@ -1,0 +1,132 @@
+"""Where records come from: the embedded corpora, or local files read through Hugging Face ``datasets``.
+
+``data.path`` may be:
+
+- ``null`` or ``builtin:text``: the documentation topics that ship with Python (one record per topic);
+- ``builtin:chat``: the embedded chat dataset (splits ``train`` and ``validation``);
+- a file: ``.json`` / ``.jsonl`` (the ``json`` builder), ``.parquet``, ``.csv``, ``.arrow``, or
+  ``.txt`` / ``.md`` (the ``text`` builder, one record per file);
+- a folder of such files, read recursively; ``datasets`` infers splits from the file names
+  (``train.jsonl``, ``validation.jsonl``, ``test-*.parquet``, ...), everything else is ``train``;
+- a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``.
+
+Records are plain dicts. ``datasets`` keeps its Arrow cache under the job's output folder
+(``<output_dir>/data/cache``), never in the home directory, so runs do not share state by accident.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BUILTIN_SOURCES", "FILE_BUILDERS", "check_source", "read_records"]
+
+BUILTIN_SOURCES = ("builtin:text", "builtin:chat")
+"""Names of the embedded data sources."""
+
+FILE_BUILDERS: dict[str, str] = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+    ".txt": "text",
+    ".md": "text",
+}
+"""File suffix -> ``datasets`` packaged builder."""
+
+_SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes at the top of its folder
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in FILE_BUILDERS)
+
+
+def check_source(path: str | None) -> None:
+    """Check ``data.path`` (or ``data.eval_path``) without reading it.
+
+    Raises:
+        FileNotFoundError: The path does not exist.
+        ValueError: An unknown ``builtin:`` name, an unsupported file type, or a folder with no data file.
+    """
+    if path is None or path in BUILTIN_SOURCES:
+        return
+    if path.startswith("builtin:"):
+        raise ValueError(f"{path!r} is not an embedded data source; choose one of {list(BUILTIN_SOURCES)}")
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"{root} does not exist")
+    if root.is_file() and root.suffix not in FILE_BUILDERS:
+        raise ValueError(f"{root}: unsupported file type {root.suffix!r}; use one of {sorted(FILE_BUILDERS)}")
+    if root.is_dir() and not any((root / m).is_file() for m in _SAVED_MARKERS) and not _files(root):
+        raise ValueError(
+            f"{root} holds no {', '.join(sorted(FILE_BUILDERS))} file and is not a save_to_disk folder"
+        )
+
+
+def _split_of(found: Any, split: str, where: str) -> Any:
+    """``found[split]`` of a DatasetDict (a plain Dataset is its own ``train`` split)."""
+    from datasets import DatasetDict
+
+    if not isinstance(found, DatasetDict):
+        if split != "train":
+            raise ValueError(f"{where} has a single split (train); split {split!r} does not exist")
+        return found
+    if split not in found:
+        raise ValueError(f"{where} has the splits {sorted(found)}, not {split!r}")
+    return found[split]
+
+
+def _load_files(root: Path, split: str, cache_dir: Path) -> Iterable[dict[str, Any]]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    if root.is_dir() and any((root / m).is_file() for m in _SAVED_MARKERS):
+        return _split_of(datasets.load_from_disk(str(root)), split, str(root))
+    files = [root] if root.is_file() else _files(root)
+    builders = sorted({FILE_BUILDERS[f.suffix] for f in files})
+    parts = []
+    for builder in builders:
+        options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+        if root.is_dir():  # datasets infers the splits from the file names
+            found = datasets.load_dataset(builder, data_dir=str(root), cache_dir=str(cache_dir), **options)
+        else:
+            found = datasets.load_dataset(
+                builder, data_files={"train": [str(root)]}, cache_dir=str(cache_dir), **options
+            )
+        parts.append(_split_of(found, split, str(root)))
+    return parts[0] if len(parts) == 1 else _chain(parts)
+
+
+def _chain(parts: list[Iterable[dict[str, Any]]]) -> Iterator[dict[str, Any]]:
+    for part in parts:
+        yield from part
+
+
+def read_records(path: str | None, split: str, cache_dir: Path) -> Iterable[dict[str, Any]]:
+    """The records of ``split`` of the source ``path`` (see the module docstring).
+
+    Raises:
+        FileNotFoundError: The path does not exist.
+        ValueError: An unknown source or split, or a file ``datasets`` cannot read (the message names it).
+    """
+    check_source(path)
+    if path is None or path == "builtin:text":
+        if split != "train":
+            raise ValueError(f"the embedded text corpus has a single split (train), not {split!r}")
+        from automodel_all.cli.default_job import builtin_corpus
+
+        return [{"text": doc} for doc in builtin_corpus()]
+    if path == "builtin:chat":
+        from automodel_all.cli.chat_data import builtin_chat
+
+        return builtin_chat(split)
+    root = Path(path)
+    try:
+        return _load_files(root, split, cache_dir)
+    except ValueError:
+        raise
+    except Exception as exc:  # datasets raises its own types (DatasetGenerationError, ArrowInvalid, ...)
+        raise ValueError(f"{root}: datasets could not read it ({type(exc).__name__}: {exc})") from None
