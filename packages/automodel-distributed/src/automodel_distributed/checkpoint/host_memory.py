@@ -8,10 +8,18 @@ rises to that block's size. FSDP2 allocates and frees blocks of exactly those si
 they all land in the arenas, and the arenas' peak stays resident. On a 125M-parameter Llama over 4
 ranks this tripled each rank's peak memory.
 
-`configure_host_allocator` fixes the threshold (which also turns the dynamic adjustment off) and
-lowers the trim threshold, with ``mallopt``; `release_host_memory` hands free arena memory back with
+`configure_host_allocator` fixes the threshold (which also turns the dynamic adjustment off) and the
+trim threshold, with ``mallopt``; `release_host_memory` hands free arena memory back with
 ``malloc_trim``. Both are no-ops (returning False) where glibc is not the allocator. Process-wide;
-no collectives.
+no collectives. Returning blocks to the OS has a price: the next block of that size is a fresh
+mapping whose pages fault in and are zeroed, every step. `HostBufferPool` (`pool_fsdp_buffers`)
+removes that price for the buffers FSDP2's collectives ask for, by keeping them from step to step.
+
+The defaults (2 MiB mmap threshold, 64 MiB trim threshold) come from a sweep on the job of
+``benchmarks/bench_vs_nemo.py`` with the pool on: a 1 MiB threshold kept the peak a little lower but
+took about 1.8x the page faults per step; 4 MiB and more let the heap fragment again (the peak over
+later steps grew). A trim threshold below the heap's free top memory made the heap shrink and grow
+again each step.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def configure_host_allocator(
-    *, mmap_threshold: int = 1 << 20, trim_threshold: int = 1 << 20, arena_max: int | None = None
+    *, mmap_threshold: int = 2 << 20, trim_threshold: int = 64 << 20, arena_max: int | None = None
 ) -> bool:
     """Make glibc map every allocation of ``mmap_threshold`` bytes or more and trim heaps eagerly.
 
