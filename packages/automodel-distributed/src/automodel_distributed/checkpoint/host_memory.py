@@ -135,8 +135,8 @@ class HostBufferPool:
         return sum(b.untyped_storage().nbytes() for kept in self._buffers.values() for b in kept)
 
 
-class PooledAllGather(AllGather):
-    """FSDP2's all-gather (``all_gather_into_tensor``) with its output buffer from a `HostBufferPool`."""
+class _FromPool:
+    """The ``allocate`` half of FSDP2's ``Comm`` interface, served by a `HostBufferPool`."""
 
     def __init__(self, pool: HostBufferPool) -> None:
         self.pool = pool
@@ -146,6 +146,10 @@ class PooledAllGather(AllGather):
     ) -> torch.Tensor:
         """A pooled buffer (see `HostBufferPool.allocate`)."""
         return self.pool.allocate(size, dtype=dtype, device=device)
+
+
+class PooledAllGather(_FromPool, AllGather):
+    """FSDP2's all-gather (``all_gather_into_tensor``) with its output buffer from a `HostBufferPool`."""
 
     def __call__(
         self,
@@ -158,17 +162,8 @@ class PooledAllGather(AllGather):
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class PooledReduceScatter(ReduceScatter):
+class PooledReduceScatter(_FromPool, ReduceScatter):
     """FSDP2's reduce-scatter (``reduce_scatter_tensor``) with its buffers from a `HostBufferPool`."""
-
-    def __init__(self, pool: HostBufferPool) -> None:
-        self.pool = pool
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A pooled buffer (see `HostBufferPool.allocate`)."""
-        return self.pool.allocate(size, dtype=dtype, device=device)
 
     def __call__(
         self,
