@@ -182,12 +182,16 @@ def pool_fsdp_buffers(model: torch.nn.Module) -> HostBufferPool:
 
     Preconditions: ``fully_shard`` has been applied (units are `FSDPModule`). Mutates each unit's
     all-gather and reduce-scatter (``set_custom_all_gather`` / ``set_custom_reduce_scatter``); the
-    collectives themselves are unchanged. No collectives run.
+    collectives themselves are unchanged. A unit torch refuses that for (several parameter groups from
+    per-parameter meshes) keeps its own buffers. No collectives run.
     """
     pool = HostBufferPool()
     all_gather, reduce_scatter = PooledAllGather(pool), PooledReduceScatter(pool)
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_custom_all_gather(all_gather)
-            module.set_custom_reduce_scatter(reduce_scatter)
+            try:
+                module.set_custom_all_gather(all_gather)
+                module.set_custom_reduce_scatter(reduce_scatter)
+            except ValueError:  # a unit with several parameter groups (per-parameter meshes) keeps torch's
+                continue
     return pool
