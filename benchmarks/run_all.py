@@ -288,7 +288,7 @@ def main() -> int:
     args = parser.parse_args()
     machine = benchmark_report.machine_description(torch.__version__) + ", no GPU used (gloo)"
     sections: list[Section] = []
-    failed = False
+    broken: set[str] = set()
     for name in args.only or list(SECTIONS):
         load_before = benchmark_report.load_average()
         start = time.perf_counter()
@@ -296,7 +296,7 @@ def main() -> int:
         try:
             rows = SECTIONS[name]()
         except Exception as exc:  # one broken benchmark must not hide the others' figures
-            failed = True
+            broken.add(name)
             traceback.print_exc()
             rows = [Row(section=name, name="(section failed)", ours=None, baseline=None,
                         notes=f"{type(exc).__name__}: {str(exc)[:200]}")]  # fmt: skip
@@ -309,15 +309,14 @@ def main() -> int:
     if args.json:
         benchmark_report.dump_sections(sections, args.json)
     if args.publish:
-        if failed:
-            print("[run_all] not publishing: a section failed", file=sys.stderr)
-        else:
-            merged = benchmark_report.merge_sections(benchmark_report.load_sections(), sections)
-            benchmark_report.dump_sections(merged)
-            page = benchmark_report.PAGE.read_text()
-            benchmark_report.PAGE.write_text(benchmark_report.update_page(page, merged))
-            print(f"[run_all] published to {benchmark_report.DATA}, {benchmark_report.PAGE}", file=sys.stderr)
-    return 1 if failed else 0
+        # A failed section keeps its previous figures; the others are published.
+        done = [s for s in sections if s.key not in broken]
+        merged = benchmark_report.merge_sections(benchmark_report.load_sections(), done)
+        benchmark_report.dump_sections(merged)
+        page = benchmark_report.PAGE.read_text()
+        benchmark_report.PAGE.write_text(benchmark_report.update_page(page, merged))
+        print(f"[run_all] published {[s.key for s in done]} to {benchmark_report.PAGE}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":
