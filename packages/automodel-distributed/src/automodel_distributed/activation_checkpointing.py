@@ -14,7 +14,7 @@ save (``save_ops``: the save-ops policy hook): mixture-of-experts models save th
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -36,10 +36,13 @@ from automodel_distributed.layers import blocks_in_scope, find_transformer_block
 __all__ = [
     "SELECTIVE_AC_ALWAYS_SAVE_OPS",
     "SELECTIVE_AC_MATMUL_OPS",
+    "SUBMODULE_CHECKPOINT_ROLES",
     "apply_activation_checkpointing",
+    "apply_submodule_checkpointing",
     "disable_kv_cache",
     "resolve_checkpointing_mode",
     "selective_checkpoint_policy",
+    "unwrap_checkpoint_wrapper",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,14 @@ SELECTIVE_AC_ALWAYS_SAVE_OPS: tuple[str, ...] = (
 installed torch are skipped."""
 
 _AC_MODE_ATTR = "_automodel_ac_mode"
+
+SUBMODULE_CHECKPOINT_ROLES: dict[str, tuple[str, ...]] = {
+    "mlp": ("mlp", "feed_forward", "ffn"),
+    "attention": ("self_attn", "attention", "attn", "linear_attn"),
+    "pre_norm": ("input_layernorm", "attention_norm", "layer_norm1", "norm1"),
+    "post_norm": ("post_attention_layernorm", "ffn_norm", "layer_norm2", "norm2"),
+}
+"""`apply_submodule_checkpointing`: per role, the child names a decoder layer may use (first found wins)."""
 
 
 def resolve_checkpointing_mode(setting: object) -> Literal["full", "selective"] | None:
@@ -210,7 +221,7 @@ def apply_activation_checkpointing(
         model: A transformers model (or any model `find_transformer_blocks` understands).
         mode: ``"full"`` or ``"selective"``.
         scope: Layer groups to checkpoint, normalised as by
-            `automodel_distributed.config.normalize_checkpointing_scope`.
+            `automodel_distributed.config.normalize_activation_checkpointing_scope`.
         save_ops: Ops (``namespace.op.overload``) whose outputs are saved instead of recomputed (names
             missing from the installed torch are skipped).
 
@@ -255,3 +266,61 @@ def apply_activation_checkpointing(
         "activation checkpointing (%s): wrapped %d block(s) of %s", mode, wrapped, type(model).__name__
     )
     return model
+
+
+def apply_submodule_checkpointing(
+    layers: Iterable[nn.Module],
+    has_kv_sharing: bool,
+    *,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+) -> dict[str, int]:
+    """Checkpoint the sub-modules of each decoder layer instead of the whole layer, in place.
+
+    The reference system's finer-grained variant of full activation checkpointing: in every layer, the
+    first child found for each role of `SUBMODULE_CHECKPOINT_ROLES` (MLP, attention, the two norms) is
+    wrapped with a non-reentrant ``checkpoint_wrapper``. With ``has_kv_sharing`` the attention is left
+    alone: recomputing it would write the shared KV cache a second time. Children already wrapped are
+    skipped; a role name that is a property returning another child (one module serving two roles) wraps
+    that child once, under its registered name, so the state-dict keys are those of a plain wrap.
+    `apply_activation_checkpointing` (whole blocks) is what the strategy managers use.
+
+    Preconditions: as for `apply_activation_checkpointing` (after TP, before ``fully_shard``). No
+    collectives; works on meta tensors.
+
+    Args:
+        layers: The decoder layers (mutated: their children are replaced by ``CheckpointWrapper`` s).
+        has_kv_sharing: Whether layers reuse K/V through the cache (skip attention).
+        context_fn: A ``torch.utils.checkpoint`` context function for the attention and MLP wrappers
+            (e.g. from ``create_selective_checkpoint_contexts``); ``None``: plain recompute. The reference
+            system defaults to one that restores the forward's SDPA backend state during recompute.
+
+    Returns:
+        How many children were wrapped, per role.
+    """
+    counts = dict.fromkeys(SUBMODULE_CHECKPOINT_ROLES, 0)
+    for layer in layers:
+        for role, names in SUBMODULE_CHECKPOINT_ROLES.items():
+            if role == "attention" and has_kv_sharing:
+                continue
+            child = next((c for n in names if isinstance(c := getattr(layer, n, None), nn.Module)), None)
+            if child is None or isinstance(child, CheckpointWrapper):
+                continue
+            # A role name may be a property aliasing a child registered under another name (one mixer
+            # serving as attention and MLP): wrap that child, once, where it is registered, so that no
+            # second child appears and the state-dict keys keep their names.
+            name = next((n for n, c in layer.named_children() if c is child), None)
+            if name is None:
+                continue  # not a direct child of the layer; not ours to replace
+            kwargs: dict[str, Any] = {}
+            if context_fn is not None and role in ("mlp", "attention"):
+                kwargs["context_fn"] = context_fn
+            wrapper = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+            setattr(layer, name, wrapper)
+            counts[role] += 1
+    logger.info("sub-module activation checkpointing: wrapped %s", counts)
+    return counts
+
+
+def unwrap_checkpoint_wrapper(module: nn.Module) -> nn.Module:
+    """The module inside a ``CheckpointWrapper``, or ``module`` itself when it is not wrapped (pure)."""
+    return module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module

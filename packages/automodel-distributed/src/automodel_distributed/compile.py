@@ -14,6 +14,7 @@ graph-capture and backend errors surface at the first forward, from dynamo. Sett
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,30 +23,83 @@ from torch import nn
 from automodel_distributed.config import CompileConfig
 from automodel_distributed.layers import find_transformer_blocks
 
-__all__ = ["compile_blocks", "compile_kwargs", "compile_model", "configure_dynamo"]
+__all__ = [
+    "build_compile_config",
+    "compile_blocks",
+    "compile_kwargs",
+    "compile_model",
+    "compile_module_inplace",
+    "configure_dynamo",
+    "configure_torch_dynamo",
+    "create_compile_config_from_dict",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def configure_dynamo(config: CompileConfig) -> None:
-    """Apply the process-wide dynamo settings of ``config`` (its recompilation cache size limit).
+def build_compile_config(config: CompileConfig | Mapping[str, Any] | None) -> CompileConfig:
+    """``None`` -> ``CompileConfig()`` (disabled); a `CompileConfig` -> itself; a dict -> `from_dict`.
 
-    Mutates the global ``torch._dynamo.config.cache_size_limit`` (and raises
-    ``accumulated_cache_size_limit`` to at least the same value).
+    Raises:
+        ValueError: A dict with an unknown key (the reference system ignores unknown keys).
+    """
+    if config is None:
+        return CompileConfig()
+    if isinstance(config, CompileConfig):
+        return config
+    return CompileConfig.from_dict(config)
+
+
+def create_compile_config_from_dict(config_dict: Mapping[str, Any]) -> CompileConfig:
+    """The reference system's name for `CompileConfig.from_dict` (missing keys take the defaults).
+
+    Raises:
+        ValueError: An unknown key (the reference system ignores unknown keys).
+    """
+    return CompileConfig.from_dict(config_dict)
+
+
+def configure_torch_dynamo(cache_size_limit: int = 256, capture_scalar_outputs: bool = True) -> None:
+    """Raise dynamo's recompilation cache limits to ``cache_size_limit`` (never lower them).
+
+    Mutates the process-wide ``torch._dynamo.config``: ``cache_size_limit`` and
+    ``accumulated_cache_size_limit`` become at least ``cache_size_limit``; with
+    ``capture_scalar_outputs`` (the reference system's default), ``.item()`` is traced into the graph
+    instead of breaking it.
     """
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = config.dynamo_cache_size_limit
-    accumulated = torch._dynamo.config.accumulated_cache_size_limit
-    torch._dynamo.config.accumulated_cache_size_limit = max(accumulated, config.dynamo_cache_size_limit)
+    dynamo_config: Any = torch._dynamo.config
+    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, cache_size_limit)
+    dynamo_config.accumulated_cache_size_limit = max(
+        dynamo_config.accumulated_cache_size_limit, cache_size_limit
+    )
+    if capture_scalar_outputs:
+        dynamo_config.capture_scalar_outputs = True
+
+
+def configure_dynamo(config: CompileConfig) -> None:
+    """Apply the process-wide dynamo settings of ``config``: its cache size limit.
+
+    That is `configure_torch_dynamo` without scalar capture, which would change what dynamo traces.
+    """
+    configure_torch_dynamo(config.dynamo_cache_size_limit, capture_scalar_outputs=False)
 
 
 def compile_kwargs(config: CompileConfig) -> dict[str, Any]:
     """Keyword arguments of ``torch.compile`` / ``Module.compile`` from ``config``.
 
-    ``mode`` is passed unless ``options`` are given with the default mode (torch accepts only one of the
-    two); ``backend=None`` means inductor.
+    ``mode`` is passed unless ``options`` are given (torch accepts only one of the two); ``backend=None``
+    means inductor.
+
+    Raises:
+        ValueError: ``options`` together with a non-default ``mode``.
     """
+    if config.options and config.mode != "default":
+        raise ValueError(
+            f"CompileConfig.mode={config.mode!r} and CompileConfig.options cannot both be used "
+            "(torch.compile takes one of them); put the mode's settings into options or drop options"
+        )
     kwargs: dict[str, Any] = {
         "fullgraph": config.fullgraph,
         "dynamic": config.dynamic,
@@ -82,6 +136,20 @@ def compile_model(model: nn.Module, config: CompileConfig) -> nn.Module:
     logger.info("torch.compile(%s, %s)", type(model).__name__, kwargs)
     compiled: nn.Module = torch.compile(model, **kwargs)  # type: ignore[assignment]
     return compiled
+
+
+def compile_module_inplace(module: nn.Module, config: CompileConfig) -> None:
+    """Compile ``module`` in place with ``Module.compile()`` when ``config.enabled``; else a no-op.
+
+    No wrapper: the parameter names stay. Compilation is lazy: errors surface at the first forward.
+
+    Raises:
+        ValueError: ``options`` together with a non-default ``mode``.
+    """
+    if not config.enabled:
+        return
+    configure_dynamo(config)
+    module.compile(**compile_kwargs(config))
 
 
 def compile_blocks(model: nn.Module, config: CompileConfig | None = None) -> nn.Module:

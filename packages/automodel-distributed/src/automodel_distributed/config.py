@@ -30,7 +30,7 @@ __all__ = [
     "MultimodalDistributedConfig",
     "default_mp_policy",
     "normalize_activation_checkpointing",
-    "normalize_checkpointing_scope",
+    "normalize_activation_checkpointing_scope",
 ]
 
 ActivationCheckpointingMode: TypeAlias = bool | Literal["full", "selective"]
@@ -55,14 +55,27 @@ def normalize_activation_checkpointing(value: object, *, field_name: str = "acti
     raise ValueError(f"{field_name}={value!r} is not valid; use False, True, 'full' or 'selective'")
 
 
-def normalize_checkpointing_scope(
+def _checked_activation_checkpointing(value: object, field_name: str) -> Any:
+    """Validate a config's ``activation_checkpointing`` and keep it as given.
+
+    A bool stays a bool, as in the reference system; a string is lower-cased.
+    """
+    normalized = normalize_activation_checkpointing(value, field_name=field_name)
+    return value if isinstance(value, bool) else normalized
+
+
+def normalize_activation_checkpointing_scope(
     value: object, *, field_name: str = "activation_checkpointing_scope"
 ) -> tuple[str, ...]:
     """Normalise a scope (``"all"``, ``"language+vision"``, ``"language,audio"`` or a list) to a tuple.
 
+    ``None`` and an empty scope mean ``("all",)``, as in the reference system.
+
     Raises:
-        ValueError: An unknown scope, an empty scope, or ``"all"`` combined with another scope.
+        ValueError: An unknown scope, or ``"all"`` combined with another scope.
     """
+    if value is None:
+        return ("all",)
     if isinstance(value, str):
         parts = [p.strip() for p in value.replace("+", ",").split(",")]
     elif isinstance(value, Iterable):
@@ -83,7 +96,7 @@ def normalize_checkpointing_scope(
         if name not in scopes:
             scopes.append(name)
     if not scopes:
-        raise ValueError(f"{field_name}={value!r} names no scope")
+        return ("all",)
     if "all" in scopes and len(scopes) > 1:
         raise ValueError(f"{field_name}={value!r}: 'all' cannot be combined with other scopes")
     return tuple(scopes)
@@ -149,9 +162,9 @@ class FSDP2Config(ConfigDict):
     """Run the forward under ``torch.autocast`` with this dtype (``None``: no autocast)."""
     activation_checkpointing: ActivationCheckpointingMode = False
     """``False``, ``True``/``"full"`` or ``"selective"``."""
-    activation_checkpointing_scope: str | tuple[str, ...] = "all"
+    activation_checkpointing_scope: str | tuple[str, ...] | None = "all"
     """Layer groups to checkpoint: ``all``, ``language``, ``vision``, ``audio``, ``multimodal`` (or a
-    combination such as ``"language+vision"``); normalised to a tuple."""
+    combination such as ``"language+vision"``); normalised to a tuple (``None`` means ``("all",)``)."""
     defer_fsdp_grad_sync: bool = True
     """Under gradient accumulation, reduce-scatter gradients only on the last micro-batch."""
     reshard_after_forward: bool | int | None = None
@@ -190,10 +203,10 @@ class FSDP2Config(ConfigDict):
             "enable_fsdp2_prefetch",
             "tune_host_allocator",
         )
-        self.activation_checkpointing = normalize_activation_checkpointing(
-            self.activation_checkpointing, field_name="FSDP2Config.activation_checkpointing"
+        self.activation_checkpointing = _checked_activation_checkpointing(
+            self.activation_checkpointing, "FSDP2Config.activation_checkpointing"
         )
-        self.activation_checkpointing_scope = normalize_checkpointing_scope(
+        self.activation_checkpointing_scope = normalize_activation_checkpointing_scope(
             self.activation_checkpointing_scope, field_name="FSDP2Config.activation_checkpointing_scope"
         )
         if self.enable_async_tensor_parallel and not self.sequence_parallel:
@@ -294,8 +307,8 @@ class MegatronFSDPConfig(ConfigDict):
                 "MegatronFSDPConfig.megatron_fsdp_unit_modules must be a list of import paths "
                 f"('pkg.module.ClassName'), got {units!r}"
             )
-        self.activation_checkpointing = normalize_activation_checkpointing(
-            self.activation_checkpointing, field_name="MegatronFSDPConfig.activation_checkpointing"
+        self.activation_checkpointing = _checked_activation_checkpointing(
+            self.activation_checkpointing, "MegatronFSDPConfig.activation_checkpointing"
         )
 
     def mesh_kind(self) -> MeshKind:
@@ -309,7 +322,7 @@ class DDPConfig(ConfigDict):
 
     activation_checkpointing: ActivationCheckpointingMode = False
     """``False``, ``True``/``"full"`` or ``"selective"``."""
-    activation_checkpointing_scope: str | tuple[str, ...] = "all"
+    activation_checkpointing_scope: str | tuple[str, ...] | None = "all"
     """Layer groups to checkpoint (see `FSDP2Config.activation_checkpointing_scope`)."""
     broadcast_buffers: bool = False
     find_unused_parameters: bool = False
@@ -324,10 +337,10 @@ class DDPConfig(ConfigDict):
         _check_bool(
             self, "broadcast_buffers", "find_unused_parameters", "static_graph", "gradient_as_bucket_view"
         )
-        self.activation_checkpointing = normalize_activation_checkpointing(
-            self.activation_checkpointing, field_name="DDPConfig.activation_checkpointing"
+        self.activation_checkpointing = _checked_activation_checkpointing(
+            self.activation_checkpointing, "DDPConfig.activation_checkpointing"
         )
-        self.activation_checkpointing_scope = normalize_checkpointing_scope(
+        self.activation_checkpointing_scope = normalize_activation_checkpointing_scope(
             self.activation_checkpointing_scope, field_name="DDPConfig.activation_checkpointing_scope"
         )
         cap = self.bucket_cap_mb
@@ -351,7 +364,10 @@ class CompileConfig(ConfigDict):
     dynamic: bool = False
     backend: str | None = None
     """``None``: inductor."""
-    options: dict[str, Any] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    """Inductor options (``torch.compile(options=...)``); ``None`` means ``{}``, as in the reference
+    system. ``torch.compile`` takes a ``mode`` or options, not both: a non-default ``mode`` with options
+    is accepted here (as in the reference system) and refused with a `ValueError` when compiling."""
     dynamo_cache_size_limit: int = 256
 
     def __post_init__(self) -> None:
@@ -364,15 +380,11 @@ class CompileConfig(ConfigDict):
             raise ValueError(f"CompileConfig.dynamo_cache_size_limit must be an int >= 1, got {limit!r}")
         if self.backend is not None and not isinstance(self.backend, str):
             raise ValueError(f"CompileConfig.backend must be a backend name or None, got {self.backend!r}")
-        if self.options is not None and not isinstance(self.options, dict):
+        if self.options is None:
+            self.options = {}
+        if not isinstance(self.options, dict):
             raise ValueError(
                 f"CompileConfig.options must be a dict or None, got {type(self.options).__name__}"
-            )
-        if self.options and self.mode != "default":
-            # torch.compile accepts a mode or options, not both.
-            raise ValueError(
-                f"CompileConfig.mode={self.mode!r} and CompileConfig.options cannot both be set "
-                "(torch.compile takes one of them); put the mode's settings into options or drop options"
             )
 
 

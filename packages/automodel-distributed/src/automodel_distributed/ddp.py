@@ -187,7 +187,9 @@ class DDPManager(StrategyDefaults):
         model = model.to(self.device)
         mode = resolve_checkpointing_mode(self.activation_checkpointing)
         if mode is not None:
-            apply_activation_checkpointing(model, mode=mode, scope=tuple(self.activation_checkpointing_scope))
+            scope = self.activation_checkpointing_scope
+            assert isinstance(scope, tuple), "DDPConfig normalises the scope to a tuple"
+            apply_activation_checkpointing(model, mode=mode, scope=scope)
         if self.autocast_dtype is not None:
             apply_autocast(model, self.autocast_dtype, self.device.type)
         if self.world_size == 1:

@@ -171,7 +171,7 @@ def _check_scope(scope: Iterable[str]) -> tuple[str, ...]:
         raise ValueError(
             f"activation-checkpointing scope {names!r} is not valid; use ('all',) or a tuple of "
             f"{sorted(_SCOPE_GROUPS)} (normalize strings with automodel_distributed.config."
-            "normalize_checkpointing_scope)"
+            "normalize_activation_checkpointing_scope)"
         )
     if "all" in names and len(names) > 1:
         raise ValueError(f"activation-checkpointing scope {names!r}: 'all' cannot be combined with others")

@@ -17,9 +17,11 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 import automodel_distributed.activation_checkpointing as ac
 from automodel_distributed.activation_checkpointing import (
     apply_activation_checkpointing,
+    apply_submodule_checkpointing,
     disable_kv_cache,
     resolve_checkpointing_mode,
     selective_checkpoint_policy,
+    unwrap_checkpoint_wrapper,
 )
 from automodel_testing import (
     TINY_FAMILIES,
@@ -194,3 +196,70 @@ def test_meta_device_models_are_wrapped_without_allocating() -> None:
     model = apply_activation_checkpointing(build_tiny_model("mixtral", meta=True), mode="selective")
     assert len(_wrappers(model)) == 2
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_submodule_checkpointing_matches_the_plain_model() -> None:
+    batch = make_batch(128, 2, 16, seed=5)
+    ref_loss, ref_logits, ref_grads = reference_loss_and_grads(
+        build_tiny_model("llama", use_cache=False), batch
+    )
+    model = build_tiny_model("llama", use_cache=False)
+    counts = apply_submodule_checkpointing(model.model.layers, has_kv_sharing=False)
+    assert counts == {"mlp": 2, "attention": 2, "pre_norm": 2, "post_norm": 2}
+    assert isinstance(model.model.layers[0].self_attn, CheckpointWrapper)
+    assert apply_submodule_checkpointing(model.model.layers, has_kv_sharing=False) == dict.fromkeys(counts, 0)
+    loss, logits, grads = reference_loss_and_grads(model, batch)
+    assert abs(loss - ref_loss) <= ATOL
+    assert_tensors_close(logits, ref_logits, atol=ATOL, name="logits")
+    # Parameter names gain the wrapper segment; strip it to compare with the plain model.
+    assert_grads_close(
+        {k.replace("._checkpoint_wrapped_module", ""): v for k, v in grads.items()}, ref_grads, atol=ATOL
+    )
+    shared = build_tiny_model("llama")
+    kv = apply_submodule_checkpointing(shared.model.layers, has_kv_sharing=True)
+    assert kv["attention"] == 0 and not isinstance(shared.model.layers[0].self_attn, CheckpointWrapper)
+
+
+def test_submodule_checkpointing_wraps_an_aliased_child_once_under_its_own_name() -> None:
+    # One mixer serving as attention and MLP through properties (as hybrid / linear-attention layers do).
+    class Mixer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mixer = Mixer()
+
+        @property
+        def mlp(self) -> torch.nn.Module:
+            return self.mixer
+
+        @property
+        def self_attn(self) -> torch.nn.Module:
+            return self.mixer
+
+    layer = Layer()
+    keys = list(layer.state_dict())  # the wrapper's state-dict hook keeps these names
+    counts = apply_submodule_checkpointing([layer], has_kv_sharing=False)
+    assert counts == {"mlp": 1, "attention": 0, "pre_norm": 0, "post_norm": 0}
+    assert [name for name, _ in layer.named_children()] == ["mixer"]
+    assert isinstance(layer.mixer, CheckpointWrapper) and layer.mlp is layer.mixer
+    assert isinstance(unwrap_checkpoint_wrapper(layer.mixer), Mixer)
+    assert list(layer.state_dict()) == keys
+    assert unwrap_checkpoint_wrapper(layer) is layer
+
+
+def test_scope_none_or_empty_means_all() -> None:
+    from automodel_distributed.config import DDPConfig, FSDP2Config, normalize_activation_checkpointing_scope
+
+    assert FSDP2Config(activation_checkpointing_scope=None).activation_checkpointing_scope == ("all",)
+    assert DDPConfig(activation_checkpointing_scope=None).activation_checkpointing_scope == ("all",)
+    assert normalize_activation_checkpointing_scope("") == ("all",)
+    assert normalize_activation_checkpointing_scope("language+vision") == ("language", "vision")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        normalize_activation_checkpointing_scope(["all", "vision"])

@@ -5,9 +5,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
+from torch import nn
 
 from automodel_distributed.activation_checkpointing import apply_activation_checkpointing
-from automodel_distributed.compile import compile_blocks, compile_kwargs, compile_model, configure_dynamo
+from automodel_distributed.compile import (
+    build_compile_config,
+    compile_blocks,
+    compile_kwargs,
+    compile_model,
+    compile_module_inplace,
+    configure_dynamo,
+    configure_torch_dynamo,
+    create_compile_config_from_dict,
+)
 from automodel_distributed.config import CompileConfig
 from automodel_testing import assert_grads_close, assert_tensors_close, build_tiny_model, make_batch
 
@@ -42,17 +53,65 @@ def test_compile_kwargs() -> None:
     }
 
 
-def test_mode_and_options_together_are_rejected_by_the_config() -> None:
-    with pytest.raises(ValueError, match=r"mode='max-autotune' and CompileConfig.options"):
-        CompileConfig(mode="max-autotune", options={"x": 1})
+def test_mode_and_options_together_are_refused_when_compiling() -> None:
+    # Accepted by the config (as in the reference system, whose configs build such objects) ...
+    config = CompileConfig(enabled=True, mode="reduce-overhead", options={"x": 1})
+    # ... and refused before torch.compile sees them.
+    with pytest.raises(ValueError, match=r"mode='reduce-overhead' and CompileConfig.options"):
+        compile_kwargs(config)
+    with pytest.raises(ValueError, match=r"mode='reduce-overhead' and CompileConfig.options"):
+        compile_model(nn.Linear(2, 2), config)
+
+
+def test_reference_defaults_and_builders() -> None:
+    assert CompileConfig().options == {} and CompileConfig(options=None).options == {}
+    assert build_compile_config(None) == CompileConfig()
+    assert build_compile_config({"enabled": True, "mode": "max-autotune"}) == CompileConfig(
+        enabled=True, mode="max-autotune"
+    )
+    config = CompileConfig(backend="eager")
+    assert build_compile_config(config) is config
+    assert create_compile_config_from_dict({"fullgraph": True}) == CompileConfig(fullgraph=True)
+    with pytest.raises(ValueError, match="unknown CompileConfig field"):
+        create_compile_config_from_dict({"mode_typo": "x"})
+
+
+def test_configure_torch_dynamo_never_lowers_the_limits() -> None:
+    import torch._dynamo
+
+    saved = torch._dynamo.config.capture_scalar_outputs
+    try:
+        configure_torch_dynamo(cache_size_limit=300, capture_scalar_outputs=False)
+        assert torch._dynamo.config.cache_size_limit == 300
+        assert torch._dynamo.config.capture_scalar_outputs is saved
+        configure_torch_dynamo(cache_size_limit=10)
+        assert torch._dynamo.config.cache_size_limit == 300
+        assert torch._dynamo.config.accumulated_cache_size_limit >= 300
+        assert torch._dynamo.config.capture_scalar_outputs is True
+    finally:
+        torch._dynamo.config.capture_scalar_outputs = saved
+
+
+def test_compile_module_inplace_keeps_the_module() -> None:
+    module = nn.Linear(4, 4)
+    compile_module_inplace(module, CompileConfig())
+    assert getattr(module, "_compiled_call_impl", None) is None
+    compile_module_inplace(module, CompileConfig(enabled=True, backend="eager"))
+    assert module._compiled_call_impl is not None
+    assert [n for n, _ in module.named_parameters()] == ["weight", "bias"]
+    x = torch.randn(2, 4)
+    assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight, module.bias))
 
 
 def test_cache_size_limit_is_applied() -> None:
     import torch._dynamo
 
+    torch._dynamo.config.cache_size_limit = 8  # torch's default; other tests may have raised it
     configure_dynamo(CompileConfig(dynamo_cache_size_limit=77))
     assert torch._dynamo.config.cache_size_limit == 77
     assert torch._dynamo.config.accumulated_cache_size_limit >= 77
+    configure_dynamo(CompileConfig(dynamo_cache_size_limit=20))  # never lowered
+    assert torch._dynamo.config.cache_size_limit == 77
 
 
 def test_compile_model_wraps_without_compiling_yet_and_renames_parameters() -> None:

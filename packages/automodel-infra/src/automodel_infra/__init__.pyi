@@ -6,10 +6,12 @@ from .infrastructure import (
     instantiate_infrastructure,
     parallelize_for_pp,
 )
+from .setup import DistributedSetup
 
 __version__: str
 
 __all__ = [
+    "DistributedSetup",
     "Infrastructure",
     "__version__",
     "apply_model_infrastructure",

@@ -677,6 +677,10 @@ def apply_model_infrastructure(
     )
     if isinstance(compile_config, Mapping):
         compile_config = CompileConfig.from_dict(compile_config)
+    if compile_config is not None and compile_config.enabled:
+        from automodel_distributed.compile import compile_kwargs
+
+        compile_kwargs(compile_config)  # a mode with options is refused here, before anything runs
     if mesh is None:
         mesh = model_wrapper.mesh if model_wrapper is not None else MeshContext()
     strategy: StrategyManager = as_strategy(model_wrapper, mesh)

@@ -318,14 +318,16 @@ class MeshContext:
     def dp_axis_names(self) -> tuple[str, ...]:
         """Return the axes FSDP shards over.
 
-        ``(dp_replicate, dp_shard_cp)`` for FSDP2, ``(dp_cp,)`` for Megatron-FSDP, ``()`` without a mesh.
+        ``(dp_replicate, dp_shard_cp)`` for FSDP2, ``(dp_cp,)`` for Megatron-FSDP (the axis its mesh has;
+        the reference system names ``dp_shard_cp`` there too, which that mesh lacks), and
+        ``(dp_shard_cp,)`` without a mesh (an empty or DDP context), as in the reference system.
         """
         kind = self.kind
         if kind is MeshKind.FSDP2:
             return (MeshAxisName.DP_REPLICATE.value, MeshAxisName.DP_SHARD_CP.value)
         if kind is MeshKind.MEGATRON_FSDP:
             return (MeshAxisName.DP_CP.value,)
-        return ()
+        return (MeshAxisName.DP_SHARD_CP.value,)
 
     _dp_axis_names = dp_axis_names  # name used by code written for NeMo AutoModel
 

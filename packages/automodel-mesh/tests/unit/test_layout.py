@@ -181,9 +181,10 @@ def test_empty_context_is_a_single_device() -> None:
     assert (ctx.world_size, ctx.pp_size, ctx.tp_size, ctx.cp_size, ctx.ep_size, ctx.dp_shard_size) == (1,) * 6
     assert ctx.dp_size is None and ctx.dp_replicate_size is None  # as in NeMo AutoModel
     assert not ctx.pp_enabled and ctx.kind is None and ctx.is_member
-    assert ctx.dp_axis_names() == () and ctx.axis_names() == ()
+    # The reference system's ("dp_shard_cp",) without a mesh, although there is no such axis to slice.
+    assert ctx.dp_axis_names() == ("dp_shard_cp",) and ctx.axis_names() == ()
     assert ctx.parallelize_axis_kwargs() == {
-        "dp_axis_names": (), "cp_axis_name": None, "tp_axis_name": None,
+        "dp_axis_names": ("dp_shard_cp",), "cp_axis_name": None, "tp_axis_name": None,
         "ep_axis_name": None, "ep_shard_axis_names": None,
     }  # fmt: skip
     assert ctx.pipeline_axis_kwargs()["pp_axis_name"] == "pp"

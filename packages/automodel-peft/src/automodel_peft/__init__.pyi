@@ -15,6 +15,7 @@ from .checkpoint import (
     save_adapters,
 )
 from .config import PeftConfig
+from .layers import LinearLoRA
 from .matching import (
     ModuleMatcher,
     resolve_target_modules,
@@ -26,6 +27,7 @@ __version__: str
 
 __all__ = [
     "AdapterState",
+    "LinearLoRA",
     "ModuleMatcher",
     "PeftConfig",
     "__version__",

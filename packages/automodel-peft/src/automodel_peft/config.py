@@ -56,14 +56,14 @@ class PeftConfig(ConfigDict):
     """LoRA adapters on linear layers, applied through Hugging Face ``peft`` by `apply_lora`.
 
     Which linears (see `automodel_peft.matching`): ``match_all_linear`` (every linear but the output head)
-    > ``target_modules`` > every linear (but the output head) except ``exclude_modules``. A pattern without
-    ``*`` is a leaf name or dotted suffix (``"q_proj"``, ``"self_attn.q_proj"``); one with ``*`` (anything,
-    dots included) must match the whole name (``"*.layers.*.mlp.*_proj"``).
+    > ``target_modules`` > every linear (but the output head) except ``exclude_modules``. A plain name is a
+    leaf name or dotted suffix (``"q_proj"``, ``"self_attn.q_proj"``); any other pattern is a wildcard /
+    regular expression on the whole name (``"*.layers.*.mlp.*_proj"``, ``".*"``, ``"*.(q|v)_proj"``).
     """
 
     target_modules: list[str] = field(default_factory=list)
-    """Linears to adapt: leaf names, dotted suffixes or ``*`` wildcards on full names. All three selectors
-    empty means ``["*_proj"]`` (with a warning)."""
+    """Linears to adapt: leaf names, dotted suffixes, or wildcards / regular expressions on full names. All
+    three selectors empty means ``["*_proj"]`` (with a warning)."""
 
     exclude_modules: list[str] = field(default_factory=list)
     """Adapt every linear except these (same pattern forms). Not together with ``target_modules``."""
@@ -116,6 +116,14 @@ class PeftConfig(ConfigDict):
                 raise ValueError(f"PeftConfig.{name} must be a bool, got {getattr(self, name)!r}")
         self.target_modules = _as_list(self.target_modules, "target_modules")
         self.exclude_modules = _as_list(self.exclude_modules, "exclude_modules")
+        from automodel_peft.matching import pattern_regex  # matching imports this module
+
+        for name in ("target_modules", "exclude_modules"):
+            for pattern in getattr(self, name):
+                try:
+                    pattern_regex(pattern)
+                except ValueError as exc:
+                    raise ValueError(f"PeftConfig.{name}: {exc}") from None
         if self.target_modules and self.exclude_modules:
             raise ValueError(
                 "PeftConfig: target_modules and exclude_modules are mutually exclusive; give the layers to "

@@ -82,16 +82,16 @@ def prepare_quantized_base(model: nn.Module, quantization_config: object, *, use
     return dtype
 
 
-def create_bnb_config(quantization_config: object) -> Any:
+def create_bnb_config(config: object) -> Any:
     """A ``transformers.BitsAndBytesConfig`` for ``from_pretrained(..., quantization_config=...)``.
 
     Args:
-        quantization_config: A `BnBQuantizationConfig` or its dict.
+        config: A `BnBQuantizationConfig` or its dict (the reference system's parameter name).
 
     Raises:
         ImportError: automodel-quant is missing (``pip install automodel-peft[quant]``).
     """
-    config = _as_bnb_config(quantization_config)
+    bnb_config = _as_bnb_config(config)
     import transformers
 
-    return transformers.BitsAndBytesConfig(**config.to_hf_kwargs())
+    return transformers.BitsAndBytesConfig(**bnb_config.to_hf_kwargs())

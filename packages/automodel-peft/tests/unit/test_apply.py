@@ -167,3 +167,17 @@ def test_dora_starts_at_the_base_model(batch: dict[str, torch.Tensor], perturb: 
     loss = model(**batch).loss
     loss.backward()
     assert model.model.layers[0].self_attn.q_proj.lora_magnitude_vector["default"].weight.grad is not None
+
+
+def test_linear_lora_is_the_class_of_adapted_layers() -> None:
+    # The reference system's name: isinstance(module, LinearLoRA) finds the adapted layers.
+    from automodel_peft import LinearLoRA, apply_lora_to_linear_modules
+
+    model = nn.Sequential()
+    model.add_module("linear1", nn.Linear(16, 16))
+    model.add_module("linear2", nn.Linear(16, 16))
+    assert apply_lora_to_linear_modules(model, PeftConfig(target_modules=["linear1"], dim=4, alpha=8)) == 1
+    assert isinstance(model.linear1, LinearLoRA) and not isinstance(model.linear2, LinearLoRA)
+    fresh = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    assert apply_lora_to_linear_modules(fresh, PeftConfig(target_modules=[".*"], dim=4, alpha=8)) == 2
+    assert isinstance(fresh[0], LinearLoRA) and isinstance(fresh[2], LinearLoRA)

@@ -79,3 +79,29 @@ def test_regex_form_and_causal_lm_detection(llama: nn.Module) -> None:
     assert regex.fullmatch("model.layers.0.mlp.up_proj")
     assert is_causal_lm(llama)
     assert not is_causal_lm(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_regular_expressions_and_the_reference_wildcards(llama: nn.Module) -> None:
+    # Issue 17: the reference matches target patterns as regular expressions and wildcards; ".*" used to
+    # raise "matches no linear layer" because its "." was escaped.
+    everything = resolve_target_modules(llama, PeftConfig(target_modules=[".*"]))
+    assert len(everything) == 15 and "lm_head" in everything  # named patterns may adapt the head
+    assert _leaves(resolve_target_modules(llama, PeftConfig(target_modules=["*.(q|v)_proj"]))) == {
+        "q_proj",
+        "v_proj",
+    }
+    assert resolve_target_modules(llama, PeftConfig(target_modules=["model.layers.[1].mlp.down_proj"])) == [
+        "model.layers.1.mlp.down_proj"
+    ]
+    # ".*" after a whole segment is "the segment or below it", so layers.1 never matches layers.10.
+    many = build_tiny_model("llama", num_hidden_layers=11, meta=True)
+    below = resolve_target_modules(many, PeftConfig(target_modules=["*.layers.1.*"]))
+    assert below and all(".layers.1." in n for n in below)
+    assert all(
+        ".layers.1." in n for n in resolve_target_modules(many, PeftConfig(target_modules=["*layers.1.*"]))
+    )
+    # ... but after a name fragment it is any text, as in the reference ("*mlp.*" reaches mlp's children).
+    assert len(resolve_target_modules(llama, PeftConfig(target_modules=["*mlp.*"]))) == 6
+    assert len(resolve_target_modules(llama, PeftConfig(exclude_modules=[".*_proj"]))) == 0
+    with pytest.raises(ValueError, match=r"PeftConfig.target_modules: target pattern '\*.\(q_proj' is not"):
+        PeftConfig(target_modules=["*.(q_proj"])

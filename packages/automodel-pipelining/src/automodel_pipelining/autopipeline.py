@@ -14,7 +14,7 @@ import json
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -52,21 +52,30 @@ tp_axis_name, ep_axis_name, ep_shard_axis_names) -> module or None`` (``None``: 
 
 @dataclass
 class PipelineInfo:
-    """What this rank holds of the pipeline."""
+    """What this rank holds of the pipeline.
+
+    As in the reference system, before `AutoPipeline.build` ``enabled`` is False and ``schedule``,
+    ``model_parts`` and ``stages`` are ``None``.
+    """
 
     enabled: bool
+    """Whether the pipeline is built."""
     schedule: Any
     """The torch schedule object (``None`` before `AutoPipeline.build`)."""
     has_first_stage: bool
     has_last_stage: bool
-    model_parts: list[nn.Module] = field(default_factory=list)
-    """This rank's stage modules, in increasing stage order."""
-    stages: list[Any] = field(default_factory=list)
-    """This rank's torch ``PipelineStage`` objects, in the same order."""
+    model_parts: list[nn.Module] | None = None
+    """This rank's stage modules, in increasing stage order (``None`` before `AutoPipeline.build`)."""
+    stages: list[Any] | None = None
+    """This rank's torch ``PipelineStage`` objects, in the same order (``None`` before build)."""
 
 
 class AutoPipeline:
     """Pipeline parallelism for transformers decoder models on ``torch.distributed.pipelining``.
+
+    Every `PipelineConfig` field and axis name given to the constructor reads as an attribute, as in the
+    reference system (``pipe.pp_schedule``, ``pipe.pp_batch_size``, ``pipe.dp_axis_names``); they are
+    read-only views of ``pipe.config`` and ``pipe.axis_kwargs``.
 
     Splits the model by module FQNs (embeddings on the first stage, final norm and LM head on the last,
     rotary embeddings on every stage, layers spread evenly with the remainder on early stages), places
@@ -125,9 +134,7 @@ class AutoPipeline:
         dtype: torch.dtype | None = None,
     ) -> None:
         if world_mesh is None:
-            raise ValueError(
-                "AutoPipeline needs world_mesh, the device mesh with the pipeline axis; got None"
-            )
+            raise ValueError("world_mesh must be provided (a DeviceMesh with the pipeline axis), got None")
         config = PipelineConfig(
             pp_schedule=pp_schedule,
             pp_schedule_csv=pp_schedule_csv,
@@ -287,7 +294,12 @@ class AutoPipeline:
 
     @property
     def parts(self) -> list[nn.Module]:
-        """This rank's stage modules (the model parts an optimizer trains), in stage order."""
+        """This rank's stage modules (the model parts an optimizer trains), in stage order.
+
+        Raises:
+            RuntimeError: `build` has not been called yet (as in the reference system).
+        """
+        self._require_built()
         return list(self._parts)
 
     @property
@@ -302,13 +314,19 @@ class AutoPipeline:
 
     @property
     def info(self) -> PipelineInfo:
-        """What this rank holds: first/last stage flags, the schedule, the parts and the stages."""
+        """What this rank holds: first/last stage flags, the schedule, the parts and the stages.
+
+        Before `build`: ``PipelineInfo(enabled=False, schedule=None, has_first_stage=False,
+        has_last_stage=False, model_parts=None, stages=None)``.
+        """
+        if self._schedule is None:
+            return PipelineInfo(enabled=False, schedule=None, has_first_stage=False, has_last_stage=False)
         return PipelineInfo(
             enabled=True,
             schedule=self._schedule,
             has_first_stage=0 in self._stage_ids,
-            has_last_stage=bool(self._fqns) and len(self._fqns) - 1 in self._stage_ids,
-            model_parts=self.parts,
+            has_last_stage=len(self._fqns) - 1 in self._stage_ids,
+            model_parts=list(self._parts),
             stages=list(self._stages),
         )
 
@@ -662,13 +680,30 @@ class AutoPipeline:
         """Parameter elements over this rank's stages."""
         return sum(self.get_stage_param_counts(trainable_only))
 
-    def pretty_print_stages(self) -> str:
-        """A readable table of this rank's stages, their modules and parameter counts."""
+    def pretty_print_stages(self, max_modules_per_stage: int = 16, trainable_only: bool = False) -> str:
+        """A readable table of this rank's stages, their modules and parameter counts.
+
+        Args:
+            max_modules_per_stage: List at most this many module FQNs per stage (then ``...``).
+            trainable_only: Count trainable parameters only.
+
+        Returns:
+            The table; ``"<no stages>"`` before `build` (as in the reference system).
+        """
+        if self._schedule is None:
+            return "<no stages>"
         header = (
             f"pipeline rank {self.pp_rank}/{self.pp_size}, schedule {self._schedule_name()}, "
             f"{self.num_stages} stages, {self.n_microbatches} microbatches"
         )
-        return pretty_print_stages(self._stage_ids, self._parts, self.list_stage_modules(), header=header)
+        return pretty_print_stages(
+            self._stage_ids,
+            self._parts,
+            self.list_stage_modules(),
+            header=header,
+            max_modules=max_modules_per_stage,
+            trainable_only=trainable_only,
+        )
 
     def debug_summary(self) -> dict[str, Any]:
         """A JSON-friendly summary of this rank's part of the pipeline."""
@@ -695,3 +730,24 @@ class AutoPipeline:
     def log_debug_summary(self, level: int = logging.INFO) -> None:
         """Log `debug_summary` as one JSON line."""
         logger.log(level, "AutoPipeline %s", json.dumps(self.debug_summary()))
+
+
+def _config_field(name: str) -> property:
+    def get(self: AutoPipeline) -> Any:
+        return getattr(self.config, name)
+
+    return property(get, doc=f"``config.{name}`` (read-only).")
+
+
+def _axis_name(name: str) -> property:
+    def get(self: AutoPipeline) -> Any:
+        return self.axis_kwargs[name]
+
+    return property(get, doc=f"``axis_kwargs[{name!r}]`` (read-only).")
+
+
+for _name in (f.name for f in fields(PipelineConfig)):
+    setattr(AutoPipeline, _name, _config_field(_name))
+for _name in ("dp_axis_names", "cp_axis_name", "tp_axis_name", "ep_axis_name", "ep_shard_axis_names"):
+    setattr(AutoPipeline, _name, _axis_name(_name))
+del _name

@@ -46,8 +46,30 @@ def _pipe(mesh: MeshContext, **fields: Any) -> AutoPipeline:
 
 
 def test_needs_a_mesh() -> None:
-    with pytest.raises(ValueError, match="AutoPipeline needs world_mesh"):
+    with pytest.raises(ValueError, match="world_mesh must be provided"):
         AutoPipeline(None)
+
+
+def test_before_build_as_in_the_reference(mesh: MeshContext) -> None:
+    pipe = _pipe(mesh, pp_schedule="interleaved_1f1b", pp_batch_size=4, pp_microbatch_size=2)
+    info = pipe.info
+    assert (info.enabled, info.schedule, info.has_first_stage, info.has_last_stage) == (
+        False,
+        None,
+        False,
+        False,
+    )
+    assert info.model_parts is None and info.stages is None
+    with pytest.raises(RuntimeError, match=r"call AutoPipeline.build"):
+        _ = pipe.parts
+    assert pipe.pretty_print_stages() == "<no stages>"
+    assert pipe.list_stage_modules() == [] and pipe.get_total_param_count() == 0
+    # The config fields and axis names read as attributes.
+    assert (pipe.pp_schedule, pipe.pp_batch_size, pipe.pp_microbatch_size) == ("interleaved_1f1b", 4, 2)
+    assert pipe.layers_per_stage is None and pipe.patch_inner_model is True
+    assert pipe.pp_axis_name == "pp" and pipe.dp_axis_names == ("dp_replicate", "dp_shard_cp")
+    with pytest.raises(AttributeError):
+        pipe.pp_batch_size = 8  # type: ignore[misc]
 
 
 def test_needs_the_pipeline_axis(mesh: MeshContext) -> None:
@@ -193,6 +215,8 @@ def test_info_and_summaries(mesh: MeshContext) -> None:
     assert pipe.get_total_param_count(trainable_only=True) == total
     text = pipe.pretty_print_stages()
     assert "stage 0:" in text and "stage 1:" in text and "lm_head" in text
+    short = pipe.pretty_print_stages(max_modules_per_stage=2, trainable_only=True)
+    assert "trainable parameters" in short and "lm_head" not in short and short.count("    ...") == 2
     summary = pipe.debug_summary()
     assert json.loads(json.dumps(summary)) == summary
     assert summary["stage_param_counts"] == counts and summary["schedule"] == "loopedbfs"

@@ -13,6 +13,7 @@ from automodel_quant.fp8 import (
     FP8Config,
     apply_fp8_to_model,
     build_fp8_config,
+    create_fp8_config_from_dict,
     precompute_fp8_scales_for_fsdp,
     resolve_fp8_targets,
     verify_fp8_conversion,
@@ -30,8 +31,11 @@ def test_reference_fields_and_defaults() -> None:
         "force_recompute_fp8_weight_in_bwd": False,
         "fp8_filter_fqns": [],
         "fp8_emulate": False,
-        "convert_output_head": False,
     }
+    # The one field the reference lacks appears only when it is set, and round-trips.
+    head = FP8Config(convert_output_head=True)
+    assert head.to_dict()["convert_output_head"] is True
+    assert FP8Config.from_dict(head.to_dict()) == head
 
 
 def test_dict_round_trip_with_either_key_names() -> None:
@@ -43,7 +47,8 @@ def test_dict_round_trip_with_either_key_names() -> None:
         )
         == config
     )
-    assert build_fp8_config(None) is None
+    assert build_fp8_config(None) == FP8Config(enabled=False)  # as in the reference, not None
+    assert create_fp8_config_from_dict({"enabled": True}) == FP8Config(enabled=True)
     assert build_fp8_config(config) is config
     assert build_fp8_config({"enabled": True}) == FP8Config(enabled=True)
     with pytest.raises(ValueError, match=r"unknown FP8Config field\(s\) \['fp8_typo'\]"):
@@ -86,7 +91,13 @@ def test_convert_and_train_step(recipe: str | None, emulate: bool, batch: dict[s
     model = build_tiny_model("llama")
     apply_fp8_to_model(model, FP8Config(enabled=True, recipe_name=recipe, emulate=emulate))
     stats = verify_fp8_conversion(model)
-    assert stats["float8_linears"] == 14 and stats["linears"] == 15
+    assert (stats["fp8_count"], stats["linear_count"], stats["success"]) == (14, 15, True)
+    assert stats["conversion_rate"] == pytest.approx(100 * 14 / 15)
+    assert stats["fp8_modules"][0] == {
+        "name": "model.layers.0.self_attn.q_proj",
+        "type": "Float8Linear",
+        "weight_shape": [64, 64],
+    }
     assert type(model.lm_head) is nn.Linear
     loss = model(**batch).loss
     loss.backward()
@@ -105,17 +116,57 @@ def test_odd_dims_give_one_warning_listing_them() -> None:
     assert len(messages) == 1, messages
     assert "6 linear layer(s) stay in high precision" in messages[0]
     assert "model.layers.1.mlp.down_proj [64, 100]" in messages[0]
-    assert verify_fp8_conversion(model)["float8_linears"] == 8
+    assert verify_fp8_conversion(model)["fp8_count"] == 8
 
 
 def test_disabled_is_a_no_op_and_legacy_keywords_enable() -> None:
     model = build_tiny_model("llama")
     assert apply_fp8_to_model(model, FP8Config()) is model
-    assert verify_fp8_conversion(model)["float8_linears"] == 0
+    assert verify_fp8_conversion(model)["fp8_count"] == 0
     apply_fp8_to_model(model, emulate=True, filter_fqns=["mlp"])
-    assert verify_fp8_conversion(model)["float8_linears"] == 8
+    assert verify_fp8_conversion(model)["fp8_count"] == 8
     with pytest.raises(ValueError, match="not both"):
         apply_fp8_to_model(model, FP8Config(), emulate=True)
+
+
+def test_legacy_keyword_enabled_false_is_a_no_op() -> None:
+    # Issue 17: ``enabled=`` among the legacy keywords raised "multiple values for keyword 'enabled'".
+    model = build_tiny_model("llama")
+    out = apply_fp8_to_model(
+        model, config=None, enabled=False, filter_fqns=None, recipe_name=None, emulate=True
+    )
+    assert out is model and verify_fp8_conversion(model)["fp8_count"] == 0
+    apply_fp8_to_model(model, enabled=True, emulate=True)
+    assert verify_fp8_conversion(model)["fp8_count"] == 14
+
+
+def test_bare_linear_is_converted_and_returned() -> None:
+    # Issue 17: a model that is itself an nn.Linear raised "converted [''] unlike planned": torchao
+    # returns a new module for a root linear instead of swapping it in place.
+    linear = nn.Linear(32, 64)
+    converted = apply_fp8_to_model(linear, FP8Config(enabled=True, emulate=True))
+    assert type(converted).__name__ == "Float8Linear" and converted is not linear
+    assert converted.precompute_float8_dynamic_scale_for_fsdp is False
+    stats = verify_fp8_conversion(converted)
+    assert (stats["fp8_count"], stats["linear_count"], stats["fp8_modules"][0]["name"]) == (1, 1, "")
+    x = torch.randn(4, 32)
+    assert torch.allclose(converted(x), linear(x), atol=0.1)
+    # A bare linear with unsupported dims stays as it is.
+    odd = nn.Linear(15, 31)
+    with pytest.warns(UserWarning, match="no linear layer qualifies"):
+        assert apply_fp8_to_model(odd, FP8Config(enabled=True, emulate=True)) is odd
+
+
+def test_verify_without_float8_layers() -> None:
+    stats = verify_fp8_conversion(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(15, 31)))
+    assert stats == {
+        "linear_count": 2,
+        "fp8_count": 0,
+        "conversion_rate": 0.0,
+        "fp8_modules": [],
+        "success": False,
+    }
+    assert verify_fp8_conversion(nn.ReLU())["conversion_rate"] == 0.0
 
 
 def test_precompute_flag_and_hook() -> None:
@@ -134,7 +185,7 @@ def test_precompute_flag_and_hook() -> None:
 def test_meta_device_conversion() -> None:
     model = build_tiny_model("llama", meta=True)
     apply_fp8_to_model(model, FP8Config(enabled=True, emulate=True))
-    assert verify_fp8_conversion(model)["float8_linears"] == 14
+    assert verify_fp8_conversion(model)["fp8_count"] == 14
 
 
 def test_failed_conversion_raises(monkeypatch: pytest.MonkeyPatch) -> None:

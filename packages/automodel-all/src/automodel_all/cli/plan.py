@@ -16,6 +16,7 @@ from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, pipeline
 from automodel_all.cli.launch import nproc_per_node
 from automodel_all.cli.model import build_meta_model, load_model_config
 from automodel_all.cli.yaml_source import RawJob
+from automodel_distributed.config import normalize_activation_checkpointing
 
 __all__ = ["MemoryEstimate", "estimate_memory", "plan", "planned_steps"]
 
@@ -118,7 +119,8 @@ def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapt
     source = _weights_source(job)
     if job.strategy == "ddp" or not sharded:
         steps.append(f"materialise the whole model and {source} before wrapping it (nothing is sharded)")
-    ac = getattr(job.distributed, "activation_checkpointing", False)
+    # False, "full" or "selective" (a config keeps True as given, as in NeMo AutoModel).
+    ac = normalize_activation_checkpointing(getattr(job.distributed, "activation_checkpointing", False))
     blocks = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
     if resolved.pipeline is not None:
         stages = pipeline_stage_count(resolved.pipeline, layout.pp, blocks) or layout.pp

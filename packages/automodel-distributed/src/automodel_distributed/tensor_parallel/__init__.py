@@ -7,7 +7,15 @@
 """
 
 from automodel_distributed.tensor_parallel.apply import apply_tensor_parallel
-from automodel_distributed.tensor_parallel.lora import expand_lora_plan, is_lora_linear
+from automodel_distributed.tensor_parallel.hf_plan import get_hf_tp_shard_plan
+from automodel_distributed.tensor_parallel.lora import (
+    ColwiseParallelLora,
+    RowwiseParallelLora,
+    SequenceParallelLora,
+    expand_lora_plan,
+    is_lora_linear,
+    translate_to_lora,
+)
 from automodel_distributed.tensor_parallel.plans import BUILTIN_TP_PLANS
 from automodel_distributed.tensor_parallel.registry import (
     PlanFactory,
@@ -30,20 +38,25 @@ from automodel_distributed.tensor_parallel.validate import validate_tensor_paral
 __all__ = [
     "BUILTIN_TP_PLANS",
     "STYLE_NAMES",
+    "ColwiseParallelLora",
     "GatherSequenceInput",
     "PlanFactory",
     "PlanMapping",
     "PlanSource",
     "ReplicateParallel",
     "ReplicatedWithGradAllReduce",
+    "RowwiseParallelLora",
+    "SequenceParallelLora",
     "SequenceParallelNorm",
     "apply_tensor_parallel",
     "expand_lora_plan",
+    "get_hf_tp_shard_plan",
     "is_lora_linear",
     "parallel_style",
     "register_named_tp_plan",
     "register_tp_plan",
     "resolve_tp_plan",
     "translate_hf_tp_plan",
+    "translate_to_lora",
     "validate_tensor_parallel",
 ]

@@ -21,13 +21,25 @@ from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.styles import ReplicateParallel
 from automodel_mesh.modules import join_fqn
 
-__all__ = ["expand_lora_plan", "is_lora_linear"]
+__all__ = [
+    "ColwiseParallelLora",
+    "RowwiseParallelLora",
+    "SequenceParallelLora",
+    "expand_lora_plan",
+    "is_lora_linear",
+    "translate_to_lora",
+]
 
 
 def is_lora_linear(module: nn.Module) -> bool:
@@ -141,3 +153,23 @@ def expand_lora_plan(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dic
             else:
                 out[fqn] = style
     return out
+
+
+# The reference system's LoRA-aware styles. Here a plain column / row / sequence-parallel style on a
+# LoRA-wrapped linear is split over its base layer and adapters by `expand_lora_plan` when
+# `apply_tensor_parallel` applies the plan, so the LoRA variants are the plain torch styles.
+ColwiseParallelLora = ColwiseParallel
+"""torch's ``ColwiseParallel``; LoRA wrappers are handled by `expand_lora_plan`."""
+RowwiseParallelLora = RowwiseParallel
+"""torch's ``RowwiseParallel``; LoRA wrappers are handled by `expand_lora_plan`."""
+SequenceParallelLora = SequenceParallel
+"""torch's ``SequenceParallel`` (it has no LoRA-specific behaviour)."""
+
+
+def translate_to_lora(style: ParallelStyle) -> ParallelStyle:
+    """The reference system's style translation; here the identity (returns ``style`` itself).
+
+    `apply_tensor_parallel` makes any column- or row-parallel entry LoRA-aware when it meets a
+    LoRA-wrapped linear (`expand_lora_plan`), so no style needs translating.
+    """
+    return style

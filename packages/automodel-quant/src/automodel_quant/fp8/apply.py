@@ -57,7 +57,9 @@ def _torchao_config(config: FP8Config) -> Any:
 def _warn_unsupported(plan: FP8Plan) -> None:
     if not plan.unsupported_dims:
         return
-    listing = ", ".join(f"{fqn} {list(shape)}" for fqn, shape in plan.unsupported_dims.items())
+    listing = ", ".join(
+        f"{fqn or '<the model>'} {list(shape)}" for fqn, shape in plan.unsupported_dims.items()
+    )
     warnings.warn(
         f"FP8: {len(plan.unsupported_dims)} linear layer(s) stay in high precision because a weight dim does "
         f"not divide by 16: {listing}",
@@ -66,14 +68,32 @@ def _warn_unsupported(plan: FP8Plan) -> None:
 
 
 def verify_fp8_conversion(model: nn.Module) -> dict[str, Any]:
-    """Count the float8 and high-precision linears of ``model``.
+    """Count the float8 and high-precision linears of ``model`` (the reference system's statistics).
+
+    A ``Float8Linear`` is recognised by its class name, so this needs no torchao import.
 
     Returns:
-        ``{"float8_linears": n, "linears": m, "float8_fqns": [...]}``.
+        ``{"linear_count": m, "fp8_count": n, "conversion_rate": 100 * n / m (0 without linears),
+        "fp8_modules": [{"name", "type", "weight_shape"}, ...], "success": n > 0}``, where ``m`` counts
+        every ``nn.Linear`` (``Float8Linear`` is one).
     """
-    fp8 = [fqn for fqn, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
-    linears = sum(1 for m in model.modules() if isinstance(m, nn.Linear))
-    return {"float8_linears": len(fp8), "linears": linears, "float8_fqns": fp8}
+    fp8_modules: list[dict[str, Any]] = []
+    linear_count = 0
+    for fqn, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        linear_count += 1
+        if type(module).__name__ == "Float8Linear":
+            fp8_modules.append(
+                {"name": fqn, "type": type(module).__name__, "weight_shape": list(module.weight.shape)}
+            )
+    return {
+        "linear_count": linear_count,
+        "fp8_count": len(fp8_modules),
+        "conversion_rate": 100.0 * len(fp8_modules) / linear_count if linear_count else 0.0,
+        "fp8_modules": fp8_modules,
+        "success": bool(fp8_modules),
+    }
 
 
 def apply_fp8_to_model(
@@ -93,10 +113,12 @@ def apply_fp8_to_model(
         model: The model.
         config: An `FP8Config` (or its dict). ``enabled=False`` makes this a no-op.
         **legacy_kwargs: The reference system's older keyword form (``recipe_name=``, ``filter_fqns=``,
-            ``emulate=``, ...), meaning ``FP8Config(enabled=True, **legacy_kwargs)``; only without ``config``.
+            ``emulate=``, ``enabled=`` (default True), ...), meaning ``FP8Config(enabled=True,
+            **legacy_kwargs)``; only without ``config``.
 
     Returns:
-        ``model``.
+        ``model``; when ``model`` itself is a bare ``nn.Linear`` that converts, the new ``Float8Linear``
+        that replaces it (a root module cannot be swapped in place; use the return value).
 
     Raises:
         ValueError: ``config`` and keywords together; a GPU older than SM 8.9 without ``emulate``.
@@ -106,7 +128,7 @@ def apply_fp8_to_model(
     if config is not None and legacy_kwargs:
         raise ValueError(f"apply_fp8_to_model: pass config= or keywords {sorted(legacy_kwargs)}, not both")
     if config is None:
-        config = FP8Config(enabled=True, **legacy_kwargs)
+        config = FP8Config.from_dict({"enabled": True, **legacy_kwargs})
     elif not isinstance(config, FP8Config):
         config = FP8Config.from_dict(config)
     if not config.enabled:
@@ -125,14 +147,15 @@ def apply_fp8_to_model(
     targets = set(plan.convert)
     ao_config = _torchao_config(config)
     try:
-        float8.convert_to_float8_training(
+        # torchao swaps children in place but returns a new module for a root nn.Linear.
+        model = float8.convert_to_float8_training(
             model, config=ao_config, module_filter_fn=lambda _module, fqn: fqn in targets
         )
     except Exception as exc:
         raise RuntimeError(
             f"FP8 conversion failed ({type(exc).__name__}: {exc}); the model is unusable"
         ) from exc
-    converted = set(verify_fp8_conversion(model)["float8_fqns"])
+    converted = {m["name"] for m in verify_fp8_conversion(model)["fp8_modules"]}
     if converted != targets:
         raise RuntimeError(
             f"FP8 conversion converted {sorted(converted ^ targets)} unlike planned; report this as a bug"

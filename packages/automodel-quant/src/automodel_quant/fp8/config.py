@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from automodel_mesh.config_dict import ConfigDict
 
-__all__ = ["FP8_RECIPES", "FP8Config", "build_fp8_config"]
+__all__ = ["FP8_RECIPES", "FP8Config", "build_fp8_config", "create_fp8_config_from_dict"]
 
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -100,6 +100,17 @@ class FP8Config(ConfigDict):
     # `from_dict` takes both spellings.
     _dict_aliases: ClassVar[Mapping[str, str]] = _RENAMED
 
+    def to_dict(self) -> dict[str, Any]:
+        """The reference system's dict (``fp8_*`` keys for the renamed fields).
+
+        ``convert_output_head``, which the reference system does not have, appears only when True, so a
+        config the reference can express gives exactly its seven keys (and `from_dict` round-trips both).
+        """
+        out = super().to_dict()
+        if not self.convert_output_head:
+            del out["convert_output_head"]
+        return out
+
     def _dict_key(self, name: str) -> str:
         """``fp8_recipe_name``, ``fp8_filter_fqns``, ``fp8_emulate`` for the renamed fields."""
         return _FIELD_KEYS.get(name, name)
@@ -109,8 +120,26 @@ class FP8Config(ConfigDict):
         return list(value) if isinstance(value, list) else value
 
 
-def build_fp8_config(config: FP8Config | Mapping[str, Any] | None) -> FP8Config | None:
-    """``None`` -> None; an `FP8Config` -> itself; a dict -> `FP8Config.from_dict`."""
-    if config is None or isinstance(config, FP8Config):
+def build_fp8_config(config: FP8Config | Mapping[str, Any] | None) -> FP8Config:
+    """Build an `FP8Config` from ``None``, a config or a dict.
+
+    ``None`` gives ``FP8Config(enabled=False)`` (as in the reference system), an `FP8Config` itself, a
+    dict `FP8Config.from_dict`.
+
+    Raises:
+        ValueError: A dict with an unknown key (the reference system ignores unknown keys).
+    """
+    if config is None:
+        return FP8Config(enabled=False)
+    if isinstance(config, FP8Config):
         return config
     return FP8Config.from_dict(config)
+
+
+def create_fp8_config_from_dict(config_dict: Mapping[str, Any]) -> FP8Config:
+    """The reference system's name for `FP8Config.from_dict` (missing keys take the defaults).
+
+    Raises:
+        ValueError: An unknown key (the reference system ignores unknown keys).
+    """
+    return FP8Config.from_dict(config_dict)
