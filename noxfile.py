@@ -299,7 +299,7 @@ def e2e(session: nox.Session) -> None:
     _pytest(
         session,
         [tests],
-        "not gpu and not distributed and not faults",
+        "not gpu and not distributed and not faults and not models",
         allow_empty=not _has_test_files(tests),
         what="tests/",
         why_empty="there are no cross-package test files yet",
@@ -323,6 +323,46 @@ def _faults(session: nox.Session, marker: str) -> None:
         _fail(f"the faults run wrote no ledger at {report}")
     totals = json.loads(report.read_text(encoding="utf-8"))["totals"]
     session.log(f"faults ledger ({report}): {totals}")
+
+
+@nox.session(default=False)
+@_timed
+def models(session: nox.Session) -> None:
+    """The whole model matrix: every transformers decoder and VLM family x every layout (not default).
+
+    Writes the JSON reports and regenerates docs/models.md and docs/vlm.md (``tools/models_doc.py``).
+    The default ``distributed`` session runs a fast slice of the same matrix. ``-- -k fsdp2`` runs some
+    layouts.
+    """
+    _uv_sync(session, *WORKSPACE_SYNC)
+    report = ROOT / "build" / "models" / "matrix.json"
+    vlm_report = ROOT / "build" / "models" / "vlm.json"
+    report.unlink(missing_ok=True)
+    vlm_report.unlink(missing_ok=True)
+    failed = False
+    try:
+        _pytest(
+            session,
+            [ROOT / "tests" / "models"],
+            "models",
+            allow_empty=False,
+            what="the model matrix",
+            why_empty="",
+            env={
+                "AUTOMODEL_MODEL_MATRIX_REPORT": str(report),
+                "AUTOMODEL_VLM_MATRIX_REPORT": str(vlm_report),
+                "OMP_NUM_THREADS": "1",
+            },
+        )
+    except CommandFailed:
+        failed = True  # the table is written either way: it shows what failed
+    if not report.is_file():
+        _fail(f"the model matrix wrote no report at {report}")
+    session.run("python", "tools/models_doc.py", str(report), "docs/models.md")
+    if vlm_report.is_file():  # absent when ``-k`` selected decoder layouts only
+        session.run("python", "tools/models_doc.py", str(vlm_report), "docs/vlm.md")
+    if failed:
+        _fail("some (family, layout) cases failed: see docs/models.md and the pytest output")
 
 
 @nox.session

@@ -19,7 +19,9 @@ Sections (each one also runs alone as its own script, with more detail):
 - ``readers``: our safetensors slice reader against ``safe_open(...).get_slice`` and DCP's
   ``HuggingFaceStorageReader`` (`bench_safetensors_reader.py`, which also runs the 1.2B checkpoint);
 - ``schedules``: pipeline bubble against the schedules' theory, expert parallelism against replicated
-  experts (`bench_pipeline_bubble.py`, `bench_moe_ep.py`).
+  experts (`bench_pipeline_bubble.py`, `bench_moe_ep.py`);
+- ``vlm``: per-rank bytes of a frozen vision tower under each ``multimodal.frozen_sharding`` against
+  the unsharded tower (`bench_vlm_frozen.py`).
 
 A figure that depends on a setting of ours (``FSDP2Config.tune_host_allocator`` for every CPU
 row that trains through `FSDP2Manager`) is measured once per value of the setting, in the same run,
@@ -45,7 +47,9 @@ import bench_fsdp2_manager
 import bench_import_time
 import bench_moe_ep
 import bench_pipeline_bubble
+import bench_planner
 import bench_safetensors_reader
+import bench_vlm_frozen
 import bench_vs_nemo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -262,6 +266,45 @@ def section_schedules() -> list[Row]:
     return rows
 
 
+def section_planner() -> list[Row]:
+    rows = []
+    for row in bench_planner.measure():
+        rows.append(
+            Row(
+                "planner",
+                f"estimated vs measured peak per rank, {row['layout']} ({bench_planner.RANKS} ranks)",
+                f"{row['estimate_mib']:.0f} MiB",
+                f"{row['measured_mib']:.0f} MiB",
+                _ratio(row["estimate_mib"], row["measured_mib"]),
+                f"`automodel plan` total vs VmHWM growth over setup + 1 AdamW step, max over ranks; "
+                f"Llama 53M fp32, seq {bench_planner.SEQ}",
+            )
+        )
+    return rows
+
+
+def section_vlm() -> list[Row]:
+    rows = []
+    for sharding, row in bench_vlm_frozen.measure().items():
+        full = row["full"] / MiB
+        for key, what in (
+            ("resident", "held after loading"),
+            ("gathered", "most held whole at once in a forward"),
+        ):
+            rows.append(
+                Row(
+                    "vision-language",
+                    f"frozen CLIP tower bytes per rank {what}, frozen_sharding={sharding} (2 ranks) vs "
+                    "the unsharded tower",
+                    f"{row[key] / MiB:.2f} MiB",
+                    f"{full:.2f} MiB",
+                    _ratio(row[key], row["full"]),
+                    "LLaVA (CLIP hidden 256 x 4 layers, Llama), fp32; worst rank",
+                )
+            )
+    return rows
+
+
 SECTIONS: dict[str, Callable[[], list[Row]]] = {
     "pytorch": section_pytorch,
     "transformers": section_transformers,
@@ -269,6 +312,8 @@ SECTIONS: dict[str, Callable[[], list[Row]]] = {
     "imports": section_imports,
     "readers": section_readers,
     "schedules": section_schedules,
+    "planner": section_planner,
+    "vlm": section_vlm,
 }
 
 

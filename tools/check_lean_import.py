@@ -9,8 +9,9 @@ installed, so that an eager import has something to import):
    any module of `dependency_graph.HEAVY_MODULES` (torchao, peft, bitsandbytes, megatron_fsdp,
    ``transformers.models.*``) is in ``sys.modules``. The wrapper makes the check meaningful on
    machines without GPUs too.
-2. Import time: ``--repeats`` rounds (default 5), each of which times ``import torch`` and then
-   ``import <package>`` in fresh processes, after one warm-up round that fills the bytecode caches.
+2. Import time: ``--repeats`` rounds (default 3), each of which times ``import torch`` and then
+   ``import <package>`` in fresh processes; the probes of step 1 are the warm-up that fills the
+   bytecode caches.
    A package fails when its fastest run exceeds ``--budget`` (default 1.2) times torch's fastest; the
    table of ratios is printed either way, with the largest top-level modules a slow package added.
 
@@ -88,13 +89,15 @@ def probe(module: str) -> list[str]:
 
 
 def time_imports(modules: list[str], repeats: int) -> dict[str, list[float]]:
-    """Time ``import <m>`` in fresh processes, interleaved over rounds; round 0 is a discarded warm-up."""
+    """Time ``import <m>`` in fresh processes, interleaved over ``repeats`` rounds.
+
+    Precondition: every module was imported once already (`probe`, which is the warm-up that fills the
+    bytecode caches).
+    """
     samples: dict[str, list[float]] = {m: [] for m in ["torch", *modules]}
-    for round_index in range(repeats + 1):
+    for _ in range(repeats):
         for module in samples:
-            seconds = float(_python(_TIMER, module))
-            if round_index:
-                samples[module].append(seconds)
+            samples[module].append(float(_python(_TIMER, module)))
     return samples
 
 
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run both checks and print a table; return 1 on any violation."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("packages", nargs="*", help="import names (default: every published package)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=float, default=1.2, help="allowed fastest time / torch's fastest")
     args = parser.parse_args(argv)
     modules = args.packages or [import_name(d) for d, node in ALLOWED_GRAPH.items() if node.published]

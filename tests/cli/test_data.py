@@ -5,6 +5,7 @@ The tokenizer is the embedded default's (trained here on the built-in corpus, wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -242,8 +243,8 @@ def test_prepare_data_writes_train_and_eval_rows(tmp_path: Path, tokenizer: Any)
     assert 0.2 < float((labels != IGNORE_INDEX).float().mean()) < 0.8  # prompts are masked out
     again = prepare_data(data, tokenizer, tmp_path)
     assert torch.equal(again.train.input_ids, prepared.train.input_ids)  # deterministic
-    # Under context parallelism records default to one per row (ring attention cannot keep them apart).
-    padded = prepare_data(data, tokenizer, tmp_path / "cp", cp_size=2)
+    # One record per row when asked (packed rows are exact under context parallelism too).
+    padded = prepare_data(dataclasses.replace(data, packing="padded"), tokenizer, tmp_path / "padded")
     assert padded.packing == "padded" and len(padded.train) > len(prepared.train)
     assert bool((padded.train.position_ids == torch.arange(64)).all())  # no position restarts in a row
 

@@ -8,9 +8,9 @@ document each slot belongs to). The reference runs each document alone through t
 transformers model. Both must agree per document to a relative 1e-6 (observed ~1e-7: fp32 sums in
 another order; a document that saw another one would be off by far more than that).
 
-Context parallelism runs ring attention, which knows no document boundaries: packed rows are refused
-there with a ValueError before any collective (`context_parallel_inputs`), and ``padded`` rows (one
-document per row, padding at the end) are exact instead, which this test also shows.
+Context parallelism: packed rows run document-masked attention over the gathered keys
+(`automodel_distributed.cp_document_attention`; ring attention knows no document boundaries) and are
+exact; ``padded`` rows (one document per row, padding at the end) keep ring attention and are exact too.
 
 The same launch checks evaluation under FSDP2 (`automodel_all.cli.evaluate`): a model evaluated first
 (a no-grad forward, which leaves FSDP2's root gathered until it is resharded) and then trained, with its
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.distributed
 
 SEQ = 32
 RTOL = 1e-6  # of a document's loss sum (~20 tokens of ~5 nats); observed ~1e-7: fp32 sums in another order
-CASES = ("fsdp2", "tp", "tp_sp", "cp_padded", "cp_packed_refused", "pp")
+CASES = ("fsdp2", "tp", "tp_sp", "cp_padded", "cp_packed", "pp")
 
 
 def _documents(vocab: int) -> list[Any]:
@@ -96,7 +96,7 @@ def _model(case: str, checkpoint: str, loss: Any) -> tuple[Any, Any, Any]:
         "tp": ParallelismSizes(tp_size=2),
         "tp_sp": ParallelismSizes(tp_size=2),
         "cp_padded": ParallelismSizes(cp_size=2),
-        "cp_packed_refused": ParallelismSizes(cp_size=2),
+        "cp_packed": ParallelismSizes(cp_size=2),
         "pp": ParallelismSizes(pp_size=2),
     }[case]
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -153,17 +153,9 @@ def _run(case: str, checkpoint: str) -> dict[str, Any]:
                     context_parallel_region,
                 )
 
-                try:
-                    prepared = context_parallel_inputs(
-                        {
-                            "input_ids": batch["input_ids"],
-                            "position_ids": batch["position_ids"],
-                            "target": target,
-                        }
-                    )
-                except ValueError as exc:
-                    out["refused"] = str(exc)
-                    return out
+                prepared = context_parallel_inputs(
+                    {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "target": target}
+                )
                 with context_parallel_region(
                     ctx, prepared, seq_dims={"target": 1}, cpu_ring_attention=True
                 ) as local:
@@ -278,9 +270,6 @@ def test_packed_documents_have_their_own_losses_under_every_layout(tmp_path: Pat
         for case in CASES:
             out = result[case]
             assert "error" not in out, f"rank {rank} {case}:\n{out['error']}"
-            if case == "cp_packed_refused":
-                assert "refused" in out and "packed" in out["refused"], out
-                continue
             assert out["max_rel_diff"] < RTOL, (rank, case, out)
     for result in results:
         check = result["evaluate_then_train"]

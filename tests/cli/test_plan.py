@@ -29,7 +29,10 @@ def test_fsdp2_shards_everything_over_the_data_parallel_ranks() -> None:
     assert "fully_shard each of 4 transformer blocks" in two
     # AdamW keeps two fp32 states: twice the fp32 parameters; sharding over 4 ranks halves each figure.
     assert _mib(two, "optimizer") == pytest.approx(2 * _mib(two, "parameters"), rel=1e-3)
-    assert _mib(four, "total") == pytest.approx(_mib(two, "total") / 2, rel=1e-2)
+    states = ("parameters", "gradients", "optimizer")
+    assert sum(_mib(four, k) for k in states) == pytest.approx(
+        sum(_mib(two, k) for k in states) / 2, rel=1e-2
+    )
 
 
 def test_ddp_replicates_and_tp_pp_lora_steps_are_listed_in_order() -> None:
@@ -91,6 +94,45 @@ def test_every_example_job_file_is_valid_and_the_runnable_ones_plan() -> None:
     assert "split into 4 pipeline stages over pp=2 (schedule interleaved_1f1b" in report
     assert "fully_shard each of 8 transformer blocks" in report
     assert "fsdp2 on 2 rank(s)" in _plan(str(examples[0].parent / "default.yaml"), "--device", "cpu")
+
+
+def test_peak_lines_device_fit_json_and_suggestions(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from automodel_all.cli.peak import DEVICE_PRESETS, parse_device_memory
+
+    report = _plan("--world-size", "4")
+    for line in ("parameters", "gradients", "optimizer", "gathered units", "activations", "total"):
+        assert _mib(report, line) > 0, line
+    parts = sum(_mib(report, line) for line in ("parameters", "gradients", "optimizer", "gathered units"))
+    assert _mib(report, "total") == pytest.approx(parts + _mib(report, "activations"), abs=0.05)
+    # Full checkpointing keeps each block's input only: the activations shrink.
+    ac = _plan("--world-size", "4", "--activation-checkpointing")
+    assert _mib(ac, "activations") < _mib(report, "activations") / 2
+
+    assert parse_device_memory("h100") == DEVICE_PRESETS["h100"]
+    assert parse_device_memory("80GiB") == 80 * 2**30 and parse_device_memory("40GB") == 40 * 10**9
+    assert main(["plan", "--device-memory", "80 bananas"]) == 2
+    assert "--device-memory '80 bananas': expected a size" in capsys.readouterr().err
+
+    assert main(["plan", "--world-size", "4", "--device-memory", "1MiB"]) == 0
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main(["plan", "--world-size", "4", "--device-memory", "h200"]) == 0
+    assert ": fits," in capsys.readouterr().out
+
+    assert main(["plan", "--world-size", "4", "--json", "--suggest", "--device-memory", "a100-40g"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["fits"] is True and document["peak"]["peak_bytes"] == sum(
+        document["peak"]["lines"].values()
+    )
+    suggestions = document["suggestions"]
+    assert suggestions and len(suggestions) <= 5
+    peaks = [(s["peak_bytes"], s["communication_total_bytes"]) for s in suggestions]
+    assert peaks == sorted(peaks)
+    # Every suggested layout uses all 4 ranks.
+    for entry in suggestions:
+        sizes = entry["sizes"]
+        assert 4 % (sizes["tp_size"] * sizes["pp_size"] * sizes["cp_size"] * sizes["dp_replicate_size"]) == 0
 
 
 # The published shapes of the models the SFT examples name (config.json only: no weights are needed to plan).

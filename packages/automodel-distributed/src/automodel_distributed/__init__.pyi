@@ -38,6 +38,7 @@ from .ddp import DDPManager
 from .fsdp2 import FSDP2Manager
 from .loss import MaskedCrossEntropy
 from .megatron_fsdp import MegatronFSDPManager
+from .multimodal import FreezeConfig, ModelParts, apply_freeze_config, model_parts
 from .strategy import NoStrategy, StrategyManager, as_strategy
 
 __version__: str
@@ -55,14 +56,17 @@ __all__ = [
     "DistributedConfig",
     "FSDP2Config",
     "FSDP2Manager",
+    "FreezeConfig",
     "KeyRules",
     "LoadReport",
     "MaskedCrossEntropy",
     "MegatronFSDPConfig",
     "MegatronFSDPManager",
+    "ModelParts",
     "NoStrategy",
     "StrategyManager",
     "__version__",
+    "apply_freeze_config",
     "as_strategy",
     "check_hf_checkpoint",
     "checkpoint_key",
@@ -73,6 +77,7 @@ __all__ = [
     "load_distributed_checkpoint",
     "load_hf_checkpoint",
     "materialize_meta_tensors",
+    "model_parts",
     "read_marker",
     "register_buffer_initializer",
     "reinitialize_non_persistent_buffers",

@@ -129,7 +129,7 @@ def _check_dtype(obj: object, name: str) -> None:
 
 @dataclass(kw_only=True)
 class MultimodalDistributedConfig(ConfigDict):
-    """How frozen multimodal towers are sharded (accepted for compatibility; see `FSDP2Manager`)."""
+    """How frozen multimodal towers are sharded by FSDP2 (`automodel_distributed.fsdp2.apply_fsdp2`)."""
 
     frozen_sharding: Literal["root", "per_layer", "replicate"] = "root"
     """``root``: frozen towers join the root FSDP unit; ``per_layer``: one unit per tower layer;

@@ -25,15 +25,21 @@ the mean loss over the whole sequence is the *sum* over the cp ranks of the grad
 
 Labels are shifted *before* sharding (``shift_labels``), because shifting a shard would pair tokens with
 labels of the neighbouring chunk. Requirements: SDPA attention (``attn_implementation="sdpa"``), causal
-attention with no padding or packing mask, and a sequence length divisible by ``2 * cp_size``. Packed
-rows (position ids restarting per document) are refused: ring attention cannot keep documents apart.
-Right padding is exact (causal attention never lets a token see the padding after it), so one sequence
-per row, padded at the end, is the way to train on short records under CP.
+attention with no padding mask, and a sequence length divisible by ``2 * cp_size``. Right padding is
+exact (causal attention never lets a token see the padding after it).
+
+Packed rows (``position_ids`` restarting per document) are exact too, on another path: ring attention
+takes no mask, so when the batch's positions restart inside a row the region shards the batch itself (the
+same load-balanced layout) and opens a document region instead
+(`automodel_distributed.cp_document_attention`): the model's attention, switched by
+`apply_context_parallel` to the registered ``automodel_cp_sdpa`` implementation, all-gathers keys and
+values over ``cp`` and runs SDPA with a per-document causal mask. That path holds all keys per rank and
+an O(T^2 / cp) mask: it is exact, not fast. Unpacked batches keep ring attention.
 
 CPU: PyTorch ships ring attention only for the CUDA kernels; on a CPU mesh (gloo) the region needs
 ``cpu_ring_attention=True``, the explicit switch to automodel's test backend
 (`automodel_distributed.cpu_ring_attention`, private torch internals); without it a CPU mesh is refused
-with a `ValueError` before any collective.
+with a `ValueError` before any collective. Packed batches do not use ring attention and need no switch.
 """
 
 from __future__ import annotations
@@ -50,12 +56,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from automodel_distributed.cp_document_attention import (
+    CP_DOCUMENT_ATTENTION,
+    attention_window,
+    document_ids,
+    document_region,
+    document_region_active,
+    register_cp_document_attention,
+)
 from automodel_distributed.layers import find_transformer_blocks
 from automodel_mesh import MeshAxisName, MeshContext
+from automodel_mesh.modules import find_hf_model, unwrap
 
 __all__ = [
     "ATTENTION_MODULE_NAMES",
     "CP_SEQUENCE_KEYS",
+    "SEQUENCE_MIXING_OPS",
     "apply_context_parallel",
     "context_parallel_inputs",
     "context_parallel_region",
@@ -125,10 +141,13 @@ def context_parallel_inputs(batch: Mapping[str, Any], *, ignore_index: int = -10
     Returns:
         A new dict (the input tensors are not modified).
 
+    ``position_ids`` restarting inside a row (packed documents) are kept: `context_parallel_region` then
+    masks attention per document.
+
     Raises:
-        ValueError: The ``attention_mask`` masks some positions (padding or packing is not supported
-            under CP), the ``position_ids`` restart inside a row (packed sequences), or there is neither
-            ``input_ids`` nor ``inputs_embeds``.
+        ValueError: The ``attention_mask`` masks some positions (a padding mask is not supported under CP:
+            pad at the end without a mask, or pack), or there is neither ``input_ids`` nor
+            ``inputs_embeds``.
     """
     out = dict(batch)
     ids = out.get("input_ids", out.get("inputs_embeds"))
@@ -141,20 +160,8 @@ def context_parallel_inputs(batch: Mapping[str, Any], *, ignore_index: int = -10
             "context parallelism supports causal attention without padding: the attention_mask masks "
             f"{int((~mask.bool()).sum())} position(s); pack sequences without padding or drop the mask"
         )
-    positions = out.get("position_ids")
-    if positions is None:
+    if out.get("position_ids") is None:
         out["position_ids"] = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand(batch_size, -1)
-    elif isinstance(positions, torch.Tensor) and positions.shape[-1] > 1:
-        # Ring attention is causal over the whole row; restarting positions mean packed documents, whose
-        # block-diagonal mask it cannot apply (they would silently attend to each other).
-        restarts = int((positions[..., 1:] - positions[..., :-1] != 1).sum())
-        if restarts:
-            raise ValueError(
-                f"context parallelism runs causal ring attention over whole rows, but the position_ids "
-                f"restart {restarts} time(s) inside rows (packed sequences, each needing its own attention "
-                "block); give one sequence per row, padded at the end (causal attention keeps the padding "
-                "out of the sequence's tokens)"
-            )
     labels = out.pop("labels", None)
     if isinstance(labels, torch.Tensor):
         shifted = torch.full_like(labels, ignore_index)
@@ -171,23 +178,118 @@ def _strip_attention_mask(
     active_cp_size = _ACTIVE_CP_SIZE.get()
     if active_cp_size == 0:
         return args, kwargs
-    # The attention module's own attribute wins (None on full-attention layers); else its config's.
-    window: object = getattr(module, "sliding_window", None)
-    if not hasattr(module, "sliding_window"):
-        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    config = getattr(module, "config", None)
+    if document_region_active():
+        # Packed rows: the registered attention applies the document mask (and any sliding window).
+        impl = getattr(config, "_attn_implementation", "unknown (the module has no config)")
+        if impl != CP_DOCUMENT_ATTENTION:
+            raise ValueError(
+                f"{type(module).__name__} runs attn_implementation={impl!r}, but packed rows under context "
+                f"parallelism need {CP_DOCUMENT_ATTENTION!r} (set by apply_context_parallel); call "
+                "apply_context_parallel after any set_attn_implementation, or use data.packing: padded"
+            )
+        kwargs["attention_mask"] = None
+        return args, kwargs
+    window = attention_window(module)
     hidden = kwargs.get("hidden_states", args[0] if args else None)
-    if (
-        isinstance(window, int)
-        and isinstance(hidden, torch.Tensor)
-        and hidden.shape[1] * active_cp_size > window
-    ):
-        raise NotImplementedError(
+    if window is not None and isinstance(hidden, torch.Tensor) and hidden.shape[1] * active_cp_size > window:
+        raise ValueError(
             f"{type(module).__name__} uses sliding-window attention (window {window}) over a sequence of "
-            f"{hidden.shape[1] * active_cp_size} tokens, which context parallelism does not support "
-            "(ring attention is plainly causal); use sequences no longer than the window or cp_size=1"
+            f"{hidden.shape[1] * active_cp_size} tokens, which ring attention does not support (it is "
+            "plainly causal); use sequences no longer than the window, packed rows (masked per document "
+            "and window) or cp_size=1"
         )
     kwargs["attention_mask"] = None
     return args, kwargs
+
+
+SEQUENCE_MIXING_OPS: frozenset[str] = frozenset(
+    {"matmul", "__matmul__", "bmm", "baddbmm", "einsum", "mm", "conv1d", "conv2d", "cumsum", "cumprod",
+     "cummax", "logcumsumexp", "roll", "flip"}
+)  # fmt: skip
+"""Ops that can combine the positions of a sequence when they take floating-point activations (a
+product of two activations, a convolution or a scan over time). Under context parallelism each rank holds
+a slice of the sequence and only ``scaled_dot_product_attention`` (ring attention) sees all of it."""
+
+
+def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
+    """Refuse a model whose forward combines positions outside SDPA (a silent error under CP).
+
+    One forward of the transformers model on fake tensors (`automodel_mesh.dataflow`; no compute, no
+    memory, meta models included) labels everything computed from the token embeddings and records the
+    ops of `SEQUENCE_MIXING_OPS` that take such activations: state-space and linear-attention layers
+    (scans, convolutions over time), attention computed by hand, sparse-attention indexers. Layer kinds
+    the config declares that are not attention (``layer_types``) are refused at once, and chunked
+    attention (its mask is dropped under CP) too.
+
+    Raises:
+        ValueError: The forward mixes positions outside SDPA, or it does not run on fake tensors (so
+            that CP cannot be shown to be exact for it).
+    """
+    from automodel_mesh.dataflow import DataFlow, fake_forward
+
+    _, hf = find_hf_model(unwrap(model))
+    config = getattr(hf, "config", None)
+    name = type(hf).__name__
+    kinds = set(getattr(config, "layer_types", None) or ())
+    others = sorted(k for k in kinds if k not in ("full_attention", "sliding_attention"))
+    if others:
+        raise ValueError(
+            f"context parallelism runs only attention as ring attention, but {name} has layers of kind "
+            f"{others} (config.layer_types); use cp_size=1 for it"
+        )
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        raise ValueError(
+            f"{name} uses chunked attention (attention_chunk_size={chunk}), whose "
+            "mask context parallelism cannot apply (ring attention is plainly causal); use cp_size=1"
+        )
+    get_embeddings = getattr(hf, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    if not isinstance(embeddings, nn.Module):
+        raise ValueError(f"context parallelism cannot check {name}: it has no input embedding to trace from")
+    mixing: set[str] = set()
+
+    def on_op(op: str, args: tuple[Any, ...], kwargs: dict[str, Any], labels_of: Any) -> None:
+        if op == "scaled_dot_product_attention":
+            # A mask computed from the activations (a learned, content-dependent mask) is over this
+            # rank's keys only; ring attention runs unmasked, so it cannot apply it.
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if isinstance(mask, torch.Tensor) and labels_of(mask):
+                mixing.add("an SDPA mask computed from activations")
+            return
+        if op not in SEQUENCE_MIXING_OPS:
+            return
+        floats = [
+            a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()
+        ]
+        traced = [a for a in floats if labels_of(a)]
+        products = op in ("matmul", "__matmul__", "bmm", "baddbmm", "einsum", "mm")
+        if len(traced) >= (2 if products else 1):
+            mixing.add(op)
+
+    flow = DataFlow(on_op)
+    hook = embeddings.register_forward_hook(lambda _m, _a, out: flow.set(out, {"activations"}))
+    param = next(hf.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    try:
+        # Unbacked sizes for value-dependent shapes: an MoE dispatch by nonzero() still traces.
+        with fake_forward(flow, data_dependent_shapes=True):
+            hf(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device), use_cache=False)
+    except Exception as exc:
+        raise ValueError(
+            f"context parallelism cannot check {name}: its forward does not run on fake tensors "
+            f"({type(exc).__name__}: {str(exc)[:200]}); use cp_size=1 for it"
+        ) from None
+    finally:
+        hook.remove()
+    if mixing:
+        raise ValueError(
+            f"{name} combines positions of the sequence outside scaled_dot_product_attention "
+            f"({', '.join(sorted(mixing))}: a scan, a convolution over time, attention computed by hand or "
+            "an attention mask computed from activations); under context parallelism each rank holds a "
+            "slice of the sequence and only unmasked SDPA becomes ring attention, so use cp_size=1 for it"
+        )
 
 
 def apply_context_parallel(model: nn.Module) -> nn.Module:
@@ -195,25 +297,30 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
 
     Registers a forward pre-hook on the attention sub-module of every transformer block (found by the
     names in `ATTENTION_MODULE_NAMES`) that drops the ``attention_mask`` keyword while a CP region is open
-    (SDPA then runs with ``is_causal=True``), and that raises ``NotImplementedError`` for sliding-window
-    attention over a sequence longer than the window. Outside a region the hooks do nothing. Idempotent.
+    (SDPA then runs with ``is_causal=True``), and that raises ``ValueError`` for sliding-window
+    attention over a sequence longer than the window under ring attention. Outside a region the hooks do
+    nothing. Switches the model to the ``attn_implementation`` `CP_DOCUMENT_ATTENTION` (registered with
+    transformers): SDPA with SDPA's masks outside a document region, document-masked over the gathered
+    keys inside one (packed rows, see `context_parallel_region`). Idempotent.
 
     Preconditions: a transformers model with ``attn_implementation="sdpa"`` and causal attention.
 
     Returns:
-        ``model`` (hooks added).
+        ``model`` (hooks added, its config's ``_attn_implementation`` set to `CP_DOCUMENT_ATTENTION`).
 
     Raises:
-        ValueError: The model does not use SDPA attention, or no attention sub-module was found.
+        ValueError: The model does not use SDPA attention, combines positions outside it
+            (`_check_positions_mix_only_in_sdpa`), or no attention sub-module was found.
     """
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
-    if config is not None and impl != "sdpa":
+    if config is not None and impl not in ("sdpa", CP_DOCUMENT_ATTENTION):
         raise ValueError(
             f"context parallelism runs ring attention inside scaled_dot_product_attention, but "
             f"{type(model).__name__} uses attn_implementation={impl!r}; load it with "
             "attn_implementation='sdpa'"
         )
+    _check_positions_mix_only_in_sdpa(model)
     hooked = 0
     for fqn, block in find_transformer_blocks(model):
         attention = next(
@@ -244,6 +351,22 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
             attention.register_forward_pre_hook(_strip_attention_mask, with_kwargs=True)
             setattr(attention, _HOOKED_ATTR, True)
             hooked += 1
+    _, hf = find_hf_model(unwrap(model))
+    set_implementation = getattr(hf, "set_attn_implementation", None)
+    if getattr(getattr(hf, "config", None), "_attn_implementation", None) == "sdpa":
+        register_cp_document_attention()
+        try:
+            if not callable(set_implementation):
+                raise ValueError("it has no set_attn_implementation")
+            set_implementation(CP_DOCUMENT_ATTENTION)
+            if getattr(hf.config, "_attn_implementation", None) != CP_DOCUMENT_ATTENTION:  # it may only log
+                raise ValueError("its attention implementation cannot be set after loading")
+        except ValueError as exc:
+            warnings.warn(
+                f"context parallelism could not switch {type(hf).__name__} to {CP_DOCUMENT_ATTENTION!r} "
+                f"({exc}); unpacked rows run ring attention as usual, packed rows will be refused",
+                stacklevel=2,
+            )
     logger.info("context parallelism: hooked %d attention module(s) of %s", hooked, type(model).__name__)
     return model
 
@@ -266,9 +389,15 @@ def context_parallel_region(
     unchanged. ``batch`` itself is not modified. Run the forward **and** the backward inside the context.
     With ``cp_size == 1`` the batch is yielded as is and nothing is patched.
 
+    Packed rows (``position_ids`` restarting inside a row): the same shards, but instead of ring attention
+    a document region (`automodel_distributed.cp_document_attention.document_region`): the model's
+    attention gathers keys and values over ``cp`` and masks them per document, exactly (not fast: all
+    keys and an O(T^2 / cp) mask per rank). ``cpu_ring_attention`` is then not needed.
+
     Preconditions: `apply_context_parallel` was applied to the model; the batch went through
     `context_parallel_inputs`; every rank of the ``cp`` axis enters with the same global batch.
-    Collectives: ring attention exchanges key/value blocks over the ``cp`` group in forward and backward.
+    Collectives: ring attention exchanges key/value blocks over the ``cp`` group in forward and backward
+    (packed rows: every attention layer all-gathers keys and values, and reduces their gradients).
 
     Args:
         mesh: The ``cp`` mesh (1-D), a mesh with a ``cp`` axis, or a `MeshContext`.
@@ -281,7 +410,7 @@ def context_parallel_region(
     Raises:
         ValueError: Sharded tensors disagree on the sequence length, or it is not divisible by
             ``2 * cp_size``; the batch has ``labels`` or ``attention_mask`` not named in ``seq_dims``; a
-            CPU mesh without ``cpu_ring_attention=True``.
+            CPU mesh without ``cpu_ring_attention=True`` (unpacked rows).
         RuntimeError: With ``cpu_ring_attention``, the installed torch lacks the internals it needs.
     """
     cp_mesh = _cp_mesh(mesh)
@@ -303,7 +432,25 @@ def context_parallel_region(
     lengths = {k: batch[k].shape[dims.get(k, 1)] for k in keys}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"context_parallel_region: the sequence tensors disagree on their length: {lengths}")
-    load_balance_indices(next(iter(lengths.values())), cp_mesh.size())  # validates divisibility
+    order = load_balance_indices(next(iter(lengths.values())), cp_mesh.size())  # validates divisibility
+    positions = batch.get("position_ids")
+    packed = isinstance(positions, torch.Tensor) and document_ids(positions) is not None
+    if _ACTIVE_CP_SIZE.get():
+        raise RuntimeError("context_parallel_region cannot be nested")
+    if packed:
+        assert isinstance(positions, torch.Tensor)
+        # Packed rows: shard in the same layout ourselves; attention runs document-masked over gathered
+        # keys (no ring attention, so no CPU backend is needed).
+        mine = order.view(cp_mesh.size(), -1)[cp_mesh.get_local_rank()]
+        local = dict(batch)
+        local.update({k: batch[k].index_select(dims.get(k, 1), mine.to(batch[k].device)) for k in keys})
+        with document_region(cp_mesh.get_group(), positions, order):
+            token = _ACTIVE_CP_SIZE.set(cp_mesh.size())
+            try:
+                yield local
+            finally:
+                _ACTIVE_CP_SIZE.reset(token)
+        return
     on_cpu = cp_mesh.device_type == "cpu"
     if on_cpu and not cpu_ring_attention:
         raise ValueError(
@@ -333,8 +480,6 @@ def context_parallel_region(
 
             stack.enter_context(cpu_backend())
         local.update(zip(keys, buffers, strict=True))
-        if _ACTIVE_CP_SIZE.get():
-            raise RuntimeError("context_parallel_region cannot be nested")
         token = _ACTIVE_CP_SIZE.set(cp_mesh.size())
         try:
             yield local

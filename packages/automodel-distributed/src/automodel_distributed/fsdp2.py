@@ -48,6 +48,7 @@ from automodel_distributed.config import (
     default_mp_policy,
 )
 from automodel_distributed.layers import find_transformer_blocks
+from automodel_distributed.multimodal import LANGUAGE, model_parts
 from automodel_distributed.strategy import StrategyDefaults, nothing_is_sharded
 from automodel_mesh import MeshAxisName, MeshContext, MeshKind
 from automodel_mesh.modules import fqn_of
@@ -58,6 +59,7 @@ __all__ = [
     "FSDP2Manager",
     "FSDPUnitPlan",
     "apply_fsdp2",
+    "frozen_towers",
     "plan_fsdp_units",
     "reshard_after_no_grad_forward",
 ]
@@ -139,14 +141,36 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
+def frozen_towers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The parts of a multimodal model outside its language model whose parameters are all frozen.
+
+    Parts come from `automodel_distributed.multimodal.model_parts` (the model's sub-configs): a frozen
+    vision tower, audio tower or projector. Reads only.
+    """
+    parts = model_parts(model)
+    return [
+        (fqn, module)
+        for role, found in parts.parts.items()
+        if role != LANGUAGE
+        for fqn, module in found
+        if any(True for _ in module.parameters()) and not any(p.requires_grad for p in module.parameters())
+    ]
+
+
 def plan_fsdp_units(
-    model: nn.Module, *, reshard_after_forward: bool | int | None, pipelined: bool = False
+    model: nn.Module,
+    *,
+    reshard_after_forward: bool | int | None,
+    pipelined: bool = False,
+    frozen_sharding: str = "per_layer",
 ) -> list[FSDPUnitPlan]:
     """Decide the dense FSDP units of a model, in forward order, without touching it.
 
     Units: the input embedding (when untied), every transformer block, the LM head (when untied). The
     root unit (final norm and whatever is left) is added by `apply_fsdp2`. Tied embeddings stay in the
-    root so the shared weight lives in exactly one unit.
+    root so the shared weight lives in exactly one unit. The blocks of a frozen tower (`frozen_towers`)
+    are units only with ``frozen_sharding="per_layer"``; with ``"root"`` they join the root unit and
+    with ``"replicate"`` `apply_fsdp2` keeps them out of FSDP.
 
     ``reshard_after_forward=None`` applies the usual heuristic: reshard every unit after forward except
     the last ones to run (the last block and the LM head), whose parameters backward needs at once; under
@@ -158,7 +182,11 @@ def plan_fsdp_units(
     head = _output_head(model)
     if isinstance(embed, nn.Module) and (fqn := fqn_of(model, embed)):
         units.append((fqn, embed))
-    units.extend(find_transformer_blocks(model))
+    blocks = find_transformer_blocks(model)
+    if frozen_sharding != "per_layer":
+        towers = [fqn for fqn, _ in frozen_towers(model)]
+        blocks = [(f, m) for f, m in blocks if not any(f.startswith(t + ".") for t in towers)]
+    units.extend(blocks)
     if head is not None and (fqn := fqn_of(model, head)):
         units.append((fqn, head))
 
@@ -227,8 +255,14 @@ def apply_fsdp2(
     extra_units: Sequence[FSDPUnitPlan] = (),
     lm_head_param_dtype: torch.dtype | None = None,
     wrap_root: bool = True,
+    frozen_sharding: str = "per_layer",
 ) -> nn.Module:
     """Apply ``fully_shard`` to the extra units, every unit of `plan_fsdp_units`, then the root.
+
+    ``frozen_sharding`` (``FSDP2Config.multimodal.frozen_sharding``) places the frozen towers of a
+    multimodal model (`frozen_towers`): ``per_layer``, each tower block its own unit; ``root``, the tower
+    is sharded with the root unit; ``replicate``, the tower's parameters are ``fully_shard``'s
+    ``ignored_params``: every rank keeps them whole (no all-gather in forward; they get no gradients).
 
     Extra units (experts, on their own mesh) are sharded first, so the dense units that contain them skip
     their parameters. Preconditions: tensor and expert parallelism and activation checkpointing are
@@ -240,7 +274,15 @@ def apply_fsdp2(
     Mutates ``model`` in place (its class becomes ``FSDP<Class>``; a forward hook reshards every unit
     after a forward without gradients, `reshard_after_no_grad_forward`) and returns it.
     """
-    units = plan_fsdp_units(model, reshard_after_forward=reshard_after_forward, pipelined=pipelined)
+    units = plan_fsdp_units(
+        model,
+        reshard_after_forward=reshard_after_forward,
+        pipelined=pipelined,
+        frozen_sharding=frozen_sharding,
+    )
+    ignored: set[nn.Parameter] | None = None
+    if frozen_sharding == "replicate":
+        ignored = {p for _, tower in frozen_towers(model) for p in tower.parameters()} or None
     offload = offload_policy if offload_policy is not None else OffloadPolicy()
     for unit in extra_units:
         mesh = unit.mesh if unit.mesh is not None else dp_mesh
@@ -251,6 +293,7 @@ def apply_fsdp2(
             mp_policy=unit.mp_policy or mp_policy,
             offload_policy=offload,
             shard_placement_fn=unit.shard_placement_fn,
+            ignored_params=ignored,
         )
         if unit.gradient_divide_factor is not None:
             _divide_gradients(unit.module, unit.gradient_divide_factor, mesh)  # type: ignore[arg-type]
@@ -270,11 +313,17 @@ def apply_fsdp2(
             reshard_after_forward=unit.reshard_after_forward,
             mp_policy=policy,
             offload_policy=offload,
+            ignored_params=ignored,
         )
     if wrap_root:
         # The root's own parameters (final norm, tied embeddings) are needed again at once by backward.
         fully_shard(
-            model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload
+            model,
+            mesh=dp_mesh,
+            reshard_after_forward=False,
+            mp_policy=mp_policy,
+            offload_policy=offload,
+            ignored_params=ignored,
         )
     reshard_after_no_grad_forward(model)
     if prefetch:
@@ -389,10 +438,13 @@ class FSDP2Manager(StrategyDefaults):
             warnings.warn("FSDP2Config.tp_plan is ignored: tp_size is 1", stacklevel=3)
         if cfg.enable_async_tensor_parallel and self.mesh.tp_size == 1:
             warnings.warn("FSDP2Config.enable_async_tensor_parallel is ignored: tp_size is 1", stacklevel=3)
-        if cfg.multimodal != MultimodalDistributedConfig():
+
+    def _warn_no_frozen_tower(self, model: nn.Module) -> None:
+        if self.config.multimodal != MultimodalDistributedConfig() and not frozen_towers(model):
             warnings.warn(
-                "FSDP2Config.multimodal is ignored: automodel shards decoder language models; frozen "
-                "multimodal towers stay in the root unit",
+                f"FSDP2Config.multimodal.frozen_sharding={self.config.multimodal.frozen_sharding!r} is "
+                f"ignored: {type(model).__name__} has no frozen multimodal tower (freeze one with "
+                "freeze_config)",
                 stacklevel=3,
             )
 
@@ -414,6 +466,7 @@ class FSDP2Manager(StrategyDefaults):
         """
         cfg = self.config
         self._warn_ignored()
+        self._warn_no_frozen_tower(model)
         tp_size = self.mesh.tp_size
         if cfg.enable_async_tensor_parallel and tp_size > 1 and self.mesh.device_type != "cuda":
             raise ValueError(
@@ -475,6 +528,7 @@ class FSDP2Manager(StrategyDefaults):
             extra_units=extra.units,
             lm_head_param_dtype=extra.lm_head_param_dtype,
             wrap_root=extra.wrap_root,
+            frozen_sharding=cfg.multimodal.frozen_sharding,
         )
         if cfg.tune_host_allocator and self.mesh.device_type == "cpu":
             # Collective buffers on the host: keep them across steps (see configure_host_allocator).

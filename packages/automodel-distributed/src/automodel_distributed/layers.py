@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 
+from automodel_distributed.multimodal import PROJECTOR, model_parts
 from automodel_mesh.modules import strip_wrapper_segments, unwrap
 
 __all__ = [
@@ -181,6 +182,9 @@ def _check_scope(scope: Iterable[str]) -> tuple[str, ...]:
 def blocks_in_scope(model: nn.Module, scope: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
     """Return the blocks of `find_transformer_blocks` whose layer group is in ``scope``.
 
+    A block's group is the role of the model part holding it (`automodel_distributed.multimodal.model_parts`:
+    the vision tower's blocks are ``vision``, a projector's ``multimodal``), else `block_group` of its FQN.
+
     Args:
         model: The model.
         scope: A normalised scope: ``("all",)`` or a tuple of ``language``, ``vision``, ``audio`` and
@@ -197,4 +201,13 @@ def blocks_in_scope(model: nn.Module, scope: tuple[str, ...]) -> list[tuple[str,
     if names == ("all",):
         return blocks
     wanted = frozenset().union(*(_SCOPE_GROUPS[name] for name in names))
-    return [(fqn, module) for fqn, module in blocks if block_group(fqn) in wanted]
+    # The model's own parts (from its sub-configs) first; the FQN markers for models without them.
+    parts = model_parts(model)
+
+    def group(fqn: str) -> str:
+        role = parts.role_of(fqn)
+        if role is None or role not in (*_SCOPE_GROUPS, PROJECTOR):
+            return block_group(fqn)
+        return "multimodal" if role == PROJECTOR else role
+
+    return [(fqn, module) for fqn, module in blocks if group(fqn) in wanted]

@@ -582,11 +582,13 @@ def test_killed_rank_leaves_previous_checkpoint(checkpoints: Any, tmp_path: Path
     from automodel_distributed.checkpoint import is_complete_checkpoint, latest_checkpoint
 
     ckpts, _, _ = checkpoints
-    with pytest.raises(DistributedRunError):
+    with pytest.raises(DistributedRunError) as raised:
         run_distributed(
             kill_during_save, 2, kind, str(tmp_path), ckpts["llama"], timeout_s=300, pg_timeout_s=20
         )
+    # Exit code 17 comes only from inside the write: the save was interrupted, not skipped. The staging
+    # folder may be gone (a surviving rank that sees the failed write removes it) or left behind.
+    assert "code 17" in str(raised.value), str(raised.value)[-2000:]
     assert is_complete_checkpoint(tmp_path / "step_1")
     assert not (tmp_path / "step_2").exists(), "a half-written checkpoint was published"
-    assert (tmp_path / ".step_2.incomplete").is_dir(), "the interrupted save should have started writing"
     assert latest_checkpoint(tmp_path) == tmp_path / "step_1"

@@ -63,17 +63,26 @@ _EXTRA_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0}),  # fused qkv and gate_up projections
 }
 TP_FAMILIES = ("llama", "qwen2", "mistral", "llama_tied", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
-SP_FAMILIES = ("llama", "qwen2", "mistral", "llama_tied", "qwen3", "gemma", "gemma3", "phi3")
+SP_FAMILIES = ("llama", "qwen2", "mistral", "llama_tied", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
+# No registered, no transformers, no Llama-shaped plan: the derived plan. GPT-2: Conv1D projections and
+# learned positions; BLOOM: fused query_key_value, ALiBi from the attention mask. Their tiny configs come
+# from automodel_testing.tiny (their defaults have dropout, which parity cannot have).
+DERIVED_FAMILIES = ("gpt2", "bloom")
 HF_PLAN_FAMILIES = ("qwen3_moe", "mixtral")  # no registration: transformers' plan, experts left replicated
 
 
 def _build(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
-    if family not in _EXTRA_FAMILIES:
-        return build_tiny_model(family, seed=seed, **overrides)
     import transformers
 
-    config_name, extra = _EXTRA_FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**_TINY, **extra, **overrides})
+    if family in DERIVED_FAMILIES:
+        from automodel_testing.tiny import derive_tiny_config
+
+        config = derive_tiny_config(family, **overrides)  # SDPA where the family has it
+    elif family in _EXTRA_FAMILIES:
+        config_name, extra = _EXTRA_FAMILIES[family]
+        config = getattr(transformers, config_name)(**{**_TINY, **extra, **overrides})
+    else:
+        return build_tiny_model(family, seed=seed, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -104,10 +113,19 @@ def _parity(
     tp_plan: Any = None,
     loss_in_context: bool = True,
     vocab: int = VOCAB,
+    padded: bool = False,
 ) -> dict[str, Any]:
-    """Reference and TP model from the same seed, same batch: max diffs of logits, loss and gradients."""
+    """Reference and TP model from the same seed, same batch: max diffs of logits, loss and gradients.
+
+    ``padded``: no ``position_ids`` and an ``attention_mask`` that left-pads the first row by 3 tokens.
+    """
     reference, model = build(), build()
     batch = make_batch(vocab, BATCH, SEQ, seed=1)
+    if padded:
+        mask = torch.ones_like(batch["input_ids"])
+        mask[0, :3] = 0
+        labels = batch["labels"].masked_fill(mask == 0, -100)
+        batch = {"input_ids": batch["input_ids"], "labels": labels, "attention_mask": mask}
     out = reference(**batch)
     out.loss.backward()
     ref_grads = grads_by_name(reference)
@@ -311,7 +329,10 @@ def _sp_input_errors_case(mesh: Any) -> dict[str, Any]:
     bad = {
         "no_position_ids": {"input_ids": batch["input_ids"]},
         "odd_length": odd,
-        "attention_mask": {**batch, "attention_mask": torch.ones_like(batch["input_ids"])},
+        "attention_mask": {  # no labels: the vocab-sharded logits' loss needs loss_parallel()
+            "input_ids": batch["input_ids"],
+            "attention_mask": torch.ones_like(batch["input_ids"]),
+        },
     }
     messages = {}
     for label, inputs in bad.items():
@@ -327,8 +348,16 @@ def _tp2_cases(mesh: Any) -> dict[str, Callable[[], dict[str, Any]]]:
     cases: dict[str, Callable[[], dict[str, Any]]] = {}
     for family in TP_FAMILIES + HF_PLAN_FAMILIES:
         cases[f"tp/{family}"] = lambda f=family: _parity(lambda: _build(f), mesh)
-    for family in SP_FAMILIES:
+    for family in SP_FAMILIES + DERIVED_FAMILIES:
         cases[f"sp/{family}"] = lambda f=family: _parity(lambda: _build(f), mesh, sequence_parallel=True)
+    for family in DERIVED_FAMILIES:
+        cases[f"tp/{family}"] = lambda f=family: _parity(lambda: _build(f), mesh)
+    for family, eager in (("llama", False), ("llama", True), ("bloom", False)):
+        # Masks and positions come from the full sequence: padding masks, implicit positions, eager.
+        extra = {"attn_implementation": "eager"} if eager else {}
+        cases[f"sp-padded/{family}{'-eager' if eager else ''}"] = lambda f=family, x=extra: _parity(
+            lambda: _build(f, **x), mesh, sequence_parallel=True, padded=True
+        )
     for mode in ("tp", "sp"):  # 129 = 65 + 64 rows: DTensor shards the vocabulary unevenly
         cases[f"{mode}/uneven-vocab"] = lambda sp=mode == "sp": _parity(
             lambda: _build("llama", vocab_size=129), mesh, sequence_parallel=sp, vocab=129
@@ -417,8 +446,6 @@ def _run_tp4_errors() -> dict[str, Any]:
     out["local_head"] = _collectives_during(
         lambda: apply_tensor_parallel(local_head, mesh, tp_plan={"lm_head": "colwise"})
     )
-    eager = build_tiny_model("llama", attn_implementation="eager", **wide)
-    out["eager_sp"] = _collectives_during(lambda: apply_tensor_parallel(eager, mesh, sequence_parallel=True))
     # The detector itself sees eager collectives and DTensor's (sharding a model scatters its weights).
     out["control"] = _collectives_during(lambda: dist.all_reduce(torch.ones(1), group=mesh.get_group()))
     out["control_tp"] = _collectives_during(lambda: apply_tensor_parallel(local_head, mesh))
@@ -452,14 +479,19 @@ def _assert_parity(result: dict[str, Any]) -> None:
     assert result["num_grads"] > 0 and result["num_sharded"] > 0, result
 
 
-@pytest.mark.parametrize("family", TP_FAMILIES + HF_PLAN_FAMILIES)
+@pytest.mark.parametrize("family", TP_FAMILIES + HF_PLAN_FAMILIES + DERIVED_FAMILIES)
 def test_tp_parity(tp2: dict[str, dict[str, Any]], family: str) -> None:
     _assert_parity(_check_ok(tp2, f"tp/{family}"))
 
 
-@pytest.mark.parametrize("family", SP_FAMILIES)
+@pytest.mark.parametrize("family", SP_FAMILIES + DERIVED_FAMILIES)
 def test_tp_sp_parity(tp2: dict[str, dict[str, Any]], family: str) -> None:
     _assert_parity(_check_ok(tp2, f"sp/{family}"))
+
+
+@pytest.mark.parametrize("case", ["llama", "llama-eager", "bloom"])
+def test_sp_padding_masks_and_implicit_positions(tp2: dict[str, dict[str, Any]], case: str) -> None:
+    _assert_parity(_check_ok(tp2, f"sp-padded/{case}"))
 
 
 @pytest.mark.parametrize("mode", ["tp", "sp"])
@@ -505,9 +537,8 @@ def test_tied_embeddings_stay_tied_and_meta_models_shard(tp2: dict[str, dict[str
 
 def test_sequence_parallel_rejects_bad_batches(tp2: dict[str, dict[str, Any]]) -> None:
     result = _check_ok(tp2, "sp/input-errors")
-    assert "needs explicit position_ids" in result["no_position_ids"]
     assert "needs a sequence length divisible by it, got 15" in result["odd_length"]
-    assert "does not take an attention_mask" in result["attention_mask"]
+    assert result["no_position_ids"] == result["attention_mask"] == "no error"  # built over the full sequence
 
 
 @pytest.mark.parametrize("case", ["lora-tp/llama", "lora-tp/qwen2", "lora-sp/llama"])
@@ -536,7 +567,6 @@ def test_errors_come_before_any_collective_on_every_rank() -> None:
         "heads": "num_key_value_heads=2 is not divisible by tp_size=4",
         "tie": "tied parameters ['lm_head.weight', 'model.embed_tokens.weight'] would be sharded differently",
         "local_head": "return this rank's vocabulary slice as a plain tensor",
-        "eager_sp": "sequence parallelism needs attn_implementation='sdpa'",
     }
     for rank, out in enumerate(results):
         for key, fragment in expected.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,14 +24,18 @@ from automodel_distributed.checkpoint import (
     save_hf_checkpoint,
 )
 from automodel_distributed.checkpoint.convert import (
+    Computed,
     Node,
+    Part,
     Source,
     UnsupportedConversionError,
     _cat,
     _stack,
+    compute,
     model_conversions,
     pieces,
     plan_conversions,
+    sources,
 )
 from automodel_testing import build_tiny_model, make_batch, save_tiny_checkpoint
 
@@ -140,7 +145,7 @@ def test_missing_expert_fails_before_any_write(tmp_path: Path) -> None:
     assert all(p.is_meta for p in model.parameters())
 
 
-def test_an_operation_that_cannot_be_sliced_is_named() -> None:
+def test_an_operation_that_cannot_be_sliced_is_computed_by_transformers() -> None:
     from transformers.core_model_loading import MergeModulelist, Transpose, WeightConverter
 
     converter = WeightConverter(
@@ -149,8 +154,50 @@ def test_an_operation_that_cannot_be_sliced_is_named() -> None:
         operations=[MergeModulelist(dim=0), Transpose(1, 2)],
     )
     keys = {f"model.layers.0.mlp.experts.{e}.down_proj.weight": (4, 2) for e in range(2)}
-    with pytest.raises(UnsupportedConversionError, match=r"core_model_loading\.Transpose"):
-        plan_conversions(keys, ["model.layers.0.mlp.experts.down_proj"], [converter])
+    target = "model.layers.0.mlp.experts.down_proj"
+    plan = plan_conversions(keys, [target], [converter])
+    node = plan.fused[target]
+    assert isinstance(node, Computed) and node.shape == (2, 2, 4)
+    assert [s.key for s in sources(node)] == sorted(keys)
+    whole = {k: torch.randn(4, 2) for k in keys}
+    out = compute(node, whole, None)
+    assert torch.equal(out[target], torch.stack([whole[k] for k in sorted(keys)]).transpose(1, 2))
+    with pytest.raises(TypeError, match="computed from whole tensors"):
+        list(pieces(node, (0, 0, 0), (2, 2, 4)))
+
+
+def test_a_fused_projection_is_chunked_slice_by_slice() -> None:
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    converter = WeightConverter(
+        source_patterns="query_key_value",
+        target_patterns=["q_proj", "k_proj", "v_proj"],
+        operations=[Chunk(0)],
+    )
+    keys = {"model.layers.0.self_attn.query_key_value.weight": (12, 4)}
+    model_keys = [f"model.layers.0.self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]
+    plan = plan_conversions(keys, model_keys, [converter])
+    assert sorted(plan.fused) == sorted(model_keys)
+    k_node = plan.fused["model.layers.0.self_attn.k_proj.weight"]
+    assert isinstance(k_node, Part) and k_node.shape == (4, 4)
+    # rows 1..2 of k_proj are rows 5..6 of the fused tensor
+    (piece,) = pieces(k_node, (1, 0), (2, 4))
+    assert piece.key == next(iter(keys)) and piece.start == (5, 0) and piece.shape == (2, 4)
+
+
+def test_a_converter_that_cannot_run_on_shapes_is_named() -> None:
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+
+    class DataDependent(ConversionOps):  # its output shape depends on the values
+        def convert(self, input_dict: Any, source_patterns: Any, target_patterns: Any, **kwargs: Any) -> Any:
+            tensor = next(iter(input_dict.values()))[0]
+            return {target_patterns[0]: tensor[: int(tensor.sum())]}
+
+    converter = WeightConverter(
+        source_patterns="packed", target_patterns="weight", operations=[DataDependent()]
+    )
+    with pytest.raises(UnsupportedConversionError, match=r"DataDependent.*cannot be described"):
+        plan_conversions({"layers.0.packed": (4,)}, ["layers.0.weight"], [converter])
 
 
 def test_dense_models_have_only_renamings() -> None:

@@ -248,7 +248,7 @@ def test_unrecomputable_buffer_fails_before_any_write(ckpt: Path) -> None:
     model = build_tiny_model("llama", meta=True)
     with torch.device("meta"):
         model.extra = _Unregistered()
-    with pytest.raises(ValueError, match=r"extra \(_Unregistered\)"):
+    with pytest.raises(ValueError, match=r"extra \(_Unregistered: 'table'\)"):
         load_hf_checkpoint(model, ckpt)
     assert all(p.device.type == "meta" for p in model.parameters())
 
@@ -261,3 +261,32 @@ def test_load_base_model_entry(ckpt: Path) -> None:
     load_base_model(only_init, "cpu", None, "unused", load_base_model=False)
     verify_materialized(only_init)
     assert only_init.lm_head.weight is only_init.model.embed_tokens.weight
+
+
+# Buffers that only the model's own construction computes: Gemma's embed_scale (an __init__ argument, set by
+# _init_weights), MiniMax's decay tables (_init_weights), DeepSeek-V3's router correction bias (persistent:
+# in the checkpoint), Apertus' xIELU constants (persistent buffers of an activation module).
+@pytest.mark.parametrize("family", ["gemma", "minimax", "deepseek_v3", "apertus"])
+def test_buffers_come_from_the_models_own_construction(family: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    config = derive_tiny_config(family)
+    torch.manual_seed(0)
+    saved = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # persistent buffers that differ from their initial value must come from the file
+        for name, buf in saved.named_buffers():
+            module, _, leaf = name.rpartition(".")
+            owner = saved.get_submodule(module)
+            if leaf not in owner._non_persistent_buffers_set and buf.is_floating_point():
+                buf.add_(0.5)
+    saved.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    load_hf_checkpoint(model, tmp_path)
+    verify_materialized(model)
+    reference = _reference(tmp_path)
+    for (name, ours), (_, theirs) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(_logits(model), _logits(reference), rtol=0, atol=0)

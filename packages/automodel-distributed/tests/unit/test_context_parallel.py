@@ -19,6 +19,7 @@ from automodel_distributed.context_parallel import (
     context_parallel_unshard,
     load_balance_indices,
 )
+from automodel_distributed.cp_document_attention import CP_DOCUMENT_ATTENTION, _DocumentLayout, document_ids
 from automodel_distributed.cpu_ring_attention import cpu_ring_attention_available
 from automodel_testing import build_tiny_model, make_batch
 
@@ -66,13 +67,51 @@ def test_padding_masks_and_missing_ids_are_rejected() -> None:
         context_parallel_inputs({"labels": batch["labels"]})
 
 
-def test_packed_rows_are_refused_and_contiguous_positions_pass() -> None:
+def test_packed_positions_are_kept_for_the_document_path() -> None:
     batch = make_batch(128, 2, 8)
     batch["position_ids"] = torch.arange(8).expand(2, 8).clone()
     assert torch.equal(context_parallel_inputs(batch)["position_ids"], batch["position_ids"])
+    assert document_ids(batch["position_ids"]) is None  # no restart: ring attention
     batch["position_ids"][1] = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2])  # three documents in row 1
-    with pytest.raises(ValueError, match=r"restart 2 time\(s\) inside rows \(packed sequences"):
-        context_parallel_inputs(batch)
+    assert torch.equal(context_parallel_inputs(batch)["position_ids"], batch["position_ids"])
+    assert document_ids(batch["position_ids"]).tolist() == [[0] * 8, [0, 0, 0, 1, 1, 2, 2, 2]]
+
+
+@pytest.mark.parametrize(("cp_size", "window"), [(2, None), (2, 3), (3, None), (4, 5)])
+def test_document_mask_is_same_document_causal_and_windowed_in_the_original_order(
+    cp_size: int, window: int | None
+) -> None:
+    seq = 8 * cp_size
+    gen = torch.Generator().manual_seed(cp_size)
+    starts = torch.rand(2, seq, generator=gen) < 0.25
+    starts[:, 0] = True
+    docs = starts.long().cumsum(-1) - 1  # [2, seq] document of each original position
+    order = load_balance_indices(seq, cp_size)
+    gathered = []
+    for rank in range(cp_size):
+        mask = _DocumentLayout(None, order, rank, cp_size, docs).mask(window)  # type: ignore[arg-type]
+        assert mask.shape == (2, 1, seq // cp_size, seq)
+        gathered.append(mask[:, 0])
+    # Rank r's query i is original position order[r * seq/cp + i]; gathered key j is order[j].
+    by_order = torch.cat(gathered, dim=1)  # [2, seq, seq] in load-balanced order on both sides
+    restored = torch.empty_like(by_order)
+    restored[:, order[:, None], order[None, :]] = by_order
+    q, k = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    expected = (docs[:, :, None] == docs[:, None, :]) & (k <= q)
+    if window is not None:
+        expected &= q - k < window
+    assert torch.equal(restored, expected)
+
+
+def test_the_registered_attention_is_sdpa_outside_a_document_region() -> None:
+    batch = make_batch(128, 2, 12)
+    batch["position_ids"] = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4], list(range(12))])
+    plain = build_tiny_model("mistral", sliding_window=3)
+    expected = plain(**batch).logits
+    model = apply_context_parallel(build_tiny_model("mistral", sliding_window=3))
+    assert model.config._attn_implementation == CP_DOCUMENT_ATTENTION
+    assert apply_context_parallel(model).config._attn_implementation == CP_DOCUMENT_ATTENTION
+    assert torch.equal(model(**batch).logits, expected)  # packed rows isolated outside CP too
 
 
 def test_cpu_ring_attention_internals_exist_in_this_torch() -> None:
@@ -123,7 +162,7 @@ def test_sliding_windows_shorter_than_the_sequence_are_refused() -> None:
         token = cp._ACTIVE_CP_SIZE.set(cp_size)
         try:
             if refused:
-                with pytest.raises(NotImplementedError, match=r"window 8.*16 tokens"):
+                with pytest.raises(ValueError, match=r"window 8.*16 tokens"):
                     model(**batch)
             else:
                 model(**batch)
@@ -174,3 +213,68 @@ def test_a_mesh_without_a_cp_axis_is_rejected(tmp_path: pathlib.Path) -> None:
             pass  # even with one cp rank, so that raising cp_size later changes nothing
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("family", "refusal"),
+    [
+        ("llama", None),
+        ("qwen3_moe", None),
+        ("jetmoe", None),  # its MoE dispatch sizes by nonzero(): traced with unbacked sizes
+        ("longcat_flash", r"does not run on fake tensors"),  # Python control flow on those sizes
+        ("mamba", r"uses attn_implementation="),  # no attention at all
+        ("qwen3_next", r"layers of kind \['linear_attention'\]"),  # a scan over time beside attention
+        ("llama4_text", r"chunked_attention"),  # a mask ring attention cannot apply
+        ("doge", r"an SDPA mask computed from activations"),  # a learned, content-dependent mask
+    ],
+)
+def test_only_models_that_mix_positions_in_sdpa_alone_are_accepted(family: str, refusal: str | None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(derive_tiny_config(family))
+    if refusal is None:
+        assert apply_context_parallel(model) is model
+    else:
+        with pytest.raises(ValueError, match=refusal):
+            apply_context_parallel(model)
+
+
+def test_attention_computed_by_hand_is_found_whatever_the_config_says() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_distributed.context_parallel import _check_positions_mix_only_in_sdpa
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):  # GPT-OSS's attention sinks: scores computed with matmul, outside SDPA
+        model = AutoModelForCausalLM.from_config(derive_tiny_config("gpt_oss"))
+    with pytest.raises(ValueError, match=r"outside scaled_dot_product_attention \(matmul:"):
+        _check_positions_mix_only_in_sdpa(model)
+
+
+def test_soft_capped_attention_is_refused() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_distributed import cp_document_attention as documents
+    from automodel_testing.tiny import derive_tiny_config
+
+    config = derive_tiny_config("gemma2")
+    assert config.attn_logit_softcapping
+    with torch.device("meta"):  # transformers has no SDPA for soft-capped Gemma-2: it loads eager
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="attn_implementation='eager'"):
+        apply_context_parallel(model)
+    # A soft-capping model reaching the document path is refused there, before any collective.
+    order = load_balance_indices(8, 2)
+    layout = _DocumentLayout(None, order, 0, 2, torch.zeros(1, 8, dtype=torch.long))  # type: ignore[arg-type]
+    q = torch.zeros(1, 2, 4, 8)
+    documents._ACTIVE.append(layout)
+    try:
+        with pytest.raises(ValueError, match=r"soft-caps its attention scores \(softcap=50.0\)"):
+            documents.cp_document_attention_forward(torch.nn.Module(), q, q, q, None, softcap=50.0)
+        with pytest.raises(ValueError, match=r"only self-attention over the sharded rows"):
+            documents.cp_document_attention_forward(torch.nn.Module(), q, q[:, :, :2], q[:, :, :2], None)
+    finally:
+        documents._ACTIVE.clear()

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -25,8 +26,11 @@ from automodel_distributed.tensor_parallel import (
     register_tp_plan,
     resolve_tp_plan,
     translate_hf_tp_plan,
+    validate_tensor_parallel,
 )
 from automodel_distributed.tensor_parallel import registry as tp_registry
+from automodel_distributed.tensor_parallel.derived import derived_tp_plan
+from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock
 from automodel_testing import build_tiny_model
 
 # ----------------------------------------------------------------------------- toy models
@@ -36,6 +40,10 @@ class _Attn(nn.Module):
     def __init__(self, h: int) -> None:
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(h, h) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q_proj(x) @ self.k_proj(x).transpose(-1, -2)
+        return self.o_proj(scores.softmax(-1) @ self.v_proj(x))
 
 
 class _Mlp(nn.Module):
@@ -47,12 +55,19 @@ class _Mlp(nn.Module):
             nn.Linear(2 * h, h),
         )
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
 
 class _Block(nn.Module):
     def __init__(self, h: int) -> None:
         super().__init__()
         self.self_attn, self.mlp = _Attn(h), _Mlp(h)
         self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(h), nn.LayerNorm(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class _Base(nn.Module):
@@ -79,6 +94,14 @@ class ToyDecoderForCausalLM(nn.Module):
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
+        h = self.model.embed_tokens(input_ids)
+        for container in self.model.children():
+            if isinstance(container, nn.ModuleList):
+                for block in container:
+                    h = block(h)
+        return SimpleNamespace(logits=self.lm_head(self.model.norm(h)))
 
 
 def _kinds(plan: dict[str, ParallelStyle]) -> dict[str, str]:
@@ -114,7 +137,7 @@ def _isolated_registries(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_style_names_translate_to_layouts(name: str, cls: type, inp: Any, out: Any, local: bool) -> None:
     style = parallel_style(name)
-    assert type(style) is cls
+    assert isinstance(style, cls)
     assert style.input_layouts == (inp,)
     assert style.output_layouts == (out,)
     assert style.use_local_output is local
@@ -203,9 +226,12 @@ def test_named_plan_then_import_path(plan_module: str) -> None:
     assert list(resolve_tp_plan(model, f"{plan_module}.make_plan", tp_size=2)) == [
         "model.layers.*.mlp.down_proj"
     ]
-    with pytest.warns(UserWarning, match="has no sequence-parallel style; it is used as given"):
-        sp = resolve_tp_plan(model, f"{plan_module}.make_plan_for", sequence_parallel=True, tp_size=2)
+    # A plan without sequence-parallel styles gets derived sequence parallelism: one entry per block.
+    sp = resolve_tp_plan(model, f"{plan_module}.make_plan_for", sequence_parallel=True, tp_size=2)
     assert sp["model.layers.*.mlp.up_proj"].output_layouts == (Replicate(),)
+    blocks = [k for k, v in sp.items() if isinstance(v, SequenceShardedBlock)]
+    assert blocks == [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
+    assert [sp[k].cut_output for k in blocks] == [True] * (len(blocks) - 1) + [False]
 
 
 def test_named_factory_gets_the_model() -> None:
@@ -217,8 +243,7 @@ def test_named_factory_gets_the_model() -> None:
         return {"lm_head": "colwise_vocab"}
 
     register_named_tp_plan("unit-factory", factory)
-    with pytest.warns(UserWarning, match="no sequence-parallel style"):
-        resolve_tp_plan(model, "unit-factory", sequence_parallel=True, tp_size=2)
+    resolve_tp_plan(model, "unit-factory", sequence_parallel=True, tp_size=2)
     assert seen == [("LlamaForCausalLM", True)]
 
 
@@ -251,8 +276,6 @@ def test_user_plan_errors() -> None:
     with pytest.warns(UserWarning, match=r"entries \['nothing\.here'\] match no module"):
         kept = resolve_tp_plan(model, {"lm_head": "colwise_vocab", "nothing.here": "colwise"}, tp_size=2)
     assert list(kept) == ["lm_head"]
-    with pytest.warns(UserWarning, match="has no sequence-parallel style"):
-        resolve_tp_plan(model, {"lm_head": "colwise_vocab"}, sequence_parallel=True, tp_size=2)
     with pytest.raises(ValueError, match="tp_plan must be a dict"):
         resolve_tp_plan(model, 3, tp_size=2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tp_size must be an int >= 1"):
@@ -295,8 +318,11 @@ def test_registry_by_class_then_by_name_along_the_mro() -> None:
     with pytest.raises(ValueError, match="already has a plan registered; pass overwrite=True"):
         register_tp_plan(MyLlama, {"lm_head": "colwise_rep"})
     register_tp_plan(MyLlama, {"lm_head": "colwise_rep"}, overwrite=True)
-    with pytest.raises(ValueError, match="has no sequence-parallel variant"):
-        resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
+    # No sequence-parallel variant: the plan with derived sequence parallelism (one entry per block).
+    derived = resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
+    assert (
+        sum(isinstance(v, SequenceShardedBlock) for v in derived.values()) == model.config.num_hidden_layers
+    )
 
 
 def test_registration_errors() -> None:
@@ -362,10 +388,10 @@ def test_hf_plan_from_class_and_config_when_the_instance_has_none() -> None:
 
 def test_hf_plan_with_unknown_styles_is_unusable() -> None:
     model = ToyDecoderForCausalLM()
-    model._tp_plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.mlp": "all_reduce"}
+    model._tp_plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.mlp": "shard_sideways"}
     plan, note = translate_hf_tp_plan(model)
     assert plan is None
-    assert "'all_reduce'" in note
+    assert "'shard_sideways'" in note
 
 
 # ----------------------------------------------------------------------------- default plan and errors
@@ -391,12 +417,17 @@ def test_default_plan_for_a_llama_layout_warns() -> None:
 
 def test_no_usable_plan_lists_the_ways_to_register_one() -> None:
     model = ToyDecoderForCausalLM(container="blocks")
+    for block in model.model.blocks:  # nothing the derived plan could shard either
+        block.self_attn, block.mlp = nn.Identity(), nn.Identity()
+    model.lm_head = nn.Identity()  # type: ignore[assignment]
+    model.model.embed_tokens = nn.Identity()  # type: ignore[assignment]
     with pytest.raises(ValueError, match="no usable tensor-parallel plan for ToyDecoderForCausalLM") as info:
         resolve_tp_plan(model, tp_size=2)
     message = str(info.value)
     for way in ("register_tp_plan(", "register_named_tp_plan(", "FSDP2Config(tp_plan=", "import path"):
         assert way in message
     assert "decoder blocks at `layers.<i>`" in message
+    assert "no linear projection" in message
     assert resolve_tp_plan(model, tp_size=1) == {}
 
 
@@ -404,8 +435,11 @@ def test_default_plan_refuses_blocks_with_extra_parameters() -> None:
     model = ToyDecoderForCausalLM()
     for block in model.model.layers:
         block.self_attn.q_norm = nn.LayerNorm(4)  # a per-head norm the default plan would leave unreduced
-    with pytest.raises(ValueError, match=r"does not fit decoder block 'model.layers.0'.*self_attn.q_norm"):
-        resolve_tp_plan(model, tp_size=2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plan = resolve_tp_plan(model, tp_size=2)  # the derived plan instead, saying why
+    assert any("does not fit decoder block 'model.layers.0'" in str(w.message) for w in seen), seen
+    assert "model.layers.0.self_attn.q_norm" not in plan  # stays replicated
 
 
 def test_keys_get_the_peft_prefix() -> None:
@@ -416,3 +450,129 @@ def test_keys_get_the_peft_prefix() -> None:
     assert "base_model.model.lm_head" in plan
     user = resolve_tp_plan(model, {"lm_head": "colwise_vocab"}, tp_size=2)
     assert list(user) == ["base_model.model.lm_head"]
+
+
+def _tiny(model_type: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(derive_tiny_config(model_type))
+
+
+def test_plan_less_models_get_the_derived_plan() -> None:
+    # GPT-2: no registered, no transformers plan, no Llama layout: every Conv1D gathered, vocab-parallel ends.
+    gpt2 = _tiny("gpt2")
+    with pytest.warns(UserWarning, match="plan derived from the model's structure"):
+        plan = resolve_tp_plan(gpt2, tp_size=2)
+    assert isinstance(plan["transformer.h.0.attn.c_attn"], ColwiseParallel)
+    assert plan["transformer.h.0.attn.c_attn"].output_layouts == (Replicate(),)
+    assert plan["transformer.wte"].input_layouts == (Replicate(),)  # vocab-parallel embedding
+    assert plan["lm_head"].use_local_output is False  # vocab-sharded logits (tied to wte: both Shard(0))
+    assert "transformer.wpe" not in plan  # position embeddings stay replicated
+    validate_tensor_parallel(gpt2, 2, plan=plan)  # Conv1D is a linear for the checks
+    derived, _ = derived_tp_plan(gpt2, tp_size=2)
+    assert derived is not None and set(derived) == set(plan)
+    assert derived_tp_plan(nn.Sequential(nn.ReLU()), tp_size=2)[0] is None
+
+
+def test_automatic_plans_that_do_not_fit_fall_through() -> None:
+    # GPTBigCode (multi-query: one key/value head): no plan splits heads, the derived one gathers them.
+    bigcode = _tiny("gpt_bigcode")
+    with pytest.warns(UserWarning, match="derived"):
+        plan = resolve_tp_plan(bigcode, tp_size=2)
+    validate_tensor_parallel(bigcode, 2, plan=plan)
+    # A transformers plan whose column-parallel attention cannot split one key/value head is skipped.
+    toy = ToyDecoderForCausalLM(heads=1)
+    toy._tp_plan = {  # type: ignore[assignment]
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+    }
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plan = resolve_tp_plan(toy, tp_size=2)
+    assert any("transformers' tp plan does not fit" in str(w.message) for w in seen), seen
+    assert plan["model.layers.0.self_attn.k_proj"].output_layouts == (Replicate(),)
+
+
+def test_inexact_transformers_plans_are_skipped() -> None:
+    doge = _tiny("doge")
+    assert translate_hf_tp_plan(doge)[0] is not None
+    with pytest.warns(
+        UserWarning, match="transformers' tp plan is not exact for it: its row-parallel dt_proj"
+    ):
+        plan = resolve_tp_plan(doge, tp_size=2)
+    assert all(style.output_layouts == (Replicate(),) for key, style in plan.items() if key.endswith("_proj"))
+
+
+# ----------------------------------------------------------------------------- derived SP: the stream check
+
+
+def _meta_family(model_type: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"), warnings.catch_warnings(action="ignore"):
+        return AutoModelForCausalLM.from_config(derive_tiny_config(model_type))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "refused"),
+    [
+        ("opt", None),  # plan-less: the derived plan and derived sequence parallelism
+        ("longcat_flash", None),  # an MoE loop over the experts hit: the block stands in on fake tensors
+        ("dory", None),  # norms and adds of block outputs between its sections: per position, exact
+        ("hrm_text", r"outside its decoder blocks \('add' of a block's output with a full-length tensor"),
+        ("inkling2_text", r"outside its decoder blocks \(.*'cat' between the blocks"),
+    ],
+)
+def test_derived_sequence_parallel_checks_the_stream_between_blocks(
+    model_type: str, refused: str | None
+) -> None:
+    model = _meta_family(model_type)
+    if refused is None:
+        plan = resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
+        assert any(isinstance(v, SequenceShardedBlock) for v in plan.values())
+    else:
+        with pytest.raises(ValueError, match=refused + r".*use sequence_parallel=False"):
+            resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
+    # Plain TP needs no check, and the probe left no hook or forward behind.
+    resolve_tp_plan(model, tp_size=2)
+    assert all("forward" not in vars(m) and not m._forward_hooks for m in model.modules())
+
+
+class _SkipBlock(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(h, h)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return h + self.proj(h + skip)
+
+
+class _SkipDecoder(nn.Module):
+    """Each block also gets the stream from before the previous block (a skip across blocks)."""
+
+    def __init__(self, h: int = 8) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(32, h)
+        self.model.layers = nn.ModuleList(_SkipBlock(h) for _ in range(3))
+        self.lm_head = nn.Linear(h, 32, bias=False)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
+        h = self.model.embed_tokens(input_ids)
+        skip = h
+        for block in self.model.layers:
+            skip, h = h, block(h, skip)
+        return SimpleNamespace(logits=self.lm_head(h))
+
+
+def test_derived_sequence_parallel_refuses_a_block_output_given_as_a_side_input() -> None:
+    with pytest.raises(ValueError, match="_SkipBlock given a block's output besides its stream"):
+        resolve_tp_plan(_SkipDecoder(), sequence_parallel=True, tp_size=2)

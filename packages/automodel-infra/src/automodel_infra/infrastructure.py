@@ -547,10 +547,9 @@ def _check_apply_inputs(
             "inject_te_attention=True: Transformer Engine attention is not supported by automodel; drop it"
         )
     if extra.get("freeze_config") is not None:
-        raise ValueError(
-            "freeze_config (multimodal tower freezing) is not supported by automodel; freeze parameters "
-            "with requires_grad_(False) before calling apply_model_infrastructure"
-        )
+        from automodel_distributed.multimodal import FreezeConfig
+
+        FreezeConfig.coerce(extra["freeze_config"])  # a bad key or value fails here, before any change
     unknown = sorted(set(extra) - {*_REFERENCE_ONLY_KWARGS, "weights_already_loaded"})
     if unknown:
         warnings.warn(f"apply_model_infrastructure ignores the keyword(s) {unknown}", stacklevel=3)
@@ -620,7 +619,9 @@ def apply_model_infrastructure(
        (`automodel_distributed.context_parallel.apply_context_parallel`).
     2. `StrategyManager.loads_before_sharding`: if nothing will be sharded and there are no adapters
        (single device), or the strategy replicates real tensors (DDP), materialise and load now.
-    3. With PEFT, ``automodel_peft.freeze_base`` (before DDP decides which parameters get gradients).
+    3. ``freeze_config`` (`automodel_distributed.multimodal.FreezeConfig` or its dict: vision tower,
+       audio tower, language model, embeddings) and, with PEFT, ``automodel_peft.freeze_base`` (before
+       FSDP2 places frozen towers and DDP decides which parameters get gradients).
        ``loss_fn=None`` becomes `MaskedCrossEntropy` (a given loss is kept); the loss only matters
        under pipelining.
     4. Shard: the pipeline split with each stage parallelized (`_shard_pp`), else ``parallelize_fn``
@@ -657,8 +658,9 @@ def apply_model_infrastructure(
         cache_dir: Hugging Face cache directory for hub ids. Default: None
         pretrained_model_name_or_path: Checkpoint folder or cached hub id. Default: ""
         **_kwargs: ``weights_already_loaded=True`` skips loading (the weights are real and loaded);
-            other keywords are ignored with a warning; the reference system's ``inject_te_attention``
-            and ``freeze_config`` raise `ValueError` (not supported).
+            ``freeze_config`` freezes parts of a multimodal model before sharding (step 3); other
+            keywords are ignored with a warning; the reference system's ``inject_te_attention=True``
+            raises `ValueError` (not supported).
 
     Returns:
         The model with all infrastructure applied: an ``nn.Module`` (possibly a DDP wrapper), or the
@@ -722,8 +724,13 @@ def apply_model_infrastructure(
         load_or_init(model, device=device, pipelined=False)
         loaded = True
 
-    # 3. Freeze the base under PEFT now: DDP decides at wrap time which parameters get gradients, and
-    #    a base frozen only after wrapping leaves it waiting for gradients that never come.
+    # 3. Freeze the parts freeze_config names, and the base under PEFT, now: FSDP2 places frozen towers
+    #    by what is frozen when it wraps, DDP decides at wrap time which parameters get gradients, and a
+    #    base frozen only after wrapping leaves it waiting for gradients that never come.
+    if _kwargs.get("freeze_config") is not None:
+        from automodel_distributed.multimodal import apply_freeze_config
+
+        apply_freeze_config(model, _kwargs["freeze_config"])
     if peft is not None:
         peft.freeze_base(model)
     # The loss of the last pipeline stage (the caller's is kept: stages hand it logits).

@@ -10,22 +10,23 @@ its parameter names, except that an adapted linear's weight moves under peft's `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from automodel_mesh.modules import is_dtensor
+from automodel_mesh.modules import is_conv1d, is_dtensor
 from automodel_peft._layers import lora_layers
 from automodel_peft._names import clean_fqn, hf_checkpoint_key, is_adapter_name
 from automodel_peft.config import PeftConfig
 from automodel_peft.dropout import install_post_dropout
-from automodel_peft.matching import resolve_target_modules
+from automodel_peft.matching import is_linear_layer, resolve_target_modules
 
 if TYPE_CHECKING:
     import peft
@@ -194,11 +195,39 @@ def _check_fresh(model: nn.Module, adapter_name: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def _targets_as_given() -> Iterator[None]:
+    """Inject with the target modules as given, without peft's transformers-4 compatibility rewrite.
+
+    For MoE families whose experts transformers 5 fuses, peft rewrites targets named like transformers
+    4's expert projections (``gate_proj``, ``up_proj``, ``down_proj``, the router ``gate``) into the fused
+    expert parameters, so that adapters trained on transformers 4 still load. Our targets are resolved
+    against this model's own modules, so the rewrite would only drop planned linears of the dense layers
+    and shared experts (and add the fused experts): it is switched off for this call alone.
+    """
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # a peft without the rewrite
+        yield
+        return
+    original = conversion.convert_peft_config_for_transformers
+
+    def as_given(peft_config: Any, model: nn.Module, conversions: Any) -> None:
+        del peft_config, model, conversions
+
+    conversion.convert_peft_config_for_transformers = as_given
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
+
+
 def _inject(model: nn.Module, lora_config: Any, adapter_name: str, skip_freeze: bool) -> None:
     import peft
 
     saved = {name: p.requires_grad for name, p in model.named_parameters()} if skip_freeze else {}
-    peft.inject_adapter_in_model(lora_config, model, adapter_name=adapter_name)
+    with _targets_as_given():
+        peft.inject_adapter_in_model(lora_config, model, adapter_name=adapter_name)
     for name, param in model.named_parameters():
         before = saved.get(name, saved.get(hf_checkpoint_key(name)))  # a wrapped weight is now base_layer.*
         if before is not None and not is_adapter_name(name):
@@ -218,6 +247,26 @@ def _finish_adapters(
         if method == "xavier" and not lora_a.is_meta:
             with torch.no_grad():
                 lora_a.copy_(_init_a(lora_a.shape, "xavier"))
+
+
+def _fan_in_fan_out(model: nn.Module, targets: Sequence[str]) -> dict[str, bool]:
+    """The ``fan_in_fan_out`` peft needs: True for transformers' ``Conv1D`` (weight stored ``(in, out)``).
+
+    peft keeps one value per config, so targets of both kinds are refused.
+
+    Raises:
+        ValueError: The targets mix ``Conv1D`` and `nn.Linear` layers.
+    """
+    modules = {clean_fqn(name): module for name, module in model.named_modules()}
+    kinds = {is_conv1d(modules[name]) for name in targets if name in modules}
+    if len(kinds) > 1:
+        conv = [n for n in targets if n in modules and is_conv1d(modules[n])][:3]
+        raise ValueError(
+            f"PeftConfig targets both transformers Conv1D layers ({conv}, ...) and nn.Linear layers; peft "
+            "stores their weights transposed from each other under one fan_in_fan_out setting: adapt one "
+            "kind per config (target_modules or exclude_modules)"
+        )
+    return {"fan_in_fan_out": True} if kinds == {True} else {}
 
 
 def apply_lora(
@@ -273,14 +322,14 @@ def apply_lora(
     if peft_cfg is not None:
         targets = resolve_target_modules(model, peft_cfg)
         if not targets:
-            linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:8]
+            linears = [n for n, m in model.named_modules() if is_linear_layer(m)][:8]
             raise ValueError(
                 f"PeftConfig matches no linear layer (target_modules={peft_cfg.target_modules}, "
                 f"exclude_modules="
                 f"{peft_cfg.exclude_modules}, match_all_linear={peft_cfg.match_all_linear}); linears include "
                 f"{linears}"
             )
-        lora_config: Any = peft_cfg.to_lora_config(targets)
+        lora_config: Any = peft_cfg.to_lora_config(targets, **_fan_in_fan_out(model, targets))
     else:
         lora_config = cfg
     _inject(model, lora_config, adapter_name, skip_freeze)

@@ -169,6 +169,19 @@ def test_dora_starts_at_the_base_model(batch: dict[str, torch.Tensor], perturb: 
     assert model.model.layers[0].self_attn.q_proj.lora_magnitude_vector["default"].weight.grad is not None
 
 
+def test_conv1d_and_linear_targets_in_one_config_are_refused() -> None:
+    from transformers.pytorch_utils import Conv1D
+
+    from automodel_peft import apply_lora
+
+    model = nn.Sequential()
+    model.add_module("conv", Conv1D(4, 4))
+    model.add_module("linear", nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="fan_in_fan_out"):
+        apply_lora(model, PeftConfig(target_modules=["conv", "linear"]))
+    assert not any("lora_" in n for n, _ in model.named_parameters())  # refused before any change
+
+
 def test_linear_lora_is_the_class_of_adapted_layers() -> None:
     # The reference system's name: isinstance(module, LinearLoRA) finds the adapted layers.
     from automodel_peft import LinearLoRA, apply_lora_to_linear_modules

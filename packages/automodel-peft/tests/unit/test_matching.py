@@ -81,6 +81,21 @@ def test_regex_form_and_causal_lm_detection(llama: nn.Module) -> None:
     assert not is_causal_lm(nn.Sequential(nn.Linear(2, 2)))
 
 
+class _Grouped(nn.Linear):
+    """Borrows nn.Linear's weight but computes something else (one value per row)."""
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return x.sum(-1)
+
+
+def test_broad_selectors_leave_linears_with_their_own_forward_out() -> None:
+    matcher = ModuleMatcher(PeftConfig(match_all_linear=True))
+    assert matcher.match(nn.Linear(2, 2), "a.proj") and not matcher.match(_Grouped(2, 2), "a.proj")
+    assert not ModuleMatcher(PeftConfig(exclude_modules=["other"])).match(_Grouped(2, 2), "a.proj")
+    # named in target_modules, it is adapted
+    assert ModuleMatcher(PeftConfig(target_modules=["proj"])).match(_Grouped(2, 2), "a.proj")
+
+
 def test_regular_expressions_and_the_reference_wildcards(llama: nn.Module) -> None:
     # Issue 17: the reference matches target patterns as regular expressions and wildcards; ".*" used to
     # raise "matches no linear layer" because its "." was escaped.
@@ -105,3 +120,15 @@ def test_regular_expressions_and_the_reference_wildcards(llama: nn.Module) -> No
     assert len(resolve_target_modules(llama, PeftConfig(exclude_modules=[".*_proj"]))) == 0
     with pytest.raises(ValueError, match=r"PeftConfig.target_modules: target pattern '\*.\(q_proj' is not"):
         PeftConfig(target_modules=["*.(q_proj"])
+
+
+def test_conv1d_and_linears_computed_their_own_way_are_matched() -> None:
+    import torch
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+    from transformers.pytorch_utils import Conv1D
+
+    matcher = ModuleMatcher(PeftConfig(match_all_linear=True))
+    assert matcher.match(Conv1D(8, 4), "h.0.attn.c_attn")  # GPT-2's linear, weight stored (in, out)
+    assert matcher.match(FalconLinear(4, 8), "h.0.mlp.dense_h_to_4h")  # its own forward, a linear map
+    with torch.device("meta"):  # models are adapted on meta, before sharding
+        assert matcher.match(FalconLinear(4, 8), "h.0.mlp.dense_h_to_4h")

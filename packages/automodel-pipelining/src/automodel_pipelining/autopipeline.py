@@ -440,7 +440,8 @@ class AutoPipeline:
             ``self``.
 
         Raises:
-            ValueError: Unsupported model (tied embeddings, encoder-decoder, multimodal), no loss
+            ValueError: Unsupported model (tied embeddings, encoder-decoder, multimodal, a forward whose
+                stages could not compute what it computes: `DecoderLayout.problems`), no loss
                 function, an impossible split, or too few microbatches for the schedule.
             RuntimeError: `build` was already called.
         """
@@ -451,6 +452,16 @@ class AutoPipeline:
             raise ValueError("AutoPipeline.build needs loss_fn (the loss computed on the last stage)")
         validate_hf_model_for_pipeline_support(model)
         layout = resolve_decoder_layout(model)
+        if layout.problems:
+            config = getattr(model, "config", None)
+            family = getattr(config, "model_type", None)
+            raise ValueError(
+                f"pipeline parallelism cannot split {type(model).__name__}"
+                + (f" (model_type {family!r})" if family else "")
+                + f": {'; '.join(layout.problems[:3])}. Each stage runs the model's own forward and receives "
+                "only the previous layer's hidden states, so it could not compute what the model computes; "
+                "train this model without pipeline parallelism (pp_size=1)"
+            )
         fqns = self._split(model, layout)
         stage_ids = self._local_stage_ids(len(fqns))
         self._check_microbatches(len(fqns))

@@ -27,6 +27,7 @@ __all__ = [
     "CsvSchedule",
     "ScheduleSpec",
     "check_microbatches",
+    "in_flight_microbatches",
     "normalize_schedule_name",
     "read_csv_schedule",
     "resolve_schedule",
@@ -262,3 +263,30 @@ def check_microbatches(
             "most of each step will be pipeline bubble"
         )
     return warnings
+
+
+def in_flight_microbatches(
+    spec: ScheduleSpec | None, *, pp_size: int, rank: int, n_microbatches: int, stages_per_rank: int
+) -> int:
+    """Stage micro-batches whose activations pipeline rank ``rank`` holds at once, at its peak.
+
+    One unit is the activations of one of the rank's stages for one micro-batch. GPipe and looped BFS
+    run every forward first (``n_microbatches`` per stage); 1F1B warms up with ``pp_size - rank``
+    forwards; interleaved schedules (torch's warm-up) with ``(v - 1) * pp_size + 2 * (pp_size - 1 -
+    rank) + 1`` for ``v`` stages per rank, never more than all of them. A CSV schedule (``spec=None``)
+    is counted as holding everything, the bound that cannot be exceeded.
+
+    Args:
+        spec: The schedule (`resolve_schedule`), or None for a CSV schedule.
+        pp_size: Pipeline ranks.
+        rank: This pipeline rank (0 holds the most under 1F1B-style schedules).
+        n_microbatches: Micro-batches per step.
+        stages_per_rank: Stages this rank runs (``v``).
+    """
+    everything = n_microbatches * stages_per_rank
+    if spec is None or spec.name in ("gpipe", "loopedbfs"):
+        return everything
+    if not spec.multi_stage:
+        return min(n_microbatches, pp_size - rank)
+    warmup = (stages_per_rank - 1) * pp_size + 2 * (pp_size - 1 - rank) + 1
+    return min(everything, warmup)

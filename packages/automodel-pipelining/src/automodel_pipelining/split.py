@@ -96,10 +96,18 @@ def calculate_virtual_stages(
 def generate_stage_fqns(layout: DecoderLayout, num_stages: int) -> list[list[str]]:
     """The default split: module FQNs per stage, in stage order.
 
-    Stage 0 gets the input embedding and any first-stage extras, the last stage the final norm and the LM
-    head, every stage the shared parameter-free modules (rotary embeddings), and the layers are spread
-    with `split_layers_evenly`.
+    Stage 0 gets the input embedding and the extras the model runs before its layers, the last stage the
+    final norm, the extras run after the layers and the LM head, every stage the shared parameter-free
+    modules (rotary embeddings), and the layers are spread with `split_layers_evenly`.
+
+    Raises:
+        ValueError: The layout has modules whose stage is unknown (`DecoderLayout.unplaced`).
     """
+    if layout.unplaced:
+        raise ValueError(
+            f"cannot split automatically: the pipeline stage of {list(layout.unplaced)} is unknown "
+            f"({layout.unplaced_reason}). Split it explicitly with module_fqns_per_model_part"
+        )
     counts = split_layers_evenly(layout.num_layers, num_stages)
     layers = layout.layer_fqns
     parts: list[list[str]] = []

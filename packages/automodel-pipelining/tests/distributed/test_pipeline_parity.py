@@ -100,9 +100,10 @@ def _fully_shard_each_module(ctx: Any) -> Any:
 
     def parallelize(stage: torch.nn.Module, **_mesh_kwargs: Any) -> torch.nn.Module:
         inner = stage.model  # type: ignore[union-attr]
-        units = [*inner.layers.values(), inner.embed_tokens, inner.norm, stage.lm_head]
+        # Other stages' layers are parameter-free stand-ins in the full-length container.
+        units = [*inner.layers, inner.embed_tokens, inner.norm, stage.lm_head]
         for unit in units:
-            if unit is not None:
+            if unit is not None and next(unit.parameters(), None) is not None:
                 fully_shard(unit, mesh=ctx.submesh("dp_shard_cp"), mp_policy=mp)
         return stage
 

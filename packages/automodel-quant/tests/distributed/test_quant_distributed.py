@@ -134,7 +134,7 @@ def _fp8_case(recipe: str | None, all_gather: bool) -> dict[str, Any]:
     )
     ref_losses = _train(reference, rows=slice(None), micro_batches=dist.get_world_size())
     model = apply_fp8_to_model(build_tiny_model("llama", seed=0), config)
-    converted = verify_fp8_conversion(model)["float8_linears"]
+    converted = verify_fp8_conversion(model)["fp8_count"]
     _manager(torch.float32).parallelize(model)
     calls: list[bool] = []
     losses = _train(

@@ -2,22 +2,23 @@
 
 Sections (each optional) and the dataclass each maps onto:
 
-=============== ==========================================================================
-``model``       `ModelSection`
-``data``        `DataSection`
-``train``       `TrainSection`
-``launch``      `LaunchSection`
-``distributed`` ``strategy: fsdp2 | ddp | megatron_fsdp`` plus the fields of `FSDP2Config`,
-                `DDPConfig` or `MegatronFSDPConfig`
-``parallelism`` `ParallelismSizes` (``dp_size``, ``dp_replicate_size``, ``tp_size``, ``pp_size``,
-                ``cp_size``, ``ep_size``)
-``pipeline``    `PipelineConfig` (its batch sizes come from ``train``)
-``peft``        `PeftConfig` (the section's presence turns LoRA on)
-``qat``         `QATConfig` (presence turns QAT on)
-``fp8``         `FP8Config`
-``compile``     `CompileConfig`
-``moe``         `MoEParallelizerConfig`
-=============== ==========================================================================
+=================== ==========================================================================
+``model``           `ModelSection`
+``data``            `DataSection`
+``train``           `TrainSection`
+``launch``          `LaunchSection`
+``distributed``     ``strategy: fsdp2 | ddp | megatron_fsdp`` plus the fields of `FSDP2Config`,
+                    `DDPConfig` or `MegatronFSDPConfig`
+``parallelism``     `ParallelismSizes` (``dp_size``, ``dp_replicate_size``, ``tp_size``, ``pp_size``,
+                    ``cp_size``, ``ep_size``)
+``pipeline``        `PipelineConfig` (its batch sizes come from ``train``)
+``peft``            `PeftConfig` (the section's presence turns LoRA on)
+``qat``             `QATConfig` (presence turns QAT on)
+``fp8``             `FP8Config`
+``compile``         `CompileConfig`
+``moe``             `MoEParallelizerConfig`
+``freeze_config``   `FreezeConfig` (presence freezes the parts it names before sharding)
+=================== ==========================================================================
 
 `build_job` checks each section on its own; `resolve_job` checks how they fit together for a world
 size (the mesh layout, batch divisibility, the model's shape), so a launcher can reject a job before
@@ -35,6 +36,7 @@ import torch
 from automodel_all.cli.schema import build_dataclass
 from automodel_all.cli.sections import DataSection, LaunchSection, ModelSection, TrainSection
 from automodel_all.cli.yaml_source import ConfigError, RawJob
+from automodel_distributed import FreezeConfig
 from automodel_distributed.config import (
     CompileConfig,
     DDPConfig,
@@ -80,6 +82,7 @@ SECTIONS: dict[str, type[Any]] = {
     "fp8": FP8Config,
     "compile": CompileConfig,
     "moe": MoEParallelizerConfig,
+    "freeze_config": FreezeConfig,
 }
 """Every section a job file may have, and the dataclass it maps onto."""
 
@@ -102,6 +105,8 @@ class JobConfig:
     fp8: FP8Config | None
     compile: CompileConfig | None
     moe: MoEParallelizerConfig | None
+    freeze_config: FreezeConfig | None
+    """Parts of a multimodal model to freeze before sharding (the section's presence turns it on)."""
 
     @property
     def device_type(self) -> str:
@@ -184,6 +189,7 @@ def build_job(raw: RawJob) -> JobConfig:
         fp8=_optional(FP8Config, raw, "fp8"),
         compile=_optional(CompileConfig, raw, "compile"),
         moe=_optional(MoEParallelizerConfig, raw, "moe"),
+        freeze_config=_optional(FreezeConfig, raw, "freeze_config"),
     )
 
 
@@ -256,6 +262,7 @@ def _default_micro_batch(job: JobConfig, layout: MeshLayout, dp: int) -> int:
 def _check_model_shape(job: JobConfig, layout: MeshLayout, model_config: Any) -> None:
     raw = job.raw
     where = raw.where("parallelism")
+    model_config = model_config.get_text_config()  # a vision-language model's language model is sharded
     heads = getattr(model_config, "num_attention_heads", None)
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     layers = getattr(model_config, "num_hidden_layers", None)
@@ -322,18 +329,18 @@ def resolve_job(job: JobConfig, world_size: int, model_config: Any = None) -> Re
             f"{raw.where('pipeline')}: a pipeline section is given but parallelism.pp_size is 1; set "
             "pp_size > 1 or drop the section"
         )
+    if job.data.format == "image_messages" and (layout.cp > 1 or layout.pp > 1):
+        raise ConfigError(
+            f"{raw.where('parallelism')}: data with images (data.format=image_messages) needs cp_size 1 and "
+            f"pp_size 1 (got cp_size={layout.cp}, pp_size={layout.pp}): the vision tower runs on whole "
+            "rows in one stage; use data parallelism (FSDP2, HSDP) and tp_size"
+        )
     if layout.cp > 1:
         _divisible(raw, "data", "seq_len", job.data.seq_len, 2 * layout.cp, f"2 * cp_size = {2 * layout.cp}")
         if job.model.attn_implementation != "sdpa":
             raise ConfigError(f"{raw.where('model', 'attn_implementation')}: context parallelism needs sdpa")
         if layout.pp > 1:
             raise ConfigError(f"{raw.where('parallelism')}: cp_size > 1 with pp_size > 1 is not supported")
-        if job.data.packing == "packed":
-            raise ConfigError(
-                f"{raw.where('data', 'packing')}: data.packing=packed with cp_size={layout.cp}: ring "
-                "attention is causal over whole rows and cannot keep packed records apart; use "
-                "data.packing: padded (one record per row, exact under CP) or cp_size: 1"
-            )
     if model_config is not None:
         _check_model_shape(job, layout, model_config)
     return ResolvedJob(

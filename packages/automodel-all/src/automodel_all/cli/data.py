@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from automodel_all.cli.encode import RecordKeys, encode_records, resolve_format
+from automodel_all.cli.image_data import encode_image_records, has_image_parts
 from automodel_all.cli.packing import PackReport, TokenRows, pack_documents
 from automodel_all.cli.sections import DataSection
-from automodel_all.cli.sources import read_records
+from automodel_all.cli.sources import image_root, read_records
 
 __all__ = [
     "PreparedData",
@@ -42,17 +43,17 @@ def data_folder(output_dir: str | Path) -> Path:
     return Path(output_dir) / "data"
 
 
-def resolve_packing(data: DataSection, fmt: str, cp_size: int = 1) -> str:
-    """``data.packing``, or its default: ``concat`` for text, else ``packed`` (``padded`` under CP).
+def resolve_packing(data: DataSection, fmt: str) -> str:
+    """``data.packing``, or its default (``concat``, ``packed`` or ``padded``, by the format).
 
-    Context parallelism's ring attention cannot keep packed records apart, so records default to one
-    per row there (the job's checks refuse an explicit ``packed`` with ``cp_size > 1``).
+    ``concat`` for text, ``padded`` for conversations with images, else ``packed`` (exact under context
+    parallelism too: attention is masked per record over the gathered keys).
     """
     if data.packing is not None:
         return data.packing
-    if fmt == "text":
-        return "concat"
-    return "padded" if cp_size > 1 else "packed"
+    if fmt == "image_messages":
+        return "padded"
+    return "concat" if fmt == "text" else "packed"
 
 
 def fingerprint(rows: TokenRows) -> str:
@@ -80,7 +81,6 @@ def _rows(
     tokenizer: Any,
     cache: Path,
     fmt: str | None,
-    cp_size: int,
 ) -> tuple[str, TokenRows]:
     where = f"data {path or 'builtin:text'} (split {split})"
     records = read_records(path, split, cache)
@@ -89,11 +89,26 @@ def _rows(
         raise ValueError(f"{where} holds no records")
     keys = RecordKeys(data.text_key, data.prompt_key, data.completion_key, data.messages_key)
     fmt = fmt or resolve_format(data.format, records[0].keys(), keys, where)
+    if fmt == "messages" and data.format == "auto" and has_image_parts(records[0].get(keys.messages)):
+        fmt = "image_messages"
+    if fmt == "image_messages":
+        packing = resolve_packing(data, fmt)
+        if packing != "padded":
+            raise ValueError(
+                f"{where}: data.packing={packing} cannot hold records with images (their image tokens must "
+                "stay whole with their pixels); use data.packing: padded"
+            )
+        root = image_root(path, cache)
+        rows = encode_image_records(
+            records, tokenizer, messages_key=keys.messages, root=root, seq_len=data.seq_len, where=where
+        )
+        return fmt, rows
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's text formats use its tokenizer
     docs = encode_records(records, tokenizer, fmt=fmt, keys=keys, where=where)
     if not docs:
         raise ValueError(f"{where} holds no text")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = pack_documents(docs, data.seq_len, resolve_packing(data, fmt, cp_size), int(pad or 0))
+    rows = pack_documents(docs, data.seq_len, resolve_packing(data, fmt), int(pad or 0))
     _warn_losses(where, rows.report, data.seq_len)
     return fmt, rows
 
@@ -113,12 +128,8 @@ def _warn_losses(where: str, report: PackReport, seq_len: int) -> None:
         )
 
 
-def prepare_data(
-    data: DataSection, tokenizer: Any, output_dir: str | Path, *, cp_size: int = 1
-) -> PreparedData:
+def prepare_data(data: DataSection, tokenizer: Any, output_dir: str | Path) -> PreparedData:
     """Read, tokenize and lay out the training (and evaluation) rows; save them for the workers.
-
-    ``cp_size`` (the job's context-parallel size) only picks the default layout (`resolve_packing`).
 
     Writes ``<output_dir>/data/train.pt`` (and ``eval.pt``), each through a rename, so a worker never
     reads half a file. Deterministic: the same data and tokenizer give the same rows.
@@ -130,18 +141,18 @@ def prepare_data(
     folder = data_folder(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     cache = folder / "cache"
-    fmt, train = _rows(data, data.path, data.split, tokenizer, cache, None, cp_size)
+    fmt, train = _rows(data, data.path, data.split, tokenizer, cache, None)
     evaluation = None
     if data.eval_path is not None or data.eval_split is not None:
         source = data.eval_path if data.eval_path is not None else data.path
         split = data.eval_split or "train"
-        _, evaluation = _rows(data, source, split, tokenizer, cache, fmt, cp_size)
+        _, evaluation = _rows(data, source, split, tokenizer, cache, fmt)
     train.save(folder / "train.pt")
     if evaluation is not None:
         evaluation.save(folder / "eval.pt")
     else:
         (folder / "eval.pt").unlink(missing_ok=True)
-    return PreparedData(fmt, resolve_packing(data, fmt, cp_size), train, evaluation)
+    return PreparedData(fmt, resolve_packing(data, fmt), train, evaluation)
 
 
 def load_data(output_dir: str | Path) -> tuple[TokenRows, TokenRows | None]:

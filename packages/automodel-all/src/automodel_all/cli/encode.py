@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["FORMATS", "Document", "RecordKeys", "encode_records", "resolve_format"]
 
-FORMATS = ("text", "prompt_completion", "messages")
+FORMATS = ("text", "prompt_completion", "messages", "image_messages")
 """Record formats ``data.format`` may name (besides ``auto``)."""
 
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -82,6 +82,7 @@ def resolve_format(fmt: str, columns: Iterable[str], keys: RecordKeys, where: st
             f"{keys.messages!r}, data.prompt_key/completion_key=({keys.prompt!r}, {keys.completion!r}) or "
             f"data.text_key={keys.text!r} is among them; set the key that names your field"
         )
+    needs["image_messages"] = needs["messages"]
     missing = [k for k in needs[fmt] if k not in names]
     if missing:
         raise ValueError(

@@ -29,7 +29,7 @@ import torch
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
 from automodel_all.cli.data import prepare_data
 from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
-from automodel_all.cli.model import load_model_config, model_dtype
+from automodel_all.cli.model import load_model_config, load_processor, model_dtype
 from automodel_all.cli.train import JOB_ENV
 from automodel_all.cli.yaml_source import ConfigError, RawJob
 
@@ -152,29 +152,27 @@ def _prepare_data(raw: RawJob, job: JobConfig, model_config: Any) -> None:
     """Read, tokenize and lay out the data once, here; the workers load the rows (`prepare_data`).
 
     Records the resolved ``data.format`` and ``data.packing`` in ``raw`` for the workers (and for the
-    checks of `resolve_job`, such as context parallelism refusing packed rows).
+    checks of `resolve_job`).
     """
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    tokenizer = AutoTokenizer.from_pretrained(job.data.tokenizer or job.model.name_or_path)
+    tokenizer = load_processor(job.data.tokenizer or job.model.name_or_path or "")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            prepared = prepare_data(
-                job.data, tokenizer, job.train.output_dir, cp_size=job.parallelism.cp_size
-            )
+            prepared = prepare_data(job.data, tokenizer, job.train.output_dir)
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(f"{raw.where('data', 'path')}: {exc}") from None
     for warning in caught:
         if issubclass(warning.category, UserWarning) and str(warning.message).startswith("data "):
             print(f"automodel train: warning: {warning.message}", file=sys.stderr)
     largest = max(int(prepared.train.input_ids.max()), int(prepared.train.labels.max()))
-    if largest >= model_config.vocab_size:
+    vocab = model_config.get_text_config().vocab_size
+    if largest >= vocab:
         raise ConfigError(
             f"{raw.where('data', 'tokenizer')}: the tokenizer produces id {largest} but the model's "
-            f"vocabulary has {model_config.vocab_size} entries; use the model's own tokenizer "
+            f"vocabulary has {vocab} entries; use the model's own tokenizer "
             "(data.tokenizer)"
         )
     raw.set("data", "format", prepared.format, raw.where("data", "format"))

@@ -37,7 +37,11 @@ _OPTIONS: tuple[_Option, ...] = (
     ),
     _Option(("--dtype",), "model", "dtype", str, "parameter dtype: float32, bfloat16 or float16"),
     _Option(
-        ("--data",), "data", "path", str, "a data file or folder, a save_to_disk folder, or builtin:chat"
+        ("--data",),
+        "data",
+        "path",
+        str,
+        "data file or folder, save_to_disk folder, builtin:chat or builtin:image_chat",
     ),
     _Option(("--eval-data",), "data", "eval_path", str, "evaluation data (file, folder, builtin:chat)"),
     _Option(("--eval-split",), "data", "eval_split", str, "split to evaluate on, e.g. validation"),
@@ -136,6 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--world-size", type=int, default=None, help="ranks to plan for (default: nnodes x nproc)"
     )
+    plan.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory per device (80GiB, 40GB, or h100, h200, a100-40g, a100-80g, ...): fits or not",
+    )
+    plan.add_argument("--suggest", action="store_true", help="rank every valid layout of the world size")
+    plan.add_argument("--json", dest="as_json", action="store_true", help="print the plan as JSON")
+    plan.add_argument(
+        "--qlora-bits", type=int, default=None, choices=(4, 8), help="plan a quantized frozen base (QLoRA)"
+    )
     return parser
 
 
@@ -199,9 +214,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         raw = job_from_args(args)
         if args.command == "plan":
+            from automodel_all.cli.peak import parse_device_memory
             from automodel_all.cli.plan import plan
 
-            print(plan(raw, world_size=args.world_size))
+            device = parse_device_memory(args.device_memory) if args.device_memory else None
+            print(
+                plan(
+                    raw,
+                    world_size=args.world_size,
+                    device_memory=device,
+                    suggest=args.suggest,
+                    as_json=args.as_json,
+                    base_weight_bits=args.qlora_bits,
+                )
+            )
             return 0
         from automodel_all.cli.launch import launch, prepare_job
 

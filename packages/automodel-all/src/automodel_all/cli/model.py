@@ -1,4 +1,4 @@
-"""The model's config, tokenizer and meta-device construction, shared by the launcher and the workers."""
+"""The model's config, tokenizer (or processor) and meta-device construction (launcher and workers)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from automodel_all.cli.config import JobConfig
 from automodel_all.cli.default_job import DEFAULT_VOCAB_SIZE, default_model_config
 from automodel_all.cli.yaml_source import ConfigError
 
-__all__ = ["build_meta_model", "load_model_config", "model_dtype"]
+__all__ = [
+    "build_meta_model",
+    "is_image_text_model",
+    "load_model_config",
+    "load_processor",
+    "model_dtype",
+    "text_tokenizer",
+]
 
 
 def model_dtype(job: JobConfig) -> torch.dtype:
@@ -54,12 +61,42 @@ def load_model_config(job: JobConfig, eos_token_id: int | None = None) -> Any:
     return config
 
 
-def build_meta_model(job: JobConfig, config: Any) -> torch.nn.Module:
-    """The causal-LM of ``config`` on the meta device (no memory), in the job's dtype."""
-    from transformers import AutoModelForCausalLM
+def is_image_text_model(config: Any) -> bool:
+    """Whether transformers builds ``config`` as an image-text-to-text model (its own registry)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+    return getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def load_processor(path: str) -> Any:
+    """The tokenizer of ``path``; for an image-text-to-text model, its processor.
+
+    The processor holds the tokenizer, the image processor and the chat template.
+    """
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+
+    try:
+        multimodal = is_image_text_model(AutoConfig.from_pretrained(path))
+    except (OSError, ValueError):  # a tokenizer-only folder
+        multimodal = False
+    return AutoProcessor.from_pretrained(path) if multimodal else AutoTokenizer.from_pretrained(path)
+
+
+def text_tokenizer(tokenizer_or_processor: Any) -> Any:
+    """The tokenizer itself, or a processor's tokenizer."""
+    return getattr(tokenizer_or_processor, "tokenizer", tokenizer_or_processor)
+
+
+def build_meta_model(job: JobConfig, config: Any) -> torch.nn.Module:
+    """The model of ``config`` on the meta device (no memory), in the job's dtype.
+
+    ``AutoModelForImageTextToText`` for a vision-language config, else ``AutoModelForCausalLM``.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_image_text_model(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = auto.from_config(
             config, dtype=model_dtype(job), attn_implementation=job.model.attn_implementation
         )
     return model

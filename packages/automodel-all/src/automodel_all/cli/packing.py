@@ -14,7 +14,8 @@ already shifted; ``-100`` where nothing is predicted) and ``position_ids``:
   positions: it comes after that document's tokens, so causal attention keeps them apart, and its labels
   are ``-100``.
 - ``padded``: one document per row, padded at the end, positions ``0 .. seq_len - 1``: exact under any
-  causal attention without a mask (context parallelism's ring attention included).
+  causal attention without a mask. (``packed`` rows are exact under context parallelism too: its
+  region masks attention per document, `automodel_distributed.cp_document_attention`.)
 
 A document longer than a row is split into row-sized pieces when every token is a target (plain text),
 and truncated otherwise (a conversation's answer means nothing without its prompt); `PackReport` counts
@@ -33,7 +34,16 @@ import torch
 
 from automodel_all.cli.encode import Document
 
-__all__ = ["IGNORE_INDEX", "PACKINGS", "PackReport", "TokenRows", "pack_documents"]
+__all__ = [
+    "IGNORE_INDEX",
+    "PACKINGS",
+    "ROWS_SUFFIX",
+    "PackReport",
+    "TokenRows",
+    "model_inputs",
+    "pack_documents",
+    "take_rows",
+]
 
 IGNORE_INDEX = -100
 """Label of slots without a target (the loss ignores them)."""
@@ -71,6 +81,11 @@ class TokenRows:
     tokens: torch.Tensor
     """``[rows]`` slots holding document tokens (not padding), for throughput figures."""
     report: PackReport = field(default_factory=PackReport)
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Other model inputs of shape ``[rows, seq_len]`` (a processor's ``token_type_ids``, say)."""
+    media: list[dict[str, torch.Tensor]] | None = None
+    """Per row, the processor's image inputs (``pixel_values``, ``image_grid_thw``, ...), each counted
+    along its first dimension (images or patches); ``None`` for text rows."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -81,17 +96,33 @@ class TokenRows:
         return int(self.input_ids.shape[1])
 
     def batch(self, rows: torch.Tensor, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """The rows ``rows`` as int64 tensors ``input_ids``, ``labels``, ``position_ids`` (on ``device``)."""
-        return {
-            name: getattr(self, name)[rows].to(device=device, dtype=torch.int64)
-            for name in ("input_ids", "labels", "position_ids")
-        }
+        """The rows ``rows`` as model inputs on ``device``.
+
+        int64 ``input_ids``, ``labels``, ``position_ids`` and the `per_token` fields; and the rows'
+        `media` concatenated, each with its per-row counts under ``<name>`` + `ROWS_SUFFIX` (so
+        `take_rows` can cut micro-batches). Rows of data with media are one record each (positions
+        ``0 .. seq_len - 1``) and their model computes its own positions (multimodal rotary positions,
+        say), so they have no ``position_ids``.
+        """
+        names = ("input_ids", "labels") if self.media is not None else ("input_ids", "labels", "position_ids")
+        out = {name: getattr(self, name)[rows].to(device=device, dtype=torch.int64) for name in names}
+        for name, tensor in self.per_token.items():
+            out[name] = tensor[rows].to(device=device, dtype=torch.int64)
+        if self.media is not None:
+            chosen = [self.media[int(i)] for i in rows.reshape(-1)]
+            for name in sorted({n for row in chosen for n in row}):
+                present = [row[name] for row in chosen if name in row]
+                out[name] = torch.cat(present).to(device)
+                counts = [row[name].shape[0] if name in row else 0 for row in chosen]
+                out[name + ROWS_SUFFIX] = torch.tensor(counts, dtype=torch.int64, device=device)
+        return out
 
     def save(self, path: Path) -> None:
         """Write the rows to ``path`` (``torch.save``; written beside it, then renamed into place)."""
         staging = path.with_name(f".{path.name}.{os.getpid()}.partial")  # nodes may share the folder
         state = {name: getattr(self, name) for name in ("input_ids", "labels", "position_ids", "tokens")}
-        torch.save({**state, "report": vars(self.report)}, staging)
+        extra = {"per_token": self.per_token, "media": self.media}
+        torch.save({**state, **extra, "report": vars(self.report)}, staging)
         staging.replace(path)
 
     @classmethod
@@ -100,6 +131,32 @@ class TokenRows:
         state = torch.load(path, weights_only=True)
         report = PackReport(**state.pop("report"))
         return cls(**state, report=report)
+
+
+ROWS_SUFFIX = ".rows"
+"""Batch key suffix of a media input's per-row counts (see `TokenRows.batch`)."""
+
+
+def take_rows(batch: dict[str, torch.Tensor], part: slice) -> dict[str, torch.Tensor]:
+    """Rows ``part`` of a `TokenRows.batch`: per-row tensors sliced, media cut by their per-row counts."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in batch.items():
+        if name.endswith(ROWS_SUFFIX):
+            continue
+        counts = batch.get(name + ROWS_SUFFIX)
+        if counts is None:
+            out[name] = tensor[part]
+            continue
+        start, stop = int(counts[: part.start].sum()), int(counts[: part.stop].sum())
+        if stop > start:
+            out[name] = tensor[start:stop]
+            out[name + ROWS_SUFFIX] = counts[part]
+    return out
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword inputs of the model's forward for a batch (labels and per-row counts left out)."""
+    return {name: t for name, t in batch.items() if name != "labels" and not name.endswith(ROWS_SUFFIX)}
 
 
 def _pieces(doc: Document, width: int, report: PackReport) -> list[Document]:

@@ -1,103 +1,46 @@
 """``automodel plan``: a dry run on the meta device, with no process group and no worker.
 
 It prints the mesh layout (`MeshContext.resolve`), the steps `apply_model_infrastructure` will apply in
-order, and an estimate of the largest rank's memory for parameters, gradients and AdamW state given how
-the strategy shards them. Activations and temporary buffers (all-gathers, the logits) are not included.
+order, and the estimated peak memory of the largest rank, line by line (`automodel_all.cli.peak`):
+parameters, gradients, AdamW state, FSDP's gathered units, activations (profiled from the model's own
+forward on fake tensors), LoRA / FP8 extras and communication buffers; with a device size, whether it
+fits; with ``suggest``, every valid layout of the world size ranked by peak memory, then traffic.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, pipeline_stage_count, resolve_job
 from automodel_all.cli.launch import nproc_per_node
 from automodel_all.cli.model import build_meta_model, load_model_config
-from automodel_all.cli.yaml_source import RawJob
+from automodel_all.cli.peak import PeakEstimate, estimate_peak
+from automodel_all.cli.yaml_source import ConfigError, RawJob
 from automodel_distributed.config import normalize_activation_checkpointing
+from automodel_distributed.fsdp2 import frozen_towers
+from automodel_distributed.layers import find_transformer_blocks
 
-__all__ = ["MemoryEstimate", "estimate_memory", "plan", "planned_steps"]
+__all__ = ["plan", "plan_report", "planned_steps", "suggest_layouts"]
 
 _MIB = 2**20
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes on the largest rank."""
-
-    parameters: int
-    gradients: int
-    optimizer: int
-
-    @property
-    def total(self) -> int:
-        """Sum of the three."""
-        return self.parameters + self.gradients + self.optimizer
-
-
-def _layer_index(name: str) -> int | None:
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part == "layers" and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
-
-
-def _pp_rank_of(name: str, layer_owner: dict[int, int], pp: int, first: str) -> int:
-    index = _layer_index(name)
-    if index is not None:
-        return layer_owner.get(index, 0)
-    return 0 if name.startswith(first) else pp - 1  # embeddings first; norm and head last
-
-
-def _layer_owners(num_layers: int, pp: int, stages: int) -> dict[int, int]:
-    """Layer -> pipeline rank: layers spread over stages (remainder first), stages placed in loops."""
-    owners: dict[int, int] = {}
-    per, extra = divmod(num_layers, stages)
-    layer = 0
-    for stage in range(stages):
-        for _ in range(per + (1 if stage < extra else 0)):
-            owners[layer] = stage % pp
-            layer += 1
-    return owners
-
-
-def estimate_memory(model: nn.Module, resolved: ResolvedJob) -> MemoryEstimate:
-    """Bytes of the rank holding the most: parameters, gradients, AdamW state.
-
-    Gradients are counted for trainable parameters in the parameter dtype, AdamW state as 2 fp32 values
-    per trainable parameter. ``model`` is the (meta) model after adapters.
-    """
-    job, layout = resolved.job, resolved.layout
-    pp = layout.pp
-    stages = pp
-    num_layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
-    if resolved.pipeline is not None:
-        stages = pipeline_stage_count(resolved.pipeline, pp, num_layers) or pp
-    owners = _layer_owners(num_layers, pp, max(stages, 1))
-    dense_shard = layout.dp_shard * layout.cp * layout.tp
-    expert_shard = layout.ep * layout.ep_shard * layout.tp if layout.ep > 1 else dense_shard
-    zero = getattr(job.distributed, "zero_dp_strategy", 3)
-    per_rank = [[0.0, 0.0, 0.0] for _ in range(pp)]
-    for name, param in model.named_parameters():
-        shard = expert_shard if ".experts." in name else dense_shard
-        if job.strategy == "ddp":
-            shard = 1
-        p_div = g_div = o_div = shard
-        if job.strategy == "megatron_fsdp":
-            p_div = shard if zero >= 3 else layout.tp
-            g_div = shard if zero >= 2 else layout.tp
-            o_div = shard if zero >= 1 else layout.tp
-        rank = _pp_rank_of(name, owners, pp, "model.embed_tokens") if pp > 1 else 0
-        size = param.numel() * param.element_size()
-        per_rank[rank][0] += size / p_div
-        if param.requires_grad:
-            per_rank[rank][1] += size / g_div
-            per_rank[rank][2] += param.numel() * 8 / o_div
-    worst = max(per_rank, key=sum)
-    return MemoryEstimate(int(worst[0]), int(worst[1]), int(worst[2]))
+def _fsdp_block_units(job: JobConfig, model: nn.Module, default: int) -> int:
+    """How many blocks FSDP2 makes units of: a frozen tower's only under ``frozen_sharding=per_layer``."""
+    try:
+        blocks = find_transformer_blocks(model)  # a vision-language model's tower blocks too
+    except ValueError:
+        return default
+    multimodal = getattr(job.distributed, "multimodal", None)
+    if getattr(multimodal, "frozen_sharding", "per_layer") == "per_layer":
+        return len(blocks)
+    towers = [fqn for fqn, _ in frozen_towers(model)]
+    return sum(1 for fqn, _ in blocks if not any(fqn.startswith(t + ".") for t in towers))
 
 
 def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapted: int) -> list[str]:
@@ -122,6 +65,10 @@ def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapt
     # False, "full" or "selective" (a config keeps True as given, as in NeMo AutoModel).
     ac = normalize_activation_checkpointing(getattr(job.distributed, "activation_checkpointing", False))
     blocks = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    units = _fsdp_block_units(job, model, blocks)
+    if job.freeze_config is not None:
+        frozen = [fqn for fqn, _ in frozen_towers(model)] or ["no tower"]
+        steps.insert(0, f"freeze {', '.join(frozen)} (freeze_config) before sharding")
     if resolved.pipeline is not None:
         stages = pipeline_stage_count(resolved.pipeline, layout.pp, blocks) or layout.pp
         steps.append(
@@ -145,7 +92,7 @@ def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapt
             f", replicated over dp_replicate={layout.dp_replicate} (HSDP)" if layout.dp_replicate > 1 else ""
         )
         steps.append(
-            f"fully_shard each of {blocks} transformer blocks, then the root, over "
+            f"fully_shard each of {units} transformer blocks, then the root, over "
             f"dp_shard_cp={layout.dp_shard_cp}{hsdp}"
         )
     elif job.strategy == "ddp":
@@ -168,7 +115,10 @@ def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapt
     if job.peft is not None:
         steps.append("freeze every parameter but the adapters")
     if layout.cp > 1:
-        steps.append(f"context parallelism: ring attention, sequences sharded over cp={layout.cp}")
+        steps.append(
+            f"context parallelism: sequences sharded over cp={layout.cp}; ring attention, or for packed "
+            "rows SDPA over the gathered keys with a per-document mask"
+        )
     return steps
 
 
@@ -191,8 +141,111 @@ def _params(model: nn.Module) -> Iterable[nn.Parameter]:
     return model.parameters()
 
 
-def plan(raw: RawJob, *, world_size: int | None = None) -> str:
-    """The dry-run report for the job in ``raw`` on ``world_size`` ranks (default: nnodes x nproc).
+_LAYOUT_KEYS = ("dp_replicate_size", "tp_size", "pp_size", "cp_size", "ep_size")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _candidates(world: int, moe: bool) -> list[dict[str, int]]:
+    """Every (dp_replicate, tp, pp, cp, ep) whose dense product divides the world size."""
+    out = []
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            for cp in _divisors(world // (tp * pp)):
+                dp = world // (tp * pp * cp)
+                for rep in _divisors(dp):
+                    for ep in _divisors(world // pp) if moe else [1]:
+                        out.append(
+                            {
+                                "dp_replicate_size": rep,
+                                "tp_size": tp,
+                                "pp_size": pp,
+                                "cp_size": cp,
+                                "ep_size": ep,
+                            }
+                        )
+    return out
+
+
+def _layout_name(sizes: dict[str, int]) -> str:
+    parts = [f"{k.removesuffix('_size')}={v}" for k, v in sizes.items() if v > 1]
+    return ", ".join(parts) or "dp_shard only"
+
+
+def suggest_layouts(
+    raw: RawJob,
+    world: int,
+    model: nn.Module,
+    model_config: Any,
+    *,
+    limit: int = 5,
+    base_weight_bits: int | None = None,
+) -> list[dict[str, Any]]:
+    """Every valid layout of ``world`` ranks for the job, best first: lowest peak, then least traffic.
+
+    A layout is valid when `resolve_job` accepts it (sizes divide, heads and layers suffice, batch
+    splits). The job's own layout settings are replaced; everything else is kept.
+    """
+    moe = _config_has_experts(model_config)
+    cache: dict[tuple[int, int, int], Any] = {}
+    ranked: list[tuple[int, int, dict[str, Any]]] = []
+    for sizes in _candidates(world, moe):
+        trial = copy.deepcopy(raw)
+        for key in _LAYOUT_KEYS:
+            trial.set("parallelism", key, sizes[key], "--suggest")
+        trial.sections.get("parallelism", {}).pop("dp_size", None)
+        try:
+            job = build_job(trial)
+            resolved = resolve_job(job, world, model_config)
+        except (ConfigError, ValueError):
+            continue
+        estimate = estimate_peak(
+            model, model_config, resolved, profile_cache=cache, base_weight_bits=base_weight_bits
+        )
+        entry = {"layout": _layout_name(sizes), "sizes": sizes, **estimate.as_dict()}
+        ranked.append((estimate.total, estimate.communication_total, entry))
+    ranked.sort(key=lambda item: (item[0], item[1]))
+    return [entry for _, _, entry in ranked[:limit]]
+
+
+def _config_has_experts(config: Any) -> bool:
+    return any(
+        isinstance(getattr(config, name, None), int) and getattr(config, name) > 1
+        for name in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
+
+
+def _memory_lines(estimate: PeakEstimate, device_memory: int | None) -> list[str]:
+    lines = [f"estimated peak memory per rank ({estimate.rank} holds the most), one training step:"]
+    for name, size in estimate.lines.items():
+        note = estimate.notes.get(name)
+        lines.append(f"  {name:<22}{size / _MIB:12.2f} MiB" + (f"  ({note})" if note else ""))
+    lines.append(f"  {'total':<22}{estimate.total / _MIB:12.2f} MiB")
+    if device_memory is not None:
+        margin = device_memory - estimate.total
+        verdict = "fits" if margin >= 0 else "does NOT fit"
+        lines.append(
+            f"  device {device_memory / _MIB:.0f} MiB: {verdict}, "
+            f"{abs(margin) / _MIB:.0f} MiB {'to spare' if margin >= 0 else 'short'}"
+        )
+    lines.append("communication per rank and step:")
+    for name, size in estimate.communication.items():
+        lines.append(f"  {name:<26}{size / _MIB:12.2f} MiB")
+    lines.append(f"  {'total':<26}{estimate.communication_total / _MIB:12.2f} MiB")
+    return lines
+
+
+def plan_report(
+    raw: RawJob,
+    *,
+    world_size: int | None = None,
+    device_memory: int | None = None,
+    suggest: bool = False,
+    base_weight_bits: int | None = None,
+) -> dict[str, Any]:
+    """The dry run as data: layout, steps, model, the itemised peak per rank, fit and suggestions.
 
     Raises:
         ConfigError: A bad job or a layout that cannot work, naming the setting.
@@ -202,17 +255,86 @@ def plan(raw: RawJob, *, world_size: int | None = None) -> str:
     model_config = load_model_config(job)
     resolved = resolve_job(job, world, model_config)
     model = build_meta_model(job, model_config)
+    if job.freeze_config is not None:
+        from automodel_distributed.multimodal import apply_freeze_config
+
+        apply_freeze_config(model, job.freeze_config)  # before adapters, as apply_model_infrastructure does
     adapted = 0
     if job.peft is not None:
         from automodel_peft import apply_lora_to_linear_modules
 
         adapted = apply_lora_to_linear_modules(model, job.peft)  # on meta: free; freezes the base
+    elif base_weight_bits is not None:
+        raise ConfigError("--qlora-bits needs LoRA adapters (--lora): only a frozen base is quantized")
+    estimate = estimate_peak(model, model_config, resolved, base_weight_bits=base_weight_bits)
+    report: dict[str, Any] = {
+        "job": job,
+        "resolved": resolved,
+        "model": model,
+        "world_size": world,
+        "adapted": adapted,
+        "steps": planned_steps(job, resolved, model, adapted),
+        "estimate": estimate,
+        "device_memory": device_memory,
+        "fits": None if device_memory is None else estimate.total <= device_memory,
+    }
+    if suggest:
+        report["suggestions"] = suggest_layouts(
+            raw, world, model, model_config, base_weight_bits=base_weight_bits
+        )
+    return report
+
+
+def plan(
+    raw: RawJob,
+    *,
+    world_size: int | None = None,
+    device_memory: int | None = None,
+    suggest: bool = False,
+    as_json: bool = False,
+    base_weight_bits: int | None = None,
+) -> str:
+    """The dry-run report for the job in ``raw`` on ``world_size`` ranks (default: nnodes x nproc).
+
+    Args:
+        raw: The job.
+        world_size: Ranks to plan for.
+        device_memory: Bytes per device: the report says whether the peak fits and by how much.
+        suggest: Also rank every valid layout of the world size (`suggest_layouts`).
+        as_json: Return a JSON document instead of text.
+        base_weight_bits: Quantize the frozen base to 4 or 8 bits (QLoRA; needs LoRA adapters).
+
+    Raises:
+        ConfigError: A bad job or a layout that cannot work, naming the setting.
+    """
+    report = plan_report(
+        raw,
+        world_size=world_size,
+        device_memory=device_memory,
+        suggest=suggest,
+        base_weight_bits=base_weight_bits,
+    )
+    job, resolved, model = report["job"], report["resolved"], report["model"]
+    estimate: PeakEstimate = report["estimate"]
     total = sum(p.numel() for p in _params(model))
     trainable = sum(p.numel() for p in _params(model) if p.requires_grad)
-    memory = estimate_memory(model, resolved)
+    if as_json:
+        document = {
+            "strategy": job.strategy,
+            "world_size": report["world_size"],
+            "layout": resolved.layout.describe().splitlines(),
+            "parameters": total,
+            "trainable_parameters": trainable,
+            "steps": report["steps"],
+            "peak": estimate.as_dict(),
+            "device_memory_bytes": report["device_memory"],
+            "fits": report["fits"],
+            "suggestions": report.get("suggestions"),
+        }
+        return json.dumps(document, indent=2)
     train = job.train
     lines = [
-        f"automodel plan: {job.strategy} on {world} rank(s), {job.device_type}",
+        f"automodel plan: {job.strategy} on {report['world_size']} rank(s), {job.device_type}",
         "",
         "mesh layout (MeshContext.resolve):",
         *(f"  {line}" for line in resolved.layout.describe().splitlines()),
@@ -224,12 +346,23 @@ def plan(raw: RawJob, *, world_size: int | None = None) -> str:
         f"{train.micro_batch_size}",
         "",
         "apply_model_infrastructure will, in order:",
-        *(f"  {i}. {step}" for i, step in enumerate(planned_steps(job, resolved, model, adapted), start=1)),
+        *(f"  {i}. {step}" for i, step in enumerate(report["steps"], start=1)),
         "",
-        "estimated memory of the largest rank (activations not included):",
-        f"  parameters  {memory.parameters / _MIB:10.2f} MiB",
-        f"  gradients   {memory.gradients / _MIB:10.2f} MiB",
-        f"  optimizer   {memory.optimizer / _MIB:10.2f} MiB  (AdamW: 2 fp32 states per trainable parameter)",
-        f"  total       {memory.total / _MIB:10.2f} MiB",
+        *_memory_lines(estimate, report["device_memory"]),
     ]
+    suggestions = report.get("suggestions")
+    if suggestions is not None:
+        lines += [
+            "",
+            f"suggested layouts for {report['world_size']} rank(s) (lowest peak, then least traffic):",
+        ]
+        for i, entry in enumerate(suggestions, start=1):
+            biggest = max(entry["lines"], key=entry["lines"].get)
+            lines.append(
+                f"  {i}. {entry['layout']:<28} peak {entry['peak_bytes'] / _MIB:10.2f} MiB, "
+                f"traffic {entry['communication_total_bytes'] / _MIB:10.2f} MiB/step "
+                f"(largest line: {biggest})"
+            )
+        if not suggestions:
+            lines.append("  none: no layout of this world size is valid for the job")
     return "\n".join(lines)

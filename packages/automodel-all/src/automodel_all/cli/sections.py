@@ -52,11 +52,15 @@ class DataSection:
     path: str | None = None
     """Where the records come from: a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.csv`` / ``.arrow`` /
     ``.txt`` / ``.md`` file, a folder of them (read recursively; splits inferred from file names), a
-    ``save_to_disk`` folder, or ``builtin:chat`` (the embedded chat dataset). ``None`` (or
+    ``save_to_disk`` folder, ``builtin:chat`` (the embedded chat dataset) or ``builtin:image_chat``
+    (the embedded conversations about pictures, for vision-language models). ``None`` (or
     ``builtin:text``): a corpus made from text that ships with Python (``pydoc_data``)."""
-    format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"
-    """What a record is. ``auto``: ``messages`` if the records have ``messages_key``, else
-    ``prompt_completion`` if they have ``prompt_key`` and ``completion_key``, else ``text``."""
+    format: Literal["auto", "text", "prompt_completion", "messages", "image_messages"] = "auto"
+    """What a record is. ``auto``: ``messages`` if the records have ``messages_key`` (``image_messages``
+    when the first conversation holds an image part), else ``prompt_completion`` if they have
+    ``prompt_key`` and ``completion_key``, else ``text``. ``image_messages``: conversations with images
+    in the transformers chat format, rendered by the model's processor (`automodel_all.cli.image_data`);
+    relative image paths are resolved against the data's folder."""
     text_key: str = "text"
     """Field holding the text of a ``text`` record."""
     prompt_key: str = "prompt"
@@ -79,8 +83,8 @@ class DataSection:
     """How records become rows. ``concat``: joined (EOS between them) and cut into rows, attention across
     records (pre-training style); ``packed``: whole records packed into rows, each with its own
     positions, attention never crossing records; ``padded``: one record per row, padded. ``None``:
-    ``concat`` for text, ``packed`` for prompt/completion and conversations (``padded`` when
-    ``parallelism.cp_size > 1``)."""
+    ``concat`` for text, ``packed`` for prompt/completion and conversations (under context parallelism
+    too, where attention is masked per record over the gathered keys)."""
     tokenizer: str | None = None
     """Tokenizer folder or cached hub id; ``None``: the model's own (or, for the embedded default, a BPE
     tokenizer trained on the corpus, with a chat template)."""

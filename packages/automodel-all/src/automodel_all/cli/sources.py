@@ -4,6 +4,9 @@
 
 - ``null`` or ``builtin:text``: the documentation topics that ship with Python (one record per topic);
 - ``builtin:chat``: the embedded chat dataset (splits ``train`` and ``validation``);
+- ``builtin:image_chat``: the embedded conversations about pictures (`automodel_all.cli.image_data`),
+  written as a folder of images with ``train.jsonl`` and ``validation.jsonl`` under the job's data
+  folder, then read like any such folder;
 - a file: ``.json`` / ``.jsonl`` (the ``json`` builder), ``.parquet``, ``.csv``, ``.arrow``, or
   ``.txt`` / ``.md`` (the ``text`` builder, one record per file);
 - a folder of such files, read recursively; ``datasets`` infers splits from the file names
@@ -20,9 +23,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUILTIN_SOURCES", "FILE_BUILDERS", "check_source", "read_records"]
+__all__ = ["BUILTIN_SOURCES", "FILE_BUILDERS", "check_source", "image_root", "read_records"]
 
-BUILTIN_SOURCES = ("builtin:text", "builtin:chat")
+BUILTIN_SOURCES = ("builtin:text", "builtin:chat", "builtin:image_chat")
 """Names of the embedded data sources."""
 
 FILE_BUILDERS: dict[str, str] = {
@@ -105,6 +108,18 @@ def _chain(parts: list[Iterable[dict[str, Any]]]) -> Iterator[dict[str, Any]]:
         yield from part
 
 
+def image_root(path: str | None, cache_dir: Path) -> Path:
+    """The folder that relative image paths of ``path``'s records are resolved against.
+
+    The folder itself, the file's folder, or (``builtin:image_chat``) where the embedded example is
+    written, beside the cache.
+    """
+    if path == "builtin:image_chat":
+        return cache_dir.parent / "image_chat"
+    root = Path(path or ".")
+    return root if root.is_dir() else root.parent
+
+
 def read_records(path: str | None, split: str, cache_dir: Path) -> Iterable[dict[str, Any]]:
     """The records of ``split`` of the source ``path`` (see the module docstring).
 
@@ -124,6 +139,15 @@ def read_records(path: str | None, split: str, cache_dir: Path) -> Iterable[dict
 
         return builtin_chat(split)
     root = Path(path)
+    if path == "builtin:image_chat":
+        from automodel_all.cli.image_data import IMAGE_CHAT_SPLITS, write_image_chat_example
+
+        if split not in IMAGE_CHAT_SPLITS:
+            raise ValueError(
+                f"the embedded image chat example has the splits {sorted(IMAGE_CHAT_SPLITS)}, not {split!r}"
+            )
+        root = write_image_chat_example(image_root(path, cache_dir)) / f"{split}.jsonl"
+        split = "train"
     try:
         return _load_files(root, split, cache_dir)
     except ValueError:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from automodel_all.cli.packing import model_inputs, take_rows
 from automodel_distributed.loss import MaskedCrossEntropy
 from automodel_distributed.strategy import StrategyManager
 
@@ -84,7 +85,7 @@ def _forward_loss(
     """One forward (under the strategy's autocast) and backward of ``batch``; the loss, detached."""
     if cp_mesh is None:
         with strategy.autocast():
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            logits = model(**model_inputs(batch)).logits
             loss = loss_fn(logits, batch["labels"])
         if backward:
             loss.backward()
@@ -129,9 +130,9 @@ def run_step(
 
     Args:
         model: The model (`apply_model_infrastructure`'s result), or unused under pipelining.
-        batch: This rank's rows: ``input_ids``, ``labels`` (already shifted, -100 where nothing is
-            predicted) and ``position_ids`` (restarting per packed document), each ``[rows, seq]``, on
-            the model's device.
+        batch: This rank's rows (`TokenRows.batch`): ``input_ids``, ``labels`` (already shifted, -100
+            where nothing is predicted) and ``position_ids`` (restarting per packed document), each
+            ``[rows, seq]``, and the rows' image inputs when the data has images, on the model's device.
         loss_fn: The normalised loss (its ``denominator`` set for this step).
         micro_batch_size: Rows per forward pass (outside pipelining).
         strategy: The run's strategy manager (``automodel_distributed.strategy.as_strategy``).
@@ -155,7 +156,7 @@ def run_step(
         raise ValueError(f"{inputs.shape[0]} rows do not split into micro-batches of {micro_batch_size}")
     for index in range(count):
         part = slice(index * micro_batch_size, (index + 1) * micro_batch_size)
-        micro = {name: tensor[part] for name, tensor in batch.items()}
+        micro = take_rows(batch, part)
         sync = (
             strategy.gradient_sync(model, enabled=index == count - 1)
             if backward

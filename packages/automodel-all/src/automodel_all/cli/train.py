@@ -33,7 +33,14 @@ from automodel_all.cli.export import export_hf, generate_sample
 from automodel_all.cli.guards import StopRequest
 from automodel_all.cli.loop import LoopResult, train_loop
 from automodel_all.cli.metrics import plot_losses, truncate_logs
-from automodel_all.cli.model import build_meta_model, load_model_config, model_dtype
+from automodel_all.cli.model import (
+    build_meta_model,
+    is_image_text_model,
+    load_model_config,
+    load_processor,
+    model_dtype,
+    text_tokenizer,
+)
 from automodel_all.cli.packing import TokenRows
 from automodel_all.cli.resume import ResumePoint, resume_from_checkpoint
 from automodel_all.cli.steps import TokenLoss
@@ -65,6 +72,8 @@ def restart_count() -> int:
 def _init_process_group(job: JobConfig) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = timedelta(minutes=job.launch.timeout_minutes)
+    if dist.is_initialized():  # a caller running several jobs in one process group (benchmarks)
+        return torch.device("cuda", local_rank) if job.device_type == "cuda" else torch.device("cpu")
     options: dict[str, Any] = {"timeout": timeout}
     restarts = restart_count()
     if restarts:
@@ -99,6 +108,7 @@ class _Run:
     device: torch.device
     mesh: Any
     tokenizer: Any
+    """The tokenizer, or the processor of a vision-language model (saved with the export)."""
     model_config: Any
     rows: TokenRows
     """The training rows (prepared by the launcher)."""
@@ -130,14 +140,12 @@ class _Run:
 
 def _setup(job: JobConfig) -> _Run:
     """Process group, mesh, infrastructure, data, the model and its optimizer (collective)."""
-    from transformers import AutoTokenizer
-
     from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
     from automodel_mesh import MeshContext
 
     device = _init_process_group(job)
-    tokenizer = AutoTokenizer.from_pretrained(job.data.tokenizer or job.model.name_or_path)
-    model_config = load_model_config(job, tokenizer.eos_token_id)
+    tokenizer = load_processor(job.data.tokenizer or job.model.name_or_path or "")
+    model_config = load_model_config(job, text_tokenizer(tokenizer).eos_token_id)
     resolved = resolve_job(job, dist.get_world_size(), model_config)  # fills in a default micro-batch
     _seed(job.train.seed)
     rows, eval_rows = load_data(job.train.output_dir)
@@ -172,6 +180,7 @@ def _setup(job: JobConfig) -> _Run:
         compile_config=job.compile,
         load_base_model=bool(path) and job.model.load_weights,
         pretrained_model_name_or_path=path,
+        freeze_config=job.freeze_config,
     )
     parts = _parts(model)
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
@@ -243,11 +252,16 @@ def _finish(run: _Run) -> None:
     )
     train_cfg = run.job.train
     if dist.get_rank() == 0:
-        print(
-            f"saved the trained model to {hf_dir.resolve()} "
-            "(load it with AutoModelForCausalLM.from_pretrained)"
-        )
-        if train_cfg.sample_tokens:
+        multimodal = is_image_text_model(run.model_config)
+        auto = "AutoModelForImageTextToText" if multimodal else "AutoModelForCausalLM"
+        print(f"saved the trained model to {hf_dir.resolve()} (load it with {auto}.from_pretrained)")
+        if train_cfg.sample_tokens and multimodal:
+            warnings.warn(
+                "train.sample_tokens is ignored for a vision-language model (the sample is a text prompt); "
+                "set it to 0 to silence this",
+                stacklevel=2,
+            )
+        elif train_cfg.sample_tokens:
             chat = run.job.data.format == "messages"
             text = generate_sample(
                 hf_dir, train_cfg.sample_prompt, train_cfg.sample_tokens, train_cfg.seed, chat=chat

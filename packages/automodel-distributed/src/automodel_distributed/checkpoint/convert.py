@@ -6,12 +6,15 @@ transformers 5 keeps some weights fused in memory that checkpoints store apart: 
 (``transformers.conversion_mapping.get_model_conversion_mapping``): renamings plus ``WeightConverter``s,
 each a list of operations (``MergeModulelist`` stacks a list of tensors, ``Concatenate`` joins tensors).
 
-We do not run those operations on tensors. We run them on *descriptions*: a `Source` is one checkpoint
-tensor, a `Stack` / `Cat` says how parts make up a bigger tensor. From the description, `pieces` tells
-for any box of the model tensor (a rank's shard) which checkpoint tensors, and which boxes of them, it
-needs, and where each lands: a rank that holds experts 4..7 reads only those experts' bytes. An
-operation we cannot describe raises `UnsupportedConversionError` naming it (only when a checkpoint key
-actually needs it).
+Where we can, we do not run those operations on tensors. We run them on *descriptions*: a `Source` is
+one checkpoint tensor, a `Stack` / `Cat` says how parts make up a bigger tensor, a `Part` is a slice of
+one (``Chunk``: a fused ``query_key_value`` split into ``q_proj`` / ``k_proj`` / ``v_proj``). From the
+description, `pieces` tells for any box of the model tensor (a rank's shard) which checkpoint tensors,
+and which boxes of them, it needs, and where each lands: a rank that holds experts 4..7 reads only those
+experts' bytes. Any other operation (interleaving, dequantisation, ...) is `Computed`: the loader reads
+its source tensors whole and runs transformers' own converter on them (`compute`), then keeps its
+shard; exact, at the cost of reading the whole sources on every rank. Its shape comes from running the
+converter on meta tensors; a converter that cannot run there raises `UnsupportedConversionError`.
 
 Key renaming itself is transformers' (``core_model_loading.rename_source_key``), so every renaming class
 it has (prefix changes, capture groups, scoping to sub-models) behaves as in ``from_pretrained``.
@@ -27,6 +30,7 @@ Pure functions of names and shapes; nothing is read, mutated or communicated.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,13 +40,17 @@ from torch import nn
 
 __all__ = [
     "Cat",
+    "Computed",
     "ConversionPlan",
     "DiskTensor",
     "Node",
+    "Part",
     "Piece",
     "Source",
     "Stack",
     "UnsupportedConversionError",
+    "built_class",
+    "compute",
     "disk_layout",
     "model_conversions",
     "pieces",
@@ -90,7 +98,36 @@ class Cat:
     shape: tuple[int, ...]
 
 
-Node = Source | Stack | Cat
+@dataclass(frozen=True)
+class Part:
+    """The slice ``[start, start + size)`` of ``node`` along dim ``dim`` (one output of ``Chunk``)."""
+
+    dim: int
+    start: int
+    node: Node
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Computed:
+    """A model tensor that transformers' converter computes from whole checkpoint tensors.
+
+    Attributes:
+        converter: transformers' ``WeightConverter``.
+        inputs: Source pattern -> the checkpoint tensors it gathered, in transformers' order.
+        layer_name: The renamed key transformers passes as ``full_layer_name`` (its first target).
+        target: The model key this node is (one of the converter's outputs).
+        shape: Its shape (from running the converter on meta tensors).
+    """
+
+    converter: Any
+    inputs: Mapping[str, tuple[Source, ...]]
+    layer_name: str
+    target: str
+    shape: tuple[int, ...]
+
+
+Node = Source | Stack | Cat | Part | Computed
 
 
 @dataclass(frozen=True)
@@ -146,6 +183,10 @@ def _cat(dim: int, parts: Sequence[Node]) -> Cat:
 def _describe(node: Node) -> str:
     if isinstance(node, Source):
         return f"{node.key} {list(node.shape)}"
+    if isinstance(node, Part):
+        return f"part(dim={node.dim}, start={node.start}, of {_describe(node.node)})"
+    if isinstance(node, Computed):
+        return f"computed({node.target} {list(node.shape)})"
     kind = "stack" if isinstance(node, Stack) else "cat"
     return f"{kind}(dim={node.dim}, {len(node.parts)} parts, first {_describe(node.parts[0])})"
 
@@ -154,9 +195,14 @@ def sources(node: Node) -> Iterator[Source]:
     """Every checkpoint tensor of ``node``, in order."""
     if isinstance(node, Source):
         yield node
-        return
-    for part in node.parts:
-        yield from sources(part)
+    elif isinstance(node, Part):
+        yield from sources(node.node)
+    elif isinstance(node, Computed):
+        for found in node.inputs.values():
+            yield from found
+    else:
+        for part in node.parts:
+            yield from sources(part)
 
 
 def pieces(node: Node, start: Sequence[int], shape: Sequence[int]) -> Iterator[Piece]:
@@ -176,7 +222,12 @@ def pieces(node: Node, start: Sequence[int], shape: Sequence[int]) -> Iterator[P
     if isinstance(node, Source):
         yield Piece(node.key, start, shape, tuple(slice(0, n) for n in shape))
         return
+    if isinstance(node, Computed):
+        raise TypeError(f"{_describe(node)} has no pieces: it is computed from whole tensors (compute)")
     d = node.dim
+    if isinstance(node, Part):
+        yield from pieces(node.node, (*start[:d], start[d] + node.start, *start[d + 1 :]), shape)
+        return
     if isinstance(node, Stack):
         inner_start, inner_shape = start[:d] + start[d + 1 :], shape[:d] + shape[d + 1 :]
         for i in range(start[d], start[d] + shape[d]):
@@ -207,8 +258,32 @@ def model_conversions(model: nn.Module | None) -> list[Any]:
         return []
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    hf: Any = model  # a PreTrainedModel (checked above by duck typing: it may be FSDP<Class>)
+    hf: Any = _as_built(model)  # a PreTrainedModel (checked above by duck typing)
     return list(get_model_conversion_mapping(hf) or [])
+
+
+def built_class(module: nn.Module) -> type[nn.Module]:
+    """The class ``module`` was built with: FSDP2 swaps a sharded module's class for ``FSDP<Class>``."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    wrapper = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    if wrapper is None or not isinstance(module, wrapper):
+        return type(module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, wrapper) and issubclass(c, nn.Module))
+
+
+def _as_built(model: nn.Module) -> nn.Module:
+    """``model`` under the class transformers built it with (`built_class`).
+
+    transformers finds a model's conversions by class name first: a shallow copy (sharing every
+    sub-module) with the original class keeps that lookup working. The model itself is not modified.
+    """
+    built = built_class(model)
+    if built is type(model):
+        return model
+    # A bare instance sharing the model's attribute tables (copy.copy would call FSDP's constructor).
+    view = object.__new__(built)
+    view.__dict__.update(model.__dict__)
+    return view
 
 
 @dataclass
@@ -230,43 +305,118 @@ def _op_name(op: Any) -> str:
     return f"{type(op).__module__}.{type(op).__qualname__}"
 
 
-def _describe_converter(converter: Any, collected: Mapping[str, list[Node]], target: str) -> Node:
-    """Run ``converter``'s operations on descriptions instead of tensors."""
+def compute(
+    node: Computed, tensors: Mapping[str, torch.Tensor], model: nn.Module | None
+) -> dict[str, torch.Tensor]:
+    """Run transformers' converter of ``node`` on whole checkpoint tensors.
+
+    Args:
+        node: The description.
+        tensors: Checkpoint key -> the whole tensor, for every source of ``node``.
+        model: The transformers model (some converters read its config or parameter shapes).
+
+    Returns:
+        Model key -> tensor, for every output of the converter (``node.target`` among them).
+    """
+    inputs = {p: [tensors[src.key] for src in found] for p, found in node.inputs.items()}
+    return _run_converter(node.converter, inputs, node.layer_name, model)
+
+
+def _run_converter(
+    converter: Any, inputs: Mapping[str, Sequence[torch.Tensor]], layer_name: str, model: nn.Module | None
+) -> dict[str, torch.Tensor]:
+    for pattern, tensors in inputs.items():
+        for i, tensor in enumerate(tensors):
+            converter.add_tensor(layer_name, f"{pattern}.{i}", pattern, lambda t=tensor: t)
+    view = _as_built(model) if model is not None else None
+    out = converter.convert(layer_name, model=view, config=getattr(view, "config", None))
+    return {str(k): v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+def _describe_converter(
+    converter: Any,
+    collected: Mapping[str, list[Source]],
+    target: str,
+    dtypes: Mapping[str, torch.dtype],
+    model: nn.Module | None,
+) -> dict[str, Node]:
+    """Describe what ``converter`` makes of the checkpoint tensors it ``collected`` (by source pattern).
+
+    Stacks, concatenations and chunks are described slice by slice; anything else is `Computed`.
+    """
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist
+
+    ops = list(converter.operations)
+    targets = list(converter.target_patterns)
+    if len(targets) == 1 and all(type(op) in (MergeModulelist, Concatenate) for op in ops):
+        return {target: _merge(converter, collected, targets[0], target)}
+    only = [src for found in collected.values() for src in found]
+    if len(ops) == 1 and type(ops[0]) is Chunk and len(only) == 1 and ops[0].num_shards_attribute is None:
+        # One tensor cut into equal chunks, one per target (a fused query_key_value, say).
+        prefix, _, suffix = target.partition(targets[0])
+        dim = ops[0].dim if ops[0].dim >= 0 else ops[0].dim + len(only[0].shape)
+        bounds = torch.arange(only[0].shape[dim]).chunk(len(targets))
+        out: dict[str, Node] = {}
+        for name, rows in zip(targets, bounds, strict=True):
+            shape = (*only[0].shape[:dim], len(rows), *only[0].shape[dim + 1 :])
+            out[prefix + name + suffix] = Part(dim, int(rows[0]) if len(rows) else 0, only[0], shape)
+        return out
+    return _computed(converter, collected, target, dtypes, model)
+
+
+def _computed(
+    converter: Any,
+    collected: Mapping[str, list[Source]],
+    target: str,
+    dtypes: Mapping[str, torch.dtype],
+    model: nn.Module | None,
+) -> dict[str, Node]:
+    """`Computed` nodes for every output of ``converter``, their shapes from a run on meta tensors."""
+    meta = {
+        pattern: [torch.empty(s.shape, dtype=dtypes.get(s.key, torch.float32), device="meta") for s in found]
+        for pattern, found in collected.items()
+    }
+    try:
+        outputs = _run_converter(converter, meta, target, model)
+    except Exception as exc:
+        raise UnsupportedConversionError(
+            f"model tensor {target!r}: transformers converter {converter!r} (operations "
+            f"{[_op_name(op) for op in converter.operations]}) cannot be described from the checkpoint's "
+            f"shapes ({type(exc).__name__}: {exc}). Load this checkpoint with from_pretrained and save it "
+            "with save_hf_checkpoint first."
+        ) from None
+    inputs = {pattern: tuple(found) for pattern, found in collected.items()}
+    return {
+        key: Computed(converter, inputs, target, key, tuple(tensor.shape)) for key, tensor in outputs.items()
+    }
+
+
+def _merge(converter: Any, collected: Mapping[str, list[Source]], pattern: str, target: str) -> Node:
+    """Run a stack/concatenate converter's operations on descriptions instead of tensors."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
-    targets = list(converter.target_patterns)
-    if len(targets) != 1:
-        raise UnsupportedConversionError(
-            f"model tensor {target!r}: transformers converter {converter!r} makes {len(targets)} tensors "
-            "from one; only many-to-one conversions (stack/concatenate) can be read slice by slice. Load "
-            "this checkpoint with from_pretrained and save it with save_hf_checkpoint first."
-        )
     state: dict[str, Node | list[Node]] = {k: list(v) for k, v in collected.items()}
     for op in converter.operations:
         # Exact types: a subclass may change what convert() does.
         if type(op) is MergeModulelist:
             size = len(state)
             merged: dict[str, Node | list[Node]] = {}
-            for pattern, value in state.items():
-                name = targets[0] if size == 1 else pattern
-                merged[name] = value if not isinstance(value, list) else _stack(op.dim, value)
+            for name, value in state.items():
+                merged[pattern if size == 1 else name] = (
+                    value if not isinstance(value, list) else _stack(op.dim, value)
+                )
             state = merged
-        elif type(op) is Concatenate:
+        else:
+            assert type(op) is Concatenate
             # In source-pattern order; a lone merged input was already renamed to the target by
             # MergeModulelist (a checkpoint lacking every tensor of one pattern): keep it, so the
             # result is a shape mismatch that names the model tensor.
             ordered = [p for p in converter.source_patterns if p in state] or list(state)
             parts: list[Node] = []
-            for pattern in ordered:
-                value = state[pattern]
+            for name in ordered:
+                value = state[name]
                 parts.extend(value if isinstance(value, list) else [value])
-            state = {targets[0]: _cat(op.dim, parts)}
-        else:
-            raise UnsupportedConversionError(
-                f"model tensor {target!r}: transformers operation {_op_name(op)} (in {converter!r}) cannot "
-                "be read slice by slice; supported: MergeModulelist, Concatenate. Load this checkpoint with "
-                "from_pretrained and save it with save_hf_checkpoint first."
-            )
+            state = {pattern: _cat(op.dim, parts)}
     values = list(state.values())
     if len(values) != 1:
         raise UnsupportedConversionError(
@@ -288,6 +438,9 @@ def plan_conversions(
     transforms: Sequence[Any],
     base_model_prefix: str | None = None,
     origin: Mapping[str, str] | None = None,
+    *,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    model: nn.Module | None = None,
 ) -> ConversionPlan:
     """Match checkpoint keys to model keys with transformers' transforms, as ``from_pretrained`` does.
 
@@ -304,6 +457,8 @@ def plan_conversions(
         base_model_prefix: The model's ``base_model_prefix`` (e.g. ``"model"``).
         origin: Key -> the key to record in the plan (the file's own key when ``keys`` were renamed by
             a user ``key_mapping`` first); default: the key itself.
+        dtypes: Checkpoint key (after ``origin``) -> stored dtype, for converters that are computed.
+        model: The transformers model, for converters that read its config or parameter shapes.
 
     Returns:
         The plan (its checkpoint keys are ``origin``'s values).
@@ -335,7 +490,7 @@ def plan_conversions(
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     # transformers' lookups only test `.get(key) is not None`
     lookup: dict[str, bool] = dict.fromkeys(model_keys, True)
-    gathered: dict[str, tuple[Any, dict[str, list[Node]]]] = {}
+    gathered: dict[str, tuple[Any, dict[str, list[Source]]]] = {}
     for key in sorted(keys, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, base_model_prefix, lookup)
         if renamed not in lookup and key in lookup:
@@ -354,7 +509,7 @@ def plan_conversions(
             collected.setdefault(pattern, []).append(Source(own.get(key, key), tuple(keys[key])))
     for target, (converter, collected) in gathered.items():
         try:
-            plan.fused[target] = _describe_converter(converter, collected, target)
+            plan.fused.update(_describe_converter(converter, collected, target, dtypes or {}, model))
         except UnsupportedConversionError:
             raise
         except ValueError as exc:
@@ -364,6 +519,14 @@ def plan_conversions(
                 f"{counts}): {exc}. Is an expert missing from the checkpoint, or is it for another config?"
             ) from None
     return plan
+
+
+def _sliceable(node: Node) -> bool:
+    if isinstance(node, Computed):
+        return False
+    if isinstance(node, Part):
+        return _sliceable(node.node)
+    return isinstance(node, Source) or all(_sliceable(p) for p in node.parts)
 
 
 @dataclass(frozen=True)
@@ -408,14 +571,25 @@ def disk_layout(
     from transformers.core_model_loading import revert_weight_conversion
 
     meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-    hf: Any = model
+    hf: Any = _as_built(model)
     reverted = revert_weight_conversion(hf, dict(meta))
     if set(reverted) == set(meta) and all(tuple(reverted[k].shape) == shapes[k] for k in shapes):
         return None
     disk_shapes = {k: tuple(t.shape) for k, t in reverted.items()}
     plan = plan_conversions(
-        disk_shapes, list(shapes), model_conversions(model), getattr(model, "base_model_prefix", None)
+        disk_shapes,
+        list(shapes),
+        model_conversions(model),
+        getattr(model, "base_model_prefix", None),
+        dtypes={k: t.dtype for k, t in reverted.items()},
+        model=model,
     )
+    computed = sorted(k for k, node in plan.fused.items() if not _sliceable(node))
+    if computed:
+        raise UnsupportedConversionError(
+            f"saving {type(model).__name__} in transformers' on-disk layout needs conversions that are "
+            f"computed, not sliced, for {computed[:5]}; save it with save_pretrained from one process"
+        )
     covered = set(plan.direct) | set(plan.fused)
     wrong = sorted(set(shapes) ^ covered)
     wrong += sorted(k for k, node in plan.fused.items() if node.shape != shapes[k])

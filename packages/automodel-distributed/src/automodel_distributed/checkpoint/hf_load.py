@@ -34,12 +34,14 @@ from torch import nn
 
 from automodel_distributed.checkpoint._dist import agree_on_failure
 from automodel_distributed.checkpoint.buffers import (
-    buffer_initializer_for,
     reinitialize_non_persistent_buffers,
+    unrecomputable_buffers,
 )
 from automodel_distributed.checkpoint.convert import (
+    Computed,
     Node,
     Source,
+    compute,
     model_conversions,
     pieces,
     plan_conversions,
@@ -156,6 +158,7 @@ class _Plan:
     pairs: list[tuple[TensorSlot, Node]]
     report: LoadReport
     initialise: list[TensorSlot]
+    model: nn.Module | None = None  # the transformers model, for computed conversions
 
 
 def _ignored(key: str, patterns: Sequence[str] | None) -> bool:
@@ -196,6 +199,8 @@ def _plan(
             model_conversions(hf),
             getattr(hf, "base_model_prefix", None),
             origin=renamed,
+            dtypes={f: stored.dtype for f, stored in reader.tensors.items()},
+            model=hf,
         )
         sources_of: dict[str, Node] = {
             k: Source(f, reader.tensors[f].shape) for k, f in conversions.direct.items()
@@ -247,7 +252,7 @@ def _plan(
                 dtypes,
                 type(model).__name__,
             )
-        return _Plan(reader, pairs, report, initialise)
+        return _Plan(reader, pairs, report, initialise, hf)
     except BaseException:
         reader.close()
         raise
@@ -255,19 +260,12 @@ def _plan(
 
 def _check_buffer_initializers(model: nn.Module) -> None:
     """Fail now, before anything is written, if a meta non-persistent buffer could not be recomputed."""
-    stuck = [
-        f"{prefix or '<root>'} ({type(module).__name__})"
-        for prefix, module in model.named_modules()
-        if any(
-            b is not None and n in module._non_persistent_buffers_set and b.device.type == "meta"
-            for n, b in module._buffers.items()
-        )
-        and buffer_initializer_for(module) is None
-    ]
+    stuck = unrecomputable_buffers(model)
     if stuck:
         raise ValueError(
-            f"cannot recompute the non-persistent buffers of {stuck} after materialisation: their modules "
-            "are not constructible from their config alone. Register an initializer with "
+            f"cannot recompute the non-persistent buffers of {stuck} after materialisation: a fresh "
+            "construction of the model does not have them and their modules are not constructible from "
+            "their config alone. Register an initializer with "
             "automodel_distributed.checkpoint.register_buffer_initializer(ModuleClass, fn)."
         )
 
@@ -289,6 +287,7 @@ def _reshard_fsdp(model: nn.Module) -> None:
 
 def _read_all(plan: _Plan) -> int:
     total = 0
+    computed: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
     def position(node: Node) -> tuple[str, int]:
         stored = plan.reader.tensors[next(sources(node)).key]
@@ -298,18 +297,48 @@ def _read_all(plan: _Plan) -> int:
     order = sorted(plan.pairs, key=lambda p: position(p[1]))
     with torch.no_grad():
         for slot, node in order:
-            local = _local(slot.tensor)
-            _, boxes = tensor_boxes(slot.tensor)
+            # Materialisation may have replaced the tensor the plan saw (buffers are new objects):
+            # write into the one the model holds now.
+            tensor = _current(slot)
+            local = _local(tensor)
+            _, boxes = tensor_boxes(tensor)
+            if isinstance(node, Computed):
+                key = (id(node.converter), node.layer_name)
+                if key not in computed:  # every output of the converter at once (q, k and v, say)
+                    whole = {}
+                    for src in sources(node):
+                        stored = plan.reader.tensors[src.key]
+                        whole[src.key] = torch.empty(src.shape, dtype=stored.dtype)
+                        zero = (0,) * len(src.shape)
+                        total += plan.reader.read(src.key, Box(zero, zero, src.shape), whole[src.key])
+                    computed[key] = compute(node, whole, plan.model)
+                full = computed[key][node.target]
+                for box in boxes:
+                    _box_of(local, box.local_start, box.shape).copy_(
+                        _box_of(full, box.global_start, box.shape)
+                    )
+                _mark(tensor, False)
+                continue
             for box in boxes:
-                region = local[
-                    tuple(slice(s, s + n) for s, n in zip(box.local_start, box.shape, strict=True))
-                ]
+                region = _box_of(local, box.local_start, box.shape)
                 # A fused tensor's box touches only some of its sources (an EP rank's own experts).
                 for piece in pieces(node, box.global_start, box.shape):
                     source_box = Box(piece.start, (0,) * len(piece.start), piece.shape)
                     total += plan.reader.read(piece.key, source_box, region[piece.index])
-            _mark(slot.tensor, False)
+            _mark(tensor, False)
     return total
+
+
+def _box_of(tensor: torch.Tensor, start: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    return tensor[tuple(slice(s, s + n) for s, n in zip(start, shape, strict=True))]
+
+
+def _current(slot: TensorSlot) -> torch.Tensor:
+    """The tensor ``slot`` names, as its first owner holds it now."""
+    module, name = slot.owners[0]
+    tensor = module._parameters[name] if slot.is_param else module._buffers[name]
+    assert tensor is not None, f"{slot.fqns[0]} was removed from the model during the load"
+    return tensor
 
 
 def _has_meta(model: nn.Module) -> bool:

@@ -24,7 +24,7 @@ from torch import nn
 
 from automodel_distributed.checkpoint._dist import rank_of
 from automodel_distributed.checkpoint.atomic import prepare_staging_dir, publish_staging_dir
-from automodel_distributed.checkpoint.convert import DiskTensor, disk_layout
+from automodel_distributed.checkpoint.convert import DiskTensor, built_class, disk_layout
 from automodel_distributed.checkpoint.hf_load import _reshard_fsdp
 from automodel_distributed.checkpoint.keys import (
     DEFAULT_KEY_RULES,
@@ -148,24 +148,13 @@ def _stream_files(
     return error
 
 
-def _hf_class_name(hf: nn.Module) -> str:
-    """The transformers class of ``hf``, skipping FSDP2's dynamic ``FSDP<Class>`` subclass."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for cls in type(hf).__mro__:
-        if issubclass(cls, FSDPModule):
-            continue
-        return cls.__name__
-    return type(hf).__name__  # pragma: no cover
-
-
 def _write_configs(staging: Path, model: nn.Module, dtype: torch.dtype | None) -> None:
     hf = _hf_model(model)
     config = getattr(hf, "config", None)
     if hf is None or config is None:
         return
     config = copy.deepcopy(config)
-    config.architectures = [_hf_class_name(hf)]
+    config.architectures = [built_class(hf).__name__]
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(staging)

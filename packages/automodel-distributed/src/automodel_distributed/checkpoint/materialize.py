@@ -25,7 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel_distributed.checkpoint.buffers import reinitialize_non_persistent_buffers
+from automodel_distributed.checkpoint.buffers import (
+    assign_buffer,
+    fresh_buffers,
+    reinitialize_non_persistent_buffers,
+)
 from automodel_distributed.checkpoint.keys import (
     DEFAULT_KEY_RULES,
     KeyRules,
@@ -254,23 +258,50 @@ def initialize_model_weights(
     adapter_ids = {id(slot.tensor) for slot in adapter_slots(model, rules)}
     slots = collect_tensor_slots(model, rules)
     pending = [
-        s.tensor
+        s
         for s in slots
         if needs_init(s.tensor) and not skip.intersection(s.keys) and id(s.tensor) not in adapter_ids
     ]
+    pending = _init_buffers_as_built(model, pending)
     if pending:
+        tensors = [s.tensor for s in pending]
         hf = _hf_model(model)
         with torch.no_grad():
             if hf is not None:
-                _run_hf_init(hf, pending)
-                for t in pending:
-                    _mark(t, False)
+                versions = {id(t): t._version for t in tensors}
+                _run_hf_init(hf, tensors)
+                for slot in pending:
+                    # transformers' _init_weights covers every parameter; a buffer it did not write keeps
+                    # its mark, so verify_materialized names it instead of training on garbage.
+                    if slot.is_param or slot.tensor._version != versions[id(slot.tensor)]:
+                        _mark(slot.tensor, False)
             else:
-                _run_torch_init(model, pending)
+                _run_torch_init(model, tensors)
     reinitialize_non_persistent_buffers(model, None)
     retie_weights(model)
     run_adapter_init(model, init_adapters, rules)
     return model
+
+
+def _init_buffers_as_built(model: nn.Module, pending: list[TensorSlot]) -> list[TensorSlot]:
+    """Give pending persistent buffers the values a fresh construction of the model computes.
+
+    Returns the slots still pending (parameters, and buffers the fresh model does not have).
+    """
+    if all(slot.is_param for slot in pending):
+        return pending
+    fresh = fresh_buffers(model)
+    left: list[TensorSlot] = []
+    for slot in pending:
+        value = None if slot.is_param else next((fresh[k] for k in slot.keys if k in fresh), None)
+        if value is None or value.shape != slot.tensor.shape:
+            left.append(slot)
+            continue
+        first, name = slot.owners[0]
+        assign_buffer(first, name, value, slot.tensor.device)
+        for module, other in slot.owners[1:]:  # one tensor shared by every owner, as before
+            module._buffers[other] = first._buffers[name]
+    return left
 
 
 def adapter_slots(model: nn.Module, rules: KeyRules = DEFAULT_KEY_RULES) -> list[TensorSlot]:

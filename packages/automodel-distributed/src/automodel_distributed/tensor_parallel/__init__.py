@@ -7,7 +7,7 @@
 """
 
 from automodel_distributed.tensor_parallel.apply import apply_tensor_parallel
-from automodel_distributed.tensor_parallel.hf_plan import get_hf_tp_shard_plan
+from automodel_distributed.tensor_parallel.hf_plan import get_hf_tp_shard_plan, translate_hf_tp_plan
 from automodel_distributed.tensor_parallel.lora import (
     ColwiseParallelLora,
     RowwiseParallelLora,
@@ -24,7 +24,7 @@ from automodel_distributed.tensor_parallel.registry import (
     register_named_tp_plan,
     register_tp_plan,
 )
-from automodel_distributed.tensor_parallel.resolve import resolve_tp_plan, translate_hf_tp_plan
+from automodel_distributed.tensor_parallel.resolve import resolve_tp_plan
 from automodel_distributed.tensor_parallel.styles import (
     STYLE_NAMES,
     GatherSequenceInput,

@@ -4,33 +4,31 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
     RowwiseParallel,
     parallelize_module,
 )
 
+from automodel_distributed.tensor_parallel.linear_styles import linear_features
 from automodel_distributed.tensor_parallel.lora import expand_lora_plan
 from automodel_distributed.tensor_parallel.registry import PlanMapping
-from automodel_distributed.tensor_parallel.resolve import is_sequence_parallel_plan, resolve_tp_plan
-from automodel_distributed.tensor_parallel.styles import GatherSequenceInput
+from automodel_distributed.tensor_parallel.resolve import resolve_tp_plan
+from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock, install_sequence_length
+from automodel_distributed.tensor_parallel.styles import ACTIVATION_STYLES
 from automodel_distributed.tensor_parallel.validate import (
     PARAM_STYLES,
+    is_local_colwise,
     modules_by_style,
     validate_tensor_parallel,
 )
-from automodel_mesh.modules import find_hf_model, fqn_of, join_fqn
+from automodel_mesh.modules import find_hf_model, fqn_of, is_conv1d, join_fqn
 
 __all__ = ["apply_tensor_parallel"]
 
@@ -39,18 +37,7 @@ logger = logging.getLogger(__name__)
 # Per-module head counts that older attention code reads to reshape q/k/v; divided by tp_size after a
 # column shard. transformers 5 reshapes with ``view(*shape, -1, head_dim)`` and needs none of this.
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
-# Styles that only reshape a module's inputs or outputs and leave its parameters alone.
-_INPUT_STYLES = (GatherSequenceInput, PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
-
 _TieGroup = list[tuple[str, nn.Module, str]]
-
-
-def _local_colwise(style: ParallelStyle) -> bool:
-    """A column-parallel style that hands on this rank's slice of the last dim as a plain tensor."""
-    if not isinstance(style, ColwiseParallel) or not style.use_local_output:
-        return False
-    layout = style.output_layouts[0]
-    return bool(layout.is_shard()) and getattr(layout, "dim", None) == -1
 
 
 def _tie_groups(model: nn.Module) -> list[_TieGroup]:
@@ -67,18 +54,23 @@ def _tie_groups(model: nn.Module) -> list[_TieGroup]:
 
 def _predicted_layout(module: nn.Module, name: str, styles: list[ParallelStyle]) -> str | None:
     """The placement the plan gives a parameter ("not sharded" if none), or None if it cannot be told."""
-    if any(not isinstance(s, PARAM_STYLES + _INPUT_STYLES) for s in styles):
+    if any(not isinstance(s, PARAM_STYLES + ACTIVATION_STYLES) for s in styles):
         return None  # a custom style: we cannot tell what it does to the parameters
     param_styles = [s for s in styles if isinstance(s, PARAM_STYLES)]
     if not param_styles:
         return "not sharded"
     style = param_styles[0]
+    conv1d = is_conv1d(module)  # weight stored [in, out]
     if isinstance(style, ColwiseParallel):
+        if conv1d:
+            return "Shard(1)" if name == "weight" else "Shard(0)"
         return "Shard(0)" if isinstance(module, nn.Linear) else "Shard(1)"
     if isinstance(style, RowwiseParallel):
         if isinstance(module, nn.Embedding):
             return "Shard(0)"
-        return "Shard(1)" if name == "weight" else "Replicate()"
+        if name != "weight":
+            return "Replicate()"
+        return "Shard(0)" if conv1d else "Shard(1)"
     return "Replicate()"
 
 
@@ -126,7 +118,7 @@ def _head_count_fixes(
     fixes: dict[tuple[int, str], tuple[nn.Module, str, int]] = {}
     problems: list[str] = []
     for fqn, styles in by_module.items():
-        if not any(_local_colwise(s) for s in styles) or not isinstance(model.get_submodule(fqn), nn.Linear):
+        if not any(is_local_colwise(s) for s in styles) or linear_features(model.get_submodule(fqn)) is None:
             continue
         logical = fqn.removesuffix(".base_layer") if fqn.endswith(".base_layer") else fqn
         if ".lora_" in logical:
@@ -154,83 +146,13 @@ def _check_output_head(model: nn.Module, by_module: Mapping[str, list[ParallelSt
         return
     name = fqn_of(hf_model, head)
     fqn = join_fqn(prefix, name) if name is not None else None
-    if fqn is not None and any(_local_colwise(s) for s in by_module.get(fqn, [])):
+    if fqn is not None and any(is_local_colwise(s) for s in by_module.get(fqn, [])):
         raise ValueError(
             f"the plan makes the output head {fqn!r} return this rank's vocabulary slice as a plain tensor, "
             "so the logits and the loss would be wrong; use 'colwise_vocab' (vocab-sharded DTensor logits, "
             "loss under loss_parallel()) or 'colwise_rep' (replicated logits), or their '_seq' forms under "
             "sequence parallelism"
         )
-
-
-def _check_sp_attention(model: nn.Module) -> None:
-    _, hf_model = find_hf_model(model)
-    impl = getattr(getattr(hf_model, "config", None), "_attn_implementation", None)
-    if impl == "eager":
-        raise ValueError(
-            "sequence parallelism needs attn_implementation='sdpa' (or a flash/flex kernel): with 'eager' "
-            "transformers builds the causal mask from the local sequence slice"
-        )
-
-
-def _packed_mask(model: nn.Module, inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
-    """The causal mask of packed rows, built by transformers from the *whole* sequence's positions.
-
-    Under SP the base model sees the embeddings' local sequence slice and would build its mask for that
-    length. transformers' own `create_causal_mask` is called here with the full length instead; a 4D mask
-    passed in is used by the model as is. None when no row is packed (plain causal attention then).
-    """
-    from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
-
-    if find_packed_sequence_indices(position_ids) is None:
-        return None
-    _, hf_model = find_hf_model(model)
-    config = hf_model.config
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise ValueError(
-            f"sequence parallelism with packed sequences (position_ids restarting inside a row) builds the "
-            f"full-attention mask only, but {type(hf_model).__name__} has {sorted(layer_types)} layers; "
-            "use tensor parallelism without sequence_parallel, or one sequence per row"
-        )
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    shape_only = torch.empty(*inputs.shape[:2], 0, dtype=dtype, device=inputs.device)
-    mask = create_causal_mask(config, shape_only, None, None, position_ids=position_ids)
-    assert isinstance(mask, torch.Tensor), type(mask)
-    return mask
-
-
-def _sp_inputs(
-    tp_size: int,
-) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]] | None]:
-    def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        x = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
-        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp_size:
-            raise ValueError(
-                f"sequence parallelism over tp_size={tp_size} needs a sequence length divisible by it, got "
-                f"{x.shape[1]}; pad the batch to a multiple of {tp_size}"
-            )
-        if len(args) > 1:
-            return None  # positional position_ids / attention_mask cannot be told apart here
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            raise ValueError(
-                "sequence parallelism needs explicit position_ids (e.g. torch.arange(seq_len) per row): "
-                "transformers would derive them from the local sequence slice"
-            )
-        if kwargs.get("attention_mask") is not None:
-            raise ValueError(
-                "sequence parallelism does not take an attention_mask (transformers would build the mask "
-                "from the local sequence slice); pass unpadded or packed batches with position_ids instead"
-            )
-        if isinstance(x, torch.Tensor) and x.dim() >= 2:
-            mask = _packed_mask(module, x, positions.expand(x.shape[0], -1))
-            if mask is not None:
-                return args, {**kwargs, "attention_mask": mask}
-        return None
-
-    return check
 
 
 def apply_tensor_parallel(
@@ -260,14 +182,12 @@ def apply_tensor_parallel(
     logits, give the LM head ``'colwise_rep'`` (``'colwise_seq_rep'`` under SP) in the plan, e.g.
     ``plan = resolve_tp_plan(model, tp_size=n); plan["lm_head"] = "colwise_rep"``.
 
-    Sequence parallelism (``sequence_parallel=True``) keeps activations between blocks sharded on the
-    sequence dim. With transformers models it needs: ``attn_implementation="sdpa"``; explicit
-    ``position_ids``; no ``attention_mask``; a sequence length divisible by the TP size; ``use_cache=False``.
-    A forward pre-hook on ``model`` raises a ``ValueError`` when a batch breaks one of these. Packed rows
-    (``position_ids`` restarting per document) get their block-diagonal causal mask from the same hook:
-    transformers' ``create_causal_mask`` over the whole sequence (the base model would build it for its
-    local slice), for models whose layers all use full attention. Hidden states returned by the base
-    model are sequence slices; the logits are full.
+    Sequence parallelism (``sequence_parallel=True``) keeps the residual stream between the decoder blocks
+    sharded on the sequence dim (`automodel_distributed.tensor_parallel.sequence`): Megatron-style with a
+    registered sequence-parallel plan, derived from the TP plan otherwise. Masks, position ids and rotary
+    tables are built over the whole sequence, so padding masks, implicit position ids and every attention
+    implementation work. The sequence length must divide by the TP size (a forward pre-hook on ``model``
+    raises a ``ValueError`` otherwise); use ``use_cache=False``.
 
     Mesh axes and collectives: ``tp_mesh`` is the 1-D ``tp`` axis; sharding scatters/broadcasts weights
     from TP rank 0; the forward and backward all-reduce (TP) or all-gather / reduce-scatter (SP) over it.
@@ -285,7 +205,7 @@ def apply_tensor_parallel(
     Raises:
         ValueError: A 2-D mesh, a model already holding DTensors, head counts or shard dims that do not
             divide, no usable plan, a LoRA layer that cannot be sharded, tied parameters sharded differently,
-            a vocab-sliced plain-tensor output head, or sequence parallelism with eager attention.
+            a vocab-sliced plain-tensor output head, or sequence parallelism without findable decoder blocks.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(
@@ -300,15 +220,13 @@ def apply_tensor_parallel(
         raise ValueError(
             "the model already holds DTensor parameters: apply tensor parallelism once, before FSDP2"
         )
-    validate_tensor_parallel(model, tp_size)
     plan = expand_lora_plan(
         model, resolve_tp_plan(model, tp_plan, sequence_parallel=sequence_parallel, tp_size=tp_size)
     )
     validate_tensor_parallel(model, tp_size, plan=plan)
     by_module = modules_by_style(model, plan)
-    is_sp = is_sequence_parallel_plan(plan)
-    if is_sp:
-        _check_sp_attention(model)
+    lengths = {id(s.length): s.length for s in plan.values() if isinstance(s, SequenceShardedBlock)}
+    is_sp = bool(lengths)
     _check_output_head(model, by_module)
     ties = _tie_groups(model)
     _check_ties(model, by_module, ties)
@@ -319,8 +237,8 @@ def apply_tensor_parallel(
     _retie(ties)
     for module, attr, value in head_fixes:
         setattr(module, attr, value)
-    if is_sp:
-        model.register_forward_pre_hook(_sp_inputs(tp_size), with_kwargs=True)
+    for length in lengths.values():
+        install_sequence_length(model, length, tp_size)
     logger.info(
         "tensor parallel over %d ranks%s: %d plan entries",
         tp_size,

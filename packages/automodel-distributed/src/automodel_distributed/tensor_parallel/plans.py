@@ -3,9 +3,12 @@
 Every plan shards attention by heads (q/k/v column-parallel, o row-parallel) and the MLP by its
 intermediate dim (gate/up column-parallel, down row-parallel), the input embedding by vocabulary, and the
 LM head by vocabulary with vocab-sharded DTensor logits (compute the loss under ``loss_parallel()``).
-The sequence-parallel variants additionally keep the activations between the blocks sharded on the
-sequence dim: norms run on sequence slices, each block all-gathers its input, and the row-parallel
-projections reduce-scatter their output. See `automodel_distributed.tensor_parallel.styles` for the names.
+The sequence-parallel variants (Megatron-style) additionally keep the activations outside attention and
+the MLP sharded on the sequence dim: norms run on sequence slices, attention and the MLP all-gather their
+input and the row-parallel projections reduce-scatter their output. The input embedding hands on the
+full sequence (so masks and rotary tables cover all of it); the first decoder block cuts it
+(`automodel_distributed.tensor_parallel.sequence`). See `automodel_distributed.tensor_parallel.styles`
+for the style names.
 
 Layouts a plan must know about beyond the Llama one:
 
@@ -30,6 +33,7 @@ __all__ = [
     "GEMMA2_TP_PLAN",
     "GEMMA3_SP_PLAN",
     "GEMMA3_TP_PLAN",
+    "INEXACT_HF_TP_PLANS",
     "LLAMA_SP_PLAN",
     "LLAMA_TP_PLAN",
     "PHI3_SP_PLAN",
@@ -54,7 +58,7 @@ LLAMA_TP_PLAN: Plan = {
 """Llama, Qwen2, Mistral, Gemma: tensor parallel only."""
 
 LLAMA_SP_PLAN: Plan = {
-    "model.embed_tokens": "rowwise_rep_seq",
+    "model.embed_tokens": "rowwise_rep",
     "model.layers.*.input_layernorm": "sequence_parallel",
     "model.layers.*.self_attn": "gather_seq_input",
     "model.layers.*.self_attn.q_proj": "colwise",
@@ -96,7 +100,7 @@ PHI3_TP_PLAN: Plan = {
     "lm_head": "colwise_vocab",
 }
 PHI3_SP_PLAN: Plan = {
-    "model.embed_tokens": "rowwise_rep_seq",
+    "model.embed_tokens": "rowwise_rep",
     "model.layers.*.input_layernorm": "sequence_parallel",
     "model.layers.*.self_attn": "gather_seq_input",
     "model.layers.*.self_attn.qkv_proj": "colwise_rep",
@@ -127,3 +131,11 @@ DEFAULT_DECODER_PLAN: Plan = {k.removeprefix("model."): v for k, v in LLAMA_TP_P
 """Llama-style decoder plan, keys relative to the base model (``lm_head`` relative to the top)."""
 DEFAULT_DECODER_SP_PLAN: Plan = {k.removeprefix("model."): v for k, v in LLAMA_SP_PLAN.items()}
 """Its sequence-parallel variant."""
+
+INEXACT_HF_TP_PLANS: Mapping[str, str] = {
+    "DogeForCausalLM": (
+        "its row-parallel dt_proj hands every rank the dynamic mask of all key/value heads (scaled by the "
+        "replicated per-head parameter A) while attention runs on this rank's heads only"
+    ),
+}
+"""Model class name -> why transformers' own tp plan for it is not exact; resolution skips that plan."""

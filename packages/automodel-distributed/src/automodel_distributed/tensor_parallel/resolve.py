@@ -7,13 +7,19 @@ import inspect
 import logging
 import warnings
 from collections.abc import Mapping
-from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from automodel_distributed.tensor_parallel._fqn import match_modules
-from automodel_distributed.tensor_parallel.plans import DEFAULT_DECODER_PLAN, DEFAULT_DECODER_SP_PLAN
+from automodel_distributed.tensor_parallel.derived import derived_tp_plan
+from automodel_distributed.tensor_parallel.hf_plan import call_or_none, module_fqn, translate_hf_tp_plan
+from automodel_distributed.tensor_parallel.lora import expand_lora_plan, is_lora_linear
+from automodel_distributed.tensor_parallel.plans import (
+    DEFAULT_DECODER_PLAN,
+    DEFAULT_DECODER_SP_PLAN,
+    INEXACT_HF_TP_PLANS,
+)
 from automodel_distributed.tensor_parallel.registry import (
     PlanMapping,
     PlanSource,
@@ -22,15 +28,16 @@ from automodel_distributed.tensor_parallel.registry import (
     named_plan_names,
     registered_plan_for,
 )
-from automodel_distributed.tensor_parallel.styles import (
-    HF_STYLE_ALIASES,
-    STYLE_NAMES,
-    hf_style_is_skipped,
-    to_parallel_style,
+from automodel_distributed.tensor_parallel.sequence import (
+    SequenceLength,
+    check_sequence_stream,
+    sequence_parallel_blocks,
 )
+from automodel_distributed.tensor_parallel.styles import to_parallel_style
+from automodel_distributed.tensor_parallel.validate import validate_tensor_parallel
 from automodel_mesh.modules import find_hf_model, join_fqn
 
-__all__ = ["is_sequence_parallel_plan", "resolve_tp_plan", "translate_hf_tp_plan"]
+__all__ = ["is_sequence_parallel_plan", "resolve_tp_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,103 +144,42 @@ def is_sequence_parallel_plan(plan: Mapping[str, ParallelStyle]) -> bool:
     return any(isinstance(style, SequenceParallel) for style in plan.values())
 
 
-def translate_hf_tp_plan(hf_model: nn.Module) -> tuple[dict[str, str] | None, str]:
-    """Translate the tensor-parallel plan transformers declares for a model into our style names.
-
-    Reads the instance plan ``model._tp_plan`` (transformers 5 merges the class plan, the config's
-    ``base_model_tp_plan`` under the base-model prefix and a vocab-parallel ``embed_tokens`` into it), or,
-    when that is empty, the class ``_tp_plan`` plus ``config.base_model_tp_plan`` prefixed with
-    ``base_model_prefix``. Expert, expert-parallel, "local", "gather" and "replicate" styles are left
-    out, together with the entries under the modules they cover (those modules stay replicated, which is
-    correct since their input is replicated). The input embedding becomes vocab-parallel (``rowwise_rep``)
-    and the output embedding (``lm_head``) column-parallel with vocab-sharded DTensor logits
-    (``colwise_vocab``). Entries that match no module are dropped.
-
-    Returns:
-        ``(plan, note)``: the plan with keys relative to ``hf_model`` (None when unusable) and a note saying
-        what was skipped or why the plan is unusable.
-    """
-    raw: Mapping[str, Any] | None = getattr(hf_model, "_tp_plan", None)
-    if not isinstance(raw, Mapping) or not raw:
-        merged: dict[str, Any] = dict(getattr(type(hf_model), "_tp_plan", None) or {})
-        base_plan = getattr(getattr(hf_model, "config", None), "base_model_tp_plan", None) or {}
-        base_prefix = getattr(hf_model, "base_model_prefix", "") or ""
-        if not base_prefix or not isinstance(getattr(hf_model, base_prefix, None), nn.Module):
-            base_prefix = ""
-        merged.update({join_fqn(base_prefix, k): v for k, v in dict(base_plan).items()})
-        raw = merged
-    if not raw:
-        return (
-            None,
-            "transformers declares no tp plan for it (_tp_plan / config.base_model_tp_plan are empty)",
-        )
-    plan: dict[str, str] = {}
-    skipped: list[str] = []
-    unsupported: list[str] = []
-    for key, style in raw.items():
-        if isinstance(style, str) and hf_style_is_skipped(style):
-            skipped.append(key)
-        elif isinstance(style, str) and HF_STYLE_ALIASES.get(style, style) in STYLE_NAMES:
-            plan[key] = HF_STYLE_ALIASES.get(style, style)
-        else:
-            unsupported.append(f"{key}: {style!r}")
-    if unsupported:
-        return None, f"transformers' tp plan uses styles that have no equivalent here: {unsupported}"
-    plan = {k: v for k, v in plan.items() if not any(k.startswith(s + ".") for s in skipped)}
-    embeddings = _module_fqn(hf_model, _call_or_none(hf_model, "get_input_embeddings"))
-    if embeddings is not None and isinstance(embeddings[1], nn.Embedding):
-        plan = {embeddings[0]: "rowwise_rep", **{k: v for k, v in plan.items() if k != embeddings[0]}}
-    head = _module_fqn(hf_model, _call_or_none(hf_model, "get_output_embeddings"))
-    if head is not None and isinstance(head[1], nn.Linear):
-        plan[head[0]] = "colwise_vocab"
-    plan = {k: v for k, v in plan.items() if match_modules(hf_model, k)}
-    if not any(v.startswith(("colwise", "rowwise")) for v in plan.values()):
-        return None, "transformers' tp plan shards no module of this model"
-    note = f"left out (stay replicated): {skipped}" if skipped else "nothing left out"
-    return plan, note
-
-
-def _call_or_none(model: nn.Module, method: str) -> Any:
-    fn = getattr(model, method, None)
-    if not callable(fn):
-        return None
-    try:
-        return fn()
-    except (NotImplementedError, AttributeError):
-        return None
-
-
-def _module_fqn(root: nn.Module, module: object) -> tuple[str, nn.Module] | None:
-    if not isinstance(module, nn.Module):
-        return None
-    for name, sub in root.named_modules():
-        if sub is module:
-            return name, sub
-    return None
-
-
 def _param_modules(module: nn.Module) -> set[str]:
-    return {
-        name for name, sub in module.named_modules() if next(sub.parameters(recurse=False), None) is not None
-    }
+    """Names of the sub-modules holding parameters, a LoRA-wrapped linear counted as itself."""
+    names = set()
+    for name, sub in module.named_modules():
+        if next(sub.parameters(recurse=False), None) is None:
+            continue
+        parts = name.split(".")
+        if any(part.startswith("lora_") for part in parts):
+            continue
+        names.add(name.removesuffix(".base_layer") if parts[-1] == "base_layer" else name)
+    return names
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module.base_layer if is_lora_linear(module) else module, nn.Linear)
 
 
 def _default_plan(hf_model: nn.Module, sequence_parallel: bool) -> tuple[dict[str, str] | None, str]:
-    """The Llama-style decoder plan, if the model has exactly that layout."""
+    """The Llama-style decoder plan, if the model has exactly that layout (LoRA wrappers allowed).
+
+    Under sequence parallelism its Megatron-style variant is used when the model has a final ``norm``
+    and an LM head; otherwise sequence parallelism is derived from the TP plan.
+    """
     base_prefix = getattr(hf_model, "base_model_prefix", "") or ""
     base = getattr(hf_model, base_prefix, None) if base_prefix else None
     if not isinstance(base, nn.Module):
         base_prefix, base = "", hf_model
-    template = DEFAULT_DECODER_SP_PLAN if sequence_parallel else DEFAULT_DECODER_PLAN
     layers = match_modules(base, "layers.*")
     if not layers:
         return None, "the default Llama-style plan needs decoder blocks at `layers.<i>` of the base model"
-    block_keys = [k.removeprefix("layers.*.") for k in template if k.startswith("layers.*.")]
-    linears = {k for k in block_keys if template[f"layers.*.{k}"].startswith(("colwise", "rowwise"))}
+    block_keys = [k.removeprefix("layers.*.") for k in DEFAULT_DECODER_PLAN if k.startswith("layers.*.")]
+    linears = set(block_keys)
     expected = linears | {"input_layernorm", "post_attention_layernorm"}
     for fqn, layer in layers:
         found = _param_modules(layer)
-        if found != expected or not all(isinstance(layer.get_submodule(k), nn.Linear) for k in linears):
+        if found != expected or not all(_is_linear(layer.get_submodule(k)) for k in linears):
             return None, (
                 f"the default Llama-style plan does not fit decoder block {join_fqn(base_prefix, fqn)!r}: it "
                 f"needs exactly the parameterised modules {sorted(expected)} (linear projections), found "
@@ -248,17 +194,53 @@ def _default_plan(hf_model: nn.Module, sequence_parallel: bool) -> tuple[dict[st
             "the default Llama-style plan needs `embed_tokens` (nn.Embedding) and at most a final `norm` "
             f"around the decoder blocks, found parameterised modules {sorted(outside)}"
         )
+    head = module_fqn(hf_model, call_or_none(hf_model, "get_output_embeddings"))
+    has_head = head is not None and _is_linear(head[1])
+    megatron = sequence_parallel and "norm" in outside and has_head
+    template = DEFAULT_DECODER_SP_PLAN if megatron else DEFAULT_DECODER_PLAN
     plan = {join_fqn(base_prefix, k): v for k, v in template.items() if k != "lm_head"}
-    if sequence_parallel and "norm" not in outside:
-        return None, "the default sequence-parallel plan needs a final `norm`"
     if "norm" not in outside:
         plan = {k: v for k, v in plan.items() if k != join_fqn(base_prefix, "norm")}
-    head = _module_fqn(hf_model, _call_or_none(hf_model, "get_output_embeddings"))
-    if head is not None and isinstance(head[1], nn.Linear):
+    if head is not None and has_head:
         plan[head[0]] = template["lm_head"]
-    elif sequence_parallel:
-        return None, "the default sequence-parallel plan needs an LM head to gather the sequence"
     return plan, "the default Llama-style decoder plan"
+
+
+def _misfit(model: nn.Module, styles: dict[str, ParallelStyle], tp_size: int) -> str | None:
+    """Why an automatically chosen plan cannot shard ``model`` over ``tp_size`` ranks, or None if it can."""
+    try:
+        validate_tensor_parallel(model, tp_size, plan=expand_lora_plan(model, styles))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _with_sequence_blocks(
+    model: nn.Module, plan: dict[str, ParallelStyle], source: str
+) -> dict[str, ParallelStyle]:
+    """``plan`` plus the entries that put the decoder blocks on the sequence-sharded stream.
+
+    A plan with sequence-parallel norms is Megatron-style (its blocks take and give sequence slices);
+    any other plan gets the derived form (each block gathers its input and cuts its output). See
+    `automodel_distributed.tensor_parallel.sequence`.
+    """
+    from automodel_distributed.layers import find_transformer_blocks
+
+    try:
+        blocks = [fqn for fqn, _ in find_transformer_blocks(model)]
+    except ValueError as exc:
+        raise ValueError(f"sequence parallelism needs the model's decoder blocks: {exc}") from None
+    megatron = is_sequence_parallel_plan(plan)
+    if not megatron:
+        check_sequence_stream(model, blocks)
+    entries = sequence_parallel_blocks(blocks, SequenceLength(), megatron=megatron)
+    logger.info(
+        "sequence parallelism from %s: %s over %d decoder blocks",
+        source,
+        "its sequence-parallel styles" if megatron else "derived (blocks gather their input)",
+        len(blocks),
+    )
+    return {**plan, **entries}
 
 
 def resolve_tp_plan(
@@ -275,14 +257,22 @@ def resolve_tp_plan(
     1. ``tp_plan``: a dict (FQN pattern -> `ParallelStyle` or style name), a name registered with
        `register_named_tp_plan`, or an import path ``"pkg.module.NAME"`` to a dict or to a function
        returning one (called with no argument, or with ``(model, sequence_parallel)`` if it takes them).
-       The plan is used as given; with ``sequence_parallel=True`` and no sequence-parallel style in it, a
-       warning says so.
-    2. The registry (`register_tp_plan`, which starts with the built-in plans for Llama, Qwen2, Qwen3,
-       Mistral, Gemma, Gemma2, Gemma3 and Phi-3 causal LMs): by class along the MRO, then by class name.
-    3. The plan transformers declares (`translate_hf_tp_plan`); it has no sequence-parallel variant, so it is
-       skipped when ``sequence_parallel`` is asked for.
+    2. The registry (`register_tp_plan`, which starts with the built-in plans of
+       `automodel_distributed.tensor_parallel.plans`): by class along the MRO, then by class name. A
+       registration's sequence-parallel plan is used when ``sequence_parallel`` is asked for.
+    3. The plan transformers declares (`translate_hf_tp_plan`).
     4. The default Llama-style decoder plan, if the model has exactly that layout; a warning says it was
        used.
+    5. A plan derived from the model's structure (`automodel_distributed.tensor_parallel.derived`: every
+       linear column-parallel with a gathered output); a warning says it was used.
+
+    Sources 3-5 are skipped (the reason joins the error message) when they do not fit ``tp_size``
+    (`validate_tensor_parallel`, e.g. key/value heads that do not divide); 1 and 2 are used as given.
+
+    With ``sequence_parallel=True`` the chosen plan gets one entry per decoder block (found with
+    `automodel_distributed.layers.find_transformer_blocks`) that keeps the residual stream between the
+    blocks sharded on the sequence: Megatron-style for a plan with sequence-parallel norms, derived (each
+    block gathers its input) for any other plan. See `automodel_distributed.tensor_parallel.sequence`.
 
     Plan keys are relative to the transformers model; when ``model`` wraps it (peft's ``get_base_model()``)
     the returned keys carry the wrapper's prefix, so the result applies to ``model`` itself. The source
@@ -291,7 +281,7 @@ def resolve_tp_plan(
     Args:
         model: The model (a transformers model, possibly inside a peft wrapper, or any module with a plan).
         tp_plan: The user's plan, or None to resolve one from the model.
-        sequence_parallel: Ask for the sequence-parallel variant.
+        sequence_parallel: Ask for sequence parallelism.
         tp_size: The tensor-parallel degree; with no usable plan, ``tp_size > 1`` raises and ``1`` returns
             an empty plan.
 
@@ -300,23 +290,25 @@ def resolve_tp_plan(
 
     Raises:
         ValueError: A bad ``tp_plan`` (unknown name, import failure naming the path, unknown style name,
-            keys that match no module), a registration without the requested sequence-parallel variant,
-            or no usable plan at ``tp_size > 1`` (the message lists the ways to provide one).
+            keys that match no module), no usable plan at ``tp_size > 1`` (the message lists the ways to
+            provide one), or sequence parallelism for a model whose decoder blocks cannot be found.
     """
     tp_size = _check_tp_size(tp_size)
+    styles, source = _resolve(model, tp_plan, sequence_parallel, tp_size)
+    if sequence_parallel and styles:
+        styles = _with_sequence_blocks(model, styles, source)
+    return styles
+
+
+def _resolve(
+    model: nn.Module, tp_plan: PlanMapping | str | None, sequence_parallel: bool, tp_size: int
+) -> tuple[dict[str, ParallelStyle], str]:
     prefix, hf_model = find_hf_model(model)
     class_name = type(hf_model).__qualname__
     if tp_plan is not None:
         user_plan, source = _user_plan(hf_model, tp_plan, sequence_parallel)
-        styles = _matching(model, _styles(user_plan, prefix, source), source)
-        if sequence_parallel and not is_sequence_parallel_plan(styles):
-            warnings.warn(
-                f"sequence_parallel=True but {source} has no sequence-parallel style; it is used as given, "
-                "so activations are not sequence-sharded",
-                stacklevel=2,
-            )
         logger.info("tensor-parallel plan of %s: %s", class_name, source)
-        return styles
+        return _matching(model, _styles(user_plan, prefix, source), source), source
 
     notes: list[str] = []
     registered = registered_plan_for(type(hf_model))
@@ -324,39 +316,64 @@ def resolve_tp_plan(
         how, source_plan, sp_plan = registered
         if _is_factory(source_plan):
             plan = _call_factory(source_plan, hf_model, sequence_parallel, f"tp plan of {class_name}")
-        elif sequence_parallel:
-            if sp_plan is None:
-                raise ValueError(
-                    f"sequence_parallel=True but the {how} has no sequence-parallel variant; register one "
-                    "with register_tp_plan(..., sequence_parallel_plan={...}, overwrite=True) or pass tp_plan"
-                )
+        elif sequence_parallel and sp_plan is not None:
             plan = sp_plan
         else:
             assert isinstance(source_plan, Mapping)
             plan = source_plan
-        styles = _matching(model, _styles(plan, prefix, f"the {how}"), f"the {how}")
         logger.info("tensor-parallel plan of %s: the %s", class_name, how)
-        return styles
+        return _matching(model, _styles(plan, prefix, f"the {how}"), f"the {how}"), f"the {how}"
     notes.append(f"no plan is registered for {class_name} or its base classes (by class or by name)")
 
-    if sequence_parallel:
-        notes.append("transformers' tp plan was not tried: it has no sequence-parallel variant")
-    else:
-        hf_plan, note = translate_hf_tp_plan(hf_model)
-        if hf_plan is not None:
+    hf_plan, note = translate_hf_tp_plan(hf_model)
+    inexact = next(
+        (
+            INEXACT_HF_TP_PLANS[c.__name__]
+            for c in type(hf_model).__mro__
+            if c.__name__ in INEXACT_HF_TP_PLANS
+        ),
+        None,
+    )
+    if hf_plan is not None and inexact is not None:
+        hf_plan, note = None, f"transformers' tp plan is not exact for it: {inexact}"
+    if hf_plan is not None:
+        styles = _styles(hf_plan, prefix, "transformers' tp plan")
+        problem = _misfit(model, styles, tp_size)
+        if problem is None:
             logger.info("tensor-parallel plan of %s: transformers' plan (%s)", class_name, note)
-            return _styles(hf_plan, prefix, "transformers' tp plan")
-        notes.append(note)
+            return styles, "transformers' tp plan"
+        note = f"transformers' tp plan does not fit: {problem}"
+    notes.append(note)
 
     default, note = _default_plan(hf_model, sequence_parallel)
     if default is not None:
-        warnings.warn(
-            f"{class_name}: using the default Llama-style decoder tensor-parallel plan "
-            f"({'; '.join(notes)}). Register a plan for this model to make the choice explicit.",
-            stacklevel=2,
-        )
-        logger.warning("tensor-parallel plan of %s: the default Llama-style decoder plan", class_name)
-        return _styles(default, prefix, "the default decoder plan")
+        styles = _styles(default, prefix, "the default decoder plan")
+        problem = _misfit(model, styles, tp_size)
+        if problem is None:
+            warnings.warn(
+                f"{class_name}: using the default Llama-style decoder tensor-parallel plan "
+                f"({'; '.join(notes)}). Register a plan for this model to make the choice explicit.",
+                stacklevel=3,
+            )
+            logger.warning("tensor-parallel plan of %s: the default Llama-style decoder plan", class_name)
+            return styles, "the default decoder plan"
+        note = f"the default Llama-style plan does not fit: {problem}"
+    notes.append(note)
+
+    derived, note = derived_tp_plan(hf_model, tp_size)
+    if derived is not None and tp_size > 1:
+        styles = _styles(derived, prefix, "the derived plan")
+        problem = _misfit(model, styles, tp_size)
+        if problem is None:
+            warnings.warn(
+                f"{class_name}: using a plan derived from the model's structure (every linear column-"
+                f"parallel with gathered outputs; {'; '.join(notes)}). Register a plan for this model for "
+                "a Megatron-style split of attention and MLP.",
+                stacklevel=3,
+            )
+            logger.warning("tensor-parallel plan of %s: %s", class_name, note)
+            return styles, "the derived plan"
+        note = f"the plan derived from the model's structure does not fit: {problem}"
     notes.append(note)
     if tp_size > 1:
         raise ValueError(
@@ -366,4 +383,4 @@ def resolve_tp_plan(
             + _HOW_TO_REGISTER
         )
     logger.info("tensor-parallel plan of %s: none (tp_size=1)", class_name)
-    return {}
+    return {}, "no plan"

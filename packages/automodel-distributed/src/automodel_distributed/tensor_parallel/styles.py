@@ -38,14 +38,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     ParallelStyle,
-    RowwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
     SequenceParallel,
 )
 from torch.distributed.tensor.placement_types import Placement
 
+from automodel_distributed.tensor_parallel.linear_styles import (
+    ColwiseParallel,
+    MlaKvAprojParallel,
+    RowwiseParallel,
+)
+from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock
+
 __all__ = [
+    "ACTIVATION_STYLES",
     "HF_STYLE_ALIASES",
     "STYLE_NAMES",
     "GatherSequenceInput",
@@ -214,6 +223,17 @@ class GatherSequenceInput(ParallelStyle):
         )
 
 
+ACTIVATION_STYLES: tuple[type[ParallelStyle], ...] = (
+    GatherSequenceInput,
+    MlaKvAprojParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    SequenceShardedBlock,
+)
+"""Styles that only transform a module's inputs or outputs and leave its parameters alone (so they also
+apply to a LoRA-wrapped module as a whole)."""
+
 STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": lambda: ColwiseParallel(),
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
@@ -240,14 +260,15 @@ HF_STYLE_ALIASES: dict[str, str] = {
 }
 """transformers' style names that mean one of ours."""
 
-# transformers styles for experts, expert parallelism and runtime-local tricks. Leaving such a module out of
-# the plan keeps it replicated, which is correct (if not memory-saving) as long as its input is replicated.
+# transformers styles for experts, expert parallelism and runtime-local tricks (``all_reduce`` sums what
+# local-parameter entries under it compute). Leaving such a module out of the plan, with every entry under
+# it, keeps it replicated, which is exact (if not memory-saving) because its input is replicated.
 _HF_SKIPPED_PREFIXES = ("ep_", "local", "moe_", "packed_", "grouped_")
-_HF_SKIPPED_NAMES = frozenset({"gather", "replicate"})
+_HF_SKIPPED_NAMES = frozenset({"gather", "replicate", "all_reduce"})
 
 
 def hf_style_is_skipped(name: str) -> bool:
-    """Whether a transformers plan style is one we leave out (MoE experts, EP, local, gather, replicate)."""
+    """Whether a transformers plan style is one we leave out (experts, EP, local, all-reduce, replicate)."""
     return name in _HF_SKIPPED_NAMES or name.startswith(_HF_SKIPPED_PREFIXES)
 
 

@@ -15,10 +15,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from automodel_distributed.tensor_parallel._fqn import match_modules
+from automodel_distributed.tensor_parallel.linear_styles import linear_features
 from automodel_distributed.tensor_parallel.styles import ReplicateParallel
 from automodel_mesh.modules import find_hf_model
 
-__all__ = ["PARAM_STYLES", "modules_by_style", "validate_tensor_parallel"]
+__all__ = ["PARAM_STYLES", "is_local_colwise", "modules_by_style", "validate_tensor_parallel"]
 
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")
 # Styles that turn a module's parameters into DTensors; a module must get at most one of them.
@@ -67,6 +68,28 @@ def _is_last_dim_shard(layouts: tuple[Any, ...]) -> bool:
     return len(layouts) == 1 and isinstance(layouts[0], Shard) and layouts[0].dim == -1
 
 
+def is_local_colwise(style: ParallelStyle) -> bool:
+    """A column-parallel style that hands on this rank's slice of the last dim as a plain tensor."""
+    return (
+        isinstance(style, ColwiseParallel)
+        and style.use_local_output
+        and _is_last_dim_shard(style.output_layouts)
+    )
+
+
+def _splits_heads(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> bool:
+    """Whether the plan hands on a column-parallel slice of a projection inside an attention module."""
+    for fqn, styles in modules_by_style(model, plan).items():
+        if not any(is_local_colwise(s) for s in styles):
+            continue
+        parts = fqn.split(".")
+        for depth in range(len(parts)):
+            owner = type(model.get_submodule(".".join(parts[:depth]))).__name__.lower()
+            if "attention" in owner or "attn" in owner:
+                return True
+    return False
+
+
 def _plan_problems(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: int) -> list[str]:
     _, hf_model = find_hf_model(model)
     problems: list[str] = []
@@ -80,21 +103,18 @@ def _plan_problems(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size:
             if not isinstance(style, ColwiseParallel | RowwiseParallel):
                 continue
             kind = type(style).__name__
-            if not isinstance(module, nn.Linear | nn.Embedding):
+            features = linear_features(module)
+            if features is None and not isinstance(module, nn.Embedding):
                 problems.append(
-                    f"{name} is a {type(module).__name__}, but {kind} applies to nn.Linear and nn.Embedding "
-                    "only"
+                    f"{name} is a {type(module).__name__}, but {kind} applies to nn.Linear, transformers' "
+                    "Conv1D and nn.Embedding only"
                 )
                 continue
             # A plain tensor handed between modules is read back by `DTensor.from_local`, which assumes
             # equal slices; sharded DTensors (e.g. vocab-sharded logits) may be uneven.
-            if (
-                isinstance(style, ColwiseParallel)
-                and style.use_local_output
-                and _is_last_dim_shard(style.output_layouts)
-            ):
-                size = module.out_features if isinstance(module, nn.Linear) else module.embedding_dim
-                field = "out_features" if isinstance(module, nn.Linear) else "embedding_dim"
+            if is_local_colwise(style):
+                size = features[1] if features is not None else int(getattr(module, "embedding_dim", 0))
+                field = "out_features" if features is not None else "embedding_dim"
                 if size % tp_size:
                     problems.append(
                         f"{name}: {field}={size}{_config_hint(hf_model, size)} is not divisible by "
@@ -102,11 +122,11 @@ def _plan_problems(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size:
                     )
             if (
                 isinstance(style, RowwiseParallel)
-                and isinstance(module, nn.Linear)
+                and features is not None
                 and _is_last_dim_shard(style.input_layouts)
-                and module.in_features % tp_size
+                and features[0] % tp_size
             ):
-                size = module.in_features
+                size = features[0]
                 problems.append(
                     f"{name}: in_features={size}{_config_hint(hf_model, size)} is not divisible by "
                     f"tp_size={tp_size} (its row-parallel input arrives as an equal local slice)"
@@ -119,16 +139,20 @@ def validate_tensor_parallel(
 ) -> None:
     """Check that a model can be tensor-parallel over ``tp_size`` ranks. Pure: no collective, no mutation.
 
-    Always checked (for ``tp_size > 1``): ``num_attention_heads`` and ``num_key_value_heads`` of the
-    model's config and of its text config (``config.get_text_config()``, for multimodal models) divide by
-    ``tp_size``, since every rank must hold whole heads.
+    Heads: ``num_attention_heads`` and ``num_key_value_heads`` of the model's config and of its text config
+    (``config.get_text_config()``, for multimodal models) divide by ``tp_size``, since every rank must
+    hold whole heads. Without ``plan`` this is always checked; with one, only when the plan splits heads:
+    it hands on a column-parallel slice from a projection inside an attention module (a module whose class
+    name says attention, ``Attention`` / ``Attn``). A plan that gathers fused projections
+    (``colwise_rep``) runs every head on every rank and needs no such division (multi-query attention).
 
-    With ``plan`` (keys relative to ``model``): every column/row-parallel target is an ``nn.Linear`` or
-    ``nn.Embedding``; a module gets at most one parameter-sharding style; and where a shard is handed on
-    as a plain local tensor, the sharded dim divides by ``tp_size`` (a column-parallel output feeding a
-    row-parallel input, i.e. the attention and MLP widths). Dims that stay inside a DTensor need not divide:
-    DTensor shards unevenly, so e.g. a vocabulary of 129 over 2 ranks works for the vocab-parallel
-    embedding and the vocab-sharded logits. The hidden size is never sharded by the built-in plans.
+    With ``plan`` (keys relative to ``model``): every column/row-parallel target is an ``nn.Linear``,
+    transformers' ``Conv1D`` or an ``nn.Embedding``; a module gets at most one parameter-sharding style;
+    and where a shard is handed on as a plain local tensor, the sharded dim divides by ``tp_size`` (a
+    column-parallel output feeding a row-parallel input, i.e. the attention and MLP widths). Dims that stay
+    inside a DTensor need not divide: DTensor shards unevenly, so e.g. a vocabulary of 129 over 2 ranks
+    works for the vocab-parallel embedding and the vocab-sharded logits. The hidden size is never sharded
+    by the built-in plans.
 
     Args:
         model: The model (possibly inside a peft wrapper).
@@ -145,7 +169,7 @@ def validate_tensor_parallel(
     _, hf_model = find_hf_model(model)
     problems: list[str] = []
     heads: dict[str, int] = {}
-    for where, config in _configs(hf_model):
+    for where, config in _configs(hf_model) if plan is None or _splits_heads(model, plan) else ():
         for field in _HEAD_FIELDS:
             value = _int_field(config, field)
             if value is None:

@@ -1,0 +1,30 @@
+"""Activation memory that LoRA adapters add, for planners (pure arithmetic).
+
+A LoRA layer ``y = W x + B(A(dropout(x))) * scale`` saves, beyond what the frozen base saves, the
+rank-``r`` output of ``A`` (the input of ``B``), and with dropout the dropped copy of ``x`` (the input
+of ``A``; without dropout ``A`` shares the base layer's saved input). The frozen base no longer needs
+its weight gradient, but ``A`` needs the same input, so the base's saved input stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["lora_activation_bytes"]
+
+
+def lora_activation_bytes(
+    in_features: Sequence[int], *, rank: int, tokens: int, element_size: int, dropout: float = 0.0
+) -> int:
+    """Bytes the adapters of the given layers save for backward, per micro-batch.
+
+    Args:
+        in_features: Input width of each adapted linear layer.
+        rank: LoRA rank ``r``.
+        tokens: Tokens per micro-batch on the rank.
+        element_size: Bytes per activation value.
+        dropout: LoRA dropout probability (a copy of each input is saved when above zero).
+    """
+    per_layer_rank = tokens * rank * element_size
+    dropped = sum(tokens * width * element_size for width in in_features) if dropout > 0 else 0
+    return len(in_features) * per_layer_rank + dropped

@@ -1,0 +1,79 @@
+"""The logic of bench_planner.py and benchmarks/gpu/bench_h200.py, on CPU with no timing asserted.
+
+- Every layout of the planner benchmark plans (no process started), and the estimates move the way
+  each setting must move them: checkpointing and sequence parallelism shrink activations, HSDP
+  shards parameters over half the ranks, LoRA leaves almost no optimizer state, PP holds fewer blocks.
+- The GPU script runs end to end on a tiny model on CPU (gloo, one rank): every variant but compile
+  trains (finite loss, tokens/s above zero), and the load comparison runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import socket
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+
+
+def _module(path: Path) -> ModuleType:
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_planner_benchmark_layout_plans_and_settings_move_the_estimate(tmp_path: Path) -> None:
+    from automodel_all.cli.main import build_parser, job_from_args
+    from automodel_all.cli.plan import plan_report
+
+    bench = _module(BENCHMARKS / "bench_planner.py")
+    moe = tmp_path / "moe"
+    bench._write_moe(moe)
+    estimates = {}
+    for name in bench.LAYOUTS:
+        args = build_parser().parse_args(["plan", *bench._argv(name, tmp_path / "out", moe)])
+        estimates[name] = plan_report(job_from_args(args), world_size=bench.RANKS)["estimate"]
+    lines = {name: e.lines for name, e in estimates.items()}
+    fsdp = lines["FSDP2 dp_shard=4"]
+    assert len(estimates) >= 8 and all(e.total > 0 for e in estimates.values())
+    assert lines["AC full"]["activations"] < lines["AC selective"]["activations"] < fsdp["activations"]
+    assert lines["TP=2 + SP"]["activations"] < lines["TP=2 (no SP)"]["activations"]
+    assert lines["HSDP 2x2"]["parameters"] == pytest.approx(2 * fsdp["parameters"], rel=1e-6)
+    assert lines["LoRA r=16"]["optimizer"] < fsdp["optimizer"] / 10
+    assert "LoRA activations" in lines["LoRA r=16"]
+    assert estimates["PP=2 1F1B"].rank.startswith("pp rank")
+    assert "EP all-to-all" in estimates["EP=4 (MoE)"].communication
+    assert "CP ring K/V" in estimates["CP=2"].communication
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_gpu_script_runs_on_cpu_with_a_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    bench = _module(BENCHMARKS / "gpu" / "bench_h200.py")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    out = tmp_path / "results.json"
+    argv = ["--tiny", "--device", "cpu", "--layers", "2", "--seq", "32", "--batch", "1", "--steps", "1"]
+    results = bench.main([*argv, "--warmup", "1", "--skip", "FSDP2Manager + compile", "--json", str(out)])
+    assert out.is_file()
+    for name in ("hand-written fully_shard", "FSDP2Manager", "FSDP2Manager + FP8"):
+        row = results[name]
+        assert "error" not in row, (name, row)
+        assert row["tokens_per_s"] > 0 and math.isfinite(row["loss"]) and 0 < row["mfu"] < 1
+    assert results["load"]["ours_s"] > 0 and results["load"]["from_pretrained_s"] > 0
+    # The FLOP count: 6 x parameters per token (the embedding excluded, the head included) + attention.
+    config = bench.model_config(bench.TINY, 2)
+    h, f, v = 64, 176, 512
+    per_layer = 2 * h * h + 2 * h * 32 + 3 * h * f
+    assert bench.flops_per_token(config, 32) == 6 * (2 * per_layer + h * v) + 6 * 2 * h * 32

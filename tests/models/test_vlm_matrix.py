@@ -1,0 +1,521 @@
+"""The vision-language section of the model matrix: image-text-to-text families x layouts, with images.
+
+Families come from transformers' registry (``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``, through
+`automodel_testing.families.vlm_families`), tiny configs from `automodel_testing.tiny.derive_tiny_config`
+(vision towers of 4 x 4-patch images) and batches from `automodel_testing.vlm.image_batch` (the family's
+own image processor, as many image placeholders as ``get_image_features`` returns). The parent builds
+each tiny model, checks that transformers runs it, saves it with ``save_pretrained`` (the VLM's own key
+layout: transformers' conversion mapping renames it on load) and saves the batch. Every layout then runs
+in one launch; on each rank, for each family:
+
+- ``AutoModelForImageTextToText.from_config`` on meta goes through `instantiate_infrastructure` and
+  `apply_model_infrastructure(..., load_base_model=True)`, with the layout's ``freeze_config`` and
+  ``FSDP2Config.multimodal.frozen_sharding``;
+- the reference is ``from_pretrained`` in one process, frozen the same way (same LoRA adapters);
+- logits, the first loss, the gradient norm and the losses after `STEPS` SGD steps must equal the
+  reference within `ATOL` (fp32); a frozen part must have no gradient and no optimizer state, and its
+  weights must not move; under ``replicate`` the frozen tower must hold whole (not sharded) tensors.
+
+A case works, is refused (the same `ValueError` on every rank), or fails. The default run
+(``distributed`` marker) runs `FAST_FAMILIES` under every layout; ``uvx nox -s models`` runs every family
+(``models`` marker) and writes the JSON for ``tools/models_doc.py`` (docs/vlm.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from automodel_testing import DistributedRunError, run_distributed
+from automodel_testing.matrix import (
+    Row,
+    assert_no_failure,
+    merge_ranks,
+    prepare_checkpoints,
+    read_progress,
+    record_families,
+    refusal,
+)
+
+ROWS, SEQ, STEPS, LR = 4, 24, 2, 0.1
+ATOL = 1e-5
+REPORT_ENV = "AUTOMODEL_VLM_MATRIX_REPORT"
+"""Where the ``models`` session's run writes its JSON (default: build/models/vlm.json)."""
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+INTRO = (
+    "Every image-text-to-text family of transformers (`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`) x "
+    "every layout, loaded from its `save_pretrained` checkpoint (the family's own key layout, renamed by "
+    "transformers' conversion mapping) into a meta `AutoModelForImageTextToText` through "
+    "`apply_model_infrastructure` and compared with single-process transformers on a batch with one "
+    "image per row (the family's own image processor): first logits, first loss, gradient norm and the "
+    "losses after two SGD steps (fp32, 1e-5). The `frozen` layouts freeze the vision tower with "
+    "`freeze_config` and place it as `FSDP2Config.multimodal.frozen_sharding` says; they also check that "
+    "the frozen tower gets no gradients and no optimizer state and does not move; `ac_vision` "
+    "checkpoints the vision tower's blocks only (`activation_checkpointing_scope`). A case works, is "
+    "**refused** (every rank raised the same `ValueError` from automodel) or fails (anything else). "
+    "Training one from the command line (a folder of images with JSONL conversations): "
+    "[`automodel train`](cli.md#vision-language-models); per-rank memory of a frozen tower under each "
+    "`frozen_sharding`: [benchmarks](benchmarks.md#vision-language-frozen-tower)."
+)
+
+FAST_FAMILIES: tuple[str, ...] = (
+    "llava",  # CLIP tower + projector + Llama: the plain layout
+    "qwen2_5_vl",  # patch-sequence tower with windowed attention, multimodal rotary positions
+)
+"""Families of the default run's slice."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way of sharding a VLM, as the public API's configs express it."""
+
+    name: str
+    world_size: int
+    sizes: dict[str, int] = field(default_factory=dict)
+    freeze: dict[str, bool] | None = None
+    """``freeze_config`` (None: nothing frozen)."""
+    frozen_sharding: str = "root"
+    lora: bool = False
+    pp_schedule: str | None = None
+    ac_scope: str | None = None
+    """``FSDP2Config.activation_checkpointing_scope`` with full activation checkpointing (None: off)."""
+
+
+_FROZEN_TOWER = {"freeze_vision_tower": True, "freeze_embeddings": False}
+
+LAYOUTS: dict[str, Layout] = {
+    layout.name: layout
+    for layout in (
+        Layout("fsdp2", 2),
+        Layout("fsdp2_frozen_root", 2, freeze=_FROZEN_TOWER),
+        Layout("fsdp2_frozen_per_layer", 2, freeze=_FROZEN_TOWER, frozen_sharding="per_layer"),
+        Layout("fsdp2_frozen_replicate", 2, freeze=_FROZEN_TOWER, frozen_sharding="replicate"),
+        Layout("hsdp", 4, {"dp_replicate_size": 2}, freeze=_FROZEN_TOWER),
+        Layout("tp", 2, {"tp_size": 2}),
+        Layout("lora_fsdp2", 2, lora=True),
+        Layout("ac_vision", 2, ac_scope="vision"),
+        Layout("pp", 2, {"pp_size": 2}, pp_schedule="1f1b"),
+    )
+}
+
+
+def _quiet() -> Any:
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("automodel_infra").setLevel(logging.WARNING)
+    logging.getLogger("automodel_distributed").setLevel(logging.WARNING)
+    return warnings.catch_warnings(action="ignore")
+
+
+def prepare_family(model_type: str, root: pathlib.Path) -> dict[str, Any]:
+    """Build the tiny VLM of ``model_type``, check transformers trains it on images, save it and its batch.
+
+    Returns:
+        ``{"path": folder}``, or ``{"reference_error": why}``.
+    """
+    from transformers import AutoModelForImageTextToText
+
+    from automodel_testing.tiny import derive_tiny_config
+    from automodel_testing.vlm import image_batch
+
+    with _quiet():
+        try:
+            config = derive_tiny_config(model_type)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(1234)
+                model = AutoModelForImageTextToText.from_config(config)
+            inputs, labels = image_batch(model, ROWS, SEQ)
+            logits = model(**inputs).logits
+            _token_sum(logits, labels).backward()
+        except Exception as exc:
+            return {"reference_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+        path = root / model_type
+        model.save_pretrained(path)
+        torch.save({"inputs": inputs, "labels": labels}, path / "batch.pt")
+    return {"path": str(path)}
+
+
+def _token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="sum", ignore_index=-100
+    )
+
+
+def _rows(inputs: dict[str, torch.Tensor], rows: slice, total: int) -> dict[str, torch.Tensor]:
+    """This rank's rows of a batch: per-row tensors by their first dim, flattened patches by their grid."""
+    out: dict[str, torch.Tensor] = {}
+    grid = inputs.get("image_grid_thw")
+    for name, value in inputs.items():
+        if value.shape[0] == total:
+            out[name] = value[rows]
+        elif grid is not None and value.shape[0] == int(grid.prod(-1).sum()):
+            counts = grid.prod(-1).tolist()
+            start = sum(counts[: rows.start])
+            out[name] = value[start : start + sum(counts[rows])]
+        else:
+            raise AssertionError(f"cannot split {name} of shape {tuple(value.shape)} by rows")
+    return out
+
+
+def _strategy(layout: Layout) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from automodel_distributed.config import FSDP2Config, MultimodalDistributedConfig
+
+    return FSDP2Config(
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+        multimodal=MultimodalDistributedConfig(frozen_sharding=layout.frozen_sharding),  # type: ignore[arg-type]
+        activation_checkpointing=layout.ac_scope is not None,
+        activation_checkpointing_scope=layout.ac_scope or "all",
+    )
+
+
+def _peft_config() -> Any:
+    from automodel_peft import PeftConfig
+
+    return PeftConfig(target_modules=["*language_model*proj", "*text_model*proj"], dim=4, alpha=8)
+
+
+def _world_sum(value: torch.Tensor) -> float:
+    value = value.detach().double().clone()
+    dist.all_reduce(value)
+    return float(value)
+
+
+def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
+    from automodel_pipelining.config import PipelineConfig
+
+    torch.manual_seed(0)
+    dp_size = ctx.dp_size or 1
+    dp_rank = ctx.submesh("dp").get_local_rank() if dp_size > 1 else 0
+    try:
+        infra = instantiate_infrastructure(
+            distributed_config=_strategy(layout),
+            pipeline_config=PipelineConfig(
+                pp_schedule=layout.pp_schedule, pp_batch_size=2, pp_microbatch_size=1
+            )
+            if layout.pp_schedule
+            else None,
+            device=torch.device("cpu"),
+            mesh=ctx,
+        )
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
+        result = apply_model_infrastructure(
+            model,
+            is_meta_device=True,
+            device=torch.device("cpu"),
+            model_wrapper=infra.model_wrapper,
+            mesh=ctx,
+            peft_config=_peft_config() if layout.lora else None,
+            autopipeline=infra.autopipeline,
+            parallelize_fn=infra.parallelize_fn,
+            load_base_model=True,
+            pretrained_model_name_or_path=path,
+            freeze_config=layout.freeze,
+        )
+    except ValueError as exc:
+        return refusal(exc)
+    return _train(layout, ctx, dp_size, dp_rank, result, path)
+
+
+def _reference(layout: Layout, path: str, model: Any) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    from automodel_distributed.multimodal import apply_freeze_config
+    from automodel_testing import normalize_fqn, to_full
+
+    ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    ref.train()
+    if layout.freeze is not None:
+        apply_freeze_config(ref, layout.freeze)
+    if layout.lora:
+        from automodel_peft import apply_lora_to_linear_modules
+
+        apply_lora_to_linear_modules(ref, _peft_config())
+        local = {normalize_fqn(n): to_full(p) for n, p in model.named_parameters() if "lora_" in n}
+        ref_params = dict(ref.named_parameters())
+        with torch.no_grad():
+            for name, tensor in local.items():
+                ref_params[name].copy_(tensor)
+    return ref
+
+
+def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, path: str) -> dict[str, Any]:
+    from automodel_testing import normalize_fqn, to_full
+
+    batch = torch.load(pathlib.Path(path, "batch.pt"))
+    inputs, labels = batch["inputs"], batch["labels"]
+    per = ROWS // dp_size
+    rows = slice(dp_rank * per, (dp_rank + 1) * per)
+    local, local_labels = _rows(inputs, rows, ROWS), labels[rows]
+    tokens = int((labels != -100).sum())
+    ref = _reference(layout, path, model)
+    frozen = {normalize_fqn(n) for n, p in ref.named_parameters() if not p.requires_grad}
+    ours_frozen = {normalize_fqn(n) for n, p in model.named_parameters() if not p.requires_grad}
+    out: dict[str, Any] = {"losses": [], "ref_losses": []}
+    checks: list[str] = []
+    if not layout.lora and ours_frozen != frozen:
+        checks.append(f"frozen parameters differ: {sorted(ours_frozen ^ frozen)[:4]}")
+    if layout.freeze:
+        checks += _frozen_placement(model, layout.frozen_sharding)
+    if layout.ac_scope is not None:
+        checks += _checkpointed_scope(model, layout.ac_scope)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=LR)
+    before = {
+        normalize_fqn(n): to_full(p).detach().clone()
+        for n, p in model.named_parameters()
+        if not p.requires_grad
+    }
+    for step in range(STEPS + 1):
+        ref_logits = ref(**inputs).logits
+        ref_loss = _token_sum(ref_logits, labels) / tokens
+        ref_loss.backward()
+        logits = model(**local).logits
+        loss_sum = _token_sum(logits, local_labels)
+        (loss_sum * dp_size / tokens).backward()
+        owns = ctx.tp_size == 1 or ctx.submesh("tp").get_local_rank() == 0
+        out["losses"].append(_world_sum(loss_sum if owns else torch.zeros(())) / tokens)
+        out["ref_losses"].append(float(ref_loss))
+        if step == 0:
+            out["logits"] = float((to_full(logits).float() - ref_logits.detach()[rows]).abs().max())
+            with_grad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+            if with_grad:
+                checks.append(f"frozen parameters got gradients: {with_grad[:3]}")
+            ref_norm = sum(
+                float(p.grad.double().square().sum()) for p in ref.parameters() if p.grad is not None
+            )
+            ours = sum(
+                float(to_full(p.grad).double().square().sum()) for p in trainable if p.grad is not None
+            )
+            # Relative to the norm: fp32 sums of different order differ in proportion to the magnitude
+            # (Gemma 3's scaled embeddings give norms in the hundreds).
+            out["grad_norm"] = abs(ours**0.5 - ref_norm**0.5) / max(1.0, ref_norm**0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    state_frozen = [p for p in opt.state if not p.requires_grad]
+    if state_frozen:
+        checks.append(f"{len(state_frozen)} frozen parameters have optimizer state")
+    moved = [
+        n
+        for n, p in model.named_parameters()
+        if not p.requires_grad and not torch.equal(to_full(p), before[normalize_fqn(n)])
+    ]
+    if moved:
+        checks.append(f"frozen parameters changed: {moved[:3]}")
+    if not layout.lora:
+        checks += _save_back(model, path, f"{path}-saved-{layout.name}")
+    out["loss_diff"] = max(abs(a - b) for a, b in zip(out["losses"], out["ref_losses"], strict=True))
+    ok = out["logits"] <= ATOL and out["loss_diff"] <= ATOL and out["grad_norm"] <= ATOL * 10
+    trains = out["losses"][-1] < out["losses"][0]
+    if not ok:
+        checks.append(
+            f"differs from transformers: logits {out['logits']:.2e}, losses {out['loss_diff']:.2e}, "
+            f"gradient norm {out['grad_norm']:.2e}"
+        )
+    if not trains:
+        checks.append(f"the loss does not fall: {out['losses']}")
+    out["status"] = "fails" if checks else "works"
+    out["message"] = "; ".join(checks)
+    return out
+
+
+def _frozen_placement(model: Any, sharding: str) -> list[str]:
+    """Where the frozen vision tower lives must be what ``frozen_sharding`` says.
+
+    ``root``: sharded (DTensors), and no module inside the tower is an FSDP unit of its own (the root
+    unit gathers it); ``per_layer``: sharded, and every tower block is its own FSDP unit;
+    ``replicate``: every tower parameter a whole tensor, no tower module an FSDP unit.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from automodel_distributed.layers import find_transformer_blocks
+    from automodel_distributed.multimodal import model_parts
+
+    (tower,) = model_parts(model).modules("vision")
+    sharded = [hasattr(p, "full_tensor") for p in tower.parameters()]
+    units = [m for m in tower.modules() if isinstance(m, FSDPModule)]
+    blocks = [m for _, m in find_transformer_blocks(model) if any(m is t for t in tower.modules())]
+    problems = []
+    if sharding == "replicate" and (any(sharded) or units):
+        problems.append(f"replicate: {sum(sharded)} tower parameters sharded, {len(units)} tower FSDP units")
+    if sharding in ("root", "per_layer") and not all(sharded):
+        problems.append(f"{sharding}: {sharded.count(False)} tower parameters are not sharded")
+    if sharding == "root" and units:
+        problems.append(f"root: {len(units)} modules inside the tower are FSDP units of their own")
+    if sharding == "per_layer" and (not blocks or not all(isinstance(b, FSDPModule) for b in blocks)):
+        problems.append(f"per_layer: {len(blocks)} tower blocks, not each an FSDP unit")
+    return problems
+
+
+def _checkpointed_scope(model: Any, scope: str) -> list[str]:
+    """Exactly the blocks of the parts ``scope`` names are wrapped for activation checkpointing."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from automodel_distributed.layers import find_transformer_blocks
+    from automodel_distributed.multimodal import model_parts
+
+    parts = model_parts(model)
+    wrapped, expected = set(), set()
+    for fqn, block in find_transformer_blocks(model):
+        if isinstance(block, CheckpointWrapper):
+            wrapped.add(fqn)
+        if parts.role_of(fqn) == scope:
+            expected.add(fqn)
+    if not expected or wrapped != expected:
+        return [f"scope {scope}: wrapped {sorted(wrapped ^ expected)[:3]} differ from the {scope} blocks"]
+    return []
+
+
+def _save_back(model: Any, original: str, target: str) -> list[str]:
+    """Save the trained model as an HF checkpoint; it must have the original's keys and our weights."""
+    import safetensors
+    from transformers import AutoModelForImageTextToText
+
+    from automodel_distributed import save_hf_checkpoint
+    from automodel_testing import normalize_fqn, to_full
+
+    save_hf_checkpoint(model, target, overwrite=True)
+    ours = {normalize_fqn(n): to_full(p).detach() for n, p in model.named_parameters()}
+
+    def keys(folder: str) -> set[str]:
+        found: set[str] = set()
+        for file in pathlib.Path(folder).glob("*.safetensors"):
+            with safetensors.safe_open(str(file), "pt") as handle:
+                found.update(handle.keys())
+        return found
+
+    problems = []
+    if keys(target) != keys(original):
+        problems.append(
+            f"saved keys differ from save_pretrained's: {sorted(keys(target) ^ keys(original))[:4]}"
+        )
+    loaded = dict(AutoModelForImageTextToText.from_pretrained(target, dtype=torch.float32).named_parameters())
+    differ = [n for n, t in ours.items() if n not in loaded or not torch.equal(loaded[n].detach(), t)]
+    if differ:
+        problems.append(f"the saved checkpoint reloads other weights: {differ[:3]}")
+    return problems
+
+
+def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> None:
+    """Every family of ``checkpoints`` under one layout on this rank (results: ``progress/rank<r>.jsonl``)."""
+    from automodel_mesh import MeshContext, ParallelismSizes
+
+    layout = LAYOUTS[layout_name]
+    with _quiet():
+        ctx = MeshContext.build(_strategy(layout), ParallelismSizes(**layout.sizes))
+        record_families(
+            lambda path: _run_family(layout, ctx, path),
+            checkpoints,
+            pathlib.Path(progress) / f"rank{dist.get_rank()}.jsonl",
+            after_each=lambda family, result: dist.barrier(),
+        )
+
+
+def run_matrix(layout_name: str, checkpoints: dict[str, str]) -> list[Row]:
+    """``layout_name`` over ``checkpoints`` in one launch; one merged row per family."""
+    layout = LAYOUTS[layout_name]
+    with tempfile.TemporaryDirectory(prefix=f"vlm-{layout_name}-") as tmp:
+        error = ""
+        try:
+            run_distributed(
+                run_layout, layout.world_size, layout_name, checkpoints, tmp, timeout_s=1800, pg_timeout_s=60
+            )
+        except DistributedRunError as exc:
+            error = str(exc)[-2500:]
+        found = read_progress(tmp, layout.world_size)
+    rows = []
+    for family in checkpoints:
+        results = found.get(family, [])
+        if len(results) < layout.world_size:
+            rows.append(Row(family, layout_name, "fails", f"not every rank finished\n{error}"))
+            continue
+        row = merge_ranks(family, layout_name, results)
+        rows.append(row)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return prepare_checkpoints(prepare_family, FAST_FAMILIES, tmp_path_factory.mktemp("vlm_fast"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "layout_name",
+    [
+        # replicate runs in tests/cli/test_train_vlm.py; hsdp (4 ranks) and the rest in `nox -s models`
+        "fsdp2_frozen_root",
+        "fsdp2_frozen_per_layer",
+        "tp",
+        "ac_vision",
+        "pp",
+    ],
+)
+def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
+    rows = run_matrix(layout_name, fast_checkpoints)
+    assert_no_failure(rows)
+    if layout_name == "pp":
+        assert all(row.status == "refused" and "multimodal" in row.message for row in rows), rows
+
+
+@pytest.mark.models
+@pytest.mark.timeout(2 * 3600)
+def test_full_vlm_matrix(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import transformers
+
+    from automodel_testing.families import vlm_families
+
+    root = tmp_path_factory.mktemp("vlm_all")
+    paths, broken = {}, {}
+    for family in vlm_families():
+        prepared = prepare_family(family.model_type, root)
+        if "path" in prepared:
+            paths[family.model_type] = prepared["path"]
+        else:
+            broken[family.model_type] = prepared["reference_error"]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    report: dict[str, Any] = {
+        "title": "Vision-language models",
+        "intro": INTRO,
+        "commit": commit or "unknown",
+        "load": "{:.1f} {:.1f} {:.1f}".format(*os.getloadavg()),
+        "transformers": transformers.__version__,
+        "layouts": {name: asdict(layout) for name, layout in LAYOUTS.items()},
+        "reference_errors": broken,
+        "rows": [],
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    for name in LAYOUTS:
+        report["rows"].extend(asdict(row) for row in run_matrix(name, paths))
+    target = pathlib.Path(os.environ.get(REPORT_ENV, ROOT / "build" / "models" / "vlm.json"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report, indent=1, sort_keys=True), encoding="utf-8")
+    assert_no_failure([Row(**r) for r in report["rows"]])
