@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from _launch import launch
+from _launch import HOST_SETTINGS, HostSetting, launch
 from automodel_testing import make_batch, save_tiny_checkpoint
 
 MODEL: dict[str, Any] = {
@@ -196,10 +196,12 @@ def measure_baseline(path: Path) -> dict[str, Any]:
 
 
 def measure_ours(
-    path: Path, ranks: int, tune_host_allocator: bool = True, steps: int = 0
+    path: Path, ranks: int, setting: HostSetting = HOST_SETTINGS[0], steps: int = 0
 ) -> list[dict[str, Any]]:
-    """FSDP2 over ``ranks`` processes; one result per rank."""
-    return launch(ours, ranks, str(path), tune_host_allocator, steps, timeout_s=1200)
+    """FSDP2 over ``ranks`` processes under ``setting``; one result per rank."""
+    return launch(
+        ours, ranks, str(path), setting.tune_host_allocator, steps, timeout_s=1200, env=setting.env()
+    )
 
 
 def main() -> None:
@@ -207,12 +209,6 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--phases", action="store_true", help="also print peak growth after each phase")
     parser.add_argument("--steps", type=int, default=0, help="also time this many more steps (median)")
-    parser.add_argument(
-        "--allocator",
-        choices=("both", "tuned", "default"),
-        default="both",
-        help="run ours with FSDP2Config.tune_host_allocator=True ('tuned'), False ('default'), or both",
-    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
         start = time.perf_counter()
@@ -225,12 +221,10 @@ def main() -> None:
         )
         if args.phases:
             print("  peak after: " + ", ".join(f"{k} {v:.0f}" for k, v in base["phases"].items()))
-        modes = {"both": (False, True), "tuned": (True,), "default": (False,)}[args.allocator]
-        for tuned in modes:
-            per_rank = measure_ours(path, args.ranks, tuned, args.steps)
-            allocator = f"tune_host_allocator={tuned}"
+        for setting in HOST_SETTINGS:
+            per_rank = measure_ours(path, args.ranks, setting, args.steps)
             _report(
-                f"FSDP2 x {args.ranks} ranks, load_hf_checkpoint + step ({allocator}):",
+                f"FSDP2 x {args.ranks} ranks, load_hf_checkpoint + step ({setting.label}):",
                 per_rank,
                 base,
                 args.phases,

@@ -23,11 +23,12 @@ Sections (each one also runs alone as its own script, with more detail):
 - ``vlm``: per-rank bytes of a frozen vision tower under each ``multimodal.frozen_sharding`` against
   the unsharded tower (`bench_vlm_frozen.py`).
 
-A figure that depends on a setting of ours (``FSDP2Config.tune_host_allocator`` for every CPU
-row that trains through `FSDP2Manager`) is measured once per value of the setting, in the same run,
-and shown as one row per value. Ratios are ours / baseline: below 1 is better for time and memory. On
-a CPU host (gloo), times are only meaningful as ratios between rows of the same run; they say nothing
-about GPU speed.
+A figure that depends on a setting of ours (the workers' malloc, ``launch.host_allocator``, and
+``FSDP2Config.tune_host_allocator``, for every CPU row that trains through `FSDP2Manager`) is measured
+under each of `_launch.HOST_SETTINGS`, in the same run, and shown as one row per setting (the
+planner's measured peaks run on glibc's malloc only: that benchmark trims between layouts). Ratios are
+ours / baseline: below 1 is better for time and memory. On a CPU host (gloo), times are only
+meaningful as ratios between rows of the same run; they say nothing about GPU speed.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import bench_planner
 import bench_safetensors_reader
 import bench_vlm_frozen
 import bench_vs_nemo
+from _launch import HOST_SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -58,11 +60,6 @@ import benchmark_report  # noqa: E402  (tools/ is not a package; the report modu
 from benchmark_report import Provenance, Row, Section  # noqa: E402
 
 MiB = 2**20
-# The setting every allocator-dependent CPU row is measured under, both values in the same run.
-ALLOCATOR_SETTINGS: tuple[tuple[str, bool], ...] = (
-    ("tune_host_allocator=True (default)", True),
-    ("tune_host_allocator=False", False),
-)
 
 
 def section_pytorch() -> list[Row]:
@@ -72,17 +69,24 @@ def section_pytorch() -> list[Row]:
         ("fsdp2", "step time, FSDP2 over 2 ranks: `FSDP2Manager` vs `fully_shard` by hand"),
         ("tp2", "step time, TP 2: `FSDP2Manager` TP plan vs `parallelize_module` by hand"),
     ):
-        for label, tuned in ALLOCATOR_SETTINGS:
-            how = "its own job after the hand-written one" if tuned else "same job, alternating rounds"
+        for setting in HOST_SETTINGS:
+            same = r[layout]["theirs_same_job"].get(setting.label)
+            if setting.host_allocator == "glibc":
+                how = "same job, alternating rounds" if not setting.tune_host_allocator else "its own job"
+            else:
+                how = (
+                    f"its own job; hand-written on {setting.host_allocator} in that job: "
+                    f"{same * 1e3:.0f} ms (ours / it: {r[layout]['ours'][setting.label] / same:.2f})"
+                )
             rows.append(
                 Row(
                     section="vs hand-written PyTorch",
                     name=what,
-                    ours=r[layout]["ours_tuned" if tuned else "ours_untuned"] * 1e3,
+                    ours=r[layout]["ours"][setting.label] * 1e3,
                     baseline=r[layout]["theirs"] * 1e3,
                     unit="ms",
-                    settings=label,
-                    notes="Llama 25M, batch 2 x 128 per rank, AdamW, median step; hand-written with glibc "
+                    settings=setting.label,
+                    notes="Llama 25M, batch 2 x 128 per rank, AdamW, median step; hand-written under glibc's "
                     f"defaults; {how}",
                 )
             )
@@ -96,8 +100,8 @@ def section_transformers() -> list[Row]:
         path, size = bench_checkpoint_load.write_checkpoint(Path(tmp))
         base = bench_checkpoint_load.measure_baseline(path)
         what = f"Llama 125M ({size:.0f} MiB fp32)"
-        for label, tuned in ALLOCATOR_SETTINGS:
-            per_rank = bench_checkpoint_load.measure_ours(path, 2, tuned)
+        for setting in HOST_SETTINGS:
+            per_rank = bench_checkpoint_load.measure_ours(path, 2, setting)
             rows.append(
                 Row(
                     section=section,
@@ -106,8 +110,8 @@ def section_transformers() -> list[Row]:
                     ours=max(r["peak"] for r in per_rank),
                     baseline=base["peak"],
                     unit="MiB",
-                    settings=label,
-                    notes="peak RSS growth (VmHWM) over load + step, max over ranks",
+                    settings=setting.label,
+                    notes="peak RSS growth (VmHWM) over load + step, max over ranks; baseline on glibc",
                 )
             )
             rows.append(
@@ -118,7 +122,7 @@ def section_transformers() -> list[Row]:
                     ours=max(r["load_s"] for r in per_rank),
                     baseline=base["load_s"],
                     unit="s",
-                    settings=label,
+                    settings=setting.label,
                     notes="each rank reads only its slices "
                     f"({max(r['bytes_read'] for r in per_rank) / MiB:.0f} MiB)",
                 )
@@ -154,7 +158,7 @@ def section_nemo() -> list[Row]:
     section = "vs NeMo AutoModel (same job)"
     with tempfile.TemporaryDirectory(prefix="bench-nemo-") as tmp:
         try:
-            r = bench_vs_nemo.measure(Path(tmp), settings=[tuned for _, tuned in ALLOCATOR_SETTINGS])
+            r = bench_vs_nemo.measure(Path(tmp), settings=HOST_SETTINGS)
         except bench_vs_nemo.NemoUnavailable as exc:
             return [
                 Row(
@@ -168,10 +172,11 @@ def section_nemo() -> list[Row]:
     nemo = r["nemo"]
     env = f"{bench_vs_nemo.NEMO_REQUIREMENT}, torch {r['torch']}, transformers {r['transformers']}"
     what = "Llama 33M, FSDP2 x 2 ranks, fp32, load from checkpoint"
-    jobs = f"mean of 2 fresh jobs each (order {r['order']})"
+    jobs = f"mean of 2 fresh jobs each (order {r['order']}; NeMo on glibc's malloc)"
     rows = []
-    for label, tuned in ALLOCATOR_SETTINGS:
-        ours = r["automodel"][tuned]
+    for setting in HOST_SETTINGS:
+        label = setting.label
+        ours = r["automodel"][label]
         runs = ours["losses"] + nemo["losses"]
         same = all(run == runs[0] for run in runs)
         for name, key, unit, scale, note in (
@@ -267,39 +272,37 @@ def section_schedules() -> list[Row]:
 
 
 def section_planner() -> list[Row]:
-    rows = []
-    for row in bench_planner.measure():
-        rows.append(
-            Row(
-                "planner",
-                f"estimated vs measured peak per rank, {row['layout']} ({bench_planner.RANKS} ranks)",
-                f"{row['estimate_mib']:.0f} MiB",
-                f"{row['measured_mib']:.0f} MiB",
-                _ratio(row["estimate_mib"], row["measured_mib"]),
-                f"`automodel plan` total vs VmHWM growth over setup + 1 AdamW step, max over ranks; "
-                f"Llama 53M fp32, seq {bench_planner.SEQ}",
-            )
+    return [
+        Row(
+            section="planner",
+            name=f"estimated vs measured peak per rank, {row['layout']} ({bench_planner.RANKS} ranks)",
+            ours=row["estimate_mib"],
+            baseline=row["measured_mib"],
+            unit="MiB",
+            notes="`automodel plan` total vs VmHWM growth over setup + 1 AdamW step, max over ranks; "
+            f"Llama 53M fp32, seq {bench_planner.SEQ}; measured on glibc's malloc with "
+            "tune_host_allocator=True (it trims between layouts)",
         )
-    return rows
+        for row in bench_planner.measure()
+    ]
 
 
 def section_vlm() -> list[Row]:
     rows = []
     for sharding, row in bench_vlm_frozen.measure().items():
-        full = row["full"] / MiB
         for key, what in (
             ("resident", "held after loading"),
             ("gathered", "most held whole at once in a forward"),
         ):
             rows.append(
                 Row(
-                    "vision-language",
-                    f"frozen CLIP tower bytes per rank {what}, frozen_sharding={sharding} (2 ranks) vs "
+                    section="vision-language",
+                    name=f"frozen CLIP tower bytes per rank {what}, frozen_sharding={sharding} (2 ranks) vs "
                     "the unsharded tower",
-                    f"{row[key] / MiB:.2f} MiB",
-                    f"{full:.2f} MiB",
-                    _ratio(row[key], row["full"]),
-                    "LLaVA (CLIP hidden 256 x 4 layers, Llama), fp32; worst rank",
+                    ours=row[key] / 1024,
+                    baseline=row["full"] / 1024,
+                    unit="KiB",
+                    notes="LLaVA (CLIP hidden 256 x 4 layers, Llama), fp32; worst rank; tensor bytes",
                 )
             )
     return rows

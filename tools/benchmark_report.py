@@ -192,7 +192,7 @@ def merge_sections(old: list[Section], new: list[Section]) -> list[Section]:
 def _value(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
-    if unit in ("ms", "MiB"):
+    if unit in ("ms", "KiB", "MiB"):
         text = f"{value:.0f}"
     elif unit in ("s", "CPU s"):
         text = f"{value:.2f}"

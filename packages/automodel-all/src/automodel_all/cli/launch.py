@@ -29,6 +29,7 @@ import torch
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
 from automodel_all.cli.data import prepare_data
 from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
+from automodel_all.cli.host_allocator import resolve_host_allocator, worker_environment
 from automodel_all.cli.model import load_model_config, load_processor, model_dtype
 from automodel_all.cli.train import JOB_ENV
 from automodel_all.cli.yaml_source import ConfigError, RawJob
@@ -234,6 +235,9 @@ def launch(resolved: ResolvedJob, plain: dict[str, Any]) -> int:
     if job.device_type == "cpu":
         # One thread per worker: several workers share the cores (torchrun would also warn about it).
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Only this process's children see it: the workers start on the chosen malloc.
+    allocator = resolve_host_allocator(job.launch.host_allocator, job.device_type)
+    os.environ.update(worker_environment(allocator))
     args = get_args_parser().parse_args(torchrun_args(job))
     started = time.time()
     try:

@@ -10,10 +10,16 @@ ranks this tripled each rank's peak memory.
 
 `configure_host_allocator` fixes the threshold (which also turns the dynamic adjustment off) and the
 trim threshold, with ``mallopt``; `release_host_memory` hands free arena memory back with
-``malloc_trim``. Both are no-ops (returning False) where glibc is not the allocator. Process-wide;
-no collectives. Returning blocks to the OS has a price: the next block of that size is a fresh
-mapping whose pages fault in and are zeroed, every step. `HostBufferPool` (`pool_fsdp_buffers`)
-removes that price for the buffers FSDP2's collectives ask for, by keeping them from step to step.
+``malloc_trim``. Both are no-ops (returning False) where glibc's malloc is not the process's: another
+OS, or an allocator preloaded at process start (`malloc_is_glibc`). Process-wide; no collectives.
+Returning blocks to the OS has a price: the next block of that size is a fresh mapping whose pages
+fault in and are zeroed, every step. `HostBufferPool` (`pool_fsdp_buffers`) removes that price for the
+buffers FSDP2's collectives ask for, by keeping them from step to step; the other large blocks
+(unsharded parameters, gradients, gloo's temporaries) still pay it: on the job of
+``benchmarks/bench_vs_nemo.py``, about 155,000 page faults and 1.5x the step time of glibc's defaults.
+No glibc setting avoids both costs; an allocator that reuses same-sized blocks without returning
+them does, and can only be chosen at process start: the ``automodel`` launcher preloads mimalloc into
+CPU workers (``launch.host_allocator``, `automodel_all.cli.host_allocator`).
 
 The defaults (2 MiB mmap threshold, 64 MiB trim threshold) come from a sweep on the job of
 ``benchmarks/bench_vs_nemo.py`` with the pool on: a 1 MiB threshold kept the peak a little lower but
@@ -41,6 +47,7 @@ __all__ = [
     "PooledAllGather",
     "PooledReduceScatter",
     "configure_host_allocator",
+    "malloc_is_glibc",
     "pool_fsdp_buffers",
     "release_host_memory",
 ]
@@ -55,12 +62,22 @@ _M_ARENA_MAX = -8
 
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """glibc, when it is the process's ``malloc`` (not when another allocator was preloaded)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:  # pragma: no cover
         return None
+    # The process's malloc is the first one the dynamic linker finds; a preloaded allocator (the
+    # launcher's launch.host_allocator='mimalloc') comes before glibc's own.
+    process_malloc = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+    return libc if process_malloc == ctypes.cast(libc.malloc, ctypes.c_void_p).value else None
+
+
+def malloc_is_glibc() -> bool:
+    """Whether glibc's ``malloc`` serves this process (False off glibc or under a preloaded allocator)."""
+    return _glibc() is not None
 
 
 def configure_host_allocator(
@@ -82,7 +99,7 @@ def configure_host_allocator(
     """
     libc = _glibc()
     if libc is None:
-        logger.info("host allocator is not glibc; configure_host_allocator does nothing")
+        logger.info("the host allocator is not glibc's malloc; configure_host_allocator does nothing")
         return False
     ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
     ok = bool(libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold))) and ok
