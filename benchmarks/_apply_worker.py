@@ -43,7 +43,7 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
-def _apply_automodel(model: Any, path: str, device: Any) -> Any:
+def _apply_automodel(model: Any, path: str, device: Any, tune_host_allocator: bool = True) -> Any:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -52,7 +52,8 @@ def _apply_automodel(model: Any, path: str, device: Any) -> Any:
     from automodel_mesh import MeshContext, ParallelismSizes
 
     config = FSDP2Config(
-        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+        tune_host_allocator=tune_host_allocator,
     )
     mesh = MeshContext.build(config, ParallelismSizes())
     wrapper, pipeline, parallelize_fn, qat = instantiate_infrastructure(
@@ -128,7 +129,7 @@ def _steps(model: Any, opt: Any, ids: Any, steps: int) -> tuple[list[float], lis
     return losses, times
 
 
-def _one(impl: str, checkpoint: str, seq: int, steps: int) -> dict[str, Any]:
+def _one(impl: str, checkpoint: str, seq: int, steps: int, tune_host_allocator: bool) -> dict[str, Any]:
     """Fresh process, one implementation: apply time, peak memory of apply and of the first step, then
     the median time of ``steps`` more SGD steps and every loss."""
     import torch
@@ -142,8 +143,10 @@ def _one(impl: str, checkpoint: str, seq: int, steps: int) -> dict[str, Any]:
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        apply = _apply_automodel if impl == "automodel" else _apply_nemo
-        model = apply(model, checkpoint, torch.device("cpu"))
+        if impl == "automodel":
+            model = _apply_automodel(model, checkpoint, torch.device("cpu"), tune_host_allocator)
+        else:
+            model = _apply_nemo(model, checkpoint, torch.device("cpu"))
     dist.barrier()
     apply_s = time.perf_counter() - start
     apply_peak = (_status("VmHWM") - base) / MiB
@@ -167,6 +170,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=5, help="timed SGD steps after the first")
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument(
+        "--tune-host-allocator",
+        choices=("true", "false"),
+        default="true",
+        help="FSDP2Config.tune_host_allocator of the automodel job",
+    )
     args = parser.parse_args()
     if args.impl != "automodel":
         # nemo-automodel 0.7.0 decorates a LoRA kernel with `triton.autotune(key=["S", ...])` at import
@@ -185,7 +194,7 @@ def main() -> None:
         import nemo_automodel._transformers.infrastructure  # noqa: F401
     else:
         import automodel_infra.infrastructure  # noqa: F401
-    result = _one(args.impl, args.checkpoint, args.seq, args.steps)
+    result = _one(args.impl, args.checkpoint, args.seq, args.steps, args.tune_host_allocator == "true")
     result["torch"], result["transformers"] = torch.__version__, transformers.__version__
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))

@@ -21,11 +21,43 @@ import pickle
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LaunchError", "launch"]
+__all__ = ["HOST_SETTINGS", "HostSetting", "LaunchError", "launch"]
+
+
+@dataclass(frozen=True)
+class HostSetting:
+    """The settings of ours that a CPU row's memory and step time depend on, as one job runs them.
+
+    ``host_allocator`` is the workers' malloc the way the ``automodel`` launcher starts them
+    (``launch.host_allocator``; its ``auto`` gives ``mimalloc`` on CPU), ``tune_host_allocator`` the
+    `FSDP2Config` field.
+    """
+
+    host_allocator: str
+    tune_host_allocator: bool
+    label: str
+
+    def env(self) -> dict[str, str]:
+        """The environment variables of this setting's workers."""
+        from automodel_all.cli.host_allocator import worker_environment
+
+        return worker_environment(self.host_allocator)
+
+
+# Every allocator-dependent CPU row is measured under each of these, in the same run; the first is
+# what `automodel train` does by default, the second what plain torchrun gives with FSDP2Config's default.
+HOST_SETTINGS: tuple[HostSetting, ...] = (
+    HostSetting(
+        "mimalloc", True, "defaults: launch.host_allocator=auto (mimalloc), tune_host_allocator=True"
+    ),
+    HostSetting("glibc", True, "glibc malloc (plain torchrun), tune_host_allocator=True"),
+    HostSetting("glibc", False, "glibc malloc (plain torchrun), tune_host_allocator=False"),
+)
 
 
 class LaunchError(RuntimeError):
@@ -39,9 +71,12 @@ def launch(
     timeout_s: float = 900.0,
     init_process_group: bool = True,
     pg_timeout_s: float = 600.0,
+    env: Mapping[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return the per-rank results in order."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return the per-rank results in order.
+
+    ``env``: extra environment variables of the ranks (e.g. `HostSetting.env`)."""
     module = sys.modules[fn.__module__]
     source = getattr(module, "__file__", None)
     if source is None:
@@ -53,7 +88,7 @@ def launch(
                 (str(Path(source).resolve()), fn.__name__, args, kwargs, init_process_group, pg_timeout_s)
             )
         )
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
             "--no-python", sys.executable, __file__, str(job),

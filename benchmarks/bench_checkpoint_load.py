@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from _launch import launch
+from _launch import HOST_SETTINGS, HostSetting, launch
 from automodel_testing import make_batch, save_tiny_checkpoint
 
 MODEL: dict[str, Any] = {
@@ -117,12 +117,11 @@ def baseline(path: str) -> dict[str, Any]:
     return {"peak": meter.peak, "load_s": load_s, "loss": loss, "phases": meter.phases}
 
 
-def ours(path: str, mmap_threshold: int | None, steps: int) -> dict[str, Any]:
+def ours(path: str, tune_host_allocator: bool, steps: int) -> dict[str, Any]:
     """FSDP2 over all ranks: meta model -> parallelize -> load_hf_checkpoint -> one SGD step.
 
-    With ``mmap_threshold`` set, glibc's mmap threshold is fixed first (`configure_host_allocator`), as
-    FSDP2Manager does on a CPU mesh by default (``FSDP2Config.tune_host_allocator``); without it the
-    manager is told to leave glibc's defaults alone, for the baseline row.
+    ``tune_host_allocator`` is passed to `FSDP2Config` (True is the default on a CPU mesh; False leaves
+    glibc's allocator alone).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -132,13 +131,9 @@ def ours(path: str, mmap_threshold: int | None, steps: int) -> dict[str, Any]:
     from automodel_mesh import MeshContext, ParallelismSizes
     from automodel_testing import build_tiny_model
 
-    if mmap_threshold is not None:
-        from automodel_distributed.checkpoint.host_memory import configure_host_allocator
-
-        configure_host_allocator(mmap_threshold=mmap_threshold, trim_threshold=mmap_threshold)
     config = FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
-        tune_host_allocator=False,  # set explicitly above, with this run's threshold
+        tune_host_allocator=tune_host_allocator,
     )
     ctx = MeshContext.build(config, ParallelismSizes())
     assert ctx.device_mesh is not None
@@ -201,10 +196,12 @@ def measure_baseline(path: Path) -> dict[str, Any]:
 
 
 def measure_ours(
-    path: Path, ranks: int, mmap_threshold: int | None = None, steps: int = 0
+    path: Path, ranks: int, setting: HostSetting = HOST_SETTINGS[0], steps: int = 0
 ) -> list[dict[str, Any]]:
-    """FSDP2 over ``ranks`` processes; one result per rank."""
-    return launch(ours, ranks, str(path), mmap_threshold, steps, timeout_s=1200)
+    """FSDP2 over ``ranks`` processes under ``setting``; one result per rank."""
+    return launch(
+        ours, ranks, str(path), setting.tune_host_allocator, steps, timeout_s=1200, env=setting.env()
+    )
 
 
 def main() -> None:
@@ -212,15 +209,6 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--phases", action="store_true", help="also print peak growth after each phase")
     parser.add_argument("--steps", type=int, default=0, help="also time this many more steps (median)")
-    parser.add_argument(
-        "--mmap-threshold-mib", type=float, default=1.0, help="glibc mmap threshold of the tuned run"
-    )
-    parser.add_argument(
-        "--allocator",
-        choices=("both", "tuned", "default"),
-        default="both",
-        help="run ours with glibc's default allocator settings, the tuned ones, or both",
-    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
         start = time.perf_counter()
@@ -233,15 +221,10 @@ def main() -> None:
         )
         if args.phases:
             print("  peak after: " + ", ".join(f"{k} {v:.0f}" for k, v in base["phases"].items()))
-        modes = {"both": (False, True), "tuned": (True,), "default": (False,)}[args.allocator]
-        for tuned in modes:
-            threshold = int(args.mmap_threshold_mib * MiB) if tuned else None
-            per_rank = measure_ours(path, args.ranks, threshold, args.steps)
-            allocator = (
-                f"mmap threshold fixed at {args.mmap_threshold_mib:g} MiB" if tuned else "glibc defaults"
-            )
+        for setting in HOST_SETTINGS:
+            per_rank = measure_ours(path, args.ranks, setting, args.steps)
             _report(
-                f"FSDP2 x {args.ranks} ranks, load_hf_checkpoint + step ({allocator}):",
+                f"FSDP2 x {args.ranks} ranks, load_hf_checkpoint + step ({setting.label}):",
                 per_rank,
                 base,
                 args.phases,

@@ -2,7 +2,14 @@
 
 Both versions of the same Llama (hidden 256, 4 layers, vocab 4096, batch 2 x 128 per rank) are built
 in the same processes, on the same mesh, and timed in alternating rounds, so machine noise hits both
-alike. Prints the ratio manager / hand-written for each layout (goal: at most 1.05).
+alike. The baseline is the hand-written version under glibc's malloc with its defaults (what a user
+writing ``fully_shard`` under plain torchrun gets), measured in a job next to ours with
+``FSDP2Config.tune_host_allocator=False``. Each other setting of `_launch.HOST_SETTINGS` runs in a job
+of its own: under glibc, ``tune_host_allocator=True`` changes process-wide allocator settings, so only
+ours runs there; under mimalloc (the ``automodel`` launcher's default on CPU, where the glibc tuning
+does nothing) the hand-written version runs alongside again, which gives the manager's own cost on
+that allocator too. Prints the ratio manager / hand-written for each layout and setting (goal: at
+most 1.03).
 
     uv run --all-packages python benchmarks/bench_fsdp2_manager.py [--steps 10] [--rounds 3]
 """
@@ -19,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _launch import launch
+from _launch import HOST_SETTINGS, HostSetting, launch
 from automodel_mesh import MeshContext, ParallelismSizes
 from automodel_testing import build_tiny_model, make_batch
 
@@ -87,56 +94,83 @@ def _time_steps(
     return statistics.median(times)
 
 
-def _bench(layout: str, steps: int, rounds: int) -> dict[str, Any]:
+def _bench(
+    layout: str, steps: int, rounds: int, tune_host_allocator: bool, hand_written: bool
+) -> dict[str, Any]:
+    """Median step of ours and (when ``hand_written``) the hand-written version, in alternating rounds.
+
+    ``hand_written`` must be False when ``FSDP2Config.tune_host_allocator=True`` tunes glibc: its
+    process-wide settings would change what the hand-written version gets.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from automodel_distributed import FSDP2Config, FSDP2Manager
 
     sizes = ParallelismSizes(tp_size=2) if layout == "tp2" else ParallelismSizes()
     config = FSDP2Config(
-        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+        tune_host_allocator=tune_host_allocator,
     )
     ctx = MeshContext.build(config, sizes)
-    ours = FSDP2Manager(config, ctx.device_mesh).parallelize(build_tiny_model("llama", **MODEL))
-    theirs = _hand_written(build_tiny_model("llama", **MODEL), ctx, tp=layout == "tp2")
+    models = {"ours": FSDP2Manager(config, ctx.device_mesh).parallelize(build_tiny_model("llama", **MODEL))}
+    if hand_written:
+        models["theirs"] = _hand_written(build_tiny_model("llama", **MODEL), ctx, tp=layout == "tp2")
     batch = make_batch(MODEL["vocab_size"], 2, 128, seed=dist.get_rank() if layout != "tp2" else 0)
-    opts = {
-        name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in (("ours", ours), ("theirs", theirs))
-    }
-    models = {"ours": ours, "theirs": theirs}
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     for name in models:  # warm-up
         _time_steps(models[name], opts[name], batch, 3)
-    samples: dict[str, list[float]] = {"ours": [], "theirs": []}
+    samples: dict[str, list[float]] = {name: [] for name in models}
     for r in range(rounds):
-        order = ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")
+        order = list(models) if r % 2 == 0 else list(models)[::-1]
         for name in order:
             samples[name].append(_time_steps(models[name], opts[name], batch, steps))
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def measure(steps: int = 10, rounds: int = 3) -> dict[str, dict[str, float]]:
-    """Median step seconds (max over the 2 ranks) of ours and the hand-written version, per layout."""
-    out = {}
+def measure(
+    steps: int = 10, rounds: int = 3, settings: tuple[HostSetting, ...] = HOST_SETTINGS
+) -> dict[str, dict[str, Any]]:
+    """Median step seconds (max over the 2 ranks) per layout.
+
+    ``theirs``: hand-written under glibc with its defaults; ``ours[label]``: ours under each setting;
+    ``theirs_same_job[label]``: the hand-written version in that setting's job, where it ran.
+    """
+    out: dict[str, dict[str, Any]] = {}
     for layout in ("fsdp2", "tp2"):
-        per_rank = launch(_bench, 2, layout, steps, rounds, timeout_s=1200)
-        out[layout] = {
-            "ours": max(r["ours"] for r in per_rank),
-            "theirs": max(r["theirs"] for r in per_rank),
-        }
+        row: dict[str, Any] = {"ours": {}, "theirs_same_job": {}}
+        base = launch(_bench, 2, layout, steps, rounds, False, True, timeout_s=1200)
+        row["theirs"] = max(r["theirs"] for r in base)
+        for setting in settings:
+            if setting.host_allocator == "glibc" and not setting.tune_host_allocator:
+                per_rank = base
+            else:
+                alongside = setting.host_allocator != "glibc"
+                per_rank = launch(
+                    _bench, 2, layout, steps, rounds, setting.tune_host_allocator, alongside,
+                    timeout_s=1200, env=setting.env(),
+                )  # fmt: skip
+            row["ours"][setting.label] = max(r["ours"] for r in per_rank)
+            if "theirs" in per_rank[0]:
+                row["theirs_same_job"][setting.label] = max(r["theirs"] for r in per_rank)
+        out[layout] = row
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    print("layout   ranks  manager/hand-written  (median step, alternating rounds)")
+    print("layout   manager/hand-written (glibc defaults)  [vs hand-written in the same job]  setting")
     for layout, r in measure(args.steps, args.rounds).items():
-        ours, theirs = r["ours"], r["theirs"]
-        print(
-            f"{layout:<8} {2:>5}  {ours / theirs:>19.3f}  ({ours * 1e3:.0f} ms vs {theirs * 1e3:.0f} ms, CPU)"
-        )
+        theirs = r["theirs"]
+        for label, ours in r["ours"].items():
+            same = r["theirs_same_job"].get(label)
+            extra = f"[{ours / same:.3f}]" if same else ""
+            print(
+                f"{layout:<8} {ours / theirs:>8.3f} ({ours * 1e3:.0f} ms vs {theirs * 1e3:.0f} ms)  "
+                f"{extra:>8}  {label}"
+            )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ A Llama checkpoint (hidden 512, 8 layers, vocab 8192, fp32: about 33M parameters
 Then a scratch virtual environment receives ``nemo-automodel`` from PyPI **and** our
 ``automodel-mesh``, ``automodel-distributed`` and ``automodel-infra`` from this checkout, so both
 implementations run on the very same torch and transformers. In it, ``torchrun`` launches
-`_apply_worker.py` on 2 gloo ranks, twice per implementation in the order A B B A (a fresh job each,
-since NeMo patches FSDP2 classes globally): build the model on meta, ``instantiate_infrastructure`` +
+`_apply_worker.py` on 2 gloo ranks: ours once per setting of `_launch.HOST_SETTINGS` (the workers'
+malloc as the ``automodel`` launcher chooses it, and ``FSDP2Config.tune_host_allocator``), then NeMo
+(glibc's malloc, as torchrun starts it), then the same jobs in reverse order (a fresh job each, since
+NeMo patches FSDP2 classes globally): build the model on meta, ``instantiate_infrastructure`` +
 ``apply_model_infrastructure`` (FSDP2 over both ranks, fp32, load the checkpoint into the shards), then
 SGD steps on the same batch. The import cost of each orchestration module is CPU time, as in
 `bench_import_time.py`.
@@ -29,8 +31,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from _launch import HOST_SETTINGS, HostSetting
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "_apply_worker.py"
@@ -82,9 +87,13 @@ def make_environment(folder: Path) -> Path:
     return python
 
 
-def run_job(python: Path, impl: str, checkpoint: Path, out: Path, *extra: str) -> list[dict[str, Any]]:
-    """Run `_apply_worker.py` on 2 ranks with ``python``'s torchrun; return the per-rank results."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run_job(
+    python: Path, impl: str, checkpoint: Path, out: Path, *extra: str, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Run `_apply_worker.py` on 2 ranks with ``python``'s torchrun; return the per-rank results.
+
+    ``env``: extra environment variables of the job (`HostSetting.env`: the workers' malloc)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("PYTHONPATH", None)  # the scratch venv must not see the workspace's packages
     command = [
         str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
@@ -114,8 +123,15 @@ def import_times(python: Path, repeats: int = 2) -> dict[str, float]:
         raise NemoUnavailable(str(exc)) from exc
 
 
-def measure(folder: Path, steps: int = 5) -> dict[str, Any]:
-    """Install, then run the jobs; per implementation: means over its jobs of the maxima over ranks."""
+def measure(folder: Path, steps: int = 5, settings: Sequence[HostSetting] = HOST_SETTINGS) -> dict[str, Any]:
+    """Install, then run the jobs; per implementation: means over its jobs of the maxima over ranks.
+
+    Ours runs once per `HostSetting` in ``settings`` (the workers' malloc and
+    ``FSDP2Config.tune_host_allocator``, both process-wide, so each gets its own jobs);
+    ``results["automodel"][setting.label]`` holds its figures. NeMo runs under glibc's malloc with its
+    defaults, as torchrun starts it. Every figure ``key`` also comes as ``key + "_runs"``: one value per
+    job, in job order.
+    """
     from automodel_testing import save_tiny_checkpoint
 
     checkpoint = folder / "llama-33m"
@@ -124,14 +140,21 @@ def measure(folder: Path, steps: int = 5) -> dict[str, Any]:
     python = make_environment(folder)
     results: dict[str, Any] = {"install_s": time.perf_counter() - start}
     _log(f"scratch environment ready in {results['install_s']:.0f} s")
-    jobs: dict[str, list[dict[str, Any]]] = {"automodel": [], "nemo": []}
-    # A B B A: each implementation runs twice, first and last, so a drift in machine load over the
-    # run hits both alike; every job is a fresh torchrun.
-    for index, impl in enumerate(("automodel", "nemo", "nemo", "automodel")):
+    # Ours, NeMo, then the same jobs in reverse: each runs twice, first and last, so a drift in machine
+    # load over the run hits all alike; every job is a fresh torchrun.
+    forward: list[tuple[str, HostSetting | None]] = [("automodel", s) for s in settings] + [("nemo", None)]
+    order = forward + forward[::-1]
+    jobs: dict[tuple[str, HostSetting | None], list[dict[str, Any]]] = {job: [] for job in forward}
+    for index, (impl, setting) in enumerate(order):
+        extra = ["--steps", str(steps)]
+        if setting is not None:
+            extra += ["--tune-host-allocator", str(setting.tune_host_allocator).lower()]
+        env = setting.env() if setting is not None else None
         start = time.perf_counter()
-        per_rank = run_job(python, impl, checkpoint, folder / f"out{index}", "--steps", str(steps))
-        _log(f"{impl} job: {time.perf_counter() - start:.0f} s")
-        jobs[impl].append(
+        per_rank = run_job(python, impl, checkpoint, folder / f"out{index}", *extra, env=env)
+        what = setting.label if setting is not None else "glibc defaults"
+        _log(f"{impl} job ({what}): {time.perf_counter() - start:.0f} s")
+        jobs[impl, setting].append(
             {
                 key: max(r[key] for r in per_rank)
                 for key in ("apply_s", "apply_peak_mib", "peak_mib", "step_s")
@@ -139,9 +162,20 @@ def measure(folder: Path, steps: int = 5) -> dict[str, Any]:
             | {"losses": [r["losses"] for r in per_rank]}
         )
         results["torch"], results["transformers"] = per_rank[0]["torch"], per_rank[0]["transformers"]
-    for impl, runs in jobs.items():
-        results[impl] = {key: statistics.mean(run[key] for run in runs) for key in runs[0] if key != "losses"}
-        results[impl]["losses"] = [run["losses"] for run in runs]
+    names = {setting: f"ours[{i}]" for i, setting in enumerate(settings)}
+    results["order"] = " ".join("NeMo" if impl == "nemo" else names[setting] for impl, setting in order)
+    results["automodel"] = {}
+    for (_, setting), runs in jobs.items():
+        figures: dict[str, Any] = {}
+        for key in runs[0]:
+            if key != "losses":
+                figures[key] = statistics.mean(run[key] for run in runs)
+                figures[key + "_runs"] = [run[key] for run in runs]
+        figures["losses"] = [run["losses"] for run in runs]
+        if setting is None:
+            results["nemo"] = figures
+        else:
+            results["automodel"][setting.label] = figures
     start = time.perf_counter()
     results["imports"] = import_times(python)
     _log(f"import times: {time.perf_counter() - start:.0f} s")
@@ -158,14 +192,17 @@ def main() -> None:
         except NemoUnavailable as exc:
             print(f"NeMo AutoModel comparison not run: {exc}")
             return
-    ours, nemo = r["automodel"], r["nemo"]
+    nemo = r["nemo"]
     print(
-        f"torch {r['torch']}, transformers {r['transformers']} (scratch env made in {r['install_s']:.0f} s)"
+        f"torch {r['torch']}, transformers {r['transformers']} (scratch env made in {r['install_s']:.0f} s); "
+        f"jobs {r['order']}"
     )
-    for key, label in (("apply_s", "apply s"), ("peak_mib", "peak MiB apply+step"), ("step_s", "step s")):
-        ratio = ours[key] / nemo[key]
-        print(f"{label:<22} automodel {ours[key]:8.3f}  nemo {nemo[key]:8.3f}  ratio {ratio:.2f}")
-    print(f"same losses: {ours['losses'] == nemo['losses']}")
+    for label, ours in r["automodel"].items():
+        print(f"automodel with {label}:")
+        for key, label in (("apply_s", "apply s"), ("peak_mib", "peak MiB apply+step"), ("step_s", "step s")):
+            ratio = ours[key] / nemo[key]
+            print(f"  {label:<22} automodel {ours[key]:8.3f}  nemo {nemo[key]:8.3f}  ratio {ratio:.2f}")
+        print(f"  same losses: {ours['losses'] == nemo['losses']}")
     imports = r["imports"]
     ours_ratio, nemo_ratio = imports["automodel"] / imports["torch"], imports["nemo"] / imports["torch"]
     print(

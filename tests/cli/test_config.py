@@ -203,3 +203,11 @@ def test_the_launcher_resolves_the_job_the_workers_receive(tmp_path: Path) -> No
     flags = torchrun_args(node)
     assert flags[flags.index("--rdzv-endpoint") + 1] == "node0:29400"
     assert flags[flags.index("--node-rank") + 1] == "1"
+
+
+def test_host_allocator_is_a_launch_field_checked_by_name(tmp_path: Path) -> None:
+    message = _job_error(tmp_path, "launch:\n  host_allocator: jemalloc\n")
+    assert "launch.host_allocator" in message and "'mimalloc'" in message, message
+    job = build_job(job_from_args(build_parser().parse_args(["train", "--host-allocator", "glibc"])))
+    assert job.launch.host_allocator == "glibc"
+    assert build_job(job_from_args(build_parser().parse_args(["train"]))).launch.host_allocator == "auto"

@@ -186,11 +186,18 @@ class FSDP2Config(ConfigDict):
     multimodal: MultimodalDistributedConfig = field(default_factory=MultimodalDistributedConfig)
     """Sharding policy for frozen multimodal towers."""
     tune_host_allocator: bool = True
-    """On a CPU mesh or with CPU offload, fix glibc's mmap and trim thresholds when the manager is created
-    (`automodel_distributed.checkpoint.host_memory.configure_host_allocator`, process-wide), so the
-    buffers FSDP2 allocates and frees every step go back to the OS instead of piling up in malloc arenas
-    (about half the peak host memory per rank in benchmarks/bench_checkpoint_load.py). Not in NeMo
-    AutoModel; False leaves the allocator alone."""
+    """Keep host memory from piling up when FSDP2's buffers live on the host (a CPU mesh, or CPU
+    offload). Two parts: on a CPU mesh every FSDP2 unit takes its all-gather and reduce-scatter buffers
+    from one pool per model, reused from step to step
+    (`automodel_distributed.checkpoint.host_memory.pool_fsdp_buffers`); and, when glibc's malloc serves
+    the process, its mmap and trim thresholds are fixed when the manager is created
+    (`configure_host_allocator`, process-wide), so the other large buffers FSDP2 frees every step go
+    back to the OS instead of staying resident in malloc arenas. Under glibc that halves the peak per
+    rank but costs page faults on every step (about 1.5x the step time on the benchmark job); under
+    mimalloc, which the ``automodel`` launcher preloads into CPU workers (``launch.host_allocator``),
+    only the pool applies and neither cost remains. Both values are measured in every benchmark run
+    (docs/benchmarks.md, "The host allocator setting"). Not in NeMo AutoModel; False leaves the
+    allocator and FSDP2's collectives alone."""
 
     def __post_init__(self) -> None:
         _check_bool(

@@ -552,6 +552,11 @@ class FSDP2Manager(StrategyDefaults):
             wrap_root=extra.wrap_root,
             frozen_sharding=cfg.multimodal.frozen_sharding,
         )
+        if cfg.tune_host_allocator and self.mesh.device_type == "cpu":
+            # Collective buffers on the host: keep them across steps (see configure_host_allocator).
+            from automodel_distributed.checkpoint.host_memory import pool_fsdp_buffers
+
+            pool_fsdp_buffers(model)
         return model
 
     def dp_mesh(self) -> DeviceMesh:

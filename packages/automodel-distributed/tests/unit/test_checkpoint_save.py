@@ -130,3 +130,21 @@ def test_distributed_checkpoint_resume_single_process(tmp_path: Path) -> None:
 def test_host_allocator_helpers() -> None:
     assert isinstance(configure_host_allocator(), bool)
     assert isinstance(release_host_memory(), bool)
+
+
+def test_host_buffer_pool_reuses_only_buffers_nobody_uses() -> None:
+    from automodel_distributed.checkpoint.host_memory import HostBufferPool
+
+    pool = HostBufferPool()
+    cpu = torch.device("cpu")
+    first = pool.allocate((6,), dtype=torch.float32, device=cpu)
+    chunks = first.view(2, 3).unbind(0)  # FSDP's copy-out holds views like these while it reads them
+    second = pool.allocate((6,), dtype=torch.float32, device=cpu)
+    assert second.data_ptr() != first.data_ptr(), "a buffer still in use was handed out again"
+    other = pool.allocate((6,), dtype=torch.float16, device=cpu)
+    assert other.dtype == torch.float16 and pool.nbytes == 2 * 6 * 4 + 6 * 2
+    address = first.data_ptr()
+    del first, chunks
+    again = pool.allocate((6,), dtype=torch.float32, device=cpu)
+    assert again.data_ptr() == address and again.shape == (6,)
+    assert pool.nbytes == 2 * 6 * 4 + 6 * 2, "a freed buffer was kept twice"

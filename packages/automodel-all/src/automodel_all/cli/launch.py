@@ -29,6 +29,7 @@ import torch
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
 from automodel_all.cli.data import prepare_data
 from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
+from automodel_all.cli.host_allocator import resolve_host_allocator, worker_environment
 from automodel_all.cli.model import load_model_config, load_processor, model_dtype
 from automodel_all.cli.train import JOB_ENV
 from automodel_all.cli.yaml_source import ConfigError, RawJob
@@ -93,8 +94,8 @@ def _ensure_initial_weights(raw: RawJob, job: JobConfig) -> None:
 def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[ResolvedJob, dict[str, Any]]:
     """Build and validate the job; return it resolved for its world size and the plain sections.
 
-    Side effects: resolves ``launch.device`` (``auto``) and the output folder to absolute values in
-    ``raw``, and trains the default tokenizer when the embedded default needs it.
+    Side effects: resolves ``launch.device`` and ``launch.host_allocator`` (``auto``) and the output
+    folder to absolute values in ``raw``, and trains the default tokenizer when the embedded default needs it.
 
     Raises:
         ConfigError: Any problem, naming the setting and where it came from.
@@ -104,6 +105,11 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
     raw.set(
         "train", "output_dir", str(Path(job.train.output_dir).resolve()), raw.where("train", "output_dir")
     )
+    try:
+        allocator = resolve_host_allocator(job.launch.host_allocator, job.device_type)
+    except ValueError as exc:
+        raise ConfigError(f"{raw.where('launch', 'host_allocator')}: {exc}") from None
+    raw.set("launch", "host_allocator", allocator, raw.where("launch", "host_allocator"))
     job = build_job(raw)
     if job.device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
@@ -234,6 +240,8 @@ def launch(resolved: ResolvedJob, plain: dict[str, Any]) -> int:
     if job.device_type == "cpu":
         # One thread per worker: several workers share the cores (torchrun would also warn about it).
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Only this process's children see it: the workers start on the malloc prepare_job resolved.
+    os.environ.update(worker_environment(job.launch.host_allocator))
     args = get_args_parser().parse_args(torchrun_args(job))
     started = time.time()
     try:

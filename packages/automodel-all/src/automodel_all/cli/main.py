@@ -101,6 +101,13 @@ _OPTIONS: tuple[_Option, ...] = (
         ("--shutdown-timeout",), "launch", "shutdown_timeout", int, "seconds to checkpoint after SIGTERM"
     ),
     _Option(("--device",), "launch", "device", str, "auto (default), cpu or cuda"),
+    _Option(
+        ("--host-allocator",),
+        "launch",
+        "host_allocator",
+        str,
+        "workers' malloc: auto (default), glibc, mimalloc",
+    ),
 )
 
 

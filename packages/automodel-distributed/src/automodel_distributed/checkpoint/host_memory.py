@@ -8,10 +8,24 @@ rises to that block's size. FSDP2 allocates and frees blocks of exactly those si
 they all land in the arenas, and the arenas' peak stays resident. On a 125M-parameter Llama over 4
 ranks this tripled each rank's peak memory.
 
-`configure_host_allocator` fixes the threshold (which also turns the dynamic adjustment off) and
-lowers the trim threshold, with ``mallopt``; `release_host_memory` hands free arena memory back with
-``malloc_trim``. Both are no-ops (returning False) where glibc is not the allocator. Process-wide;
-no collectives.
+`configure_host_allocator` fixes the threshold (which also turns the dynamic adjustment off) and the
+trim threshold, with ``mallopt``; `release_host_memory` hands free arena memory back with
+``malloc_trim``. Both are no-ops (returning False) where glibc's malloc is not the process's: another
+OS, or an allocator preloaded at process start (`malloc_is_glibc`). Process-wide; no collectives.
+Returning blocks to the OS has a price: the next block of that size is a fresh mapping whose pages
+fault in and are zeroed, every step. `HostBufferPool` (`pool_fsdp_buffers`) removes that price for the
+buffers FSDP2's collectives ask for, by keeping them from step to step; the other large blocks
+(unsharded parameters, gradients, gloo's temporaries) still pay it: on the job of
+``benchmarks/bench_vs_nemo.py``, about 155,000 page faults and 1.5x the step time of glibc's defaults.
+No glibc setting avoids both costs; an allocator that reuses same-sized blocks without returning
+them does, and can only be chosen at process start: the ``automodel`` launcher preloads mimalloc into
+CPU workers (``launch.host_allocator``, `automodel_all.cli.host_allocator`).
+
+The defaults (2 MiB mmap threshold, 64 MiB trim threshold) come from a sweep on the job of
+``benchmarks/bench_vs_nemo.py`` with the pool on: a 1 MiB threshold kept the peak a little lower but
+took about 1.8x the page faults per step; 4 MiB and more let the heap fragment again (the peak over
+later steps grew). A trim threshold below the heap's free top memory made the heap shrink and grow
+again each step.
 """
 
 from __future__ import annotations
@@ -21,8 +35,22 @@ import ctypes.util
 import functools
 import logging
 import platform
+from collections.abc import Sequence
 
-__all__ = ["configure_host_allocator", "release_host_memory"]
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+__all__ = [
+    "HostBufferPool",
+    "PooledAllGather",
+    "PooledReduceScatter",
+    "configure_host_allocator",
+    "malloc_is_glibc",
+    "pool_fsdp_buffers",
+    "release_host_memory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +62,26 @@ _M_ARENA_MAX = -8
 
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """glibc, when it is the process's ``malloc`` (not when another allocator was preloaded)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:  # pragma: no cover
         return None
+    # The process's malloc is the first one the dynamic linker finds; a preloaded allocator (the
+    # launcher's launch.host_allocator='mimalloc') comes before glibc's own.
+    process_malloc = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+    return libc if process_malloc == ctypes.cast(libc.malloc, ctypes.c_void_p).value else None
+
+
+def malloc_is_glibc() -> bool:
+    """Whether glibc's ``malloc`` serves this process (False off glibc or under a preloaded allocator)."""
+    return _glibc() is not None
 
 
 def configure_host_allocator(
-    *, mmap_threshold: int = 1 << 20, trim_threshold: int = 1 << 20, arena_max: int | None = None
+    *, mmap_threshold: int = 2 << 20, trim_threshold: int = 64 << 20, arena_max: int | None = None
 ) -> bool:
     """Make glibc map every allocation of ``mmap_threshold`` bytes or more and trim heaps eagerly.
 
@@ -61,7 +99,7 @@ def configure_host_allocator(
     """
     libc = _glibc()
     if libc is None:
-        logger.info("host allocator is not glibc; configure_host_allocator does nothing")
+        logger.info("the host allocator is not glibc's malloc; configure_host_allocator does nothing")
         return False
     ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
     ok = bool(libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold))) and ok
@@ -77,3 +115,100 @@ def release_host_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+class HostBufferPool:
+    """Buffers of FSDP2's collectives kept from step to step instead of allocated and freed each time.
+
+    Every step, FSDP2 asks for the same few buffer shapes (each unit's all-gather output, its
+    reduce-scatter input and output). `allocate` hands out a view of a kept buffer of that shape that
+    no tensor uses any more, or keeps a new one. A freed and re-requested host buffer costs a fresh
+    mapping (page faults and zeroing) above glibc's mmap threshold, or heap fragmentation below it; a
+    kept one costs neither. The pool holds at most as many buffers of a shape as were in use at once.
+    Not thread-safe; one pool per model.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A tensor of ``size`` and ``dtype`` on ``device`` (uninitialised, as ``torch.empty``)."""
+        key = (tuple(int(s) for s in size), dtype, torch.device(device))
+        kept = self._buffers.setdefault(key, [])
+        for buffer in kept:
+            # Users of the storage: the kept tensor and the temporary storage object of this check.
+            # Anything more is a view still in use (FSDP's copies out of it, a gradient, a pending op).
+            if torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2:
+                return buffer.view(key[0])
+        buffer = torch.empty(key[0], dtype=dtype, device=device)
+        kept.append(buffer)
+        return buffer.view(key[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept by the pool."""
+        return sum(b.untyped_storage().nbytes() for kept in self._buffers.values() for b in kept)
+
+
+class _FromPool:
+    """The ``allocate`` half of FSDP2's ``Comm`` interface, served by a `HostBufferPool`."""
+
+    def __init__(self, pool: HostBufferPool) -> None:
+        self.pool = pool
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A pooled buffer (see `HostBufferPool.allocate`)."""
+        return self.pool.allocate(size, dtype=dtype, device=device)
+
+
+class PooledAllGather(_FromPool, AllGather):
+    """FSDP2's all-gather (``all_gather_into_tensor``) with its output buffer from a `HostBufferPool`."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Gather ``input_tensor`` of every rank of ``group`` into ``output_tensor``."""
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class PooledReduceScatter(_FromPool, ReduceScatter):
+    """FSDP2's reduce-scatter (``reduce_scatter_tensor``) with its buffers from a `HostBufferPool`."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Reduce ``input_tensor`` over ``group`` with ``op``; this rank's chunk goes to ``output_tensor``."""
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def pool_fsdp_buffers(model: torch.nn.Module) -> HostBufferPool:
+    """Make every FSDP2 unit of ``model`` take its collective buffers from one new `HostBufferPool`.
+
+    Preconditions: ``fully_shard`` has been applied (units are `FSDPModule`). Mutates each unit's
+    all-gather and reduce-scatter (``set_custom_all_gather`` / ``set_custom_reduce_scatter``); the
+    collectives themselves are unchanged. A unit torch refuses that for (several parameter groups from
+    per-parameter meshes) keeps its own buffers. No collectives run.
+    """
+    pool = HostBufferPool()
+    all_gather, reduce_scatter = PooledAllGather(pool), PooledReduceScatter(pool)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            try:
+                module.set_custom_all_gather(all_gather)
+                module.set_custom_reduce_scatter(reduce_scatter)
+            except ValueError:  # a unit with several parameter groups (per-parameter meshes) keeps torch's
+                continue
+    return pool

@@ -1,0 +1,84 @@
+"""The host allocator settings change memory and time, never numbers: parity on real gloo ranks.
+
+One launch per malloc (mimalloc preloaded as ``launch.host_allocator='auto'`` does for CPU workers,
+and glibc's): on each rank, FSDP2Manager's default (``tune_host_allocator=True``: pooled collective
+buffers) trains next to the unsharded transformers model (`train_parity`), and a pooled and an
+unpooled copy of the same sharded model take SGD steps side by side and must agree bit for bit in
+every loss and gradient, while the pool hands the same buffers out again on every step.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from automodel_testing import build_tiny_model, make_batch, run_distributed, train_parity
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(platform.system() != "Linux", reason="mimalloc is preloaded with LD_PRELOAD"),
+]
+
+
+def _manager(tune: bool) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from automodel_distributed import FSDP2Config, FSDP2Manager
+    from automodel_mesh import MeshContext, ParallelismSizes
+
+    config = FSDP2Config(
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+        tune_host_allocator=tune,
+    )
+    return FSDP2Manager(config, MeshContext.build(config, ParallelismSizes()).device_mesh)
+
+
+def _run() -> dict[str, Any]:
+    from automodel_distributed.checkpoint.host_memory import malloc_is_glibc, pool_fsdp_buffers
+
+    rank = dist.get_rank()
+    report = train_parity(
+        "llama", _manager(True).parallelize, dp_rank=rank, dp_size=2, dp_group=dist.group.WORLD, steps=3
+    )
+    pooled = _manager(False).parallelize(build_tiny_model("llama", seed=3))
+    pool = pool_fsdp_buffers(pooled)
+    plain = _manager(False).parallelize(build_tiny_model("llama", seed=3))
+    batch = make_batch(pooled.config.vocab_size, 2, 16, seed=10 + rank)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pooled, plain)]
+    losses: list[list[float]] = [[], []]
+    grads_equal, kept = True, []
+    for _ in range(3):
+        grads = []
+        for i, model in enumerate((pooled, plain)):
+            loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+            loss.backward()
+            losses[i].append(float(loss))
+            grads.append([p.grad.to_local().clone() for p in model.parameters()])
+            opts[i].step()
+            opts[i].zero_grad(set_to_none=True)
+        grads_equal &= all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+        kept.append(pool.nbytes)
+    return {
+        "report": report,
+        "losses": losses,
+        "grads_equal": grads_equal,
+        "kept": kept,
+        "glibc": malloc_is_glibc(),
+    }
+
+
+@pytest.mark.parametrize("allocator", ["mimalloc", "glibc"])
+def test_pooled_buffers_change_no_number(allocator: str) -> None:
+    from automodel_all.cli.host_allocator import worker_environment
+
+    for rank, r in enumerate(run_distributed(_run, 2, timeout_s=600, env=worker_environment(allocator))):
+        assert r["glibc"] == (allocator == "glibc"), f"rank {rank} did not run on {allocator}"
+        r["report"].check(atol=1e-5, step_atol=1e-4, label=f"{allocator} rank {rank}")
+        assert r["losses"][0] == r["losses"][1], f"{allocator} rank {rank}: pooled losses differ"
+        assert r["grads_equal"], f"{allocator} rank {rank}: pooled gradients differ"
+        kept = r["kept"]
+        assert kept[0] > 0 and kept == [kept[0]] * 3, f"the pool grew after the first step: {kept}"
