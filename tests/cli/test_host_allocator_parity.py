@@ -75,7 +75,9 @@ def _run() -> dict[str, Any]:
 def test_pooled_buffers_change_no_number(allocator: str) -> None:
     from automodel_all.cli.host_allocator import worker_environment
 
-    for rank, r in enumerate(run_distributed(_run, 2, timeout_s=600, env=worker_environment(allocator))):
+    # An allocator is chosen when an interpreter starts: spawned ranks, not forked ones.
+    ranks = run_distributed(_run, 2, timeout_s=600, env=worker_environment(allocator), start_method="spawn")
+    for rank, r in enumerate(ranks):
         assert r["glibc"] == (allocator == "glibc"), f"rank {rank} did not run on {allocator}"
         r["report"].check(atol=1e-5, step_atol=1e-4, label=f"{allocator} rank {rank}")
         assert r["losses"][0] == r["losses"][1], f"{allocator} rank {rank}: pooled losses differ"

@@ -115,23 +115,6 @@ def test_tensor_parallel_plan_leaves_the_experts_and_routers_alone() -> None:
     assert not any(k.endswith((".experts", ".gate")) for k in split), sorted(split)
 
 
-def test_experts_wrapped_by_peft_are_one_site() -> None:
-    from automodel_peft import PeftConfig, apply_lora
-    from automodel_testing import build_tiny_model
-
-    model = build_tiny_model("qwen3_moe")
-    apply_lora(
-        model, PeftConfig(target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"], dim=2)
-    )
-    (site, _) = find_experts(model)
-    assert site.fqn == "model.layers.0.mlp.experts" and type(site.module).__name__ == "ParamWrapper"
-    assert type(site.core).__name__ == "Qwen3MoeExperts" and site.params == ("gate_up_proj", "down_proj")
-    with pytest.raises(ValueError, match="match no parameter"):
-        apply_lora(
-            build_tiny_model("qwen3_moe"), PeftConfig(target_modules=["q_proj"], target_parameters=["nope"])
-        )
-
-
 def test_registry_records_override_and_refuse_duplicates() -> None:
     assert MOE_FAMILIES["Llama4TextExperts"].call is ExpertsCall.EVERY_TOKEN
     family = MoEFamily(experts_class="ToyExperts", expert_params=("w",))

@@ -128,16 +128,40 @@ def _patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _context() -> Any:
-    """The ``forkserver`` context, its server preloading `PRELOAD` (set before the server starts)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # the server skips a module it cannot import
+_UNIX_PATH_MAX = 107  # the fork server listens on a socket in the temporary folder (sun_path)
+
+
+def _context(start_method: str) -> Any:
+    """The context for ``start_method``; ``forkserver``'s server preloads `PRELOAD`.
+
+    A temporary folder too deep for a Unix socket path (the server listens on one there) falls back
+    to ``spawn``.
+    """
+    if start_method == "forkserver" and len(tempfile.gettempdir()) + 40 > _UNIX_PATH_MAX:
+        start_method = "spawn"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))  # the server skips a module it cannot import
     return ctx
 
 
 def _validate(
-    world_size: int, device: str, timeout_s: float, pg_timeout_s: float, env: Mapping[str, str] | None
+    world_size: int,
+    device: str,
+    timeout_s: float,
+    pg_timeout_s: float,
+    env: Mapping[str, str] | None,
+    start_method: str,
 ) -> None:
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(
+            f"run_distributed: start_method must be 'forkserver' or 'spawn', got {start_method!r}"
+        )
+    if start_method == "forkserver" and "LD_PRELOAD" in (env or {}):
+        raise ValueError(
+            "run_distributed: env={'LD_PRELOAD': ...} acts only when an interpreter starts, and forked "
+            "ranks do not start one: pass start_method='spawn'"
+        )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_distributed needs world_size >= 1, got {world_size!r}")
     if device not in _DEFAULT_BACKENDS:
@@ -330,6 +354,7 @@ def run_distributed(
     pg_timeout_s: float = 30.0,
     env: Mapping[str, str] | None = None,
     init_process_group: bool = True,
+    start_method: str = "forkserver",
     **kwargs: Any,
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks and return their results.
@@ -358,6 +383,9 @@ def run_distributed(
         env: Extra environment variables for every rank (may override ``OMP_NUM_THREADS`` and
             ``MASTER_*``, not the rank variables).
         init_process_group: Whether to create the default process group before calling ``fn``.
+        start_method: ``"forkserver"`` (fast: the ranks are forked from a server that imported
+            `PRELOAD`) or ``"spawn"`` (a fresh interpreter per rank, for ``env`` that must be in place
+            when the interpreter starts, such as ``LD_PRELOAD``).
         **kwargs: Keyword arguments for ``fn``.
 
     Returns:
@@ -370,7 +398,7 @@ def run_distributed(
             the first failure the other ranks get a few seconds to report, then every rank still
             running is terminated (SIGTERM, then SIGKILL).
     """
-    _validate(world_size, device, timeout_s, pg_timeout_s, env)
+    _validate(world_size, device, timeout_s, pg_timeout_s, env, start_method)
     ref = resolve_function_ref(fn)
     try:
         payload = pickle.dumps((args, kwargs))
@@ -392,7 +420,7 @@ def run_distributed(
         env=_shared_env(world_size, env),
         cwd=os.getcwd(),
     )
-    ctx = _context()
+    ctx = _context(start_method)
     queue = ctx.Queue()
     procs: list[BaseProcess] = []
     try:

@@ -183,6 +183,8 @@ def test_rejects_lambdas_and_nested_functions() -> None:
         ({"world_size": 1, "timeout_s": 0}, "timeouts must be > 0"),
         ({"world_size": 1, "env": {"RANK": "3"}}, "sets \\['RANK'\\] per rank"),
         ({"world_size": available_gpus() + 1, "device": "cuda"}, "CUDA devices, found"),
+        ({"world_size": 1, "start_method": "fork"}, "start_method must be"),
+        ({"world_size": 1, "env": {"LD_PRELOAD": "libx.so"}}, "pass start_method='spawn'"),
     ],
 )
 def test_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:

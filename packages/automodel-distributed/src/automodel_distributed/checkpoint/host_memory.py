@@ -166,7 +166,7 @@ class _FromPool:
 
 
 class PooledAllGather(_FromPool, AllGather):
-    """FSDP2's all-gather (``all_gather_into_tensor``) with its output buffer from a `HostBufferPool`."""
+    """FSDP2's all-gather (``all_gather_single``, as torch's default) with its output buffer pooled."""
 
     def __call__(
         self,
@@ -176,11 +176,12 @@ class PooledAllGather(_FromPool, AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         """Gather ``input_tensor`` of every rank of ``group`` into ``output_tensor``."""
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        # The same collective as torch's DefaultAllGather, so whatever observes FSDP2's calls sees ours.
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class PooledReduceScatter(_FromPool, ReduceScatter):
-    """FSDP2's reduce-scatter (``reduce_scatter_tensor``) with its buffers from a `HostBufferPool`."""
+    """FSDP2's reduce-scatter (``reduce_scatter_single``, as torch's default) with its buffers pooled."""
 
     def __call__(
         self,
@@ -191,7 +192,9 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         """Reduce ``input_tensor`` over ``group`` with ``op``; this rank's chunk goes to ``output_tensor``."""
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
+        )
 
 
 def pool_fsdp_buffers(model: torch.nn.Module) -> HostBufferPool:
