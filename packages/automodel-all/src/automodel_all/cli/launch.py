@@ -229,8 +229,19 @@ def launch(resolved: ResolvedJob, plain: dict[str, Any]) -> int:
     """Start the workers and wait for them; return the exit status.
 
     0 when every worker succeeded, or when a stop signal (SIGTERM, SIGUSR1) made them save a checkpoint
-    and exit in time; 1 when a worker failed.
+    and exit in time; 1 when a worker failed. The workers' variables (the job, the host allocator's
+    ``LD_PRELOAD``) are in ``os.environ`` only while they run: the caller's environment is restored
+    afterwards, so a later process this one starts does not inherit them.
     """
+    saved = dict(os.environ)
+    try:
+        return _launch(resolved, plain)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _launch(resolved: ResolvedJob, plain: dict[str, Any]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
