@@ -13,13 +13,14 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _report():  # type: ignore[no-untyped-def]
+def _report() -> ModuleType:
     spec = importlib.util.spec_from_file_location("benchmark_report", ROOT / "tools" / "benchmark_report.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
