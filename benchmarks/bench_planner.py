@@ -2,18 +2,21 @@
 
 Each layout is an `automodel train` job on 4 CPU ranks (gloo). The estimate is `plan_report`'s total
 for that job; the measurement runs the job's own setup (`automodel_all.cli.train._setup`: mesh,
-`apply_model_infrastructure`, loading the initial weights into the shards, AdamW) and one training step
-(`run_step`, the optimizer step) in ONE launch of 4 ranks for all layouts, and takes each rank's peak
-host-memory growth: ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``VmRSS``
-before the layout (imports and the process group are already up; freed memory is handed back to the
-OS with ``malloc_trim`` between layouts). Printed per layout: estimate, measured (largest rank) and
-their ratio.
+`apply_model_infrastructure`, loading the initial weights into the shards, AdamW) and one steady-state
+training step (AdamW's states are created first by a step on zero gradients, so they exist during the
+measured forward and backward, as in every step after the first; then `run_step` and the optimizer
+step), each layout in its own launch of fresh ranks under the launcher's CPU defaults (mimalloc
+preloaded, FSDP2's buffer pool on: `_launch.HOST_SETTINGS[0]`), and takes each rank's peak growth of
+resident memory: ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``VmRSS``
+before the setup (imports, the process group and a warm-up of the same job on a tiny model are done).
+Printed per layout: estimate, measured (largest rank), their ratio, and the largest rank's growth by
+phase (setup, AdamW states, each micro-batch's forward and backward, the step) with the bytes the
+buffer pool keeps.
 
-The dense model is the embedded default Llama widened to ``MODEL`` (53 M parameters, fp32); the EP
-layout uses a Qwen3-MoE of the same width with 8 experts. That is below the issue's 100M-1B: the
-shared 2-core machine runs all layouts in a few minutes only at this size.
+The dense model is the embedded default Llama widened to ``MODEL`` (112 M parameters, fp32); the EP
+layout uses a Qwen3-MoE of the same width with 8 experts.
 
-    uv run --all-packages python benchmarks/bench_planner.py
+    uv run --all-packages python benchmarks/bench_planner.py [--only LAYOUT ...] [--json rows.json]
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from bench_checkpoint_load import _reset_peak as _reset_rss
 MODEL: dict[str, int] = {
     "hidden_size": 1024,
     "intermediate_size": 3072,
-    "num_hidden_layers": 8,
+    "num_hidden_layers": 10,
     "num_attention_heads": 16,
     "num_key_value_heads": 4,
 }
 SEQ, GLOBAL_BATCH = 256, 8
 RANKS = 4
+MODEL_LABEL = "Llama 112M fp32"
 
 LAYOUTS: dict[str, list[str]] = {
     "FSDP2 dp_shard=4": [],
@@ -133,18 +137,10 @@ class _PhaseMeter:
 
 
 def _pool_bytes(parts: list[Any]) -> int:
-    """Bytes the FSDP2 units' `HostBufferPool` keeps (0 without one)."""
-    from torch.distributed.fsdp import FSDPModule
+    """Bytes the FSDP2 units' `HostBufferPool` objects keep (0 without one)."""
+    from automodel_distributed.checkpoint.host_memory import host_buffer_pools
 
-    from automodel_distributed.checkpoint.host_memory import PooledAllGather
-
-    pools = {}
-    for part in parts:
-        for module in part.modules():
-            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-            comm = getattr(group, "_all_gather_comm", None)
-            if isinstance(comm, PooledAllGather):
-                pools[id(comm.pool)] = comm.pool
+    pools = {id(pool): pool for part in parts for pool in host_buffer_pools(part)}
     return sum(pool.nbytes for pool in pools.values())
 
 
