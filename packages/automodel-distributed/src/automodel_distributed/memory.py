@@ -391,7 +391,8 @@ def fsdp_comm_buffer_bytes(unit_bytes: Sequence[int], *, shard: int) -> int:
     caching allocator on GPU): per distinct unit size, two buffers when two consecutive units have that
     size (a model's blocks), else one. Assumes gradients are reduced in the parameters' dtype (the
     buffers are then shared by both collectives); the reduce-scatter *outputs* are the sharded
-    gradients themselves (the gradients line).
+    gradients themselves (the gradients line), but those of the two units reduced last in a step are
+    still held when the same units reduce in the next one: one more sharded buffer each.
 
     Args:
         unit_bytes: Each FSDP unit's parameter bytes on this rank, unsharded over the FSDP axis, in
@@ -404,4 +405,8 @@ def fsdp_comm_buffer_bytes(unit_bytes: Sequence[int], *, shard: int) -> int:
     for before, after in itertools.pairwise(unit_bytes):
         if before == after:
             count[before] = 2
-    return sum(size * n for size, n in count.items())
+    # The reduce-scatter outputs of the two units reduced last in backward (the first two in forward
+    # order: the root and the embedding) are still referenced by FSDP2 when the same units reduce in
+    # the next step, so each gets a second sharded-size buffer (measured exactly on the pool).
+    last_reduced = sum(unit_bytes[:2]) // shard
+    return sum(size * n for size, n in count.items()) + last_reduced

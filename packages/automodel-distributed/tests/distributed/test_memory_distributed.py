@@ -6,8 +6,9 @@ optimizer steps of two micro-batches each with the reduce-scatter deferred to th
 - after the first micro-batch's backward, the unsharded gradients FSDP2 keeps are exactly the full
   trainable bytes (the planner's ``accumulated gradients`` line);
 - after the steps, the pool holds exactly `fsdp_comm_buffer_bytes` of the units (two full-size buffers
-  for the blocks, which run one after another, one for each other unit size) plus the sharded gradients
-  (the reduce-scatter outputs, which the pool keeps too).
+  for the blocks, which run one after another, one for each other unit size, and a second
+  reduce-scatter output for the two units reduced last) plus the sharded gradients (the reduce-scatter
+  outputs, which the pool keeps too).
 """
 
 from __future__ import annotations

@@ -102,8 +102,10 @@ def test_fsdp_comm_buffers_are_two_per_size_of_consecutive_units_one_per_other_s
     root = model.config.hidden_size * 4  # the final norm
     # In forward order: the root, the embedding, the blocks (one after another), the head.
     ordered = [root, *units]
-    assert fsdp_comm_buffer_bytes(ordered, shard=2) == root + embed + 2 * blocks[0]
+    # The root and the embedding reduce last: one more sharded buffer each.
+    last = (root + embed) // 2
+    assert fsdp_comm_buffer_bytes(ordered, shard=2) == root + embed + 2 * blocks[0] + last
     assert fsdp_comm_buffer_bytes(ordered, shard=1) == 0
-    assert fsdp_comm_buffer_bytes([5, 7, 5], shard=2) == 5 + 7  # not consecutive: one buffer is reused
+    assert fsdp_comm_buffer_bytes([6, 8, 6], shard=2) == 6 + 8 + 7  # not consecutive: one buffer is reused
     with pytest.raises(ValueError, match="seq_len=30 must be divisible by cp=4"):
         profile_activations(_config(), micro_batch=1, seq_len=30, dtype=torch.float32, cp=4)
