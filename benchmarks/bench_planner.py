@@ -2,24 +2,26 @@
 
 Each layout is an `automodel train` job on 4 CPU ranks (gloo). The estimate is `plan_report`'s total
 for that job; the measurement runs the job's own setup (`automodel_all.cli.train._setup`: mesh,
-`apply_model_infrastructure`, loading the initial weights into the shards, AdamW) and one training step
-(`run_step`, the optimizer step) in ONE launch of 4 ranks for all layouts, and takes each rank's peak
-host-memory growth: ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``VmRSS``
-before the layout (imports and the process group are already up; freed memory is handed back to the
-OS with ``malloc_trim`` between layouts). Printed per layout: estimate, measured (largest rank) and
-their ratio.
+`apply_model_infrastructure`, loading the initial weights into the shards, AdamW) and one steady-state
+training step (AdamW's states are created first by a step on zero gradients, so they exist during the
+measured forward and backward, as in every step after the first; then `run_step` and the optimizer
+step), each layout in its own launch of fresh ranks under the launcher's CPU defaults (mimalloc
+preloaded, FSDP2's buffer pool on: `_launch.HOST_SETTINGS[0]`), and takes each rank's peak growth of
+resident memory: ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``VmRSS``
+before the setup (imports, the process group and a warm-up of the same job on a tiny model are done).
+Printed per layout: estimate, measured (largest rank), their ratio, and the largest rank's growth by
+phase (setup, AdamW states, each micro-batch's forward and backward, the step) with the bytes the
+buffer pool keeps.
 
-The dense model is the embedded default Llama widened to ``MODEL`` (53 M parameters, fp32); the EP
-layout uses a Qwen3-MoE of the same width with 8 experts. That is below the issue's 100M-1B: the
-shared 2-core machine runs all layouts in a few minutes only at this size.
+The dense model is the embedded default Llama widened to ``MODEL`` (112 M parameters, fp32); the EP
+layout uses a Qwen3-MoE of the same width with 8 experts.
 
-    uv run --all-packages python benchmarks/bench_planner.py
+    uv run --all-packages python benchmarks/bench_planner.py [--only LAYOUT ...] [--json rows.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import tempfile
@@ -30,14 +32,15 @@ from bench_checkpoint_load import MiB, _status
 from bench_checkpoint_load import _reset_peak as _reset_rss
 
 MODEL: dict[str, int] = {
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 12,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 10,
+    "num_attention_heads": 16,
     "num_key_value_heads": 4,
 }
 SEQ, GLOBAL_BATCH = 256, 8
 RANKS = 4
+MODEL_LABEL = "Llama 112M fp32"
 
 LAYOUTS: dict[str, list[str]] = {
     "FSDP2 dp_shard=4": [],
@@ -98,14 +101,61 @@ def _jobs(tmp: Path) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
     return jobs, estimates
 
 
-def _reset_peak() -> int:
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed pages back, so the next layout's growth shows
-    return _reset_rss()
+def _tiny(plain: dict[str, Any], moe: bool) -> dict[str, Any]:
+    """The same job on a model a few MiB in size, initialised randomly: it imports what the job uses."""
+    import copy
+
+    tiny = copy.deepcopy(plain)
+    model = tiny.setdefault("model", {})
+    overrides = dict(model.get("config_overrides") or {})
+    overrides.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    if moe:
+        overrides["moe_intermediate_size"] = 32
+    model["config_overrides"] = overrides
+    model["load_weights"] = False
+    return tiny
 
 
-def measure_layouts(jobs: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """On each rank: every layout's setup + one step; return its peak growth per layout (MiB)."""
+class _PhaseMeter:
+    """Peak growth (MiB) since ``base`` at named points (and per micro-batch, by forward hooks)."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.phases: dict[str, float] = {}
+        self.calls = 0
+
+    def mark(self, name: str) -> None:
+        self.phases[name] = (_status("VmHWM") - self.base) / MiB
+
+    def before_forward(self, _module: Any, _args: Any) -> None:
+        if self.calls:  # a forward starting means the previous micro-batch's backward ended
+            self.mark(f"backward {self.calls}")
+
+    def after_forward(self, _module: Any, _args: Any, _out: Any) -> None:
+        self.calls += 1
+        self.mark(f"forward {self.calls}")
+
+
+def _pool_bytes(parts: list[Any]) -> int:
+    """Bytes the FSDP2 units' `HostBufferPool` objects keep (0 without one)."""
+    from automodel_distributed.checkpoint.host_memory import host_buffer_pools
+
+    pools = {id(pool): pool for part in parts for pool in host_buffer_pools(part)}
+    return sum(pool.nbytes for pool in pools.values())
+
+
+def measure_layout(plain: dict[str, Any], warm: dict[str, Any]) -> dict[str, float]:
+    """On each rank: one layout's setup and one steady-state training step; peak growth by phase (MiB).
+
+    Phases (each the peak since the start, so they only grow): ``setup`` (mesh, infrastructure, the
+    weights loaded into the shards, AdamW created), ``states`` (AdamW's states made by a step on zero
+    gradients, so the measured step is like every later one: the states exist during its forward and
+    backward), ``forward k`` / ``backward k`` per micro-batch outside pipelining (the model's forward
+    hooks), ``backward`` (the step's forward and backward), ``step`` (AdamW). ``pool`` is what the FSDP2
+    buffer pool keeps after the step. The same job on a tiny model runs first, unmeasured: it imports
+    what the real job uses (FSDP, DTensor, pipelining) and leaves a few MiB in the allocator.
+    """
+    import torch
     import torch.distributed as dist
 
     from automodel_all.cli import train
@@ -114,17 +164,27 @@ def measure_layouts(jobs: dict[str, dict[str, Any]]) -> dict[str, float]:
     from automodel_all.cli.yaml_source import RawJob
 
     train._quiet()
-    peaks: dict[str, float] = {}
-    first = next(iter(jobs))
-    # The first setup imports torch's FSDP, DTensor and pipelining modules: run it once unmeasured.
-    for name, plain in [("warm-up", jobs[first]), *jobs.items()]:
-        job = build_job(RawJob(sections=plain))
+    meter = _PhaseMeter(0)
+    for measured, plain_job in ((False, warm), (True, plain)):
+        job = build_job(RawJob(sections=plain_job))
         if dist.is_initialized():  # the first setup starts the process group
             dist.barrier()
-        base = _reset_peak()
+        gc.collect()
+        meter = _PhaseMeter(_reset_rss())
         run = train._setup(job)
-        import torch
-
+        meter.mark("setup")
+        params = [p for group in run.optimizer.param_groups for p in group["params"]]
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        run.optimizer.step()  # creates the states (zero gradients: AdamW's decay moves the weights a hair)
+        run.optimizer.zero_grad(set_to_none=True)
+        meter.mark("states")
+        handles = []
+        if run.pipeline is None and measured:
+            handles = [
+                run.model.register_forward_pre_hook(meter.before_forward),
+                run.model.register_forward_hook(meter.after_forward),
+            ]
         rows = torch.arange(run.resolved.rows_per_dp_rank)
         run_step(
             run.model if run.pipeline is None else None,
@@ -135,41 +195,67 @@ def measure_layouts(jobs: dict[str, dict[str, Any]]) -> dict[str, float]:
             pipeline=run.pipeline,
             cp_mesh=run.mesh if run.resolved.layout.cp > 1 else None,
         )
+        meter.mark("backward")
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
-        peaks[name] = (_status("VmHWM") - base) / MiB
+        meter.mark("step")
+        meter.phases["pool"] = _pool_bytes(run.parts) / MiB
+        for handle in handles:
+            handle.remove()
         del run
         dist.barrier()
-    peaks.pop("warm-up")
-    return peaks
+    return meter.phases
 
 
-def measure() -> list[dict[str, Any]]:
-    """Every layout: the estimate and the measured peak of the largest rank (MiB), with their ratio."""
-    from _launch import launch
+def measure(layouts: list[str] | None = None) -> list[dict[str, Any]]:
+    """Each layout in its own launch of fresh ranks under the launcher's defaults (mimalloc, the pool).
 
+    A fresh job per layout, as a user runs it: mimalloc keeps freed memory for reuse (never returned
+    before the rank exits), so a second layout in the same ranks would reuse the first one's memory
+    and show less growth. Returns per layout: the estimate, the measured peak of the largest rank
+    (MiB), their ratio and the largest rank's growth by phase.
+    """
+    from _launch import HOST_SETTINGS, launch
+
+    setting = HOST_SETTINGS[0]  # what `automodel train` does by default on CPU
+    assert setting.host_allocator == "mimalloc" and setting.tune_host_allocator, setting
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench-planner-") as tmp:
         jobs, estimates = _jobs(Path(tmp))
-        per_rank = launch(measure_layouts, RANKS, jobs, init_process_group=False, timeout_s=1800)
-    rows = []
-    for name in LAYOUTS:
-        measured = max(rank[name] for rank in per_rank)
-        rows.append(
-            {"layout": name, "estimate_mib": estimates[name], "measured_mib": measured,
-             "ratio": estimates[name] / measured}
-        )  # fmt: skip
+        for name in layouts or list(LAYOUTS):
+            plain = jobs[name]
+            warm = _tiny(plain, "__moe__" in LAYOUTS[name])
+            env = setting.env()
+            per_rank = launch(
+                measure_layout, RANKS, plain, warm, init_process_group=False, timeout_s=1800, env=env
+            )
+            worst = max(per_rank, key=lambda phases: phases["step"])
+            rows.append(
+                {"layout": name, "estimate_mib": estimates[name], "measured_mib": worst["step"],
+                 "ratio": estimates[name] / worst["step"], "phases_mib": worst,
+                 "allocator": setting.label}
+            )  # fmt: skip
     return rows
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
-    rows = measure()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", choices=list(LAYOUTS), help="layouts to measure")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    args = parser.parse_args()
+    rows = measure(args.only)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
     print(f"planner estimate vs measured peak per rank, {RANKS} CPU ranks, seq {SEQ}, model {MODEL}")
     print("| layout | estimate (MiB) | measured (MiB) | estimate / measured |")
     print("|---|---|---|---|")
     for row in rows:
         estimate, measured = row["estimate_mib"], row["measured_mib"]
         print(f"| {row['layout']} | {estimate:.0f} | {measured:.0f} | {row['ratio']:.2f} |")
+    print(f"\nmeasured under {rows[0]['allocator']}; growth of the largest rank by phase (MiB):")
+    for row in rows:
+        phases = ", ".join(f"{k} {v:.0f}" for k, v in row["phases_mib"].items())
+        print(f"  {row['layout']}: {phases}")
 
 
 if __name__ == "__main__":

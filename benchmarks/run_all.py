@@ -26,7 +26,7 @@ Sections (each one also runs alone as its own script, with more detail):
 A figure that depends on a setting of ours (the workers' malloc, ``launch.host_allocator``, and
 ``FSDP2Config.tune_host_allocator``, for every CPU row that trains through `FSDP2Manager`) is measured
 under each of `_launch.HOST_SETTINGS`, in the same run, and shown as one row per setting (the
-planner's measured peaks run on glibc's malloc only: that benchmark trims between layouts). Ratios are
+planner's measured peaks run under the defaults only: each layout in fresh ranks on mimalloc). Ratios are
 ours / baseline: below 1 is better for time and memory. On a CPU host (gloo), times are only
 meaningful as ratios between rows of the same run; they say nothing about GPU speed.
 """
@@ -288,9 +288,10 @@ def section_planner() -> list[Row]:
             ours=row["estimate_mib"],
             baseline=row["measured_mib"],
             unit="MiB",
-            notes="`automodel plan` total vs VmHWM growth over setup + 1 AdamW step, max over ranks; "
-            f"Llama 53M fp32, seq {bench_planner.SEQ}; measured on glibc's malloc with "
-            "tune_host_allocator=True (it trims between layouts)",
+            notes="`automodel plan` total vs VmHWM growth over setup + 1 steady-state AdamW step, max over "
+            f"ranks; {bench_planner.MODEL_LABEL}, seq {bench_planner.SEQ}; each layout in fresh ranks under "
+            f"{row['allocator']}; by phase (MiB): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in row["phases_mib"].items()),
         )
         for row in bench_planner.measure()
     ]

@@ -102,10 +102,10 @@ def test_peak_lines_device_fit_json_and_suggestions(capsys: pytest.CaptureFixtur
     from automodel_all.cli.peak import DEVICE_PRESETS, parse_device_memory
 
     report = _plan("--world-size", "4")
-    for line in ("parameters", "gradients", "optimizer", "gathered units", "activations", "total"):
+    lines = ("parameters", "gradients", "optimizer", "gathered units", "activations", "communication buffers")
+    for line in (*lines, "total"):
         assert _mib(report, line) > 0, line
-    parts = sum(_mib(report, line) for line in ("parameters", "gradients", "optimizer", "gathered units"))
-    assert _mib(report, "total") == pytest.approx(parts + _mib(report, "activations"), abs=0.05)
+    assert _mib(report, "total") == pytest.approx(sum(_mib(report, line) for line in lines), abs=0.05)
     # Full checkpointing keeps each block's input only: the activations shrink.
     ac = _plan("--world-size", "4", "--activation-checkpointing")
     assert _mib(ac, "activations") < _mib(report, "activations") / 2
@@ -125,6 +125,8 @@ def test_peak_lines_device_fit_json_and_suggestions(capsys: pytest.CaptureFixtur
     assert document["fits"] is True and document["peak"]["peak_bytes"] == sum(
         document["peak"]["lines"].values()
     )
+    peak = document["peak"]
+    assert peak["lines"]["communication buffers"] == sum(peak["communication_buffers_bytes"].values())
     suggestions = document["suggestions"]
     assert suggestions and len(suggestions) <= 5
     peaks = [(s["peak_bytes"], s["communication_total_bytes"]) for s in suggestions]
@@ -202,3 +204,37 @@ def test_the_vlm_example_plans_a_model_whose_text_config_has_no_causal_lm_class(
     assert "Qwen2_5_VLForConditionalGeneration" in report, report
     assert "freeze model.visual (freeze_config) before sharding" in report, report
     assert _mib(report, "activations") > 0
+
+
+def test_fsdp_buffers_and_accumulated_gradients_are_the_real_allocations() -> None:
+    """The FSDP2 lines for a known tiny model, from its units' sizes (what FSDP2 allocates)."""
+    from automodel_all.cli.plan import plan_report
+
+    def report(*argv: str) -> dict:
+        args = build_parser().parse_args(["plan", "--world-size", "2", *argv])
+        return plan_report(job_from_args(args), world_size=2)
+
+    # 8 rows per data-parallel rank in micro-batches of 4: two micro-batches, the reduce-scatter deferred.
+    two = report("--global-batch-size", "16", "--micro-batch-size", "4")
+    model, estimate = two["model"], two["estimate"]
+    size = lambda module: sum(p.numel() * p.element_size() for p in module.parameters())  # noqa: E731
+    embed, block, head = size(model.model.embed_tokens), size(model.model.layers[0]), size(model.lm_head)
+    norm = size(model.model.norm)
+    assert embed == head != block
+    # Root (the final norm), embedding, blocks one after another (two buffers), head (reuses the
+    # embedding's buffer): FSDP2's all-gather outputs and reduce-scatter inputs; the root's and the
+    # embedding's reduce-scatter outputs held into the next step.
+    fsdp = estimate.buffers["FSDP all-gather / reduce-scatter"]
+    assert fsdp == norm + embed + 2 * block + (norm + embed) // 2  # the last two reduced: one more each
+    assert estimate.lines["communication buffers"] == sum(estimate.buffers.values())
+    # The unsharded, unreduced gradients of the first micro-batch: the whole model (all trainable).
+    assert estimate.lines["accumulated gradients"] == size(model)
+    # One micro-batch per step, or no deferral: no accumulated copy.
+    one = report("--global-batch-size", "16", "--micro-batch-size", "8")["estimate"]
+    assert "accumulated gradients" not in one.lines
+    no_defer = "distributed.defer_fsdp_grad_sync=false"
+    eager = report("--global-batch-size", "16", "--micro-batch-size", "4", "--set", no_defer)["estimate"]
+    assert "accumulated gradients" not in eager.lines
+    # LoRA: the frozen base makes no gradient, so the fresh unit gradient is the adapters' only.
+    lora = report("--global-batch-size", "16", "--micro-batch-size", "4", "--lora")["estimate"]
+    assert lora.lines["gathered units"] < estimate.lines["gathered units"]

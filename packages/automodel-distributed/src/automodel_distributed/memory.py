@@ -11,7 +11,8 @@ entering a column-parallel layer, norms, residuals: replicated over ``tp`` unles
 which op produced each tensor so that selective checkpointing's save list
 (`SELECTIVE_AC_ALWAYS_SAVE_OPS`, every other `SELECTIVE_AC_MATMUL_OPS` op) can be applied to the
 profile. `activation_bytes` then combines a profile with a checkpointing mode and the number of
-micro-batches a pipeline rank holds at once; `fsdp_buffer_bytes` gives FSDP2's gathered units.
+micro-batches a pipeline rank holds at once; `fsdp_buffer_bytes` gives FSDP2's gathered units and
+`fsdp_comm_buffer_bytes` its all-gather / reduce-scatter buffers.
 
 No process group, no mesh axes: pure functions of the model config and the sizes given. transformers
 treats a fake tensor as tracing and takes its traceable path (an explicit causal mask, a few more saved
@@ -22,6 +23,7 @@ tensors), so the profile errs a few percent high against an eager forward
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,6 +42,7 @@ __all__ = [
     "BlockActivations",
     "activation_bytes",
     "fsdp_buffer_bytes",
+    "fsdp_comm_buffer_bytes",
     "profile_activations",
 ]
 
@@ -342,19 +345,68 @@ def activation_bytes(
     return int(in_flight * held) + max(recompute, 0) + outside
 
 
-def fsdp_buffer_bytes(unit_bytes: Sequence[int], *, shard: int, prefetch: int = 1) -> int:
-    """Bytes of FSDP2's gathered units at their peak: the largest ``1 + prefetch`` units, unsharded.
+def fsdp_buffer_bytes(
+    unit_bytes: Sequence[int],
+    *,
+    shard: int,
+    prefetch: int = 1,
+    unit_grad_bytes: Sequence[int] | None = None,
+    reshard: bool = True,
+) -> int:
+    """Bytes of FSDP2's gathered (unsharded) parameters at their peak, and the one fresh unit gradient.
 
-    During backward a gathered unit's gradients also exist unsharded until its reduce-scatter, so the
-    largest unit counts once more (its full-size gradient). With ``shard == 1`` nothing is gathered.
+    With ``reshard`` (units free their parameters after forward and backward): the largest
+    ``1 + prefetch`` units, the running one and the one backward gathers ahead; the running unit's
+    gradients also exist unsharded until its reduce-scatter copies them in, so the largest unit
+    gradient counts once more. Without ``reshard`` (``reshard_after_forward=False``, or under
+    pipelining, where no unit reshards before the last micro-batch's backward): every unit at once.
+    With ``shard == 1`` nothing is gathered.
 
     Args:
-        unit_bytes: Bytes of each FSDP unit's parameters, unsharded (blocks and the root's remainder).
+        unit_bytes: Bytes of each FSDP unit's parameters on this rank, unsharded over the FSDP axis.
         shard: Ranks each unit is sharded over (``dp_shard_cp``).
-        prefetch: Units gathered ahead of the one computing (FSDP2 prefetches one).
+        prefetch: Units gathered ahead of the one computing (FSDP2's backward prefetches one).
+        unit_grad_bytes: Bytes of each unit's trainable parameters, unsharded (default: all of
+            ``unit_bytes`` train); a frozen unit (LoRA's base) makes no gradient.
+        reshard: Whether units reshard after forward (see above).
     """
     if shard <= 1 or not unit_bytes:
         return 0
+    if not reshard:
+        return sum(unit_bytes)
     largest = sorted(unit_bytes, reverse=True)
-    gathered = sum(largest[: 1 + prefetch])
-    return gathered + largest[0]
+    grads = unit_bytes if unit_grad_bytes is None else unit_grad_bytes
+    return sum(largest[: 1 + prefetch]) + max(grads, default=0)
+
+
+def fsdp_comm_buffer_bytes(unit_bytes: Sequence[int], *, shard: int) -> int:
+    """Bytes of FSDP2's full-size collective buffers at their peak: all-gather outputs, reduce-scatter inputs.
+
+    Each unit's all-gather lands in one flat buffer of the unit's unsharded size, copied out into the
+    parameters; in forward FSDP2 frees it only after the next unit's all-gather (to overlap the copy),
+    so two units that run one after the other hold two at once. Each reduce-scatter copies the unit's
+    gradients into one flat buffer of the same size, kept until the next unit's reduce-scatter. Buffers
+    of one size and dtype are reused (the host `HostBufferPool` of
+    `automodel_distributed.checkpoint.host_memory` on CPU, which keeps them from step to step; the
+    caching allocator on GPU): per distinct unit size, two buffers when two consecutive units have that
+    size (a model's blocks), else one. Assumes gradients are reduced in the parameters' dtype (the
+    buffers are then shared by both collectives); the reduce-scatter *outputs* are the sharded
+    gradients themselves (the gradients line), but those of the two units reduced last in a step are
+    still held when the same units reduce in the next one: one more sharded buffer each.
+
+    Args:
+        unit_bytes: Each FSDP unit's parameter bytes on this rank, unsharded over the FSDP axis, in
+            the order the units run in forward.
+        shard: Ranks each unit is sharded over (``dp_shard_cp``); 1: no collective, no buffer.
+    """
+    if shard <= 1 or not unit_bytes:
+        return 0
+    count = dict.fromkeys(unit_bytes, 1)
+    for before, after in itertools.pairwise(unit_bytes):
+        if before == after:
+            count[before] = 2
+    # The reduce-scatter outputs of the two units reduced last in backward (the first two in forward
+    # order: the root and the embedding) are still referenced by FSDP2 when the same units reduce in
+    # the next step, so each gets a second sharded-size buffer (measured exactly on the pool).
+    last_reduced = sum(unit_bytes[:2]) // shard
+    return sum(size * n for size, n in count.items()) + last_reduced

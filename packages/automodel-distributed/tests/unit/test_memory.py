@@ -6,7 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from automodel_distributed.memory import activation_bytes, fsdp_buffer_bytes, profile_activations
+from automodel_distributed.memory import (
+    activation_bytes,
+    fsdp_buffer_bytes,
+    fsdp_comm_buffer_bytes,
+    profile_activations,
+)
 
 
 def _config() -> LlamaConfig:
@@ -78,5 +83,29 @@ def test_checkpointing_tp_and_sequence_parallel_each_shrink_the_activations() ->
 def test_fsdp_buffers_and_bad_sizes() -> None:
     assert fsdp_buffer_bytes([10, 30, 20], shard=4) == 30 + 20 + 30
     assert fsdp_buffer_bytes([10, 30], shard=1) == 0
+    # A frozen unit makes no gradient: the fresh gradient is the largest *trainable* unit's.
+    assert fsdp_buffer_bytes([10, 30, 20], shard=4, unit_grad_bytes=[10, 0, 5]) == 30 + 20 + 10
+    # Nothing reshards (pipelining, reshard_after_forward=False): every unit stays gathered.
+    assert fsdp_buffer_bytes([10, 30, 20], shard=4, reshard=False) == 60
+
+
+def test_fsdp_comm_buffers_are_two_per_size_of_consecutive_units_one_per_other_size() -> None:
+    from automodel_distributed.fsdp2 import plan_fsdp_units
+
+    model = AutoModelForCausalLM.from_config(_config())
+    units = [
+        sum(p.numel() * 4 for p in plan.module.parameters())
+        for plan in plan_fsdp_units(model, reshard_after_forward=None)
+    ]
+    embed, *blocks, head = units
+    assert embed == head and len(set(blocks)) == 1 and blocks[0] != embed
+    root = model.config.hidden_size * 4  # the final norm
+    # In forward order: the root, the embedding, the blocks (one after another), the head.
+    ordered = [root, *units]
+    # The root and the embedding reduce last: one more sharded buffer each.
+    last = (root + embed) // 2
+    assert fsdp_comm_buffer_bytes(ordered, shard=2) == root + embed + 2 * blocks[0] + last
+    assert fsdp_comm_buffer_bytes(ordered, shard=1) == 0
+    assert fsdp_comm_buffer_bytes([6, 8, 6], shard=2) == 6 + 8 + 7  # not consecutive: one buffer is reused
     with pytest.raises(ValueError, match="seq_len=30 must be divisible by cp=4"):
         profile_activations(_config(), micro_batch=1, seq_len=30, dtype=torch.float32, cp=4)

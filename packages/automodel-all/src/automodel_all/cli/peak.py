@@ -2,7 +2,8 @@
 
 Each line comes from the package that owns the piece: saved activations from the model's own forward
 on fake tensors (`automodel_distributed.memory.profile_activations`), FSDP2's gathered units
-(`automodel_distributed.memory.fsdp_buffer_bytes`), the in-flight micro-batches of a pipeline schedule
+(`automodel_distributed.memory.fsdp_buffer_bytes`) and their collective buffers
+(`automodel_distributed.memory.fsdp_comm_buffer_bytes`), the in-flight micro-batches of a pipeline schedule
 (`automodel_pipelining.schedules.in_flight_microbatches`), LoRA's extra activations
 (`automodel_peft.memory`), 4-bit base weights and FP8 casts (`automodel_quant.memory`). Parameters,
 gradients and AdamW state are counted per parameter by how the strategy shards it.
@@ -73,6 +74,8 @@ class PeakEstimate:
     notes: dict[str, str] = field(default_factory=dict)
     communication: dict[str, int] = field(default_factory=dict)
     """Collective -> bytes a rank sends per optimizer step."""
+    buffers: dict[str, int] = field(default_factory=dict)
+    """Mechanism -> bytes of the ``communication buffers`` line (`_communication_buffers`)."""
 
     @property
     def total(self) -> int:
@@ -91,6 +94,7 @@ class PeakEstimate:
             "peak_bytes": self.total,
             "lines": dict(self.lines),
             "notes": dict(self.notes),
+            "communication_buffers_bytes": dict(self.buffers),
             "communication_bytes": dict(self.communication),
             "communication_total_bytes": self.communication_total,
         }
@@ -179,20 +183,27 @@ def estimate_peak(
     # Parameters, gradients, optimizer state and FSDP units, per pipeline rank.
     params = [0.0] * pp
     grads = [0.0] * pp
+    accumulated = [0.0] * pp
     states = [0.0] * pp
-    units: list[dict[str, float]] = [{} for _ in range(pp)]
+    units: list[dict[tuple[int, str], float]] = [{} for _ in range(pp)]
+    unit_grads: list[dict[tuple[int, str], float]] = [{} for _ in range(pp)]
     linear_shapes: list[tuple[int, int]] = []
     adapted_inputs: dict[int, list[int]] = {}
     owner = {block: rank for rank, blocks in enumerate(owned) for block in blocks}
     first = "model.embed_tokens"
+    outer_units = _outer_units(model)
+    fsdp_axis = layout.dp_shard * cp
     for name, param in model.named_parameters():
         index = _layer_index(name)
         rank = owner.get(index, 0) if index is not None else (0 if name.startswith(first) else pp - 1)
         if pp == 1:
             rank = 0
-        shard = expert_shard if ".experts." in name else dense_shard
+        experts = ".experts." in name
+        shard = expert_shard if experts else dense_shard
+        # Ranks of the FSDP axis the parameter is sharded over (what FSDP gathers and reduce-scatters).
+        gathered_over = (layout.ep_shard if experts else fsdp_axis) if fsdp else 1
         if whole and name.startswith(whole):
-            shard = 1
+            shard, gathered_over = 1, 1
         p_div = g_div = o_div = float(shard)
         if job.strategy == "megatron_fsdp":
             p_div = shard if zero >= 3 else tp
@@ -207,8 +218,20 @@ def estimate_peak(
         ):
             size = float(quantized_weight_bytes(param.numel(), bits=base_weight_bits))
         params[rank] += size / p_div
-        unit = f"block{index}" if index is not None else "root"
-        units[rank][unit] = units[rank].get(unit, 0.0) + size / (tp if ".experts." not in name else 1)
+        # Its FSDP unit, in forward order: the root (gathered first), the embedding, each block and
+        # then its experts (a unit of their own on the ep_shard mesh), the head.
+        if index is not None:
+            unit = (2 + 2 * index + (1 if experts else 0), f"block{index}" + (".experts" if experts else ""))
+        else:
+            unit = next(
+                ((order, fqn) for order, fqn in outer_units if name.startswith(fqn + ".")), (0, "root")
+            )
+        if gathered_over > 1 or experts:
+            local = size / (shard / gathered_over)  # this rank's part, unsharded over the FSDP axis
+            units[rank][unit] = units[rank].get(unit, 0.0) + local
+            if param.requires_grad:
+                unit_grads[rank][unit] = unit_grads[rank].get(unit, 0.0) + local
+                accumulated[rank] += local
         if param.requires_grad:
             grads[rank] += param.numel() * param.element_size() / g_div
             states[rank] += param.numel() * 8 / o_div
@@ -225,6 +248,19 @@ def estimate_peak(
     else:
         micro_batch = job.train.micro_batch_size or resolved.rows_per_dp_rank
         n_micro = 1
+    # Micro-batches one optimizer step runs on a rank (gradient accumulation, or the pipeline's).
+    accumulation = n_micro if pipeline is not None else max(resolved.rows_per_dp_rank // micro_batch, 1)
+    # FSDP2 keeps each micro-batch's gradients unsharded and unreduced until the last one
+    # (defer_fsdp_grad_sync, also under pipelining): a full-size copy of the trainable parameters.
+    deferred = (
+        job.strategy == "fsdp2"
+        and accumulation > 1
+        and bool(getattr(job.distributed, "defer_fsdp_grad_sync", True))
+    )
+    # Units keep their parameters gathered after forward under pipelining (until the last
+    # micro-batch's backward) or with reshard_after_forward=False.
+    reshard_setting = getattr(job.distributed, "reshard_after_forward", None)
+    reshard = reshard_setting is not False and not (pipeline is not None and reshard_setting is None)
     seq_len = job.data.seq_len
     key = (micro_batch, seq_len, cp)
     cache = profile_cache if profile_cache is not None else {}
@@ -272,11 +308,24 @@ def estimate_peak(
         lines["gradients"] = int(grads[rank])
         lines["optimizer"] = int(states[rank])
         estimate.notes["optimizer"] = "AdamW: 2 fp32 states per trainable parameter"
+        if deferred and accumulated[rank]:
+            lines["accumulated gradients"] = int(accumulated[rank])
+            estimate.notes["accumulated gradients"] = (
+                f"unsharded, unreduced over {accumulation} micro-batches (defer_fsdp_grad_sync)"
+            )
+        ordered = [units[rank][key] for key in sorted(units[rank])]
         if fsdp:
             lines["gathered units"] = fsdp_buffer_bytes(
-                [int(v) for v in units[rank].values()], shard=layout.dp_shard * cp
+                [int(v) for v in ordered],
+                shard=fsdp_axis,
+                unit_grad_bytes=[int(unit_grads[rank].get(key, 0)) for key in sorted(units[rank])],
+                reshard=reshard,
             )
-            estimate.notes["gathered units"] = "the 2 largest FSDP units unsharded + 1 full-size gradient"
+            estimate.notes["gathered units"] = (
+                "the 2 largest FSDP units unsharded + 1 unit's full-size gradient"
+                if reshard
+                else "every FSDP unit of the rank stays unsharded (pipelining / reshard_after_forward=False)"
+            )
         lines["activations"] = acts
         estimate.notes["activations"] = (
             f"{len(blocks)} block(s), {mode or 'no'} checkpointing, {in_flight:g} micro-batch(es) in flight, "
@@ -296,22 +345,15 @@ def estimate_peak(
             )
         if job.fp8 is not None and job.fp8.enabled:
             lines["FP8 casts"] = fp8_transient_bytes(linear_shapes, tokens)
-        comm_buffers = 0
-        hidden = _config_int(model_config, "hidden_size")
-        if job.strategy == "ddp" and resolved.world_size > 1:
-            comm_buffers += int(grads[rank])  # DDP's gradient buckets are a second copy of the gradients
-        if tp > 1:
-            comm_buffers += tokens * hidden * element  # the gathered / reduced hidden states
-        if cp > 1:
-            kv = _config_int(model_config, "num_key_value_heads", "num_attention_heads")
-            head_dim = _config_int(
-                model_config,
-                "head_dim",
-                default=hidden // max(_config_int(model_config, "num_attention_heads", default=1), 1),
-            )
-            comm_buffers += 2 * 2 * tokens * kv * head_dim * element  # K and V, being sent and received
-        if comm_buffers:
-            lines["communication buffers"] = comm_buffers
+        buffers = _communication_buffers(
+            resolved, model_config, fsdp_units=ordered if fsdp else [], trainable_shard=grads[rank],
+            tokens=tokens, element=element, n_micro=n_micro, stages=stages_here, first_stage=rank == 0,
+            last_stage=rank == pp - 1,
+        )  # fmt: skip
+        estimate.buffers = buffers
+        if buffers:
+            lines["communication buffers"] = sum(buffers.values())
+            estimate.notes["communication buffers"] = ", ".join(buffers)
         estimate.communication = _communication(
             resolved, model_config, unsharded=sum(units[rank].values()), trainable_shard=grads[rank],
             blocks=len(blocks), tokens=tokens, element=element, n_micro=n_micro,
@@ -320,6 +362,74 @@ def estimate_peak(
             best = estimate
     assert best is not None
     return best
+
+
+def _outer_units(model: nn.Module) -> list[tuple[int, str]]:
+    """(forward order, FQN) of the FSDP units outside the blocks: `plan_fsdp_units`' embedding and head."""
+    from automodel_distributed.fsdp2 import plan_fsdp_units
+    from automodel_distributed.layers import find_transformer_blocks
+
+    try:
+        blocks = {fqn for fqn, _ in find_transformer_blocks(model)}
+        planned = plan_fsdp_units(model, reshard_after_forward=None)
+    except ValueError:
+        return []
+    seen_block = False
+    ordered: list[tuple[int, str]] = []
+    for plan in planned:
+        seen_block = seen_block or plan.fqn in blocks
+        if plan.fqn not in blocks:
+            ordered.append((1 << 30 if seen_block else 1, plan.fqn))  # before or after the blocks
+    return ordered
+
+
+def _communication_buffers(
+    resolved: ResolvedJob,
+    model_config: Any,
+    *,
+    fsdp_units: list[float],
+    trainable_shard: float,
+    tokens: int,
+    element: int,
+    n_micro: int,
+    stages: int,
+    first_stage: bool,
+    last_stage: bool,
+) -> dict[str, int]:
+    """Bytes of the buffers a rank's collectives hold at the peak, by mechanism (one micro-batch).
+
+    FSDP2's all-gather outputs and reduce-scatter inputs (`fsdp_comm_buffer_bytes`; pooled from
+    step to step on CPU), DDP's gradient buckets, the hidden states TP gathers or reduces, the K/V
+    blocks CP's ring sends and receives, the pipeline stage's receive buffers (one per micro-batch,
+    forward inputs and backward gradients, made once by torch's ``PipelineStage``) and the tokens
+    an expert-parallel all-to-all sends and receives.
+    """
+    from automodel_distributed.memory import fsdp_comm_buffer_bytes
+
+    job, layout = resolved.job, resolved.layout
+    hidden = _config_int(model_config, "hidden_size")
+    out: dict[str, int] = {}
+    fsdp = fsdp_comm_buffer_bytes([int(v) for v in fsdp_units], shard=layout.dp_shard * layout.cp)
+    if fsdp:
+        out["FSDP all-gather / reduce-scatter"] = fsdp
+    if job.strategy == "ddp" and resolved.world_size > 1:
+        out["DDP gradient buckets"] = int(trainable_shard)  # a second copy of the gradients
+    if layout.tp > 1:
+        out["TP gathered hidden states"] = tokens * hidden * element
+    if layout.cp > 1:
+        kv = _config_int(model_config, "num_key_value_heads", "num_attention_heads")
+        heads = _config_int(model_config, "num_attention_heads", default=1)
+        head_dim = _config_int(model_config, "head_dim", default=hidden // max(heads, 1))
+        out["CP ring K/V send + receive"] = 2 * 2 * tokens * kv * head_dim * element
+    if layout.pp > 1:
+        # Forward-input receive buffers on every stage but the first, gradient ones on every stage but
+        # the last, one per micro-batch each, for each of the rank's stages.
+        kinds = 2 * stages - (1 if first_stage else 0) - (1 if last_stage else 0)
+        out["PP receive buffers"] = kinds * n_micro * tokens * hidden * element
+    if layout.ep > 1:
+        topk = _config_int(model_config, "num_experts_per_tok", "top_k", default=1)
+        out["EP all-to-all send + receive"] = 2 * tokens * topk * hidden * element
+    return out
 
 
 def _communication(

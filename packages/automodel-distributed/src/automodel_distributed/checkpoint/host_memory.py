@@ -47,6 +47,7 @@ __all__ = [
     "PooledAllGather",
     "PooledReduceScatter",
     "configure_host_allocator",
+    "host_buffer_pools",
     "malloc_is_glibc",
     "pool_fsdp_buffers",
     "release_host_memory",
@@ -215,3 +216,19 @@ def pool_fsdp_buffers(model: torch.nn.Module) -> HostBufferPool:
             except ValueError:  # a unit with several parameter groups (per-parameter meshes) keeps torch's
                 continue
     return pool
+
+
+def host_buffer_pools(model: torch.nn.Module) -> list[HostBufferPool]:
+    """The `HostBufferPool` objects the FSDP2 units of ``model`` take their buffers from (none: unpooled).
+
+    Reads each unit's all-gather (FSDP2's parameter-group state, where ``set_custom_all_gather`` put
+    it); mutates nothing. Used to check the planner's collective-buffer term against the real pool.
+    """
+    pools: dict[int, HostBufferPool] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            comm = getattr(group, "_all_gather_comm", None)
+            if isinstance(comm, PooledAllGather):
+                pools[id(comm.pool)] = comm.pool
+    return list(pools.values())

@@ -1,0 +1,76 @@
+"""The planner's FSDP2 terms are the real allocations: checked against a real step on 2 gloo ranks.
+
+One launch, a tiny Llama under `FSDP2Manager` on CPU (the host buffer pool on, as by default), two
+optimizer steps of two micro-batches each with the reduce-scatter deferred to the last micro-batch:
+
+- after the first micro-batch's backward, the unsharded gradients FSDP2 keeps are exactly the full
+  trainable bytes (the planner's ``accumulated gradients`` line);
+- after the steps, the pool holds exactly `fsdp_comm_buffer_bytes` of the units (two full-size buffers
+  for the blocks, which run one after another, one for each other unit size, and a second
+  reduce-scatter output for the two units reduced last) plus the sharded gradients (the reduce-scatter
+  outputs, which the pool keeps too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from automodel_testing import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _fsdp_memory() -> dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    from automodel_distributed import FSDP2Manager
+    from automodel_distributed.checkpoint.host_memory import host_buffer_pools
+    from automodel_distributed.config import FSDP2Config
+    from automodel_distributed.memory import fsdp_comm_buffer_bytes
+    from automodel_mesh import MeshContext
+    from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
+
+    config = FSDP2Config(defer_fsdp_grad_sync=True)
+    manager = FSDP2Manager(config, MeshContext.build(config).device_mesh)
+    model = manager.parallelize(build_tiny_model("llama"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = make_batch(model.config.vocab_size, 4, 16, seed=1)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [g for g in groups if g is not None]  # in module order: the root, embedding, blocks, head
+    accumulated = []
+    for _ in range(2):
+        for micro in range(2):
+            manager.set_gradient_sync(model, is_last_microbatch=micro == 1)
+            rows = slice(2 * micro, 2 * micro + 2)
+            causal_lm_loss(model(input_ids=batch["input_ids"][rows]).logits, batch["labels"][rows]).backward()
+            if micro == 0:
+                grads = [fp.unsharded_param.grad for g in groups for fp in g.fsdp_params]
+                accumulated.append(sum(t.numel() * t.element_size() for t in grads if t is not None))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    world = dist.get_world_size()
+
+    def unit_bytes(group: Any) -> int:  # unsharded, with FSDP's dim-0 padding (none for these sizes)
+        return sum(fp.padded_sharded_param_size.numel() * world * 4 for fp in group.fsdp_params)
+
+    units = [unit_bytes(g) for g in groups]
+    return {
+        "accumulated": accumulated,
+        "trainable_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "pool": sum(pool.nbytes for pool in host_buffer_pools(model)),
+        "comm_buffers": fsdp_comm_buffer_bytes(units, shard=world),
+        "sharded_grads": sum(u // world for u in units),
+        "units": units,
+    }
+
+
+def test_fsdp_planner_terms_match_the_real_buffers() -> None:
+    for result in run_distributed(_fsdp_memory, 2, timeout_s=300):
+        units = result["units"]
+        assert len(units) >= 4 and len(set(units)) < len(units), units  # the blocks share one size
+        assert result["accumulated"] == [result["trainable_bytes"]] * 2, result
+        assert result["pool"] == result["comm_buffers"] + result["sharded_grads"], result
