@@ -21,7 +21,7 @@ import copy
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -82,6 +82,9 @@ class FSDPUnitPlan:
         gradient_divide_factor: Divide the reduced gradient by this instead of the unit mesh's size (a
             unit on its own mesh whose gradients hold other ranks' contributions, like experts).
         mp_policy: The unit's mixed precision; ``None``: the applier's.
+        unshard_in_backward: False when backward needs none of the unit's parameters (a plain
+            ``nn.Embedding``: its gradient comes from the token ids alone), so FSDP skips its all-gather
+            in backward (``FSDPModule.set_unshard_in_backward``).
     """
 
     fqn: str
@@ -91,6 +94,7 @@ class FSDPUnitPlan:
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None
     gradient_divide_factor: float | None = None
     mp_policy: MixedPrecisionPolicy | None = None
+    unshard_in_backward: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,7 +214,19 @@ def plan_fsdp_units(
         is_last_block = index == len(units) - 1 or (head is not None and index == len(units) - 2)
         return not is_last_block
 
-    return [FSDPUnitPlan(fqn, module, policy(i)) for i, (fqn, module) in enumerate(units)]
+    plans = [FSDPUnitPlan(fqn, module, policy(i)) for i, (fqn, module) in enumerate(units)]
+    if plans and plans[0].module is embed and _needs_no_weight_in_backward(embed):
+        plans[0] = replace(plans[0], unshard_in_backward=False)
+    return plans
+
+
+def _needs_no_weight_in_backward(module: nn.Module) -> bool:
+    """A plain ``nn.Embedding`` (its own ``forward``): backward reads the token ids, never the weight.
+
+    A subclass with its own forward (fake quantization, scaling) or a wrapper (a LoRA embedding, whose
+    adapter gradients need the adapter weights) keeps the all-gather in backward.
+    """
+    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
 
 
 def _enclosing_reshard(unit: FSDPUnitPlan, dense: Sequence[FSDPUnitPlan]) -> bool | int:
@@ -327,6 +343,9 @@ def apply_fsdp2(
             offload_policy=offload,
             ignored_params=ignored,
         )
+        if not unit.unshard_in_backward:
+            assert isinstance(unit.module, FSDPModule), "fully_shard makes the module an FSDPModule"
+            unit.module.set_unshard_in_backward(False)
     if wrap_root:
         # The root's own parameters (final norm, tied embeddings) are needed again at once by backward.
         fully_shard(

@@ -45,3 +45,19 @@ def test_manager_rejects_other_configs_and_meshes() -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.warns(UserWarning, match="one data-parallel rank"):
         assert FSDP2Manager(FSDP2Config(), MeshContext().device_mesh).parallelize(model) is model
+
+
+class _ScaledEmbedding(torch.nn.Embedding):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 2.0
+
+
+def test_only_a_plain_embedding_skips_its_backward_all_gather() -> None:
+    model = build_tiny_model("llama", meta=True, num_hidden_layers=3)
+    units = plan_fsdp_units(model, reshard_after_forward=None)
+    assert [u.unshard_in_backward for u in units] == [False, True, True, True, True]
+    # A forward of its own (scaling, fake quantization) may read the weight in backward: keep the gather.
+    old = model.get_input_embeddings()
+    with torch.device("meta"):
+        model.set_input_embeddings(_ScaledEmbedding(old.num_embeddings, old.embedding_dim))
+    assert all(u.unshard_in_backward for u in plan_fsdp_units(model, reshard_after_forward=None))
