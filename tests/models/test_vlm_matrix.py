@@ -164,7 +164,7 @@ def prepare_family(model_type: str, root: pathlib.Path) -> dict[str, Any]:
         path = root / model_type
         model.save_pretrained(path)
         torch.save({"inputs": inputs, "labels": labels}, path / "batch.pt")
-        _, info = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+        _, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True)
         if info["missing_keys"]:
             # transformers does not reload its own checkpoint here (shieldgemma2: its load renamings do
             # not invert its save renamings, so the language model is initialised anew): the reference
@@ -378,10 +378,7 @@ def _frozen_placement(model: Any, sharding: str) -> list[str]:
         sharded = [hasattr(p, "full_tensor") for p in tower.parameters()]
         units = [(n, m) for n, m in tower.named_modules() if n and isinstance(m, FSDPModule)]
         in_lists = {
-            id(child)
-            for m in tower.modules()
-            if isinstance(m, torch.nn.ModuleList)
-            for child in m.children()
+            id(child) for m in tower.modules() if isinstance(m, torch.nn.ModuleList) for child in m.children()
         }
         if sharding == "replicate" and (any(sharded) or units):
             problems.append(f"{fqn} replicate: {sum(sharded)} parameters sharded, {len(units)} FSDP units")
@@ -408,7 +405,9 @@ def _checkpointed_scope(model: Any, scope: str) -> list[str]:
     from automodel_mesh.modules import strip_wrapper_segments
 
     parts = model_parts(model)
-    wrapped = [strip_wrapper_segments(n) for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+    wrapped = [
+        strip_wrapper_segments(n) for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)
+    ]
     outside = [n for n in wrapped if parts.role_of(n) != scope]
     problems = [f"scope {scope}: blocks outside it are wrapped: {outside[:3]}"] if outside else []
     for fqn, _ in parts.parts.get(scope, ()):
@@ -454,9 +453,10 @@ def _save_back(model: Any, original: str, target: str) -> list[str]:
         hf = f"{target}-save-pretrained-rank{dist.get_rank()}"
         fresh.save_pretrained(hf)
         theirs, mine = _tensors(hf), _tensors(target)
-        differ = sorted(k for k in theirs.keys() | mine.keys() if k not in mine or not torch.equal(mine[k], theirs.get(k)))
+        differ = sorted(k for k in theirs.keys() | mine.keys() if k not in mine or k not in theirs)
+        differ += sorted(k for k in theirs.keys() & mine.keys() if not torch.equal(mine[k], theirs[k]))
         if differ:
-            problems.append(f"the saved checkpoint differs from save_pretrained's of the same weights: {differ[:3]}")
+            problems.append(f"saved tensors differ from save_pretrained's of the same weights: {differ[:3]}")
         return problems
     loaded = dict(AutoModelForImageTextToText.from_pretrained(target, dtype=torch.float32).named_parameters())
     differ = [n for n, t in ours.items() if n not in loaded or not torch.equal(loaded[n].detach(), t)]

@@ -5,9 +5,9 @@ that must stay whole), so no model family is named here. Models that declare not
 conventional block containers in `FALLBACK_BLOCK_CONTAINERS`. A multimodal tower whose block class is
 declared nowhere (GOT-OCR2's vision encoder: only the language model's layer is in
 ``_no_split_modules``) gets its blocks from its own structure (`tower_blocks`: the children of the
-outermost ``nn.ModuleList`` inside it whose entries are all one module class). Which layer group (language, vision,
-audio, multimodal projector) a block belongs to is read from its FQN with the markers in
-`LAYER_GROUP_MARKERS`; both tables are data, extended by adding entries.
+outermost ``nn.ModuleList`` inside it whose entries are all one module class). Which layer group
+(language, vision, audio, multimodal projector) a block belongs to is read from its FQN with the
+markers in `LAYER_GROUP_MARKERS`; both tables are data, extended by adding entries.
 
 Everything here only reads the model; nothing is mutated.
 """
@@ -309,4 +309,6 @@ def blockless_parts(model: nn.Module, roles: Iterable[str]) -> list[tuple[str, s
     if not found:
         return []
     blocks = [fqn for fqn, _ in find_transformer_blocks(model)]
-    return [(role, fqn) for role, fqn in found if not any(_inside(b, strip_wrapper_segments(fqn)) for b in blocks)]
+    return [
+        (role, fqn) for role, fqn in found if not any(_inside(b, strip_wrapper_segments(fqn)) for b in blocks)
+    ]

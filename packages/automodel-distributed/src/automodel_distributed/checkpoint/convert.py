@@ -547,9 +547,7 @@ def _saved_names(model: nn.Module, model_keys: Sequence[str], candidates: set[st
     saved = revert_weight_conversion(hf, dict(probes))
     by_tensor = {id(tensor): key for key, tensor in saved.items()}
     found = {
-        key: by_tensor[id(probe)]
-        for key, probe in probes.items()
-        if by_tensor.get(id(probe)) in candidates
+        key: by_tensor[id(probe)] for key, probe in probes.items() if by_tensor.get(id(probe)) in candidates
     }
     if found:
         logger.info(
