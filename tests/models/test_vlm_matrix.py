@@ -362,8 +362,8 @@ def _frozen_placement(model: Any, sharding: str) -> list[str]:
     Every tower counts (video_llava has an image tower and a video tower, both built from
     ``vision_config``): each must be wholly frozen; ``root``: sharded (DTensors), and no module inside
     it is an FSDP unit of its own (the root unit gathers it); ``per_layer``: sharded, with at least two
-    FSDP units inside it, each of them one of the children of a tower ``nn.ModuleList`` (a block), none
-    nested in another; ``replicate``: every tower parameter a whole tensor, no tower module an FSDP unit.
+    FSDP units inside it that are entries of a tower ``nn.ModuleList`` (blocks); ``replicate``: every
+    tower parameter a whole tensor, no tower module an FSDP unit.
     The units are counted from the modules themselves, not from the block discovery under test.
     """
     from torch.distributed.fsdp import FSDPModule
@@ -397,10 +397,11 @@ def _frozen_placement(model: Any, sharding: str) -> list[str]:
 
 
 def _checkpointed_scope(model: Any, scope: str) -> list[str]:
-    """Only blocks of the ``scope`` parts are checkpoint-wrapped, and each such part has some wrapped.
+    """Only blocks of the ``scope`` parts are checkpoint-wrapped, each such part has some, and every
+    entry of a block list holding a wrapper is wrapped too (no block of the list is left out).
 
-    Wrappers are counted from the modules themselves (``CheckpointWrapper`` instances held by an
-    ``nn.ModuleList``), so a run that wrapped nothing fails, whatever the block discovery says.
+    Wrappers are found from the modules themselves (``CheckpointWrapper`` instances), not from the block
+    discovery under test, so a run that wrapped nothing fails.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -408,17 +409,23 @@ def _checkpointed_scope(model: Any, scope: str) -> list[str]:
     from automodel_mesh.modules import strip_wrapper_segments
 
     parts = model_parts(model)
-    wrapped = [
-        strip_wrapper_segments(n) for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)
-    ]
+    real = [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+    wrapped = [strip_wrapper_segments(n) for n in real]
     outside = [n for n in wrapped if parts.role_of(n) != scope]
     problems = [f"scope {scope}: blocks outside it are wrapped: {outside[:3]}"] if outside else []
     for fqn, _ in parts.parts.get(scope, ()):
-        inside = [n for n in wrapped if n.startswith(fqn + ".")]
-        if not inside:
+        if not any(n.startswith(fqn + ".") for n in wrapped):
             problems.append(f"scope {scope}: nothing inside {fqn} is checkpoint-wrapped")
     if not parts.parts.get(scope):
         problems.append(f"scope {scope}: the model has no {scope} part")
+    for container in {n.rpartition(".")[0] for n in real}:
+        left = [
+            n
+            for n, m in model.get_submodule(container).named_children()
+            if not isinstance(m, CheckpointWrapper)
+        ]
+        if left:
+            problems.append(f"scope {scope}: {container} has unwrapped entries {left[:3]}")
     return problems
 
 
