@@ -111,18 +111,14 @@ def _blocks_by_container_name(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _block_class(module: nn.Module) -> type[nn.Module]:
-    """The class a block was built with, under checkpoint/compile wrappers and FSDP2's class swap."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(unwrap(module)).__mro__ if not issubclass(c, FSDPModule))
-
-
 def _repeated_children(module_list: nn.ModuleList) -> bool:
+    # Lazily: the checkpoint package is not needed to find blocks by their declared classes.
+    from automodel_distributed.checkpoint.convert import built_class
+
     children = list(module_list.children())
     return (
         len(children) > 0
-        and len({_block_class(c) for c in children}) == 1
+        and len({built_class(unwrap(c)) for c in children}) == 1
         # A list of leaves (a stack of Linears) is not a list of blocks: a block has layers inside.
         and all(any(True for _ in unwrap(c).children()) for c in children)
     )
