@@ -460,8 +460,9 @@ def _save_back(model: Any, original: str, target: str) -> list[str]:
         buffers = {n for n, _ in fresh.named_buffers()}
         if result.unexpected_keys or set(result.missing_keys) - buffers:
             problems.append(f"our parameters do not fit the model: {result}")
-        hf = f"{target}-save-pretrained-rank{dist.get_rank()}"
-        fresh.save_pretrained(hf)
+        hf = f"{target}-save-pretrained"
+        fresh.save_pretrained(hf)  # transformers writes on rank 0 only
+        dist.barrier()
         theirs, mine = _tensors(hf), _tensors(target)
         differ = sorted(k for k in theirs.keys() | mine.keys() if k not in mine or k not in theirs)
         differ += sorted(k for k in theirs.keys() & mine.keys() if not torch.equal(mine[k], theirs[k]))
