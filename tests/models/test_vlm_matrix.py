@@ -419,6 +419,8 @@ def _checkpointed_scope(model: Any, scope: str) -> list[str]:
     if not parts.parts.get(scope):
         problems.append(f"scope {scope}: the model has no {scope} part")
     for container in {n.rpartition(".")[0] for n in real}:
+        if not isinstance(model.get_submodule(container), torch.nn.ModuleList):
+            continue  # a declared block that is no list entry (CLIP's embeddings): no siblings to check
         left = [
             n
             for n, m in model.get_submodule(container).named_children()
