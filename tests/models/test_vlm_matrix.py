@@ -65,6 +65,9 @@ FAMILIES_ENV = "AUTOMODEL_VLM_MATRIX_FAMILIES"
 family; ``gemma3,llava``; or a slice ``0:30`` of the sorted registry). A run in chunks writes one report
 per chunk (`REPORT_ENV`); ``tools/models_doc.py`` merges the reports of one commit into one page."""
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+WEIGHTS = "reference_weights.pt"
+"""Written next to a checkpoint that transformers' ``from_pretrained`` does not reload whole: the saved
+model's own state dict, which the reference loads instead (`prepare_family`)."""
 INTRO = (
     "Every image-text-to-text family of transformers (`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`) x "
     "every layout, loaded from its `save_pretrained` checkpoint (the family's own key layout, renamed by "
@@ -74,7 +77,10 @@ INTRO = (
     "losses after two SGD steps (fp32, 1e-5). The `frozen` layouts freeze the vision tower with "
     "`freeze_config` and place it as `FSDP2Config.multimodal.frozen_sharding` says; they also check that "
     "the frozen tower gets no gradients and no optimizer state and does not move; `ac_vision` "
-    "checkpoints the vision tower's blocks only (`activation_checkpointing_scope`). A case works, is "
+    "checkpoints the vision tower's blocks only (`activation_checkpointing_scope`). Where transformers' "
+    "`from_pretrained` does not reload its own `save_pretrained` checkpoint (it reports tensors missing and "
+    "initialises them anew), the reference gets the saved weights with `load_state_dict` and the saved "
+    "checkpoint is compared with `save_pretrained`'s of the same weights. A case works, is "
     "**refused** (every rank raised the same `ValueError` from automodel) or fails (anything else). "
     "Training one from the command line (a folder of images with JSONL conversations): "
     "[`automodel train`](cli.md#vision-language-models); per-rank memory of a frozen tower under each "
@@ -161,6 +167,12 @@ def prepare_family(model_type: str, root: pathlib.Path) -> dict[str, Any]:
         path = root / model_type
         model.save_pretrained(path)
         torch.save({"inputs": inputs, "labels": labels}, path / "batch.pt")
+        _, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True)
+        if info["missing_keys"]:
+            # transformers does not reload its own checkpoint here (shieldgemma2: its load renamings do
+            # not invert its save renamings, so the language model is initialised anew): the reference
+            # and the save-back check then use the weights themselves (`_reference`, `_save_back`).
+            torch.save(model.state_dict(), path / WEIGHTS)
     return {"path": str(path)}
 
 
@@ -260,6 +272,9 @@ def _reference(layout: Layout, path: str, model: Any) -> Any:
     from automodel_testing import normalize_fqn, to_full
 
     ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    weights = pathlib.Path(path, WEIGHTS)
+    if weights.is_file():
+        ref.load_state_dict(torch.load(weights), strict=True)
     ref.train()
     if layout.freeze is not None:
         apply_freeze_config(ref, layout.freeze)
@@ -342,56 +357,84 @@ def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, pat
 
 
 def _frozen_placement(model: Any, sharding: str) -> list[str]:
-    """Where the frozen vision tower lives must be what ``frozen_sharding`` says.
+    """Where each frozen vision tower lives must be what ``frozen_sharding`` says.
 
-    ``root``: sharded (DTensors), and no module inside the tower is an FSDP unit of its own (the root
-    unit gathers it); ``per_layer``: sharded, and every tower block is its own FSDP unit;
-    ``replicate``: every tower parameter a whole tensor, no tower module an FSDP unit.
+    Every tower counts (video_llava has an image tower and a video tower, both built from
+    ``vision_config``): each must be wholly frozen; ``root``: sharded (DTensors), and no module inside
+    it is an FSDP unit of its own (the root unit gathers it); ``per_layer``: sharded, with at least two
+    FSDP units inside it that are entries of a tower ``nn.ModuleList`` (blocks); ``replicate``: every
+    tower parameter a whole tensor, no tower module an FSDP unit.
+    The units are counted from the modules themselves, not from the block discovery under test.
     """
     from torch.distributed.fsdp import FSDPModule
 
-    from automodel_distributed.layers import find_transformer_blocks
     from automodel_distributed.multimodal import model_parts
 
-    (tower,) = model_parts(model).modules("vision")
-    sharded = [hasattr(p, "full_tensor") for p in tower.parameters()]
-    units = [m for m in tower.modules() if isinstance(m, FSDPModule)]
-    blocks = [m for _, m in find_transformer_blocks(model) if any(m is t for t in tower.modules())]
+    towers = model_parts(model).parts.get("vision", ())
+    if not towers:
+        return ["the model has no vision tower to place"]
     problems = []
-    if sharding == "replicate" and (any(sharded) or units):
-        problems.append(f"replicate: {sum(sharded)} tower parameters sharded, {len(units)} tower FSDP units")
-    if sharding in ("root", "per_layer") and not all(sharded):
-        problems.append(f"{sharding}: {sharded.count(False)} tower parameters are not sharded")
-    if sharding == "root" and units:
-        problems.append(f"root: {len(units)} modules inside the tower are FSDP units of their own")
-    if sharding == "per_layer" and (not blocks or not all(isinstance(b, FSDPModule) for b in blocks)):
-        problems.append(f"per_layer: {len(blocks)} tower blocks, not each an FSDP unit")
+    for fqn, tower in towers:
+        learnable = [n for n, p in tower.named_parameters() if p.requires_grad]
+        if learnable:
+            problems.append(f"{fqn}: {len(learnable)} parameters not frozen, e.g. {learnable[:2]}")
+        sharded = [hasattr(p, "full_tensor") for p in tower.parameters()]
+        units = [(n, m) for n, m in tower.named_modules() if n and isinstance(m, FSDPModule)]
+        in_lists = {
+            id(child) for m in tower.modules() if isinstance(m, torch.nn.ModuleList) for child in m.children()
+        }
+        if sharding == "replicate" and (any(sharded) or units):
+            problems.append(f"{fqn} replicate: {sum(sharded)} parameters sharded, {len(units)} FSDP units")
+        if sharding in ("root", "per_layer") and not all(sharded):
+            problems.append(f"{fqn} {sharding}: {sharded.count(False)} parameters are not sharded")
+        if sharding == "root" and units:
+            problems.append(f"{fqn} root: {len(units)} modules inside it are FSDP units of their own")
+        if sharding == "per_layer":
+            blocks = [n for n, m in units if id(m) in in_lists]
+            if len(blocks) < 2:
+                problems.append(f"{fqn} per_layer: {len(blocks)} FSDP units are blocks of a ModuleList")
     return problems
 
 
 def _checkpointed_scope(model: Any, scope: str) -> list[str]:
-    """Exactly the blocks of the parts ``scope`` names are wrapped for activation checkpointing."""
+    """Only blocks of the ``scope`` parts are checkpoint-wrapped, each such part has some, and every
+    entry of a block list holding a wrapper is wrapped too (no block of the list is left out).
+
+    Wrappers are found from the modules themselves (``CheckpointWrapper`` instances), not from the block
+    discovery under test, so a run that wrapped nothing fails.
+    """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from automodel_distributed.layers import find_transformer_blocks
     from automodel_distributed.multimodal import model_parts
+    from automodel_mesh.modules import strip_wrapper_segments
 
     parts = model_parts(model)
-    wrapped, expected = set(), set()
-    for fqn, block in find_transformer_blocks(model):
-        if isinstance(block, CheckpointWrapper):
-            wrapped.add(fqn)
-        if parts.role_of(fqn) == scope:
-            expected.add(fqn)
-    if not expected or wrapped != expected:
-        return [f"scope {scope}: wrapped {sorted(wrapped ^ expected)[:3]} differ from the {scope} blocks"]
-    return []
+    real = [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+    wrapped = [strip_wrapper_segments(n) for n in real]
+    outside = [n for n in wrapped if parts.role_of(n) != scope]
+    problems = [f"scope {scope}: blocks outside it are wrapped: {outside[:3]}"] if outside else []
+    for fqn, _ in parts.parts.get(scope, ()):
+        if not any(n.startswith(fqn + ".") for n in wrapped):
+            problems.append(f"scope {scope}: nothing inside {fqn} is checkpoint-wrapped")
+    if not parts.parts.get(scope):
+        problems.append(f"scope {scope}: the model has no {scope} part")
+    for container in {n.rpartition(".")[0] for n in real}:
+        if not isinstance(model.get_submodule(container), torch.nn.ModuleList):
+            continue  # a declared block that is no list entry (CLIP's embeddings): no siblings to check
+        left = [
+            n
+            for n, m in model.get_submodule(container).named_children()
+            if not isinstance(m, CheckpointWrapper)
+        ]
+        if left:
+            problems.append(f"scope {scope}: {container} has unwrapped entries {left[:3]}")
+    return problems
 
 
 def _save_back(model: Any, original: str, target: str) -> list[str]:
     """Save the trained model as an HF checkpoint; it must have the original's keys and our weights."""
     import safetensors
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from automodel_distributed import save_hf_checkpoint
     from automodel_testing import normalize_fqn, to_full
@@ -411,11 +454,37 @@ def _save_back(model: Any, original: str, target: str) -> list[str]:
         problems.append(
             f"saved keys differ from save_pretrained's: {sorted(keys(target) ^ keys(original))[:4]}"
         )
+    if pathlib.Path(original, WEIGHTS).is_file():
+        # transformers cannot reload this checkpoint (`prepare_family`): compare the files with what
+        # save_pretrained writes for the same weights, tensor by tensor.
+        fresh = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(original))
+        result = fresh.load_state_dict(ours, strict=False)
+        buffers = {n for n, _ in fresh.named_buffers()}
+        if result.unexpected_keys or set(result.missing_keys) - buffers:
+            problems.append(f"our parameters do not fit the model: {result}")
+        hf = f"{target}-save-pretrained"
+        fresh.save_pretrained(hf)  # transformers writes on rank 0 only
+        dist.barrier()
+        theirs, mine = _tensors(hf), _tensors(target)
+        differ = sorted(k for k in theirs.keys() | mine.keys() if k not in mine or k not in theirs)
+        differ += sorted(k for k in theirs.keys() & mine.keys() if not torch.equal(mine[k], theirs[k]))
+        if differ:
+            problems.append(f"saved tensors differ from save_pretrained's of the same weights: {differ[:3]}")
+        return problems
     loaded = dict(AutoModelForImageTextToText.from_pretrained(target, dtype=torch.float32).named_parameters())
     differ = [n for n, t in ours.items() if n not in loaded or not torch.equal(loaded[n].detach(), t)]
     if differ:
         problems.append(f"the saved checkpoint reloads other weights: {differ[:3]}")
     return problems
+
+
+def _tensors(folder: str) -> dict[str, torch.Tensor]:
+    import safetensors.torch
+
+    out: dict[str, torch.Tensor] = {}
+    for file in pathlib.Path(folder).glob("*.safetensors"):
+        out.update(safetensors.torch.load_file(str(file)))
+    return out
 
 
 def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> None:

@@ -32,7 +32,8 @@ from torch.utils.checkpoint import (
 )
 
 from automodel_distributed.config import normalize_activation_checkpointing
-from automodel_distributed.layers import blocks_in_scope, find_transformer_blocks
+from automodel_distributed.layers import blockless_parts, blocks_in_scope, find_transformer_blocks
+from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, model_parts
 
 __all__ = [
     "SELECTIVE_AC_ALWAYS_SAVE_OPS",
@@ -41,6 +42,7 @@ __all__ = [
     "SUBMODULE_CHECKPOINT_ROLES",
     "apply_activation_checkpointing",
     "apply_submodule_checkpointing",
+    "check_checkpointing_scope",
     "disable_kv_cache",
     "ignore_annotations_in_selective_checkpointing",
     "resolve_checkpointing_mode",
@@ -227,6 +229,32 @@ def _set_child(model: nn.Module, fqn: str, child: nn.Module) -> None:
     setattr(parent, name, child)
 
 
+def check_checkpointing_scope(model: nn.Module, scope: tuple[str, ...]) -> None:
+    """Refuse a scope that names a tower with no blocks: it would silently wrap nothing there.
+
+    ``scope`` is normalised (`automodel_distributed.config.normalize_activation_checkpointing_scope`).
+    Reads only; no collective.
+
+    Raises:
+        ValueError: A tower in ``scope`` (``vision``, ``audio``; every tower for ``multimodal``) has no
+            block of `automodel_distributed.layers.find_transformer_blocks` (names the towers).
+    """
+    if scope == ("all",):
+        return
+    parts = model_parts(model).parts
+    towers = [role for role in parts if role not in (LANGUAGE, PROJECTOR)]
+    roles = [role for role in towers if role in scope or "multimodal" in scope]
+    bare = blockless_parts(model, roles)
+    if bare:
+        raise ValueError(
+            f"activation_checkpointing_scope={scope!r}: the {' and '.join(sorted({r for r, _ in bare}))} "
+            f"part(s) {[fqn for _, fqn in bare]} of {type(model).__name__} have no repeated blocks to "
+            "checkpoint (no class of `_no_split_modules` inside them and no nn.ModuleList of blocks); "
+            "leave them out of the scope (e.g. 'language'), or add the tower's block class to the model's "
+            "`_no_split_modules`"
+        )
+
+
 def apply_activation_checkpointing(
     model: nn.Module,
     *,
@@ -261,11 +289,13 @@ def apply_activation_checkpointing(
         ``model`` itself (its block containers now hold ``CheckpointWrapper`` modules).
 
     Raises:
-        ValueError: An unknown ``mode`` or scope, or a model without transformer blocks.
+        ValueError: An unknown ``mode`` or scope, a model without transformer blocks, or a scope naming
+            a tower that has no blocks (`automodel_distributed.layers.blockless_parts`).
     """
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing mode={mode!r} is not valid; use 'full' or 'selective'")
     blocks = blocks_in_scope(model, scope)
+    check_checkpointing_scope(model, scope)
     if not blocks:
         logger.warning(
             "activation checkpointing: no block of %s is in scope %s (blocks: %s); nothing wrapped",

@@ -38,6 +38,7 @@ from torch.distributed.fsdp import (
 
 from automodel_distributed.activation_checkpointing import (
     apply_activation_checkpointing,
+    check_checkpointing_scope,
     resolve_checkpointing_mode,
 )
 from automodel_distributed.compile import compile_blocks
@@ -48,8 +49,8 @@ from automodel_distributed.config import (
     MultimodalDistributedConfig,
     default_mp_policy,
 )
-from automodel_distributed.layers import find_transformer_blocks
-from automodel_distributed.multimodal import LANGUAGE, model_parts
+from automodel_distributed.layers import blockless_parts, find_transformer_blocks
+from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, model_parts
 from automodel_distributed.strategy import StrategyDefaults, nothing_is_sharded
 from automodel_mesh import MeshAxisName, MeshContext, MeshKind
 from automodel_mesh.modules import fqn_of
@@ -60,6 +61,7 @@ __all__ = [
     "FSDP2Manager",
     "FSDPUnitPlan",
     "apply_fsdp2",
+    "check_frozen_sharding",
     "frozen_towers",
     "plan_fsdp_units",
     "reshard_after_no_grad_forward",
@@ -173,6 +175,32 @@ def frozen_towers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def check_frozen_sharding(model: nn.Module, frozen_sharding: FrozenSharding) -> None:
+    """Refuse ``per_layer`` for a frozen tower that has no repeated blocks to make units of.
+
+    Such a tower (no class of ``_no_split_modules`` inside it and no ``nn.ModuleList`` of blocks,
+    `automodel_distributed.layers.tower_blocks`) would otherwise silently stay in the root unit. Reads
+    only; no collective.
+
+    Raises:
+        ValueError: ``frozen_sharding="per_layer"`` and such a tower is frozen (names the towers).
+    """
+    if frozen_sharding != "per_layer":
+        return
+    frozen = {fqn for fqn, _ in frozen_towers(model)}
+    if not frozen:
+        return
+    roles = [role for role in model_parts(model).parts if role not in (LANGUAGE, PROJECTOR)]
+    bare = [fqn for _, fqn in blockless_parts(model, roles) if fqn in frozen]
+    if bare:
+        raise ValueError(
+            f"FSDP2Config.multimodal.frozen_sharding='per_layer': the frozen tower(s) {bare} of "
+            f"{type(model).__name__} have no repeated blocks to shard one by one (no class of "
+            "`_no_split_modules` inside them and no nn.ModuleList of blocks); use frozen_sharding='root' "
+            "or 'replicate', or add the tower's block class to the model's `_no_split_modules`"
+        )
+
+
 def plan_fsdp_units(
     model: nn.Module,
     *,
@@ -191,7 +219,11 @@ def plan_fsdp_units(
     ``reshard_after_forward=None`` applies the usual heuristic: reshard every unit after forward except
     the last ones to run (the last block and the LM head), whose parameters backward needs at once; under
     pipelining nothing reshards, since each micro-batch's backward follows soon after its forward.
+
+    Raises:
+        ValueError: ``per_layer`` for a frozen tower without blocks (`check_frozen_sharding`).
     """
+    check_frozen_sharding(model, frozen_sharding)
     units: list[tuple[str, nn.Module]] = []
     get_in = getattr(model, "get_input_embeddings", None)
     embed = get_in() if callable(get_in) and not _is_tied(model) else None
@@ -493,14 +525,22 @@ class FSDP2Manager(StrategyDefaults):
         activation checkpointing still applies.
 
         Raises:
-            ValueError: Async TP on a host without CUDA, sequence parallelism with expert parallelism, a
-                TP plan / head-count problem, or a model the expert step cannot shard (all before any
-                collective; only a TP plan problem comes after the expert step's local, collective-free
-                change).
+            ValueError: ``frozen_sharding="per_layer"`` for a frozen tower without blocks
+                (`check_frozen_sharding`), a checkpointing scope naming such a tower
+                (`check_checkpointing_scope`), async TP on a host without CUDA, sequence parallelism with
+                expert parallelism, a TP plan / head-count problem, or a model the expert step cannot
+                shard (all before any collective; only a TP plan problem comes after the expert step's
+                local, collective-free change).
         """
         cfg = self.config
         self._warn_ignored()
         self._warn_no_frozen_tower(model)
+        check_frozen_sharding(model, cfg.multimodal.frozen_sharding)
+        mode = resolve_checkpointing_mode(cfg.activation_checkpointing)
+        scope = cfg.activation_checkpointing_scope
+        assert isinstance(scope, tuple), "FSDP2Config normalises the scope to a tuple"
+        if mode is not None:
+            check_checkpointing_scope(model, scope)  # before TP changes anything
         tp_size = self.mesh.tp_size
         if cfg.enable_async_tensor_parallel and tp_size > 1 and self.mesh.device_type != "cuda":
             raise ValueError(
@@ -527,10 +567,7 @@ class FSDP2Manager(StrategyDefaults):
                 sequence_parallel=cfg.sequence_parallel,
                 exclude=extra.tensor_parallel_exclude,
             )
-        mode = resolve_checkpointing_mode(cfg.activation_checkpointing)
         if mode is not None:
-            scope = cfg.activation_checkpointing_scope
-            assert isinstance(scope, tuple), "FSDP2Config normalises the scope to a tuple"
             apply_activation_checkpointing(model, mode=mode, scope=scope, save_ops=extra.checkpoint_save_ops)
 
         mp_policy = extra.mp_policy if extra.mp_policy is not None else self.mp_policy

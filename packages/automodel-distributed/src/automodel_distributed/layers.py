@@ -2,9 +2,12 @@
 
 Blocks are found from what transformers declares (``_no_split_modules``, the class names of the blocks
 that must stay whole), so no model family is named here. Models that declare nothing fall back to the
-conventional block containers in `FALLBACK_BLOCK_CONTAINERS`. Which layer group (language, vision,
-audio, multimodal projector) a block belongs to is read from its FQN with the markers in
-`LAYER_GROUP_MARKERS`; both tables are data, extended by adding entries.
+conventional block containers in `FALLBACK_BLOCK_CONTAINERS`. A multimodal tower whose block class is
+declared nowhere (GOT-OCR2's vision encoder: only the language model's layer is in
+``_no_split_modules``) gets its blocks from its own structure (`tower_blocks`: the children of the
+outermost ``nn.ModuleList`` inside it whose entries are all one module class). Which layer group
+(language, vision, audio, multimodal projector) a block belongs to is read from its FQN with the
+markers in `LAYER_GROUP_MARKERS`; both tables are data, extended by adding entries.
 
 Everything here only reads the model; nothing is mutated.
 """
@@ -16,16 +19,18 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 
-from automodel_distributed.multimodal import PROJECTOR, model_parts
+from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, ModelParts, model_parts
 from automodel_mesh.modules import strip_wrapper_segments, unwrap
 
 __all__ = [
     "FALLBACK_BLOCK_CONTAINERS",
     "LAYER_GROUP_MARKERS",
     "block_group",
+    "blockless_parts",
     "blocks_in_scope",
     "find_transformer_blocks",
     "no_split_module_names",
+    "tower_blocks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,6 +111,75 @@ def _blocks_by_container_name(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _repeated_children(module_list: nn.ModuleList) -> bool:
+    # Lazily: the checkpoint package is not needed to find blocks by their declared classes.
+    from automodel_distributed.checkpoint.convert import built_class
+
+    children = list(module_list.children())
+    return (
+        len(children) > 0
+        and len({built_class(unwrap(c)) for c in children}) == 1
+        # A list of leaves (a stack of Linears) is not a list of blocks: a block has layers inside.
+        and all(any(True for _ in unwrap(c).children()) for c in children)
+    )
+
+
+def tower_blocks(tower: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """The repeated blocks of a tower, read from its structure: no declaration needed.
+
+    They are the children of each outermost ``nn.ModuleList`` inside ``tower`` whose entries are all
+    instances of one class with sub-modules of their own (a vision encoder's ``layers``; lists nested in
+    such a block are parts of the block). Wrapped blocks are returned as the wrapper, under the
+    unwrapped FQN, as in `find_transformer_blocks`. Reads only.
+
+    Args:
+        tower: The tower module.
+        prefix: The tower's FQN in the model (prepended to the returned FQNs).
+
+    Returns:
+        ``(fqn, module)`` pairs in registration order; empty when the tower has no such list.
+    """
+    found: list[tuple[str, nn.Module]] = []
+    inside: list[str] = []
+    for fqn, module in tower.named_modules():
+        if any(fqn.startswith(p) for p in inside) or not isinstance(module, nn.ModuleList):
+            continue
+        if _repeated_children(module):
+            base = strip_wrapper_segments(f"{prefix}.{fqn}" if prefix else fqn)
+            found.extend((f"{base}.{name}", child) for name, child in module.named_children())
+            inside.append(fqn + ".")
+    return found
+
+
+def _towers(parts: ModelParts) -> list[tuple[str, nn.Module]]:
+    return [
+        (fqn, module)
+        for role, items in parts.parts.items()
+        if role not in (LANGUAGE, PROJECTOR)
+        for fqn, module in items
+    ]
+
+
+def _inside(fqn: str, prefix: str) -> bool:
+    return fqn == prefix or fqn.startswith(prefix + ".")
+
+
+def _with_undeclared_tower_blocks(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]]:
+    """``blocks`` plus the structural blocks (`tower_blocks`) of every tower holding none of them."""
+    extra: list[tuple[str, nn.Module]] = []
+    for fqn, tower in _towers(model_parts(model)):
+        prefix = strip_wrapper_segments(fqn)
+        if not any(_inside(b, prefix) for b, _ in blocks):
+            extra.extend(tower_blocks(tower, fqn))
+    if not extra:
+        return blocks
+    # Back into module (forward) order.
+    order = {id(module): i for i, module in enumerate(model.modules())}
+    return sorted([*blocks, *extra], key=lambda item: order[id(item[1])])
+
+
 def find_transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Return the repeated transformer blocks of ``model`` with their FQNs, in forward order.
 
@@ -117,7 +191,9 @@ def find_transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ``_checkpoint_wrapped_module.``), so that applying a wrapper twice is easy to detect. peft-wrapped
     models work: their FQNs start with ``base_model.model.``. When the model declares no
     ``_no_split_modules`` (or none of the declared classes is present), the children of every
-    ``nn.ModuleList`` named as in `FALLBACK_BLOCK_CONTAINERS` are taken instead.
+    ``nn.ModuleList`` named as in `FALLBACK_BLOCK_CONTAINERS` are taken instead. A multimodal tower
+    (`automodel_distributed.multimodal.model_parts`) that holds none of the declared blocks adds the
+    blocks its structure shows (`tower_blocks`).
 
     "Forward order" is module registration order, which is the order in which transformers decoders run
     their layers.
@@ -137,7 +213,7 @@ def find_transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if declared:
         blocks = _blocks_by_class_name(model, declared)
         if blocks:
-            return blocks
+            return _with_undeclared_tower_blocks(model, blocks)
         logger.warning(
             "%s declares _no_split_modules %s but no sub-module has one of those classes; falling back to "
             "the block containers %s",
@@ -211,3 +287,24 @@ def blocks_in_scope(model: nn.Module, scope: tuple[str, ...]) -> list[tuple[str,
         return "multimodal" if role == PROJECTOR else role
 
     return [(fqn, module) for fqn, module in blocks if group(fqn) in wanted]
+
+
+def blockless_parts(model: nn.Module, roles: Iterable[str]) -> list[tuple[str, str]]:
+    """The parts of ``model`` with one of ``roles`` that hold no block of `find_transformer_blocks`.
+
+    A tower listed here cannot be sharded per block nor checkpointed by block: callers refuse those
+    settings for it (`automodel_distributed.fsdp2.plan_fsdp_units`,
+    `automodel_distributed.activation_checkpointing.apply_activation_checkpointing`). Reads only.
+
+    Returns:
+        ``(role, fqn)`` pairs in module order (empty when every such part has blocks or none exists).
+    """
+    wanted = set(roles)
+    parts = model_parts(model)
+    found = [(role, fqn) for role, items in parts.parts.items() if role in wanted for fqn, _ in items]
+    if not found:
+        return []
+    blocks = [fqn for fqn, _ in find_transformer_blocks(model)]
+    return [
+        (role, fqn) for role, fqn in found if not any(_inside(b, strip_wrapper_segments(fqn)) for b in blocks)
+    ]

@@ -290,3 +290,35 @@ def test_buffers_come_from_the_models_own_construction(family: str, tmp_path: Pa
     for (name, ours), (_, theirs) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
     torch.testing.assert_close(_logits(model), _logits(reference), rtol=0, atol=0)
+
+
+def test_keys_save_pretrained_writes_load_where_transformers_renamings_miss_them(tmp_path: Path) -> None:
+    """A Gemma 3 model with a ShieldGemma 2 config: from_pretrained misses its language model, we do not.
+
+    transformers saves the language model as ``model.language_model.model.*`` and on load applies
+    ShieldGemma 2's prefix change first, so its own round trip leaves those tensors missing (initialised
+    anew). Our loader finds them by the save direction; our save writes what save_pretrained writes.
+    """
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from automodel_distributed.checkpoint import save_hf_checkpoint
+    from automodel_testing.tiny import derive_tiny_config
+
+    torch.manual_seed(0)
+    original = AutoModelForImageTextToText.from_config(derive_tiny_config("shieldgemma2"))
+    original.save_pretrained(tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    saved = load_file(next((tmp_path / "hf").glob("*.safetensors")))
+    renamed = [k for k in saved if ".language_model.model." in k]
+    assert renamed and len(info["missing_keys"]) == len(renamed)  # transformers' own round trip misses them
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(tmp_path / "hf"))
+    report = load_hf_checkpoint(model, tmp_path / "hf")
+    assert not report.missing and not report.unexpected
+    expected = original.state_dict()
+    assert all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())
+    save_hf_checkpoint(model, tmp_path / "ours")
+    ours, theirs = (load_file(next((tmp_path / d).glob("*.safetensors"))) for d in ("ours", "hf"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

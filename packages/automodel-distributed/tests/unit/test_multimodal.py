@@ -113,3 +113,76 @@ def test_checkpointing_scopes_follow_the_parts(model_type: str) -> None:
     assert len(vision) >= 4 and len(language) >= 4
     assert {parts.role_of(fqn) for fqn, _ in vision} == {"vision"}
     assert {parts.role_of(fqn) for fqn, _ in language} == {"language"}
+
+
+def _undeclared(tower_fqn: str, module: nn.Module) -> bool:
+    from automodel_distributed.layers import no_split_module_names
+
+    declared = no_split_module_names(module)
+    return not any(type(m).__name__ in declared for m in module.get_submodule(tower_fqn).modules())
+
+
+@pytest.mark.parametrize("model_type", ["got_ocr2", "pp_chart2table"])
+def test_undeclared_tower_blocks_come_from_the_towers_structure(model_type: str) -> None:
+    from automodel_distributed.activation_checkpointing import apply_activation_checkpointing
+    from automodel_distributed.layers import blocks_in_scope
+
+    model = _vlm(model_type)
+    (tower,) = [fqn for fqn, _ in model_parts(model).parts["vision"]]
+    assert _undeclared(tower, model)  # the premise: its block class is in no _no_split_modules
+    layers = [n for n, m in model.get_submodule(tower).named_modules() if isinstance(m, nn.ModuleList)]
+    expected = [
+        f"{tower}.{lst}.{i}" for lst in layers for i in range(len(model.get_submodule(f"{tower}.{lst}")))
+    ]
+    assert [fqn for fqn, _ in blocks_in_scope(model, ("vision",))] == expected and len(expected) >= 4
+    apply_freeze_config(model, {"freeze_embeddings": False})
+    units = [u.fqn for u in plan_fsdp_units(model, reshard_after_forward=None, frozen_sharding="per_layer")]
+    assert [u for u in units if u.startswith(tower + ".")] == expected
+    apply_activation_checkpointing(model, mode="full", scope=("vision",))
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+    assert wrapped == expected
+
+
+def _blockless_got_ocr2() -> nn.Module:
+    """GOT-OCR2 with its vision encoder's block list emptied: a tower with no repeated blocks."""
+    model = _vlm("got_ocr2")
+    model.model.vision_tower.layers = nn.ModuleList()
+    return model
+
+
+def test_per_layer_is_refused_for_a_frozen_tower_without_blocks() -> None:
+    model = _blockless_got_ocr2()
+    apply_freeze_config(model, {"freeze_embeddings": False})
+    refusal = r"frozen_sharding='per_layer'.*model\.vision_tower.*'root' or 'replicate'"
+    with pytest.raises(ValueError, match=refusal):
+        plan_fsdp_units(model, reshard_after_forward=None, frozen_sharding="per_layer")
+    for sharding in ("root", "replicate"):
+        plan_fsdp_units(model, reshard_after_forward=None, frozen_sharding=sharding)  # accepted
+
+
+@pytest.mark.parametrize("scope", [("vision",), ("multimodal",), ("language", "vision")])
+def test_a_checkpointing_scope_naming_a_tower_without_blocks_is_refused(scope: tuple[str, ...]) -> None:
+    from automodel_distributed.activation_checkpointing import apply_activation_checkpointing
+
+    model = _blockless_got_ocr2()
+    refusal = r"activation_checkpointing_scope=.*model\.vision_tower.*_no_split_modules"
+    with pytest.raises(ValueError, match=refusal):
+        apply_activation_checkpointing(model, mode="full", scope=scope)
+    apply_activation_checkpointing(model, mode="full", scope=("language",))  # accepted
+
+
+def test_both_towers_of_video_llava_are_vision_parts_and_frozen() -> None:
+    model = _vlm("video_llava")
+    towers = dict(model_parts(model).parts["vision"])
+    assert set(towers) == {"model.image_tower", "model.video_tower"}
+    apply_freeze_config(model, {"freeze_embeddings": False})
+    for fqn in towers:
+        assert not any(p.requires_grad for p in model.get_submodule(fqn).parameters())
+    assert {fqn for fqn, _ in frozen_towers(model)} >= set(towers)
+    units = plan_fsdp_units(model, reshard_after_forward=None, frozen_sharding="per_layer")
+    for fqn in towers:
+        assert sum(1 for u in units if u.fqn.startswith(fqn + ".encoder.layers.")) == 4
+    units = plan_fsdp_units(model, reshard_after_forward=None, frozen_sharding="root")
+    assert not [u.fqn for u in units if any(u.fqn.startswith(f + ".") for f in towers)]

@@ -491,12 +491,13 @@ def plan_conversions(
     # transformers' lookups only test `.get(key) is not None`
     lookup: dict[str, bool] = dict.fromkeys(model_keys, True)
     gathered: dict[str, tuple[Any, dict[str, list[Source]]]] = {}
+    unmatched: list[str] = []
     for key in sorted(keys, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, base_model_prefix, lookup)
         if renamed not in lookup and key in lookup:
             renamed, pattern = key, None
         if renamed not in lookup:
-            plan.unmatched.append(own.get(key, key))
+            unmatched.append(key)
         elif pattern is None:
             if renamed in plan.direct:
                 raise ValueError(
@@ -518,7 +519,45 @@ def plan_conversions(
                 f"model tensor {target!r} cannot be built from its checkpoint tensors (found per pattern: "
                 f"{counts}): {exc}. Is an expert missing from the checkpoint, or is it for another config?"
             ) from None
+    uncovered = [k for k in model_keys if k not in plan.direct and k not in plan.fused]
+    if unmatched and uncovered and model is not None:
+        for model_key, key in _saved_names(model, uncovered, set(unmatched)).items():
+            plan.direct[model_key] = own.get(key, key)
+            unmatched.remove(key)
+    plan.unmatched.extend(own.get(key, key) for key in unmatched)
     return plan
+
+
+def _saved_names(model: nn.Module, model_keys: Sequence[str], candidates: set[str]) -> dict[str, str]:
+    """Model key -> the checkpoint key ``save_pretrained`` writes for it, where that is a candidate.
+
+    transformers' load renamings do not always invert its save renamings: a Gemma 3 model holding a
+    ShieldGemma 2 config saves its language model as ``model.language_model.model.*`` and, on load,
+    first applies ShieldGemma 2's prefix change (meant for the classifier that wraps that model), so
+    ``from_pretrained`` reports those tensors missing and initialises them anew. transformers' own save
+    direction (``revert_weight_conversion``, on meta tensors) names the key that holds each of them.
+    Only renamings are taken: a renamed tensor comes back as the very object that went in, a converted
+    one (split, fused) does not.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    hf: Any = _as_built(model)
+    shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    probes = {key: torch.empty(shapes.get(key, (1,)), device="meta") for key in model_keys}
+    saved = revert_weight_conversion(hf, dict(probes))
+    by_tensor = {id(tensor): key for key, tensor in saved.items()}
+    found = {
+        key: by_tensor[id(probe)] for key, probe in probes.items() if by_tensor.get(id(probe)) in candidates
+    }
+    if found:
+        logger.info(
+            "%d tensors of %s load from the keys save_pretrained writes for them, which transformers' "
+            "load renamings do not map back (e.g. %s <- %s)",
+            len(found),
+            type(model).__name__,
+            *next(iter(found.items())),
+        )
+    return found
 
 
 def _sliceable(node: Node) -> bool:
