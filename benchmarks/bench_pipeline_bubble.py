@@ -245,6 +245,8 @@ def analyze(per_rank: list[dict[str, Any]], microbatches: int) -> list[dict[str,
                 parts["wait"][r].append(totals["wait"])
                 parts["post"][r].append(totals["post"])
                 parts["other"][r].append(step_s - totals["compute"] - totals["wait"] - totals["post"])
+                # The previous definition: the idle fraction of the rank's own step (start to its own end).
+                parts["own_fraction"][r].append(1.0 - totals["compute"] / (s["end"] - s["start"]))
                 for k, label, b, e in s["events"]:
                     if k == "compute":
                         key = (num_stages - 1, "loss") if label == ("loss",) else label[:2]
@@ -273,6 +275,8 @@ def analyze(per_rank: list[dict[str, Any]], microbatches: int) -> list[dict[str,
                 "other_s": mean["other"],
                 "step_s": statistics.mean(mean["step"]),
                 "ratio": sum(mean["idle"]) / sum(theory),
+                "own_fraction_ratio": statistics.mean(mean["own_fraction"])
+                / ((pp - 1) / (v * microbatches + pp - 1)),
                 "model_s": _replay(orders, durations, num_stages, message_s),
                 "model_no_comm_s": _replay(orders, durations, num_stages, 0.0),
                 "message_s": message_s,
@@ -312,6 +316,10 @@ def main() -> None:
             f"{ms(row['post_s']):>10}{ms(row['other_s']):>9}{ms(row['model_s']):>11}"
             f"{ms(row['model_no_comm_s']):>11}{row['step_s'] * 1e3:>7.0f}"
         )
+    print(
+        "previous definition (idle fraction of each rank's own step / (p - 1) / (v m + p - 1)): "
+        + ", ".join(f"{row['schedule']} {row['own_fraction_ratio']:.2f}" for row in rows)
+    )
     for row in rows:
         ops = ", ".join(f"{name} {t * 1e3:.1f}" for name, t in row["op_s"].items())
         print(f"  {row['schedule']} op times (ms, median): {ops}")

@@ -18,8 +18,8 @@ Sections (each one also runs alone as its own script, with more detail):
 - ``imports``: ``import automodel_<x>`` against ``import torch`` (`bench_import_time.py`);
 - ``readers``: our safetensors slice reader against ``safe_open(...).get_slice`` and DCP's
   ``HuggingFaceStorageReader`` (`bench_safetensors_reader.py`, which also runs the 1.2B checkpoint);
-- ``schedules``: pipeline bubble against the schedules' theory, expert parallelism against replicated
-  experts (`bench_pipeline_bubble.py`, `bench_moe_ep.py`);
+- ``schedules``: pipeline idle per step against the textbook bubble of the same compute, expert
+  parallelism against replicated experts (`bench_pipeline_bubble.py`, `bench_moe_ep.py`);
 - ``vlm``: per-rank bytes of a frozen vision tower under each ``multimodal.frozen_sharding`` against
   the unsharded tower (`bench_vlm_frozen.py`).
 
