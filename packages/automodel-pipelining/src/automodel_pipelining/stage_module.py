@@ -30,6 +30,7 @@ the full model must not be used afterwards (its blocks belong to the stages).
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import types
 import typing
@@ -308,12 +309,25 @@ def _check_kwargs(spec: StageForwardSpec, kwargs: dict[str, Any]) -> None:
         )
 
 
-def _accepted(forward: Any, call: dict[str, Any]) -> dict[str, Any]:
-    """``call`` without the keywords ``forward`` does not take (position ids of a model without positions)."""
+@functools.cache
+def _keywords_taken(forward: Any) -> frozenset[str] | None:
+    """The keyword names ``forward`` takes; ``None`` when it takes ``**kwargs``.
+
+    Cached per function: the stage forward runs once per microbatch, and reading a signature costs
+    about 0.2 ms (a few percent of a small stage's forward on CPU).
+    """
     parameters = inspect.signature(forward).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return frozenset(parameters)
+
+
+def _accepted(forward: Any, call: dict[str, Any]) -> dict[str, Any]:
+    """``call`` without the keywords ``forward`` does not take (position ids of a model without positions)."""
+    taken = _keywords_taken(forward)
+    if taken is None:
         return call
-    return {k: v for k, v in call.items() if k in parameters}
+    return {k: v for k, v in call.items() if k in taken}
 
 
 def _stage_forward(
