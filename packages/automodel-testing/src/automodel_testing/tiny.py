@@ -371,7 +371,8 @@ def _tiny_fields(config_class: type, defaults: Mapping[str, Any]) -> dict[str, A
         if _is_int(defaults.get(name)) and _is_int(defaults.get(hidden)):
             fields[name] = _scaled(fields.get(hidden, HIDDEN_SIZE), defaults[name], defaults[hidden])
     for name, value in defaults.items():
-        if isinstance(value, float) and ("dropout" in name or "jitter" in name or name.endswith("pdrop")):
+        # "drop" covers dropout, attn_pdrop, drop_path_rate (stochastic depth), layerdrop, drop_connect_rate
+        if isinstance(value, float) and ("drop" in name or "jitter" in name):
             fields[name] = 0.0
         elif name.endswith(("token_id", "token_ids", "token_index")):
             fields[name] = _token_ids(value)
