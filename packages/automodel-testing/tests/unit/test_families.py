@@ -120,8 +120,8 @@ def test_no_tiny_vlm_config_keeps_a_random_layer() -> None:
     for family in vlm_families():
         try:
             config = derive_tiny_config(family.model_type)
-        except ValueError:
-            continue  # a family without a derivable config is reported by the matrix itself
+        except Exception:  # transformers' own validators (not all ValueErrors) refuse some tiny configs
+            continue  # the matrix reports such a family itself
         left.update({f"{family.model_type}.{k}": v for k, v in _random_fields(config.to_dict()).items()})
     assert left == {}
 
