@@ -22,7 +22,8 @@ exception, a difference, a refusal on some ranks only). A failure fails the test
 difference. The default run (``distributed`` marker) runs `FAST_FAMILIES` under every layout without
 experts and `EP_FAST_FAMILIES` under `EP_FAST_LAYOUTS`, one launch per layout; ``uvx nox -s models``
 runs every family (``models`` marker; the expert-parallel layouts over the MoE families) and writes the
-JSON that ``tools/models_doc.py`` turns into docs/models.md and the table of docs/moe.md.
+JSON that ``tools/models_doc.py`` turns into docs/models.md and the table of docs/moe.md. A run in chunks
+selects families with `FAMILIES_ENV` and layouts with ``-k``, each chunk into its own report.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import pathlib
 import subprocess
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ from automodel_testing.matrix import (
     prepare_checkpoints,
     record_families,
     refusal,
+    select_families,
     sgd_parity,
     squared_grad_sum,
 )
@@ -61,6 +63,10 @@ ATOL = 1e-5
 """fp32 tolerance of logits, losses and the gradient norm (observed differences are ~1e-7)."""
 REPORT_ENV = "AUTOMODEL_MODEL_MATRIX_REPORT"
 """Where the ``models`` session's run writes its JSON (default: build/models/matrix.json)."""
+FAMILIES_ENV = "AUTOMODEL_MODEL_MATRIX_FAMILIES"
+"""Which families the ``models`` run covers (`automodel_testing.matrix.select_families`: unset, every
+family; ``jetmoe,llama4_text``; or a slice ``0:40`` of the registry). The report then lists the families
+it ran, and the page says which ones it did not."""
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 FAST_FAMILIES: tuple[str, ...] = (
@@ -368,6 +374,23 @@ def _run_family(layout: Layout, ctx: Any, path: str) -> dict[str, Any]:
         return refusal(exc)
 
 
+def _check_experts_sharded(parts: list[Any], ep_size: int, pipelined: bool) -> None:
+    """Every experts module this rank holds is cut over ``ep`` (parity alone would pass with EP off)."""
+    from torch.distributed.tensor import DTensor
+
+    from automodel_moe import find_experts
+
+    sites = [site for part in parts for site in find_experts(part)]
+    assert sites or pipelined, "expert parallelism: this rank holds no experts module"
+    for site in sites:
+        local = getattr(site.core, site.num_experts_attr)
+        assert local * ep_size == site.num_experts, (site.fqn, local, site.num_experts)
+        for name in site.params:
+            param = site.core._parameters[name]
+            mesh_dims = (param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else ()
+            assert "ep" in mesh_dims, f"{site.fqn}.{name} is not sharded over ep (mesh dims {mesh_dims})"
+
+
 def _train(
     layout: Layout,
     ctx: Any,
@@ -384,6 +407,8 @@ def _train(
     denominator = tokens / axes.averaging_ranks
     pipelined = layout.pp_schedule is not None
     parts = list(result.parts) if pipelined else [result]
+    if layout.moe:
+        _check_experts_sharded(parts, layout.sizes["ep_size"], pipelined)
     ref = _reference(path, peft_config)
     if layout.lora:
         _copy_adapters(parts, ref)
@@ -520,13 +545,19 @@ def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
     assert_no_failure(run_matrix(layout_name, {f: fast_checkpoints[f] for f in families}))
 
 
+def _selected(families: Sequence[Any]) -> list[Any]:
+    """The registry's families that `FAMILIES_ENV` selects (all when it is unset)."""
+    names = select_families([f.model_type for f in families], os.environ.get(FAMILIES_ENV))
+    return [f for f in families if f.model_type in names]
+
+
 @pytest.fixture(scope="module")
 def all_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], dict[str, str]]:
     from automodel_testing.families import decoder_families
 
     root = tmp_path_factory.mktemp("matrix_all")
     paths, broken = {}, {}
-    for family in decoder_families():
+    for family in _selected(decoder_families()):
         prepared = prepare_family(family.model_type, root)
         if "path" in prepared:
             paths[family.model_type] = prepared["path"]
@@ -548,7 +579,7 @@ def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str,
 
     root = tmp_path_factory.mktemp("matrix_moe")
     paths, broken = {}, {}
-    for family in decoder_families():
+    for family in _selected(decoder_families()):
         overrides = dict(MOE_OVERRIDES.get(family.model_type, {}))
         if not _has_experts(family.model_type, overrides):
             continue
@@ -594,4 +625,11 @@ def test_full_matrix(layout_name: str, request: pytest.FixtureRequest, report: d
     report.setdefault("reference_errors", {}).update(broken)
     report["layouts"][layout_name] = asdict(LAYOUTS[layout_name])
     report["rows"].extend(asdict(row) for row in rows)
+    if os.environ.get(FAMILIES_ENV):  # a chunk: the page says which families the run left out
+        from automodel_testing.families import decoder_families
+
+        report["registry"] = sorted(
+            {*report.get("registry", []), *(f.model_type for f in decoder_families())}
+        )
+        report["families"] = sorted({*report.get("families", []), *paths, *broken})
     assert_no_failure(rows)

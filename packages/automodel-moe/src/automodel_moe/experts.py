@@ -23,8 +23,10 @@ post-expert norms, peft's LoRA parametrization) is what runs.
   orchestration (one ``DistributedConfig`` for the whole model), not of the exchange: our pipeline
   stages hold whole layers and the ranks of one ``ep`` group are one stage running the same schedule,
   so every exchange pairs up. The model matrix's ``ep2_pp2`` layout measures it (exact parity).
-- Experts that take every token (`ExpertsCall.EVERY_TOKEN`, Llama 4) use `EveryTokenEP`: each rank sends
-  every other rank the rows of that rank's experts and gets its experts' outputs back.
+- Experts called with rows grouped by expert (`ExpertsCall.EVERY_TOKEN`: Llama 4's, every token for every
+  expert; `ExpertsCall.GROUPED_ROWS`: JetMoE's, each expert's routed rows and their counts) use
+  `GroupedRowsEP`: each rank sends every other rank the rows of that rank's experts and gets its experts'
+  outputs back.
 
 Mesh axes: ``ep`` (the exchanges), ``tp`` (the ranks that share a batch; size 1 without TP).
 """
@@ -40,12 +42,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from automodel_moe.registry import SHARDED_ATTR, ExpertsCall, ExpertsSite, _base_chain
 
-__all__ = ["EveryTokenEP", "install_dispatch", "local_parameters", "shard_experts", "unsupported_parts"]
+__all__ = ["GroupedRowsEP", "install_dispatch", "local_parameters", "shard_experts", "unsupported_parts"]
 
 
 @contextlib.contextmanager
@@ -164,24 +166,52 @@ def _a2a(
     return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
 
 
-class EveryTokenEP:
-    """The exchange of experts called with every token (`ExpertsCall.EVERY_TOKEN`, Llama 4).
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ``tp`` group.
 
-    The block hands ``rows [E * T, H]``: expert ``e``'s copy of the ``T`` tokens at rows ``e*T:(e+1)*T``.
-    Rank ``s`` of the ``ep`` group holds experts ``s*L:(s+1)*L``: this rank sends it that block of ``L*T``
-    rows, receives the same blocks of its own experts from every rank (after exchanging token counts),
-    regroups them expert-major, runs the experts' own forward, and sends the results back
-    (``all_to_all_single``: one count exchange and two differentiable exchanges per call).
+    Each rank of a ``tp`` group keeps a slice of the rows every rank holds; the gradient of the rows it
+    dropped is computed by the other ranks, so the full gradient is the sum.
+    """
 
-    The ranks of a ``tp`` group hold the same tokens: each first keeps its slice of them (every expert's
-    copy cut the same way), so no token is computed twice, and the results are gathered back over ``tp``
-    (an all-gather; in backward each rank's slice of the gradient, and the row gradients gathered).
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _pieces(count: int, parts: int) -> list[int]:
+    # torch.tensor_split's sizes: the first ``count % parts`` pieces get one row more.
+    return [count // parts + (1 if p < count % parts else 0) for p in range(parts)]
+
+
+class GroupedRowsEP:
+    """The exchange of experts called with rows grouped by expert (``EVERY_TOKEN``, ``GROUPED_ROWS``).
+
+    The block hands ``rows [N, H]``, expert ``e``'s rows contiguous and in expert order: ``counts[e]`` of
+    them (JetMoE's parallel experts are called with those counts; Llama 4's with ``T`` rows for every
+    expert, the counts implied). Rank ``s`` of the ``ep`` group holds experts ``s*L:(s+1)*L``: this rank
+    sends it those experts' rows, receives the rows of its own experts from every rank (after exchanging
+    the counts), regroups them expert-major, runs the experts' own forward on the local experts (with the
+    local counts where the call takes them), and sends the results back (``all_to_all_single``: one
+    count exchange and two differentiable exchanges per call).
+
+    The ranks of a ``tp`` group hold the same rows: each first keeps its piece of every expert's rows
+    (``tensor_split`` over ``tp``), so no row is computed twice, and the results are gathered back over
+    ``tp`` (an all-gather; in backward each rank's piece of the gradient, and the gradient of the rows
+    summed over ``tp``).
 
     Args:
         num_local: Experts per rank.
         ep_mesh: The ``ep`` mesh.
         forward: The experts' original forward (on the local experts).
         tp_mesh: The ``tp`` mesh (the ranks sharing a batch); ``None`` or size 1 without TP.
+        takes_counts: Whether ``forward`` takes the per-expert row counts after the rows.
     """
 
     def __init__(
@@ -190,59 +220,96 @@ class EveryTokenEP:
         ep_mesh: DeviceMesh,
         forward: Callable[..., torch.Tensor],
         tp_mesh: DeviceMesh | None = None,
+        *,
+        takes_counts: bool,
     ) -> None:
         self.ep_mesh = ep_mesh
         self.forward = forward
         self.num_local = num_local
         self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
+        self.takes_counts = takes_counts
 
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor, counts: Any = None) -> torch.Tensor:
         """Send each rank its experts' rows, run the local experts, bring the results back."""
-        if self.tp_mesh is None:
-            return self._exchange(rows)
         experts = self.num_local * self.ep_mesh.size()
-        tokens, hidden = rows.shape[0] // experts, rows.shape[-1]
-        grid = rows.reshape(experts, tokens, hidden)
-        # Replicate -> Shard(1): a local cut of every expert's copy of the tokens (no communication).
-        replicated = DTensor.from_local(grid, self.tp_mesh, [Replicate()], run_check=False)
-        mine = replicated.redistribute(self.tp_mesh, [Shard(1)]).to_local()
-        out = self._exchange(mine.reshape(-1, hidden)).reshape(experts, mine.shape[1], -1)
-        full = DTensor.from_local(
-            out.contiguous(),
-            self.tp_mesh,
-            [Shard(1)],
-            shape=torch.Size((experts, tokens, out.shape[-1])),
-            stride=(tokens * out.shape[-1], out.shape[-1], 1),
-        ).full_tensor()
-        return full.reshape(experts * tokens, -1)
+        if counts is None:
+            per_expert = [rows.shape[0] // experts] * experts
+        else:
+            per_expert = [int(c) for c in (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
+        assert len(per_expert) == experts and sum(per_expert) == rows.shape[0], (len(per_expert), rows.shape)
+        if self.tp_mesh is None:
+            return self._exchange(rows, per_expert)
+        return self._tp_exchange(rows, per_expert)
 
-    def _exchange(self, rows: torch.Tensor) -> torch.Tensor:
-        group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
-        local = self.num_local
-        tokens = rows.shape[0] // (local * ep)
-        with torch.no_grad():
-            mine = torch.tensor([tokens], dtype=torch.int64, device=rows.device)
-            counts = torch.empty(ep, dtype=torch.int64, device=rows.device)
-            dist.all_gather_into_tensor(counts, mine, group=group)
-            per_source = counts.tolist()
-        send = [local * tokens] * ep
-        recv_sizes = [local * t for t in per_source]
-        received = _a2a(rows, recv_sizes, send, group)
-        # Received: source-major, then expert, then token; the experts want expert-major rows.
-        blocks = [b.view(local, t, -1) for b, t in zip(received.split(recv_sizes), per_source, strict=True)]
-        expert_major = torch.cat(blocks, dim=1).reshape(local * sum(per_source), -1)
-        out = self.forward(expert_major).view(local, sum(per_source), -1)
-        back = torch.cat(
-            [o.reshape(local * t, -1) for o, t in zip(out.split(per_source, dim=1), per_source, strict=True)]
+    def _tp_exchange(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        assert self.tp_mesh is not None
+        parts, me = self.tp_mesh.size(), self.tp_mesh.get_local_rank()
+        pieces = [_pieces(c, parts) for c in per_expert]  # [expert][tp rank]
+        starts = [0]
+        for c in per_expert:
+            starts.append(starts[-1] + c)
+        # Row indices of each tp rank's pieces, expert by expert (the same on every rank of the group).
+        taken = [
+            torch.cat(
+                [
+                    torch.arange(
+                        starts[e] + sum(sizes[:p]), starts[e] + sum(sizes[: p + 1]), device=rows.device
+                    )
+                    for e, sizes in enumerate(pieces)
+                ]
+            )
+            for p in range(parts)
+        ]
+        mine = _SumGradOverTP.apply(rows, self.tp_mesh.get_group()).index_select(0, taken[me])
+        out = self._exchange(mine, [sizes[me] for sizes in pieces])
+        widest = max(len(t) for t in taken)
+        padded = (
+            torch.cat([out, out.new_zeros(widest - out.shape[0], *out.shape[1:])])
+            if widest > out.shape[0]
+            else out
         )
-        return _a2a(back, send, recv_sizes, group)
+        gathered = DTensor.from_local(
+            padded.contiguous(),
+            self.tp_mesh,
+            [Shard(0)],
+            shape=torch.Size((parts * widest, *out.shape[1:])),
+            stride=padded.contiguous().stride(),
+        ).full_tensor()
+        # Row r of the input is row (p * widest + its position among p's pieces) of the gathered tensor.
+        where = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
+        for p, t in enumerate(taken):
+            where[t] = torch.arange(p * widest, p * widest + len(t), device=rows.device)
+        return gathered.index_select(0, where)
+
+    def _exchange(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        group, ep, local = self.ep_mesh.get_group(), self.ep_mesh.size(), self.num_local
+        me = self.ep_mesh.get_local_rank()
+        with torch.no_grad():
+            mine = torch.tensor(per_expert, dtype=torch.int64, device=rows.device)
+            table_t = torch.empty(ep * len(per_expert), dtype=torch.int64, device=rows.device)
+            dist.all_gather_into_tensor(table_t, mine, group=group)
+            table = table_t.view(ep, -1).tolist()  # [source][expert]
+        send = [sum(per_expert[d * local : (d + 1) * local]) for d in range(ep)]
+        from_source = [row[me * local : (me + 1) * local] for row in table]  # [source][local expert]
+        recv = [sum(c) for c in from_source]
+        received = _a2a(rows, recv, send, group)
+        # Received: source-major, then expert; the experts want expert-major rows.
+        blocks = [b.split(c) for b, c in zip(received.split(recv), from_source, strict=True)]
+        expert_major = torch.cat([blocks[s][j] for j in range(local) for s in range(ep)])
+        local_counts = [sum(from_source[s][j] for s in range(ep)) for j in range(local)]
+        out = self.forward(expert_major, local_counts) if self.takes_counts else self.forward(expert_major)
+        by_expert = [
+            o.split([from_source[s][j] for s in range(ep)]) for j, o in enumerate(out.split(local_counts))
+        ]
+        back = torch.cat([by_expert[j][s] for s in range(ep) for j in range(local)])
+        return _a2a(back, send, recv, group)
 
 
 def install_dispatch(site: ExpertsSite, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
     """Replace ``site.module.forward`` by the token exchange around its own forward, in place.
 
     Preconditions: `shard_experts` ran on the site. ``tp_mesh``: the ranks holding the same batch (the
-    ``tp`` axis, size 1 without TP). Collectives per call: see `EveryTokenEP` and transformers'
+    ``tp`` axis, size 1 without TP). Collectives per call: see `GroupedRowsEP` and transformers'
     ``AllToAllEP``.
     """
     from transformers.distributed.expert_parallel import AllToAllEP
@@ -250,8 +317,14 @@ def install_dispatch(site: ExpertsSite, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh
     module = site.module
     original = module.forward
     exchange: Callable[..., torch.Tensor]
-    if site.call is ExpertsCall.EVERY_TOKEN:
-        exchange = EveryTokenEP(site.num_experts // ep_mesh.size(), ep_mesh, original, tp_mesh)
+    if site.call is not ExpertsCall.ROUTED:
+        exchange = GroupedRowsEP(
+            site.num_experts // ep_mesh.size(),
+            ep_mesh,
+            original,
+            tp_mesh,
+            takes_counts=site.call is ExpertsCall.GROUPED_ROWS,
+        )
     else:
         # AllToAllEP reads the module's forward and its (now local) expert count at construction.
         exchange = AllToAllEP(module, ep_mesh, tp_mesh)

@@ -78,6 +78,10 @@ class ExpertLoad:
                 if site.call is ExpertsCall.EVERY_TOKEN:
                     rows = _local(args[0])
                     picked = (rows.reshape(num_experts, -1, rows.shape[-1]) != 0).any(-1).sum(1)
+                elif site.call is ExpertsCall.GROUPED_ROWS:
+                    if len(args) < 2:
+                        return
+                    picked = torch.as_tensor(args[1], dtype=torch.float64).reshape(-1)[:num_experts]
                 else:
                     if len(args) < 2 or not isinstance(args[1], torch.Tensor):
                         return

@@ -58,6 +58,10 @@ class ExpertsCall(StrEnum):
     EVERY_TOKEN = "every_token"
     """``experts(rows [E * T, H]) -> [E * T, H]``: every expert gets every token (rows expert-major,
     already scaled by the router), as Llama 4's experts are called."""
+    GROUPED_ROWS = "grouped_rows"
+    """``experts(rows [N, in], counts [E]) -> [N, out]``: the rows of each expert contiguous and in expert
+    order, ``counts[e]`` of them (the block routed and sorted the tokens), as JetMoE's parallel experts
+    are called (two of them per block, with the activation between them computed by the block)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +107,17 @@ register_moe_family(
         num_experts_attr="num_experts",
         note="Llama 4's experts take every token pre-scaled by its router score (transformers gives the "
         "family no ep plan: nothing to route), so each rank receives its experts' copies of every token",
+    )
+)
+
+
+register_moe_family(
+    MoEFamily(
+        experts_class="JetMoeParallelExperts",
+        call=ExpertsCall.GROUPED_ROWS,
+        note="JetMoE's experts are two stacked linear maps per block (input and output), in its MoE "
+        "feed-forward and in its mixture-of-attention heads alike, each called with the rows the block "
+        "sorted by expert and the per-expert counts",
     )
 )
 

@@ -22,11 +22,13 @@ from automodel_testing import build_tiny_model, causal_lm_loss, make_batch, run_
 
 pytestmark = pytest.mark.distributed
 
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3", "jetmoe")
 """Softmax top-k, Mixtral's in-place normalisation, shared experts, GPT-OSS's biased transposed
-interleaved experts, DeepSeek-V3's grouped sigmoid routing with a correction bias (and a dense layer)."""
-EP4_FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
-"""ep 4 (two experts per rank): softmax top-k, GPT-OSS's experts, grouped sigmoid routing."""
+interleaved experts, DeepSeek-V3's grouped sigmoid routing with a correction bias (and a dense layer),
+JetMoE's experts called with rows sorted by expert (in its feed-forward and its attention heads)."""
+EP4_FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3", "llama4_text")
+"""ep 4 (two experts per rank): softmax top-k, GPT-OSS's experts, grouped sigmoid routing, Llama 4's
+experts that take every token."""
 SHARD_FAMILIES = ("mixtral", "qwen2_moe")
 """ep 2 x ep_shard 2 here (and DeepSeek-V3 with checkpointing); the model matrix runs it over every MoE
 family (``uvx nox -s models``)."""

@@ -68,8 +68,22 @@ def test_experts_are_found_from_the_models_own_metadata() -> None:
     llama4 = find_experts(_tiny("llama4_text"))  # outside the convention: the registry's record
     assert {(s.source, s.call) for s in llama4} == {("registry", ExpertsCall.EVERY_TOKEN)}
     assert find_experts(build_tiny_model("llama")) == [] and not has_experts(build_tiny_model("llama"))
-    jetmoe = _tiny("jetmoe")  # experts of a layout nobody describes: seen, but not found
-    assert has_experts(jetmoe) and find_experts(jetmoe) == []
+    # JetMoE (registry record): two experts modules per MoE block and two in its mixture-of-attention
+    # heads, each called with rows sorted by expert and their counts.
+    jetmoe = find_experts(_tiny("jetmoe"))
+    assert [s.fqn for s in jetmoe[:4]] == [
+        "model.layers.0.mlp.input_linear",
+        "model.layers.0.mlp.output_linear",
+        "model.layers.0.self_attention.experts.input_linear",
+        "model.layers.0.self_attention.experts.output_linear",
+    ]
+    assert {(s.source, s.call, s.params, s.num_experts) for s in jetmoe} == {
+        ("registry", ExpertsCall.GROUPED_ROWS, ("weight",), 8)
+    }
+    # LongCat-Flash's experts stack total (routed + identity) experts in gate_up_proj and routed ones in
+    # down_proj: no one expert count to cut by, so they are seen (and refused) but not found.
+    longcat = _tiny("longcat_flash")
+    assert has_experts(longcat) and find_experts(longcat) == []
     from automodel_testing.tiny import MOE_OVERRIDES
 
     # Gemma 4 keeps its ep plan when its config switches the experts off: that model is dense.

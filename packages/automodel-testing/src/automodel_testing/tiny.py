@@ -234,10 +234,14 @@ MOE_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
     },
     # The default config has a single expert (the released checkpoints have 64).
     "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
+    # The default (and released) config has 7 experts, which no ep size of the matrix divides: EP refuses
+    # it (a ValueError naming num_experts and ep_size); 8 experts shard, so its structure is tested.
+    "flex_olmo": {"num_experts": 8},
 }
-"""Model type -> the ``derive_tiny_config`` overrides that make its tiny model a mixture of experts with
-several experts, for families whose default config is dense or has one expert. Only the expert-parallel
-layouts of the model matrix use them (the other layouts keep the default tiny model)."""
+"""Model type -> the ``derive_tiny_config`` overrides that make its tiny model a mixture of experts that
+the matrix's ``ep_size=2`` shards, for families whose default config is dense, has one expert or an odd
+expert count. Only the expert-parallel layouts of the model matrix use them (the other layouts keep the
+default tiny model)."""
 
 
 def _resolve(config_class: type, name: str) -> str:
