@@ -7,8 +7,9 @@ family:
    ``attribute_map`` (``n_embd`` for GPT-2's ``hidden_size``, ``d_model`` for MPT's), and never above the
    family's own default (a family that routes each token to one expert keeps one); sizes that the family
    defines as a multiple of its hidden size (`HIDDEN_MULTIPLES`) keep that multiple;
-2. every dropout and jitter probability to 0 and the router's auxiliary outputs off (parity must be
-   exact), ``use_cache=False``, untied embeddings unless the family only ties;
+2. every dropout, stochastic-depth (``drop_path_rate``), layer-drop and jitter probability to 0 and the
+   router's auxiliary outputs off (parity must be exact: models are compared in ``train()`` mode),
+   ``use_cache=False``, untied embeddings unless the family only ties;
 3. special token ids moved inside the tiny vocabulary;
 4. consistency: grouped-query attention only where the family uses it, MLA head sizes add up and
    ``head_dim`` follows the rotary head size of MLA attention, per-layer lists (``layer_types`` and
