@@ -298,7 +298,7 @@ def reference_pass(
         part = ref(**_rows(inputs, rows, ROWS)).logits
         loss = _token_sum(part, labels[rows]) / tokens
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
         parts.append(part)
     return torch.cat(parts), total
 
