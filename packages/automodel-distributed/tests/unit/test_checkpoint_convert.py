@@ -206,3 +206,44 @@ def test_dense_models_have_only_renamings() -> None:
     transforms = model_conversions(build_tiny_model("llama", meta=True))
     assert not any(isinstance(t, WeightConverter) for t in transforms)
     assert model_conversions(torch.nn.Linear(2, 2)) == []
+
+
+def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
+    return out
+
+
+def test_a_fused_qkv_that_loading_chunks_is_saved_fused_again(tmp_path: Path) -> None:
+    """Qianfan-OCR's vision tower stores ``attn.qkv`` fused; the model holds ``q_proj``/``k_proj``/``v_proj``.
+
+    Loading chunks it slice by slice; saving must concatenate the three back (it used to write one of
+    them under the fused name: ``[64, 64]`` for ``[192, 64]``, which ``from_pretrained`` refuses).
+    """
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    torch.manual_seed(3)
+    original = AutoModelForImageTextToText.from_config(derive_tiny_config("qianfan_ocr"))
+    original.save_pretrained(tmp_path / "src")
+    on_disk = _safetensors(tmp_path / "src")
+    assert any(k.endswith("attn.qkv.weight") for k in on_disk)  # the fused layout this test is about
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(tmp_path / "src"))
+    load_hf_checkpoint(model, tmp_path / "src")
+    ref = AutoModelForImageTextToText.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    ours = model.state_dict()
+    assert sorted(ours) == sorted(ref.state_dict())
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(ours[name], tensor), name
+    dst = save_hf_checkpoint(model, tmp_path / "dst")
+    saved = _safetensors(dst)
+    assert sorted(saved) == sorted(on_disk)
+    for key, tensor in on_disk.items():
+        assert torch.equal(saved[key], tensor), key
+    back = AutoModelForImageTextToText.from_pretrained(dst, dtype=torch.float32).state_dict()
+    for name, tensor in ours.items():
+        assert torch.equal(back[name], tensor), name

@@ -7,8 +7,9 @@ family:
    ``attribute_map`` (``n_embd`` for GPT-2's ``hidden_size``, ``d_model`` for MPT's), and never above the
    family's own default (a family that routes each token to one expert keeps one); sizes that the family
    defines as a multiple of its hidden size (`HIDDEN_MULTIPLES`) keep that multiple;
-2. every dropout and jitter probability to 0 and the router's auxiliary outputs off (parity must be
-   exact), ``use_cache=False``, untied embeddings unless the family only ties;
+2. every dropout, stochastic-depth (``drop_path_rate``), layer-drop and jitter probability to 0 and the
+   router's auxiliary outputs off (parity must be exact: models are compared in ``train()`` mode),
+   ``use_cache=False``, untied embeddings unless the family only ties;
 3. special token ids moved inside the tiny vocabulary;
 4. consistency: grouped-query attention only where the family uses it, MLA head sizes add up and
    ``head_dim`` follows the rotary head size of MLA attention, per-layer lists (``layer_types`` and
@@ -375,7 +376,8 @@ def _tiny_fields(config_class: type, defaults: Mapping[str, Any]) -> dict[str, A
         if _is_int(defaults.get(name)) and _is_int(defaults.get(hidden)):
             fields[name] = _scaled(fields.get(hidden, HIDDEN_SIZE), defaults[name], defaults[hidden])
     for name, value in defaults.items():
-        if isinstance(value, float) and ("dropout" in name or "jitter" in name or name.endswith("pdrop")):
+        # "drop" covers dropout, attn_pdrop, drop_path_rate (stochastic depth), layerdrop, drop_connect_rate
+        if isinstance(value, float) and ("drop" in name or "jitter" in name):
             fields[name] = 0.0
         elif name.endswith(("token_id", "token_ids", "token_index")):
             fields[name] = _token_ids(value)

@@ -22,7 +22,8 @@ it has (prefix changes, capture groups, scoping to sub-models) behaves as in ``f
 Saving inverts the description: `disk_layout` asks transformers for the on-disk names and shapes of a
 model (``revert_weight_conversion`` on meta tensors, so nothing is computed), describes them with the
 same code as loading, and checks that they rebuild every model tensor exactly; each on-disk tensor is
-then an index into a full model tensor.
+then made of boxes of full model tensors (usually one box of one; a fused ``qkv`` that loading chunks
+into three projections is the concatenation of all three).
 
 Pure functions of names and shapes; nothing is read, mutated or communicated.
 """
@@ -30,6 +31,7 @@ Pure functions of names and shapes; nothing is read, mutated or communicated.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +44,7 @@ __all__ = [
     "Cat",
     "Computed",
     "ConversionPlan",
+    "DiskPiece",
     "DiskTensor",
     "Node",
     "Part",
@@ -569,37 +572,69 @@ def _sliceable(node: Node) -> bool:
 
 
 @dataclass(frozen=True)
-class DiskTensor:
-    """One tensor of the on-disk layout.
+class DiskPiece:
+    """A box of one on-disk tensor taken from a box of one model tensor.
 
     Attributes:
-        key: Its key on disk.
-        model_key: The model tensor it comes from.
-        index: Indexes the full model tensor to give it (None: the whole tensor).
-        shape: Its shape.
+        model_key: The model tensor.
+        index: Indexes the full model tensor to give the box (None: the whole tensor).
+        start: First index per dim of the box in the on-disk tensor.
+        shape: The box's shape.
     """
 
-    key: str
     model_key: str
     index: Index | None
+    start: tuple[int, ...]
     shape: tuple[int, ...]
 
 
-def disk_layout(
-    model: nn.Module | None, shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, list[DiskTensor]] | None:
-    """The tensors ``save_pretrained`` would write for each model tensor, as indexes into it.
+@dataclass(frozen=True)
+class DiskTensor:
+    """One tensor of the on-disk layout, made of boxes of model tensors.
+
+    Most are one box of one model tensor (a whole tensor, or one expert of a fused ``gate_up_proj``); a
+    tensor that transformers splits on load (a fused ``qkv`` chunked into ``q_proj`` / ``k_proj`` /
+    ``v_proj``) is the concatenation of boxes of several.
+
+    Attributes:
+        key: Its key on disk.
+        shape: Its shape.
+        pieces: The boxes it is made of, covering it exactly.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    pieces: tuple[DiskPiece, ...]
+
+    @property
+    def model_keys(self) -> tuple[str, ...]:
+        """The model tensors it reads, in order of first use."""
+        return tuple(dict.fromkeys(p.model_key for p in self.pieces))
+
+    @property
+    def whole(self) -> str | None:
+        """The model key when this tensor is exactly one whole model tensor (no copy needed)."""
+        (first, *rest) = self.pieces
+        return first.model_key if not rest and first.index is None else None
+
+
+def disk_layout(model: nn.Module | None, shapes: Mapping[str, tuple[int, ...]]) -> list[DiskTensor] | None:
+    """The tensors ``save_pretrained`` would write, each as boxes of model tensors.
 
     Asks transformers for the on-disk names and shapes (``revert_weight_conversion`` on meta tensors: it
     uses the transforms the model was loaded with, else its registered ones), then describes them with
-    `plan_conversions` and checks that they rebuild exactly the model's keys and shapes.
+    `plan_conversions` (the loading direction) and inverts that: every piece that loading reads from an
+    on-disk tensor is, on saving, a box of that on-disk tensor taken from the model tensor. It checks that
+    the description rebuilds exactly the model's keys and shapes, and that the boxes of each on-disk
+    tensor cover it exactly.
 
     Args:
         model: The transformers model (None: no conversion).
         shapes: Model key -> shape, for every tensor to save.
 
     Returns:
-        Model key -> its on-disk tensors, in order; None when the model has no conversions.
+        The on-disk tensors, in the order of the model tensors they come from; None when the model has
+        no conversions.
 
     Raises:
         ValueError: transformers' reverted layout does not rebuild the model's tensors (a bug to report:
@@ -638,14 +673,26 @@ def disk_layout(
             f"transformers' on-disk layout of {type(model).__name__} does not rebuild the model: keys "
             f"{wrong[:10]} and unmatched on-disk keys {plan.unmatched[:10]}"
         )
-    out: dict[str, list[DiskTensor]] = {}
+    boxes: dict[str, list[DiskPiece]] = {}
     for key, shape in shapes.items():
         if key in plan.direct:
-            out[key] = [DiskTensor(plan.direct[key], key, None, shape)]
+            boxes.setdefault(plan.direct[key], []).append(DiskPiece(key, None, (0,) * len(shape), shape))
             continue
-        full = [
-            DiskTensor(p.key, key, p.index, p.shape)
-            for p in pieces(plan.fused[key], (0,) * len(shape), shape)
-        ]
-        out[key] = full
-    return out
+        for p in pieces(plan.fused[key], (0,) * len(shape), shape):
+            boxes.setdefault(p.key, []).append(DiskPiece(key, p.index, p.start, p.shape))
+    # Boxes inside the tensor whose volumes add up to it cover it exactly: transformers' chunks and
+    # stacks never overlap, so a gap would show as a missing volume.
+    uncovered = [
+        key
+        for key, found in boxes.items()
+        if sum(math.prod(b.shape) for b in found) != math.prod(disk_shapes[key])
+        or any(
+            s + n > size for b in found for s, n, size in zip(b.start, b.shape, disk_shapes[key], strict=True)
+        )
+    ]
+    if uncovered or set(boxes) != set(disk_shapes):
+        raise ValueError(
+            f"transformers' on-disk layout of {type(model).__name__} is not covered by the model's tensors: "
+            f"{sorted(uncovered)[:10]}, absent {sorted(set(disk_shapes) - set(boxes))[:10]}"
+        )
+    return [DiskTensor(key, disk_shapes[key], tuple(found)) for key, found in boxes.items()]

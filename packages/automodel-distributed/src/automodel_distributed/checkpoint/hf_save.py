@@ -24,7 +24,7 @@ from torch import nn
 
 from automodel_distributed.checkpoint._dist import rank_of
 from automodel_distributed.checkpoint.atomic import prepare_staging_dir, publish_staging_dir
-from automodel_distributed.checkpoint.convert import DiskTensor, built_class, disk_layout
+from automodel_distributed.checkpoint.convert import DiskPiece, DiskTensor, built_class, disk_layout
 from automodel_distributed.checkpoint.hf_load import _reshard_fsdp
 from automodel_distributed.checkpoint.keys import (
     DEFAULT_KEY_RULES,
@@ -93,44 +93,63 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
+def _assemble(disk: DiskTensor, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The on-disk tensor ``disk`` from the full model tensors it reads (a view when it is one box)."""
+    whole = disk.whole
+    if whole is not None:
+        return full[whole]
+    if len(disk.pieces) == 1:
+        (piece,) = disk.pieces
+        assert piece.index is not None
+        return full[piece.model_key][piece.index]
+    first = full[disk.pieces[0].model_key]
+    out = torch.empty(disk.shape, dtype=first.dtype, device=first.device)
+    for piece in disk.pieces:
+        source = full[piece.model_key]
+        box = tuple(slice(s, s + n) for s, n in zip(piece.start, piece.shape, strict=True))
+        out[box] = source if piece.index is None else source[piece.index]
+    return out
+
+
 def _stream_files(
     staging: Path,
     files: Sequence[tuple[str, list[str]]],
-    tensors: dict[str, torch.Tensor],
+    disk: Mapping[str, DiskTensor],
+    tensors: Mapping[str, torch.Tensor],
     cast_to: Callable[[torch.Tensor], torch.dtype | None],
     writer: bool,
     write_hook: Callable[[str], None] | None = None,
-    parts: Mapping[str, DiskTensor] | None = None,
 ) -> BaseException | None:
-    """Gather every tensor in file order (all ranks) and, on the writer rank, stream it to disk.
+    """Gather the model tensors of every on-disk tensor in file order (all ranks) and stream it to disk.
 
-    ``parts`` names keys that are a piece of their model tensor (one expert of a fused tensor): the
-    model tensor is gathered once for its consecutive pieces. A write error stops the writing but not
-    the gathering, so the other ranks are never left waiting.
+    ``disk`` maps each on-disk key to the boxes of model tensors (``tensors``, by model key) it is made
+    of. A model tensor is gathered once for consecutive on-disk tensors that read it (the experts of a
+    fused tensor), and freed once the next on-disk tensor does not. A write error stops the writing but
+    not the gathering, so the other ranks are never left waiting.
     """
     error: BaseException | None = None
-    parts = parts or {}
-    gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (model tensor, its full value)
-
-    def shape_of(key: str) -> tuple[int, ...]:
-        return parts[key].shape if key in parts else tuple(tensors[key].shape)
+    gathered: dict[str, torch.Tensor] = {}  # model key -> its full value, for the current on-disk tensor
 
     for name, keys in files:
         stream: SafetensorsStreamWriter | None = None
         if writer and error is None:
             try:
-                layout = [(k, cast_to(tensors[k]) or tensors[k].dtype, shape_of(k)) for k in keys]
+                layout = []
+                for k in keys:
+                    source = tensors[disk[k].pieces[0].model_key]
+                    layout.append((k, cast_to(source) or source.dtype, disk[k].shape))
                 stream = SafetensorsStreamWriter(staging / name, layout, {"format": "pt"})
             except Exception as exc:  # keep gathering: the other ranks are in the collectives
                 error = exc
         for key in keys:
-            source = tensors[key]
-            if gathered is None or gathered[0] is not source:
-                gathered = None  # free the previous full tensor before gathering the next
-                with torch.no_grad():
-                    gathered = (source, _full(source))
-            index = parts[key].index if key in parts else None
-            full = gathered[1] if index is None else gathered[1][index]
+            needed = disk[key].model_keys
+            for stale in [k for k in gathered if k not in needed]:
+                del gathered[stale]  # free the previous full tensors before gathering the next
+            with torch.no_grad():
+                for model_key in needed:
+                    if model_key not in gathered:
+                        gathered[model_key] = _full(tensors[model_key])
+                full = _assemble(disk[key], gathered)
             if stream is not None and error is None:
                 try:
                     stream.write(key, full)
@@ -144,7 +163,7 @@ def _stream_files(
                 stream.close()
             except Exception as exc:
                 error = error or exc
-    gathered = None
+    gathered.clear()
     return error
 
 
@@ -187,7 +206,8 @@ def save_hf_checkpoint(
     owner saves them, ``automodel_peft.save_adapters``); a tied weight is saved once, under its source
     name. Tensors that transformers keeps fused in memory but stores apart (MoE experts) are written in
     the layout ``save_pretrained`` writes (``experts.{e}.gate_proj.weight``...; `convert.disk_layout`),
-    each fused tensor gathered once.
+    each fused tensor gathered once; tensors that transformers splits on load (a fused ``attn.qkv`` that
+    the model holds as ``q_proj`` / ``k_proj`` / ``v_proj``) are written fused again.
     Rank 0 of ``process_group`` writes; every rank gathers.
 
     Preconditions: every rank of the model's meshes calls this, with the same arguments. Collectives:
@@ -219,29 +239,25 @@ def save_hf_checkpoint(
     by_model_key: dict[str, torch.Tensor] = {}
     for slot in collect_tensor_slots(model, rules):
         by_model_key[_saved_key(slot.keys, tied_targets)] = slot.tensor
-    # transformers' on-disk names (per-expert MoE weights), as save_pretrained writes them
-    layout = disk_layout(hf, {k: tuple(t.shape) for k, t in by_model_key.items()})
-    tensors: dict[str, torch.Tensor] = {}
-    parts: dict[str, DiskTensor] = {}
-    for key, tensor in by_model_key.items():
-        for disk in layout[key] if layout is not None else [DiskTensor(key, key, None, tuple(tensor.shape))]:
-            tensors[disk.key] = tensor
-            if disk.index is not None:
-                parts[disk.key] = disk
+    # transformers' on-disk names (per-expert MoE weights, fused qkv), as save_pretrained writes them
+    shapes = {k: tuple(t.shape) for k, t in by_model_key.items()}
+    layout = disk_layout(hf, shapes) or [
+        DiskTensor(k, shape, (DiskPiece(k, None, (0,) * len(shape), shape),)) for k, shape in shapes.items()
+    ]
+    disk = {d.key: d for d in layout}
 
     def cast_to(t: torch.Tensor) -> torch.dtype | None:
         return dtype if dtype is not None and t.dtype.is_floating_point else None
 
     def nbytes(key: str) -> int:
-        t = tensors[key]
-        numel = math.prod(parts[key].shape) if key in parts else t.numel()
-        return numel * torch.empty((), dtype=cast_to(t) or t.dtype).element_size()
+        t = by_model_key[disk[key].pieces[0].model_key]
+        return math.prod(disk[key].shape) * torch.empty((), dtype=cast_to(t) or t.dtype).element_size()
 
-    sizes = [(k, nbytes(k)) for k in tensors]
+    sizes = [(k, nbytes(k)) for k in disk]
     files = plan_shards(sizes, limit)
     staging = prepare_staging_dir(path, overwrite=overwrite, group=process_group)
     writer = rank_of(process_group) == 0
-    error = _stream_files(staging, files, tensors, cast_to, writer, _write_hook, parts)
+    error = _stream_files(staging, files, disk, by_model_key, cast_to, writer, _write_hook)
     if writer and error is None:
         try:
             if len(files) > 1:
