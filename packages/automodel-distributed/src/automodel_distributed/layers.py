@@ -167,17 +167,29 @@ def _inside(fqn: str, prefix: str) -> bool:
 def _with_undeclared_tower_blocks(
     model: nn.Module, blocks: list[tuple[str, nn.Module]]
 ) -> list[tuple[str, nn.Module]]:
-    """``blocks`` plus the structural blocks (`tower_blocks`) of every tower holding none of them."""
-    extra: list[tuple[str, nn.Module]] = []
+    """``blocks`` with each tower's structural blocks (`tower_blocks`) where its declared ones fall short.
+
+    A tower holding none of ``blocks`` gets its structural blocks. A tower whose declared blocks all lie
+    strictly inside its structural blocks (Idefics2 declares its vision attention, not the encoder
+    layer around it) gets the whole structural blocks instead, so a block unit or checkpoint covers
+    the layer's MLP and norms too.
+    """
+    kept, extra = list(blocks), []
     for fqn, tower in _towers(model_parts(model)):
         prefix = strip_wrapper_segments(fqn)
-        if not any(_inside(b, prefix) for b, _ in blocks):
-            extra.extend(tower_blocks(tower, fqn))
+        declared = [b for b, _ in kept if _inside(b, prefix)]
+        if declared and not all(_inside(b, prefix) and b != prefix for b in declared):
+            continue
+        structural = tower_blocks(tower, fqn)
+        if declared and not all(any(_inside(b, s) and b != s for s, _ in structural) for b in declared):
+            continue  # the declared blocks are the layers (or lie outside every repeated list): keep them
+        kept = [(b, m) for b, m in kept if not _inside(b, prefix)]
+        extra.extend(structural)
     if not extra:
         return blocks
     # Back into module (forward) order.
     order = {id(module): i for i, module in enumerate(model.modules())}
-    return sorted([*blocks, *extra], key=lambda item: order[id(item[1])])
+    return sorted([*kept, *extra], key=lambda item: order[id(item[1])])
 
 
 def find_transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -193,7 +205,9 @@ def find_transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ``_no_split_modules`` (or none of the declared classes is present), the children of every
     ``nn.ModuleList`` named as in `FALLBACK_BLOCK_CONTAINERS` are taken instead. A multimodal tower
     (`automodel_distributed.multimodal.model_parts`) that holds none of the declared blocks adds the
-    blocks its structure shows (`tower_blocks`).
+    blocks its structure shows (`tower_blocks`); one whose declared blocks all lie inside those
+    structural blocks (a declared attention module inside each encoder layer) takes the structural
+    blocks instead.
 
     "Forward order" is module registration order, which is the order in which transformers decoders run
     their layers.

@@ -145,6 +145,25 @@ def test_undeclared_tower_blocks_come_from_the_towers_structure(model_type: str)
     assert wrapped == expected
 
 
+@pytest.mark.parametrize("model_type", ["idefics2", "ovis2"])
+def test_declared_parts_of_tower_layers_give_way_to_the_whole_layers(model_type: str) -> None:
+    """Idefics2 / Ovis2 declare their vision attention, not the encoder layer around it: the layer is
+    the block (a per_layer unit or a checkpoint of the attention alone would leave the MLP out)."""
+    from automodel_distributed.layers import blocks_in_scope, no_split_module_names
+
+    model = _vlm(model_type)
+    (tower,) = [fqn for fqn, _ in model_parts(model).parts["vision"]]
+    declared = no_split_module_names(model)
+    attention = [n for n, m in model.get_submodule(tower).named_modules() if type(m).__name__ in declared]
+    assert attention and all(n.rsplit(".", 1)[-1] in ("self_attn", "attention") for n in attention)
+    (layers,) = [n for n, m in model.get_submodule(tower).named_modules() if isinstance(m, nn.ModuleList)]
+    expected = [f"{tower}.{layers}.{i}" for i in range(len(model.get_submodule(f"{tower}.{layers}")))]
+    assert [fqn for fqn, _ in blocks_in_scope(model, ("vision",))] == expected
+    apply_freeze_config(model, {"freeze_embeddings": False})
+    units = [u.fqn for u in plan_fsdp_units(model, reshard_after_forward=None, frozen_sharding="per_layer")]
+    assert [u for u in units if u.startswith(tower + ".")] == expected
+
+
 def _blockless_got_ocr2() -> nn.Module:
     """GOT-OCR2 with its vision encoder's block list emptied: a tower with no repeated blocks."""
     model = _vlm("got_ocr2")
