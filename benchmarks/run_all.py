@@ -21,7 +21,10 @@ Sections (each one also runs alone as its own script, with more detail):
 - ``schedules``: pipeline idle per step against the textbook bubble of the same compute, expert
   parallelism against replicated experts (`bench_pipeline_bubble.py`, `bench_moe_ep.py`);
 - ``vlm``: per-rank bytes of a frozen vision tower under each ``multimodal.frozen_sharding`` against
-  the unsharded tower (`bench_vlm_frozen.py`).
+  the unsharded tower (`bench_vlm_frozen.py`);
+- ``scale``: per-rank peak memory of load + one step at real widths (Llama-3.2-1B shape, Qwen3-30B-A3B
+  widths with 64 experts under EP 4), 4 ranks against transformers in one process on the same global
+  batch (`bench_scale.py`).
 
 A figure that depends on a setting of ours (the workers' malloc, ``launch.host_allocator``, and
 ``FSDP2Config.tune_host_allocator``, for every CPU row that trains through `FSDP2Manager`) is measured
@@ -50,6 +53,7 @@ import bench_moe_ep
 import bench_pipeline_bubble
 import bench_planner
 import bench_safetensors_reader
+import bench_scale
 import bench_vlm_frozen
 import bench_vs_nemo
 from _launch import HOST_SETTINGS
@@ -125,6 +129,34 @@ def section_transformers() -> list[Row]:
                     settings=setting.label,
                     notes="each rank reads only its slices "
                     f"({max(r['bytes_read'] for r in per_rank) / MiB:.0f} MiB)",
+                )
+            )
+    return rows
+
+
+def section_scale() -> list[Row]:
+    """Peak memory per rank at real widths (`bench_scale.py`): ours on 4 ranks vs transformers alone."""
+    rows = []
+    for r in bench_scale.measure(settings=HOST_SETTINGS[:2]):
+        spec, base = bench_scale.MODELS[r.model], r.baseline
+        for label, per_rank in r.ours.items():
+            worst = max(per_rank, key=lambda x: x["peak"])
+            loss = sum(x["loss"] for x in per_rank) / len(per_rank)
+            rows.append(
+                Row(
+                    section="memory at real widths",
+                    name=f"peak memory per rank, load + 1 {r.optimizer.upper()} step, {spec.label} vs "
+                    f"`from_pretrained` + the same step in 1 process",
+                    ours=worst["peak"],
+                    baseline=base["peak"],
+                    unit="MiB",
+                    settings=label,
+                    notes=f"bf16 checkpoint {r.checkpoint_mib:.0f} MiB; global batch {bench_scale.RANKS} x "
+                    f"{bench_scale.SEQ} tokens (1 row per rank); growth by phase (MiB), ours: "
+                    f"{bench_scale.phases_text(worst['phases'])}; transformers: "
+                    f"{bench_scale.phases_text(base['phases'])}; loss {loss:.4f} (mean of ranks) vs "
+                    f"{base['loss']:.4f}; load {max(x['load_s'] for x in per_rank):.1f} s vs "
+                    f"{base['load_s']:.1f} s",
                 )
             )
     return rows
@@ -336,6 +368,7 @@ SECTIONS: dict[str, Callable[[], list[Row]]] = {
     "schedules": section_schedules,
     "planner": section_planner,
     "vlm": section_vlm,
+    "scale": section_scale,
 }
 
 

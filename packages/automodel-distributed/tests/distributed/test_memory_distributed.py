@@ -74,3 +74,63 @@ def test_fsdp_planner_terms_match_the_real_buffers() -> None:
         assert len(units) >= 4 and len(set(units)) < len(units), units  # the blocks share one size
         assert result["accumulated"] == [result["trainable_bytes"]] * 2, result
         assert result["pool"] == result["comm_buffers"] + result["sharded_grads"], result
+
+
+def _chunked_collectives() -> dict[str, Any]:
+    from automodel_distributed.checkpoint.host_memory import (
+        HostBufferPool,
+        PooledAllGather,
+        PooledReduceScatter,
+    )
+
+    group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    pool = HostBufferPool()
+    failures: list[str] = []
+    calls = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel in (1, 37, 1000):  # per rank; pieces of 3 elements leave an uneven tail
+            # 24 bytes per rank and piece: 3 fp32 / 6 bf16 elements; whole below the bound
+            chunk = 24 * world
+            ag, rs = PooledAllGather(pool, chunk_bytes=chunk), PooledReduceScatter(pool, chunk_bytes=chunk)
+            shard = torch.randn(numel, generator=torch.Generator().manual_seed(rank + numel)).to(dtype)
+            expected = torch.empty(world * numel, dtype=dtype)
+            dist.all_gather_into_tensor(expected, shard)
+            output = ag.allocate((world * numel,), dtype=dtype, device=torch.device("cpu"))
+            # As FSDP2 does: the rank's own input is a view into its slot of the output.
+            output[rank * numel : (rank + 1) * numel].copy_(shard)
+            work = ag(output, output[rank * numel : (rank + 1) * numel], group, async_op=True)
+            if work is not None:
+                work.wait()
+            if not torch.equal(output, expected):
+                failures.append(f"all-gather {dtype} {numel}")
+            full = torch.randn(world * numel, generator=torch.Generator().manual_seed(7 * rank + numel)).to(
+                dtype
+            )
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                want = torch.empty(numel, dtype=dtype)
+                dist.reduce_scatter_tensor(want, full.clone(), op=op)
+                got = rs.allocate((numel,), dtype=dtype, device=torch.device("cpu"))
+                rs(got, full.clone(), group, op)
+                # gloo sums 4 ranks in an order that depends on where a piece starts: bf16 may round
+                # differently by an ulp of the partial sums (about 0.02 for these magnitudes).
+                tol = 3e-2 if dtype == torch.bfloat16 else 1e-6
+                if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+                    failures.append(f"reduce-scatter {dtype} {numel} {op}")
+            calls += 1
+    shapes = sorted((shape[0], str(dtype)) for (shape, dtype, _), kept in pool._buffers.items() for _ in kept)
+    return {"failures": failures, "calls": calls, "shapes": shapes, "world": world}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_collectives_in_pieces_equal_the_whole_collectives(world: int) -> None:
+    """Pooled all-gather / reduce-scatter above ``chunk_bytes`` on gloo: same results, piece-sized staging."""
+    for result in run_distributed(_chunked_collectives, world, timeout_s=120):
+        assert result["failures"] == [], result
+        assert result["calls"] == 6
+        # Pieces ran through one staging buffer per dtype of 24 bytes per rank (6 fp32 / 12 bf16
+        # elements), the only buffers besides the whole-size outputs the collectives were asked for.
+        w = result["world"]
+        staging = {(w * 6, "torch.float32"), (w * 12, "torch.bfloat16")}
+        outputs = {(w * n, str(d)) for n in (1, 37, 1000) for d in ("torch.float32", "torch.bfloat16")}
+        outputs |= {(n, str(d)) for n in (1, 37, 1000) for d in ("torch.float32", "torch.bfloat16")}
+        assert staging <= set(result["shapes"]) <= staging | outputs, result

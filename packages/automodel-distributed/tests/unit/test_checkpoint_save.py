@@ -148,3 +148,18 @@ def test_host_buffer_pool_reuses_only_buffers_nobody_uses() -> None:
     again = pool.allocate((6,), dtype=torch.float32, device=cpu)
     assert again.data_ptr() == address and again.shape == (6,)
     assert pool.nbytes == 2 * 6 * 4 + 6 * 2, "a freed buffer was kept twice"
+
+
+def test_host_buffer_pool_keeps_nothing_above_its_bound() -> None:
+    from automodel_distributed.checkpoint.host_memory import POOL_MAX_BYTES, HostBufferPool
+
+    assert POOL_MAX_BYTES == 64 << 20  # the launcher's mimalloc bound (automodel_all.cli.host_allocator)
+    pool = HostBufferPool(max_bytes=64)
+    cpu = torch.device("cpu")
+    kept = pool.allocate((16,), dtype=torch.float32, device=cpu)  # 64 bytes: at the bound, kept
+    large = pool.allocate((17,), dtype=torch.float32, device=cpu)
+    assert pool.nbytes == 64 and large.shape == (17,) and large.dtype == torch.float32
+    address = kept.data_ptr()
+    del kept, large
+    assert pool.allocate((16,), dtype=torch.float32, device=cpu).data_ptr() == address
+    assert pool.nbytes == 64, "a buffer above the bound was kept"

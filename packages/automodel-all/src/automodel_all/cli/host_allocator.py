@@ -12,11 +12,26 @@ the figures of every setting from one run.
 
 An allocator replaces ``malloc`` only when it is loaded before everything else, at process start, so
 the launcher preloads it into the workers it starts (``LD_PRELOAD``), from the ``cmeel-mimalloc``
-wheel (a dependency of automodel-all on Linux). It also sets mimalloc's ``purge_delay`` to -1
-(``MIMALLOC_PURGE_DELAY``): freed memory stays with the process for reuse instead of being decommitted
-10 ms later, which removes the remaining page faults (a few thousand per step) and lowered the
-measured peak further. The cost: memory a rank freed is not returned to the OS before the rank exits
-(as with a caching allocator); its resident memory stays at its peak.
+wheel (a dependency of automodel-all on Linux), with two of mimalloc's options:
+
+- ``purge_delay`` 1000 ms (``MIMALLOC_PURGE_DELAY``, mimalloc's own default, set so that another
+  version's default does not change it): freed memory stays with the process for a second before it
+  is decommitted, long enough for the next step of a small model to reuse it (about 500 page faults
+  per step on the 25M-parameter FSDP2 job of ``benchmarks/bench_fsdp2_manager.py``, against 2,200 at
+  100 ms and 20,000 under glibc's tuned thresholds), short enough that at real widths the
+  activations freed early in a backward of many seconds are returned before its peak (Llama-3.2-1B
+  shape, 4 ranks: 3669 MiB per rank against 3938 MiB when nothing is ever purged, -1);
+- ``arena_max_object_size`` 64 MiB (``MIMALLOC_ARENA_MAX_OBJECT_SIZE``): a block above it is
+  mapped for itself and unmapped when freed, as glibc does above its mmap threshold. Kept, such blocks
+  cannot serve a request of another size, and at real widths the sizes differ (a 128k-vocabulary
+  embedding is 0.5 GiB gathered in bf16 and 1 GiB reduced in fp32, its logits other sizes again):
+  on the Llama-3.2-1B shape over 4 ranks (`benchmarks/bench_scale.py`) keeping them all ran the ranks
+  out of memory, above 6 GiB each. Blocks that large take seconds of compute each step, against which
+  mapping them afresh is noise; the same bound decides what FSDP2's host buffer pool keeps
+  (`automodel_distributed.checkpoint.host_memory.POOL_MAX_BYTES`).
+
+The cost: memory below that size that a rank freed and reuses within a second is not returned to the
+OS (as with a caching allocator).
 """
 
 from __future__ import annotations
@@ -40,7 +55,9 @@ HOST_ALLOCATORS = ("auto", "glibc", "mimalloc")
 """Values of ``launch.host_allocator``."""
 MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 """The PyPI distribution that ships ``libmimalloc.so``."""
-_MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "-1"}  # see the module docstring
+# See the module docstring. The object-size bound matches the host pool's
+# (`automodel_distributed.checkpoint.host_memory.POOL_MAX_BYTES`); a bare number would mean bytes.
+_MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "1000", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "64MiB"}
 
 
 def mimalloc_library() -> Path | None:

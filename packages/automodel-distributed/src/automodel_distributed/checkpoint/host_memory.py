@@ -34,6 +34,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
 import platform
 from collections.abc import Sequence
 
@@ -43,6 +44,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 __all__ = [
+    "GLOO_CHUNK_BYTES",
+    "POOL_MAX_BYTES",
     "HostBufferPool",
     "PooledAllGather",
     "PooledReduceScatter",
@@ -118,6 +121,20 @@ def release_host_memory() -> bool:
     return True
 
 
+POOL_MAX_BYTES = 64 << 20
+"""Largest buffer `HostBufferPool` keeps; larger ones go back to the allocator when freed.
+
+What a kept buffer saves is a fresh mapping's page faults, in proportion to its size, once per step;
+what it costs is its bytes for the whole run, also while idle. For a unit of a few tens of MiB (the
+blocks of models up to about 1B parameters) the faults are a measurable share of a CPU step. A unit
+of hundreds of MiB (a 128k-vocabulary embedding: 0.5 GiB gathered in bf16, 1 GiB reduced in fp32)
+takes seconds of compute per step, against which its faults are noise, while keeping its all-gather
+buffer through the backward and its reduce-scatter buffer through the next forward added 0.5 to 0.7
+GiB to each rank's peak on the Llama-3.2-1B shape (2 of its layers) over 4 ranks, under mimalloc and
+under glibc's tuned thresholds (`benchmarks/bench_scale.py`).
+"""
+
+
 class HostBufferPool:
     """Buffers of FSDP2's collectives kept from step to step instead of allocated and freed each time.
 
@@ -125,11 +142,13 @@ class HostBufferPool:
     reduce-scatter input and output). `allocate` hands out a view of a kept buffer of that shape that
     no tensor uses any more, or keeps a new one. A freed and re-requested host buffer costs a fresh
     mapping (page faults and zeroing) above glibc's mmap threshold, or heap fragmentation below it; a
-    kept one costs neither. The pool holds at most as many buffers of a shape as were in use at once.
-    Not thread-safe; one pool per model.
+    kept one costs neither. The pool holds at most as many buffers of a shape as were in use at once,
+    and none above ``max_bytes`` (`POOL_MAX_BYTES`): those are allocated afresh each time. Not
+    thread-safe; one pool per model.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = POOL_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
 
     def allocate(
@@ -137,6 +156,8 @@ class HostBufferPool:
     ) -> torch.Tensor:
         """A tensor of ``size`` and ``dtype`` on ``device`` (uninitialised, as ``torch.empty``)."""
         key = (tuple(int(s) for s in size), dtype, torch.device(device))
+        if math.prod(key[0]) * dtype.itemsize > self.max_bytes:
+            return torch.empty(key[0], dtype=dtype, device=device)
         kept = self._buffers.setdefault(key, [])
         for buffer in kept:
             # Users of the storage: the kept tensor and the temporary storage object of this check.
@@ -153,11 +174,25 @@ class HostBufferPool:
         return sum(b.untyped_storage().nbytes() for kept in self._buffers.values() for b in kept)
 
 
+GLOO_CHUNK_BYTES = 32 << 20
+"""Largest collective buffer handed to gloo in one call by `PooledAllGather` / `PooledReduceScatter`.
+
+gloo's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` allocate a temporary as large as the
+whole output (all-gather) or input (reduce-scatter): measured on 2 and 4 CPU ranks, a 256 MiB
+all-gather grows a rank's peak by 514 MiB and a 256 MiB reduce-scatter by 320-384 MiB. A tied 128k
+vocabulary's embedding (Llama-3.2-1B) is a 0.5 GiB all-gather and, reduced in fp32, a 1 GiB
+reduce-scatter. Above this size the collective runs as a sequence of pieces of at most this many
+bytes, so the temporaries stay this small; each piece costs one more gloo call (about 0.2 ms), against
+seconds for the whole collective at that size.
+"""
+
+
 class _FromPool:
     """The ``allocate`` half of FSDP2's ``Comm`` interface, served by a `HostBufferPool`."""
 
-    def __init__(self, pool: HostBufferPool) -> None:
+    def __init__(self, pool: HostBufferPool, chunk_bytes: int = GLOO_CHUNK_BYTES) -> None:
         self.pool = pool
+        self.chunk_bytes = chunk_bytes
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
@@ -165,9 +200,19 @@ class _FromPool:
         """A pooled buffer (see `HostBufferPool.allocate`)."""
         return self.pool.allocate(size, dtype=dtype, device=device)
 
+    def _piece(self, full: torch.Tensor, group: dist.ProcessGroup) -> int | None:
+        """Elements per rank of each piece when ``full`` (the rank-major buffer) is split; None: whole."""
+        if full.nbytes <= self.chunk_bytes or dist.get_backend(group) != "gloo":
+            return None
+        return max(1, self.chunk_bytes // (group.size() * full.element_size()))
+
 
 class PooledAllGather(_FromPool, AllGather):
-    """FSDP2's all-gather (``all_gather_single``, as torch's default) with its output buffer pooled."""
+    """FSDP2's all-gather (``all_gather_single``, as torch's default) with its output buffer pooled.
+
+    On gloo, an output above ``chunk_bytes`` is gathered piece by piece through a pooled staging
+    buffer (`GLOO_CHUNK_BYTES`), synchronously: the same result without gloo's whole-size temporary.
+    """
 
     def __call__(
         self,
@@ -177,12 +222,27 @@ class PooledAllGather(_FromPool, AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         """Gather ``input_tensor`` of every rank of ``group`` into ``output_tensor``."""
-        # The same collective as torch's DefaultAllGather, so whatever observes FSDP2's calls sees ours.
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        piece = self._piece(output_tensor, group)
+        if piece is None:
+            # The same collective as torch's DefaultAllGather, so whatever observes FSDP2's calls sees ours.
+            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        world, numel = group.size(), input_tensor.numel()
+        rows = output_tensor.view(world, numel)
+        staging = self.pool.allocate((world * piece,), dtype=output_tensor.dtype, device=output_tensor.device)
+        for start in range(0, numel, piece):
+            length = min(piece, numel - start)
+            gathered = staging[: world * length]
+            dist.all_gather_single(gathered, input_tensor[start : start + length], group=group)
+            rows[:, start : start + length].copy_(gathered.view(world, length))
+        return None  # done: FSDP2 waits only on a returned Work
 
 
 class PooledReduceScatter(_FromPool, ReduceScatter):
-    """FSDP2's reduce-scatter (``reduce_scatter_single``, as torch's default) with its buffers pooled."""
+    """FSDP2's reduce-scatter (``reduce_scatter_single``, as torch's default) with its buffers pooled.
+
+    On gloo, an input above ``chunk_bytes`` is reduced piece by piece through a pooled staging buffer
+    (`GLOO_CHUNK_BYTES`): the same sums without gloo's whole-size temporary.
+    """
 
     def __call__(
         self,
@@ -193,9 +253,22 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         """Reduce ``input_tensor`` over ``group`` with ``op``; this rank's chunk goes to ``output_tensor``."""
-        return dist.reduce_scatter_single(
-            output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
-        )
+        piece = self._piece(input_tensor, group)
+        if piece is None or async_op:
+            return dist.reduce_scatter_single(
+                output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
+            )
+        world, numel = group.size(), output_tensor.numel()
+        rows = input_tensor.view(world, numel)
+        staging = self.pool.allocate((world * piece,), dtype=input_tensor.dtype, device=input_tensor.device)
+        for start in range(0, numel, piece):
+            length = min(piece, numel - start)
+            block = staging[: world * length]
+            block.view(world, length).copy_(rows[:, start : start + length])
+            dist.reduce_scatter_single(
+                output=output_tensor[start : start + length], input=block, op=op, group=group
+            )
+        return None
 
 
 def pool_fsdp_buffers(model: torch.nn.Module) -> HostBufferPool:
