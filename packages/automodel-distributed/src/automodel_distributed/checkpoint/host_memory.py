@@ -37,6 +37,7 @@ import logging
 import math
 import platform
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -187,6 +188,21 @@ seconds for the whole collective at that size.
 """
 
 
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool) -> Any:
+    # torch's own DefaultAllGather calls all_gather_single (torch >= 2.15), so whatever observes FSDP2's
+    # calls sees ours; older torch (the packages support 2.9 on) has the same collective under its
+    # older name. Looked up at call time, so a patched function is seen.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def _reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, op: Any, group: dist.ProcessGroup, async_op: bool
+) -> Any:
+    reduce = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return reduce(output, input, op=op, group=group, async_op=async_op)
+
+
 class _FromPool:
     """The ``allocate`` half of FSDP2's ``Comm`` interface, served by a `HostBufferPool`."""
 
@@ -224,15 +240,14 @@ class PooledAllGather(_FromPool, AllGather):
         """Gather ``input_tensor`` of every rank of ``group`` into ``output_tensor``."""
         piece = self._piece(output_tensor, group)
         if piece is None:
-            # The same collective as torch's DefaultAllGather, so whatever observes FSDP2's calls sees ours.
-            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            return _all_gather(output_tensor, input_tensor, group, async_op)
         world, numel = group.size(), input_tensor.numel()
         rows = output_tensor.view(world, numel)
         staging = self.pool.allocate((world * piece,), dtype=output_tensor.dtype, device=output_tensor.device)
         for start in range(0, numel, piece):
             length = min(piece, numel - start)
             gathered = staging[: world * length]
-            dist.all_gather_single(gathered, input_tensor[start : start + length], group=group)
+            _all_gather(gathered, input_tensor[start : start + length], group, False)
             rows[:, start : start + length].copy_(gathered.view(world, length))
         return None  # done: FSDP2 waits only on a returned Work
 
@@ -255,9 +270,7 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
         """Reduce ``input_tensor`` over ``group`` with ``op``; this rank's chunk goes to ``output_tensor``."""
         piece = self._piece(input_tensor, group)
         if piece is None or async_op:
-            return dist.reduce_scatter_single(
-                output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
-            )
+            return _reduce_scatter(output_tensor, input_tensor, op, group, async_op)
         world, numel = group.size(), output_tensor.numel()
         rows = input_tensor.view(world, numel)
         staging = self.pool.allocate((world * piece,), dtype=input_tensor.dtype, device=input_tensor.device)
@@ -265,9 +278,7 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
             length = min(piece, numel - start)
             block = staging[: world * length]
             block.view(world, length).copy_(rows[:, start : start + length])
-            dist.reduce_scatter_single(
-                output=output_tensor[start : start + length], input=block, op=op, group=group
-            )
+            _reduce_scatter(output_tensor[start : start + length], block, op, group, False)
         return None
 
 
