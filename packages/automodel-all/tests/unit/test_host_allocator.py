@@ -48,7 +48,7 @@ def test_worker_environment_preloads_mimalloc_first() -> None:
     assert worker_environment("glibc", {"LD_PRELOAD": "/x/libfoo.so"}) == {}
     env = worker_environment("mimalloc", {"LD_PRELOAD": "/x/libfoo.so:/y/libbar.so"})
     assert env["LD_PRELOAD"] == f"{library} /x/libfoo.so /y/libbar.so"
-    assert env["MIMALLOC_PURGE_DELAY"] == "1000"
+    assert env["MIMALLOC_PURGE_DELAY"] == "-1"
     assert env["MIMALLOC_ARENA_MAX_OBJECT_SIZE"] == "64MiB"  # a bare number would be bytes
     again = worker_environment("mimalloc", {"LD_PRELOAD": env["LD_PRELOAD"]})
     assert again["LD_PRELOAD"] == env["LD_PRELOAD"], "the library was preloaded twice"
@@ -68,7 +68,7 @@ _RETAINED = (
 
 @linux
 def test_the_workers_mimalloc_keeps_small_freed_blocks_and_returns_large_ones() -> None:
-    """Blocks up to 64 MiB stay for reuse (for purge_delay, 1 s); larger ones go back to the OS when freed."""
+    """Blocks up to 64 MiB stay for reuse (purge_delay -1); larger ones go back to the OS when freed."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | worker_environment("mimalloc", {})
     out = subprocess.run(
         [sys.executable, "-c", _RETAINED], env=env, capture_output=True, text=True, timeout=120, check=True

@@ -14,13 +14,13 @@ An allocator replaces ``malloc`` only when it is loaded before everything else, 
 the launcher preloads it into the workers it starts (``LD_PRELOAD``), from the ``cmeel-mimalloc``
 wheel (a dependency of automodel-all on Linux), with two of mimalloc's options:
 
-- ``purge_delay`` 1000 ms (``MIMALLOC_PURGE_DELAY``, mimalloc's own default, set so that another
-  version's default does not change it): freed memory stays with the process for a second before it
-  is decommitted, long enough for the next step of a small model to reuse it (about 500 page faults
-  per step on the 25M-parameter FSDP2 job of ``benchmarks/bench_fsdp2_manager.py``, against 2,200 at
-  100 ms and 20,000 under glibc's tuned thresholds), short enough that at real widths the
-  activations freed early in a backward of many seconds are returned before its peak (Llama-3.2-1B
-  shape, 4 ranks: 3669 MiB per rank against 3938 MiB when nothing is ever purged, -1);
+- ``purge_delay`` -1 (``MIMALLOC_PURGE_DELAY``): freed memory stays with the process for reuse
+  instead of being decommitted a moment later, which removes the remaining page faults and lowered
+  the measured peak of small jobs further. Its default, 1 s, took about 500 page faults per step on
+  the 25M-parameter FSDP2 job of ``benchmarks/bench_fsdp2_manager.py`` and 1.10x the step of
+  hand-written ``fully_shard`` on the same allocator (against 0.98 at -1); at real widths it returns
+  the activations freed early in a long backward before its peak (Llama-3.2-1B shape, 4 ranks: 3669
+  MiB per rank against 3938 MiB at -1), which the step time does not pay for;
 - ``arena_max_object_size`` 64 MiB (``MIMALLOC_ARENA_MAX_OBJECT_SIZE``): a block above it is
   mapped for itself and unmapped when freed, as glibc does above its mmap threshold. Kept, such blocks
   cannot serve a request of another size, and at real widths the sizes differ (a 128k-vocabulary
@@ -30,8 +30,8 @@ wheel (a dependency of automodel-all on Linux), with two of mimalloc's options:
   mapping them afresh is noise; the same bound decides what FSDP2's host buffer pool keeps
   (`automodel_distributed.checkpoint.host_memory.POOL_MAX_BYTES`).
 
-The cost: memory below that size that a rank freed and reuses within a second is not returned to the
-OS (as with a caching allocator).
+The cost: memory below that size that a rank freed is not returned to the OS before the rank exits
+(as with a caching allocator).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 """The PyPI distribution that ships ``libmimalloc.so``."""
 # See the module docstring. The object-size bound matches the host pool's
 # (`automodel_distributed.checkpoint.host_memory.POOL_MAX_BYTES`); a bare number would mean bytes.
-_MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "1000", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "64MiB"}
+_MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "64MiB"}
 
 
 def mimalloc_library() -> Path | None:
