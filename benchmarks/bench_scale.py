@@ -34,7 +34,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,6 @@ class ScaleModel:
     config_class: str
     fields: dict[str, Any]
     ep_size: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 MODELS: dict[str, ScaleModel] = {
@@ -149,7 +148,7 @@ def _train_step(model: torch.nn.Module, ids: torch.Tensor, kind: str, meter: _Me
     return float(out.loss.detach())
 
 
-def baseline(name: str, path: str, kind: str) -> dict[str, Any]:
+def baseline(path: str, kind: str) -> dict[str, Any]:
     """Plain transformers in one process: ``from_pretrained``, one step on the whole global batch."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -169,7 +168,6 @@ def baseline(name: str, path: str, kind: str) -> dict[str, Any]:
         "load_s": load_s,
         "step_s": time.perf_counter() - start,
         "loss": loss,
-        "dtype": str(next(model.parameters()).dtype),
     }
 
 
@@ -248,7 +246,7 @@ def measure(
             for kind in optimizers:
                 if kind == "adamw" and MODELS[name].ep_size > 1:
                     continue
-                (base,) = launch(baseline, 1, name, str(path), kind, init_process_group=False, timeout_s=3600)
+                (base,) = launch(baseline, 1, str(path), kind, init_process_group=False, timeout_s=3600)
                 per_setting = {
                     s.label: launch(
                         ours, RANKS, name, str(path), kind, s.tune_host_allocator, timeout_s=3600, env=s.env()

@@ -18,7 +18,8 @@ wheel (a dependency of automodel-all on Linux), with two of mimalloc's options:
   instead of being decommitted a moment later, which removes the remaining page faults and lowered
   the measured peak of small jobs further. Its default, 1 s, took about 500 page faults per step on
   the 25M-parameter FSDP2 job of ``benchmarks/bench_fsdp2_manager.py`` and 1.10x the step of
-  hand-written ``fully_shard`` on the same allocator (against 0.98 at -1); at real widths it returns
+  hand-written ``fully_shard`` on the same allocator (against 0.98 and 1.05 at -1, in two runs of
+  that job on this 2-core host); at real widths it returns
   the activations freed early in a long backward before its peak (Llama-3.2-1B shape, 4 ranks: 3669
   MiB per rank against 3938 MiB at -1), which the step time does not pay for;
 - ``arena_max_object_size`` 64 MiB (``MIMALLOC_ARENA_MAX_OBJECT_SIZE``): a block above it is
