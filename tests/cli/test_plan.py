@@ -238,3 +238,28 @@ def test_fsdp_buffers_and_accumulated_gradients_are_the_real_allocations() -> No
     # LoRA: the frozen base makes no gradient, so the fresh unit gradient is the adapters' only.
     lora = report("--global-batch-size", "16", "--micro-batch-size", "4", "--lora")["estimate"]
     assert lora.lines["gathered units"] < estimate.lines["gathered units"]
+
+
+def test_expert_parallel_units_stay_gathered_as_the_moe_config_says(tmp_path: Path) -> None:
+    """Under EP, FSDP2 takes reshard_after_forward from the MoE config where the strategy leaves it unset
+    (False by default): every unit stays gathered from forward to backward and is gathered once a step."""
+    from automodel_all.cli.plan import plan_report
+    from automodel_testing.tiny import derive_tiny_config
+
+    derive_tiny_config("qwen3_moe").save_pretrained(tmp_path / "moe")
+
+    def estimate(*argv: str) -> object:
+        args = build_parser().parse_args(
+            ["plan", "--model", str(tmp_path / "moe"), "--world-size", "4", "--ep", "4", *argv]
+        )
+        return plan_report(job_from_args(args), world_size=4)["estimate"]
+
+    kept = estimate()
+    assert kept.notes["gathered units"].startswith("every FSDP unit"), kept.notes
+    assert "FSDP all-gather x1" in kept.communication, kept.communication
+    resharded = estimate("--set", "moe.reshard_after_forward=true")
+    assert "FSDP all-gather x2" in resharded.communication, resharded.communication
+    assert resharded.lines["gathered units"] < kept.lines["gathered units"]
+    # The strategy's own setting wins over the MoE config's.
+    strategy = estimate("--set", "distributed.reshard_after_forward=true")
+    assert strategy.lines["gathered units"] == resharded.lines["gathered units"]

@@ -134,6 +134,20 @@ def _checkpointing(job: Any) -> Any:
     return resolve_checkpointing_mode(getattr(job.distributed, "activation_checkpointing", False)) or False
 
 
+def _reshard_after_forward(job: Any, layout: Any) -> bool | int | None:
+    """The ``reshard_after_forward`` FSDP2 applies: the strategy's, else the MoE config's under EP.
+
+    `FSDP2Manager` takes it from the expert step where the strategy leaves it unset, and
+    `MoEParallelizerConfig` defaults to False: every unit stays gathered from forward to backward.
+    """
+    setting = getattr(job.distributed, "reshard_after_forward", None)
+    if setting is None and job.strategy == "fsdp2" and layout.ep > 1:
+        from automodel_moe.config import MoEParallelizerConfig
+
+        setting = (job.moe if job.moe is not None else MoEParallelizerConfig()).reshard_after_forward
+    return setting
+
+
 def estimate_peak(
     model: nn.Module,
     model_config: Any,
@@ -259,7 +273,7 @@ def estimate_peak(
     )
     # Units keep their parameters gathered after forward under pipelining (until the last
     # micro-batch's backward) or with reshard_after_forward=False.
-    reshard_setting = getattr(job.distributed, "reshard_after_forward", None)
+    reshard_setting = _reshard_after_forward(job, layout)
     reshard = reshard_setting is not False and not (pipeline is not None and reshard_setting is None)
     seq_len = job.data.seq_len
     key = (micro_batch, seq_len, cp)
@@ -356,7 +370,7 @@ def estimate_peak(
             estimate.notes["communication buffers"] = ", ".join(buffers)
         estimate.communication = _communication(
             resolved, model_config, unsharded=sum(units[rank].values()), trainable_shard=grads[rank],
-            blocks=len(blocks), tokens=tokens, element=element, n_micro=n_micro,
+            blocks=len(blocks), tokens=tokens, element=element, n_micro=n_micro, reshard=reshard,
         )  # fmt: skip
         if best is None or estimate.total > best.total:
             best = estimate
@@ -442,8 +456,13 @@ def _communication(
     tokens: int,
     element: int,
     n_micro: int,
+    reshard: bool,
 ) -> dict[str, int]:
-    """Bytes one rank sends per step, per collective, with ring-algorithm factors."""
+    """Bytes one rank sends per step, per collective, with ring-algorithm factors.
+
+    ``reshard``: whether FSDP units free their parameters after forward (and gather them again in
+    backward).
+    """
     job, layout = resolved.job, resolved.layout
     out: dict[str, int] = {}
     hidden = _config_int(model_config, "hidden_size")
@@ -454,9 +473,11 @@ def _communication(
             out["all-reduce gradients (DDP)"] = int(2 * (world - 1) / world * trainable_shard)
         return out
     if shard > 1:
-        # All-gather in forward and again in backward (reshard after forward), reduce-scatter gradients.
+        # All-gather in forward, again in backward when units reshard after forward; reduce-scatter
+        # gradients.
         trainable_full = trainable_shard * shard
-        out["FSDP all-gather x2"] = int(2 * (shard - 1) / shard * unsharded)
+        gathers = 2 if reshard else 1
+        out[f"FSDP all-gather x{gathers}"] = int(gathers * (shard - 1) / shard * unsharded)
         out["FSDP reduce-scatter"] = int((shard - 1) / shard * trainable_full)
     if layout.dp_replicate > 1:
         r = layout.dp_replicate
