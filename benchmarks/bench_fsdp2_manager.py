@@ -11,7 +11,7 @@ does nothing) the hand-written version runs alongside again, which gives the man
 that allocator too. Prints the ratio manager / hand-written for each layout and setting (goal: at
 most 1.03).
 
-    uv run --all-packages python benchmarks/bench_fsdp2_manager.py [--steps 10] [--rounds 3]
+    uv run --all-packages python benchmarks/bench_fsdp2_manager.py [--steps 2] [--rounds 24]
 """
 
 from __future__ import annotations
@@ -39,6 +39,12 @@ MODEL = {
     "vocab_size": 4096,
     "max_position_embeddings": 256,
 }
+
+STEPS, ROUNDS = 2, 24
+"""Steps per round and rounds per version and setting (split over its two jobs): short alternating
+rounds, so that the load of a shared 2-core host drifts under both versions alike (10-step rounds
+measured the same code anywhere from 0.98 to 1.05 of hand-written; 2-step rounds, 45 of them, 1.015
+and 1.022)."""
 
 
 def _hand_written(model: torch.nn.Module, ctx: MeshContext, tp: bool) -> torch.nn.Module:
@@ -97,7 +103,10 @@ def _time_steps(
 def _bench(
     layout: str, steps: int, rounds: int, tune_host_allocator: bool, hand_written: bool
 ) -> dict[str, Any]:
-    """Median step of ours and (when ``hand_written``) the hand-written version, in alternating rounds.
+    """Per round, the median step of ours and (when ``hand_written``) the hand-written version.
+
+    Rounds alternate between the two (``steps`` steps each), so a drift of the machine's load hits both
+    alike: many short rounds make the comparison robust on a shared host.
 
     ``hand_written`` must be False when ``FSDP2Config.tune_host_allocator=True`` tunes glibc: its
     process-wide settings would change what the hand-written version gets.
@@ -124,42 +133,64 @@ def _bench(
         order = list(models) if r % 2 == 0 else list(models)[::-1]
         for name in order:
             samples[name].append(_time_steps(models[name], opts[name], batch, steps))
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
+
+
+def _median_over_rounds(per_rank: list[dict[str, list[float]]], name: str) -> float:
+    """The median over rounds of each round's slowest rank (a step ends when its last rank ends)."""
+    rounds = zip(*(rank[name] for rank in per_rank), strict=True)
+    return statistics.median(max(round_) for round_ in rounds)
 
 
 def measure(
-    steps: int = 10, rounds: int = 3, settings: tuple[HostSetting, ...] = HOST_SETTINGS
+    steps: int = STEPS, rounds: int = ROUNDS, settings: tuple[HostSetting, ...] = HOST_SETTINGS
 ) -> dict[str, dict[str, Any]]:
-    """Median step seconds (max over the 2 ranks) per layout.
+    """Step seconds per layout: per job, the median over rounds of the slower rank's median step in the
+    round; per setting, the mean over its two jobs.
 
-    ``theirs``: hand-written under glibc with its defaults; ``ours[label]``: ours under each setting;
-    ``theirs_same_job[label]``: the hand-written version in that setting's job, where it ran.
+    Every setting runs in two jobs of ``rounds // 2`` rounds each, in the order of the settings and then
+    in reverse (the baseline job first and last), so a drift in the machine's load over the run hits all
+    settings alike. ``theirs``: hand-written under glibc with its defaults; ``ours[label]``: ours under
+    each setting; ``theirs_same_job[label]``: the hand-written version in that setting's jobs, where it
+    ran. ``ours_runs[label]`` and ``theirs_runs``: the per-job figures behind the means, in job order.
     """
+    glibc_plain = next(
+        (s for s in settings if s.host_allocator == "glibc" and not s.tune_host_allocator), None
+    )
+    if glibc_plain is None:
+        raise ValueError("settings must hold glibc with tune_host_allocator=False (the baseline's jobs)")
+    order = [glibc_plain, *(s for s in settings if s is not glibc_plain)]
+    order += order[::-1]
     out: dict[str, dict[str, Any]] = {}
     for layout in ("fsdp2", "tp2"):
-        row: dict[str, Any] = {"ours": {}, "theirs_same_job": {}}
-        base = launch(_bench, 2, layout, steps, rounds, False, True, timeout_s=1200)
-        row["theirs"] = max(r["theirs"] for r in base)
-        for setting in settings:
-            if setting.host_allocator == "glibc" and not setting.tune_host_allocator:
-                per_rank = base
-            else:
-                alongside = setting.host_allocator != "glibc"
-                per_rank = launch(
-                    _bench, 2, layout, steps, rounds, setting.tune_host_allocator, alongside,
-                    timeout_s=1200, env=setting.env(),
-                )  # fmt: skip
-            row["ours"][setting.label] = max(r["ours"] for r in per_rank)
-            if "theirs" in per_rank[0]:
-                row["theirs_same_job"][setting.label] = max(r["theirs"] for r in per_rank)
+        figures: dict[str, dict[str, list[float]]] = {"ours": {}, "theirs_same_job": {}}
+        for setting in order:
+            # Under glibc, tune_host_allocator=True changes process-wide allocator settings, which would
+            # change what the hand-written version gets: ours runs alone there.
+            alongside = not (setting.host_allocator == "glibc" and setting.tune_host_allocator)
+            per_rank = launch(
+                _bench, 2, layout, steps, max(rounds // 2, 1), setting.tune_host_allocator, alongside,
+                timeout_s=1200, env=setting.env(),
+            )  # fmt: skip
+            figures["ours"].setdefault(setting.label, []).append(_median_over_rounds(per_rank, "ours"))
+            if alongside:
+                theirs = _median_over_rounds(per_rank, "theirs")
+                figures["theirs_same_job"].setdefault(setting.label, []).append(theirs)
+        row: dict[str, Any] = {
+            kind: {label: statistics.mean(v) for label, v in by_label.items()}
+            for kind, by_label in figures.items()
+        }
+        row["theirs"] = row["theirs_same_job"][glibc_plain.label]
+        row["ours_runs"] = figures["ours"]
+        row["theirs_runs"] = figures["theirs_same_job"][glibc_plain.label]
         out[layout] = row
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args()
     print("layout   manager/hand-written (glibc defaults)  [vs hand-written in the same job]  setting")
     for layout, r in measure(args.steps, args.rounds).items():

@@ -67,30 +67,32 @@ MiB = 2**20
 
 
 def section_pytorch() -> list[Row]:
-    r = bench_fsdp2_manager.measure(steps=5, rounds=3)
+    r = bench_fsdp2_manager.measure()
     rows = []
     for layout, what in (
         ("fsdp2", "step time, FSDP2 over 2 ranks: `FSDP2Manager` vs `fully_shard` by hand"),
         ("tp2", "step time, TP 2: `FSDP2Manager` TP plan vs `parallelize_module` by hand"),
     ):
         for setting in HOST_SETTINGS:
+            ours = r[layout]["ours"][setting.label]
             same = r[layout]["theirs_same_job"].get(setting.label)
-            if setting.host_allocator == "glibc":
-                how = "same job, alternating rounds" if not setting.tune_host_allocator else "its own job"
+            if same is None:
+                how = "ours alone in its jobs (glibc's settings are process-wide)"
             else:
-                how = (
-                    f"its own job; hand-written on {setting.host_allocator} in that job: "
-                    f"{same * 1e3:.0f} ms (ours / it: {r[layout]['ours'][setting.label] / same:.2f})"
-                )
+                how = f"hand-written in the same jobs: {same * 1e3:.0f} ms (ours / it: {ours / same:.3f})"
             rows.append(
                 Row(
                     section="vs hand-written PyTorch",
                     name=what,
-                    ours=r[layout]["ours"][setting.label] * 1e3,
+                    ours=ours * 1e3,
                     baseline=r[layout]["theirs"] * 1e3,
                     unit="ms",
                     settings=setting.label,
-                    notes="Llama 25M, batch 2 x 128 per rank, AdamW, median step; hand-written under glibc's "
+                    spread=_spread(r[layout]["ours_runs"][setting.label], r[layout]["theirs_runs"]),
+                    notes="Llama 25M, batch 2 x 128 per rank, AdamW; per job the median over "
+                    f"{bench_fsdp2_manager.ROUNDS // 2} alternating rounds of {bench_fsdp2_manager.STEPS} "
+                    "steps (the slower rank's median step in a round), 2 jobs per setting (order: "
+                    "settings, then reversed), mean of the 2; baseline: hand-written under glibc's "
                     f"defaults; {how}",
                 )
             )
