@@ -4,7 +4,7 @@ One launch per malloc (mimalloc preloaded as ``launch.host_allocator='auto'`` do
 and glibc's): on each rank, FSDP2Manager's default (``tune_host_allocator=True``: pooled collective
 buffers) trains next to the unsharded transformers model (`train_parity`), and a pooled and an
 unpooled copy of the same sharded model take SGD steps side by side and must agree bit for bit in
-every loss and gradient, while the pool hands the same buffers out again on every step.
+every loss and gradient, while the pool hands its kept buffers out again on every later step.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def _run() -> dict[str, Any]:
     batch = make_batch(pooled.config.vocab_size, 2, 16, seed=10 + rank)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pooled, plain)]
     losses: list[list[float]] = [[], []]
-    grads_equal, kept = True, []
+    grads_equal, served = True, []
     for _ in range(3):
+        before = (pool.requests, pool.reused)
         grads = []
         for i, model in enumerate((pooled, plain)):
             loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
@@ -61,12 +62,12 @@ def _run() -> dict[str, Any]:
             opts[i].step()
             opts[i].zero_grad(set_to_none=True)
         grads_equal &= all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
-        kept.append(pool.nbytes)
+        served.append((pool.requests - before[0], pool.reused - before[1]))
     return {
         "report": report,
         "losses": losses,
         "grads_equal": grads_equal,
-        "kept": kept,
+        "served": served,
         "glibc": malloc_is_glibc(),
     }
 
@@ -82,7 +83,9 @@ def test_pooled_buffers_change_no_number(allocator: str) -> None:
         r["report"].check(atol=1e-5, step_atol=1e-4, label=f"{allocator} rank {rank}")
         assert r["losses"][0] == r["losses"][1], f"{allocator} rank {rank}: pooled losses differ"
         assert r["grads_equal"], f"{allocator} rank {rank}: pooled gradients differ"
-        kept = r["kept"]
-        # A step may add a buffer while another of the same size is still in flight (timing-dependent);
-        # the pool must have settled by the second step and never grow after it.
-        assert 0 < kept[0] <= kept[1] == kept[2], f"the pool grew after the second step: {kept}"
+        served = r["served"]  # (requests, served by a kept buffer) per step
+        assert served[0][0] > 0 and served[0][1] < served[0][0], f"{allocator}: kept nothing {served}"
+        # After the first step, the pool serves from what it keeps; gloo's thread may hold a finished
+        # collective's buffer a moment after wait() (see HostBufferPool), so one miss per step is allowed.
+        for requests, reused in served[1:]:
+            assert requests == served[0][0] and reused >= requests - 1, f"{allocator}: reuse {served}"

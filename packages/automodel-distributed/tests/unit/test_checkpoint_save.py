@@ -148,6 +148,7 @@ def test_host_buffer_pool_reuses_only_buffers_nobody_uses() -> None:
     again = pool.allocate((6,), dtype=torch.float32, device=cpu)
     assert again.data_ptr() == address and again.shape == (6,)
     assert pool.nbytes == 2 * 6 * 4 + 6 * 2, "a freed buffer was kept twice"
+    assert (pool.requests, pool.reused) == (4, 1)
 
 
 def test_host_buffer_pool_keeps_nothing_above_its_bound() -> None:
@@ -163,3 +164,4 @@ def test_host_buffer_pool_keeps_nothing_above_its_bound() -> None:
     del kept, large
     assert pool.allocate((16,), dtype=torch.float32, device=cpu).data_ptr() == address
     assert pool.nbytes == 64, "a buffer above the bound was kept"
+    assert (pool.requests, pool.reused) == (2, 1), "a request above the bound was counted"

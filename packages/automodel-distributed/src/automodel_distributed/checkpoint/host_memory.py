@@ -146,10 +146,17 @@ class HostBufferPool:
     kept one costs neither. The pool holds at most as many buffers of a shape as were in use at once,
     and none above ``max_bytes`` (`POOL_MAX_BYTES`): those are allocated afresh each time. Not
     thread-safe; one pool per model.
+
+    ``requests`` and ``reused`` count the requests of a poolable size and those served by a kept
+    buffer. A buffer is free only once nothing else holds its storage, and gloo's worker thread may
+    drop its hold on a finished collective's tensors just after ``wait()`` returns, so under load a
+    step can occasionally miss and keep one more buffer of a shape; ``reused / requests`` stays near 1.
     """
 
     def __init__(self, max_bytes: int = POOL_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
+        self.requests = 0
+        self.reused = 0
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
 
     def allocate(
@@ -160,10 +167,12 @@ class HostBufferPool:
         if math.prod(key[0]) * dtype.itemsize > self.max_bytes:
             return torch.empty(key[0], dtype=dtype, device=device)
         kept = self._buffers.setdefault(key, [])
+        self.requests += 1
         for buffer in kept:
             # Users of the storage: the kept tensor and the temporary storage object of this check.
             # Anything more is a view still in use (FSDP's copies out of it, a gradient, a pending op).
             if torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2:
+                self.reused += 1
                 return buffer.view(key[0])
         buffer = torch.empty(key[0], dtype=dtype, device=device)
         kept.append(buffer)
