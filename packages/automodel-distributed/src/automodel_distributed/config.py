@@ -187,11 +187,13 @@ class FSDP2Config(ConfigDict):
     """Sharding policy for frozen multimodal towers."""
     tune_host_allocator: bool = True
     """Keep host memory from piling up when FSDP2's buffers live on the host (a CPU mesh, or CPU
-    offload). Two parts: on a CPU mesh every FSDP2 unit takes its all-gather and reduce-scatter buffers
+    offload). Three parts: on a CPU mesh every FSDP2 unit takes its all-gather and reduce-scatter buffers
     from one pool per model, reused from step to step up to 64 MiB a buffer, and on gloo runs those
     collectives in pieces of at most 32 MiB, since gloo allocates a temporary of the whole size
-    (`automodel_distributed.checkpoint.host_memory.pool_fsdp_buffers`); and, when glibc's malloc serves
-    the process, its mmap and trim thresholds are fixed when the manager is created
+    (`automodel_distributed.checkpoint.host_memory.pool_fsdp_buffers`); gradients are copied into the
+    reduce-scatter buffer in its dtype without torch's temporary of the gradients' size (process-wide,
+    the same values bit for bit: `automodel_distributed.checkpoint.host_copy_in`); and, when glibc's
+    malloc serves the process, its mmap and trim thresholds are fixed when the manager is created
     (`configure_host_allocator`, process-wide), so the other large buffers FSDP2 frees every step go
     back to the OS instead of staying resident in malloc arenas. Under glibc that halves the peak per
     rank but costs page faults on every step (about 1.5x the step time on the benchmark job); under

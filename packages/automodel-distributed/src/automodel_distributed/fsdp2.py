@@ -609,10 +609,13 @@ class FSDP2Manager(StrategyDefaults):
             frozen_sharding=cfg.multimodal.frozen_sharding,
         )
         if cfg.tune_host_allocator and self.mesh.device_type == "cpu":
-            # Collective buffers on the host: keep them across steps (see configure_host_allocator).
+            # Collective buffers on the host: keep them across steps (see configure_host_allocator), and
+            # copy gradients into the reduce-scatter buffer without a temporary (see host_copy_in).
+            from automodel_distributed.checkpoint.host_copy_in import register_host_copy_in
             from automodel_distributed.checkpoint.host_memory import pool_fsdp_buffers
 
             pool_fsdp_buffers(model)
+            register_host_copy_in()
         return model
 
     def dp_mesh(self) -> DeviceMesh:
