@@ -23,7 +23,10 @@ Communication is a real cost that the textbook leaves out, so it is also shown o
 time of one stage-to-stage message (the activations of one microbatch) measured by a gloo ping-pong in
 the same job, and the idle that a replay of the schedule's op order predicts with the measured op
 times and that message time (``model``), next to the replay without communication (``model, no
-comm``): the part of the measured idle above the replay with communication is runtime overhead.
+comm``), and the replay with each op's own time in each step (``own ops``): the replay with median
+times shows the stages' imbalance, the one with each step's own times adds what the step-to-step
+variation of op times costs (on a shared host, its jitter: an op late on one rank idles the other),
+and the measured idle above that is the runtime's own overhead (transfers, waits, Python).
 
 Use one rank per core (``--pp 2`` on a 2-core machine): oversubscribed cores count the time a rank
 waits for a core as compute.
@@ -172,11 +175,14 @@ def measure(microbatches: int, seq_len: int, steps: int, warmup: int) -> dict[st
 
 def _replay(
     orders: list[list[tuple[int, str, int]]],
-    durations: dict[tuple[int, str], float],
+    durations: dict[tuple[int, ...], float],
     num_stages: int,
     message_s: float,
 ) -> list[float]:
     """Each rank's idle per step when it runs its ops in torch's order with these op times.
+
+    ``durations`` gives an op's time by ``(stage, kind, microbatch)`` or, for every microbatch, by
+    ``(stage, kind)``.
 
     An op starts when its rank is free and its input is there: a forward after the previous stage's
     forward of that microbatch, a backward after the next stage's backward (its input-gradient half
@@ -199,8 +205,9 @@ def _replay(
                     break
                 ready = 0.0 if dep is None else done[dep] + (message_s if rank_of[dep[0]] != r else 0.0)
                 start = max(free[r], ready)
-                free[r] = start + durations[(stage, kind)]
-                busy[r] += durations[(stage, kind)]
+                took = durations.get((stage, kind, mb), durations.get((stage, kind), 0.0))
+                free[r] = start + took
+                busy[r] += took
                 done[(stage, kind, mb)] = free[r]
                 position[r] += 1
                 progressed = True
@@ -231,6 +238,7 @@ def analyze(per_rank: list[dict[str, Any]], microbatches: int) -> list[dict[str,
         num_stages = v * pp
         parts: dict[str, list[list[float]]] = defaultdict(lambda: [[] for _ in range(pp)])
         op_times: dict[tuple[int, str], list[float]] = defaultdict(list)
+        own_times: list[dict[tuple[int, ...], float]] = []  # per step: each op's own time
         for index in range(steps):
             per_step = [ranks[r]["steps"][index] for r in range(pp)]
             step_s = max(s["end"] for s in per_step) - min(s["start"] for s in per_step)
@@ -247,10 +255,21 @@ def analyze(per_rank: list[dict[str, Any]], microbatches: int) -> list[dict[str,
                 parts["other"][r].append(step_s - totals["compute"] - totals["wait"] - totals["post"])
                 # The previous definition: the idle fraction of the rank's own step (start to its own end).
                 parts["own_fraction"][r].append(1.0 - totals["compute"] / (s["end"] - s["start"]))
+            own: dict[tuple[int, ...], float] = {}
+            for s in per_step:
+                last_forward: tuple[int, ...] | None = None
                 for k, label, b, e in s["events"]:
                     if k == "compute":
                         key = (num_stages - 1, "loss") if label == ("loss",) else label[:2]
                         op_times[key].append(e - b)
+                        if label == ("loss",):  # the loss belongs to the last stage's forward before it
+                            assert last_forward is not None, "a loss before any last-stage forward"
+                            own[last_forward] += e - b
+                        else:
+                            own[label] = e - b
+                            if label[:2] == (num_stages - 1, "F"):
+                                last_forward = label
+            own_times.append(own)
         mean = {key: [statistics.mean(x) for x in values] for key, values in parts.items()}
         durations = {key: statistics.median(values) for key, values in op_times.items() if key[1] != "loss"}
         last_f = (num_stages - 1, "F")
@@ -279,6 +298,14 @@ def analyze(per_rank: list[dict[str, Any]], microbatches: int) -> list[dict[str,
                 / ((pp - 1) / (v * microbatches + pp - 1)),
                 "model_s": _replay(orders, durations, num_stages, message_s),
                 "model_no_comm_s": _replay(orders, durations, num_stages, 0.0),
+                # The same replay with each op's own time in each step, averaged over the steps: what
+                # the step-to-step variation of op times adds to idle (a shared host's jitter).
+                "model_own_s": [
+                    statistics.mean(idle)
+                    for idle in zip(
+                        *(_replay(orders, own, num_stages, message_s) for own in own_times), strict=True
+                    )
+                ],
                 "message_s": message_s,
                 "op_s": {f"{s}{k}": t for (s, k), t in sorted(durations.items())},
             }
@@ -306,7 +333,7 @@ def main() -> None:
 
     header = (
         f"{'schedule':<18}{'v':>2}{'ratio':>7}{'idle':>11}{'theory':>11}{'compute':>11}{'p2p wait':>11}"
-        f"{'p2p post':>10}{'other':>9}{'model':>11}{'no comm':>11}{'step':>7}"
+        f"{'p2p post':>10}{'other':>9}{'model':>11}{'no comm':>11}{'own ops':>11}{'step':>7}"
     )
     print(header)
     for row in rows:
@@ -314,7 +341,7 @@ def main() -> None:
             f"{row['schedule']:<18}{row['v']:>2}{row['ratio']:>7.2f}{ms(row['idle_s']):>11}"
             f"{ms(row['theory_s']):>11}{ms(row['compute_s']):>11}{ms(row['wait_s']):>11}"
             f"{ms(row['post_s']):>10}{ms(row['other_s']):>9}{ms(row['model_s']):>11}"
-            f"{ms(row['model_no_comm_s']):>11}{row['step_s'] * 1e3:>7.0f}"
+            f"{ms(row['model_no_comm_s']):>11}{ms(row['model_own_s']):>11}{row['step_s'] * 1e3:>7.0f}"
         )
     print(
         "previous definition (idle fraction of each rank's own step / (p - 1) / (v m + p - 1)): "

@@ -294,7 +294,8 @@ def section_schedules() -> list[Row]:
                 notes=f"idle = step - own compute, mean of ranks; per rank (ms): compute {ms('compute_s')}, "
                 f"idle {ms('idle_s')} = p2p wait {ms('wait_s')} + p2p post {ms('post_s')} + other "
                 f"{ms('other_s')}; replay of the op order with measured op times {ms('model_s')} "
-                f"(without the {row['message_s'] * 1e3:.2f} ms messages {ms('model_no_comm_s')}); "
+                f"(without the {row['message_s'] * 1e3:.2f} ms messages {ms('model_no_comm_s')}), with "
+                f"each step's own op times {ms('model_own_s')}; "
                 f"step {row['step_s']:.2f} s",
             )
         )

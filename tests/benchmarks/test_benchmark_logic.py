@@ -1,8 +1,12 @@
-"""The logic of bench_planner.py and benchmarks/gpu/bench_h200.py, on CPU with no timing asserted.
+"""The logic of bench_planner.py, bench_pipeline_bubble.py and benchmarks/gpu/bench_h200.py, on CPU.
+
+No timing is asserted.
 
 - Every layout of the planner benchmark plans (no process started), and the estimates move the way
   each setting must move them: checkpointing and sequence parallelism shrink activations, HSDP
   shards parameters over half the ranks, LoRA leaves almost no optimizer state, PP holds fewer blocks.
+- The pipeline replay gives the textbook idle for equal GPipe stages, and one late op (an op's own
+  time in one step) idles exactly the ranks that wait for it.
 - The GPU script runs end to end on a tiny model on CPU (gloo, one rank): every variant but compile
   trains (finite loss, tokens/s above zero), and the load comparison runs.
 """
@@ -56,6 +60,19 @@ def test_every_planner_benchmark_layout_plans_and_settings_move_the_estimate(tmp
     assert all(e.buffers.get("FSDP all-gather / reduce-scatter", 0) > 0 for e in estimates.values())
     assert fsdp["accumulated gradients"] == pytest.approx(4 * fsdp["gradients"], rel=1e-6)
     assert "PP receive buffers" in estimates["PP=2 1F1B"].buffers
+
+
+def test_pipeline_replay_with_median_and_with_each_ops_own_time() -> None:
+    bubble = _module(BENCHMARKS / "bench_pipeline_bubble.py")
+    # GPipe, 2 stages on 2 ranks, 2 microbatches: all forwards, then all backwards.
+    orders = [[(r, kind, mb) for kind in ("F", "B") for mb in (0, 1)] for r in (0, 1)]
+    equal = {(0, "F"): 1.0, (1, "F"): 1.0, (0, "B"): 2.0, (1, "B"): 2.0}
+    # Each rank waits one forward plus one backward: (p - 1) / m of its compute of 6.
+    assert bubble._replay(orders, equal, 2, 0.0) == [3.0, 3.0]
+    assert bubble._replay(orders, equal, 2, 0.5) == [4.0, 4.0]  # one message more in each dependency chain
+    # Stage 1's second backward takes 4 in this step: rank 0 waits 2 more; rank 1 only works longer.
+    late = {**equal, (1, "B", 1): 4.0}
+    assert bubble._replay(orders, late, 2, 0.0) == [5.0, 3.0]
 
 
 def _free_port() -> int:
