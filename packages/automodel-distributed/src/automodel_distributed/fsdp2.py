@@ -52,6 +52,7 @@ from automodel_distributed.config import (
 from automodel_distributed.layers import blockless_parts, find_transformer_blocks
 from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, model_parts
 from automodel_distributed.strategy import StrategyDefaults, nothing_is_sharded
+from automodel_distributed.tied_embedding import accumulate_tied_embedding_rows
 from automodel_mesh import MeshAxisName, MeshContext, MeshKind
 from automodel_mesh.modules import fqn_of
 
@@ -516,7 +517,9 @@ class FSDP2Manager(StrategyDefaults):
 
         Order: the expert-parallel step (when ``experts`` is set), the TP plan (leaving the modules the
         expert step names alone), activation checkpointing (saving the ops the expert step names), then
-        `apply_fsdp2` (expert units first).
+        `apply_fsdp2` (expert units first). When sharded, an input embedding tied to the output head adds
+        its gradient rows into the shared weight's gradient in place instead of as a third full-size
+        tensor (`automodel_distributed.tied_embedding`; the same values bit for bit).
 
         Preconditions: ``model`` is a transformers-style decoder (blocks found from ``_no_split_modules``),
         on the meta device or on CPU/the target device; nothing is sharded yet. Mesh axes: ``ep`` and
@@ -608,6 +611,8 @@ class FSDP2Manager(StrategyDefaults):
             wrap_root=extra.wrap_root,
             frozen_sharding=cfg.multimodal.frozen_sharding,
         )
+        # FSDP2 reduces after the whole backward, so the rows may join the gradient after accumulation.
+        accumulate_tied_embedding_rows(model)
         if cfg.tune_host_allocator and self.mesh.device_type == "cpu":
             # Collective buffers on the host: keep them across steps (see configure_host_allocator), and
             # copy gradients into the reduce-scatter buffer without a temporary (see host_copy_in).
