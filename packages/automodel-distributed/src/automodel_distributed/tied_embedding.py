@@ -31,16 +31,21 @@ def tied_input_embedding(model: nn.Module) -> nn.Embedding | None:
     """The model's input embedding when it is a plain ``nn.Embedding`` whose weight the output head shares.
 
     Read from the model's own structure (``get_input_embeddings`` / ``get_output_embeddings``); None for
-    untied weights, a subclass with its own forward (a scaled embedding), or a model without both.
+    untied weights, a subclass with its own forward (a scaled embedding), or a model without both (a
+    pipeline stage holds None for the parts it does not run).
     """
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     if not callable(get_in) or not callable(get_out):
         return None
-    embedding, head = get_in(), get_out()
-    if type(embedding).forward is not nn.Embedding.forward or head is None:
+    try:
+        embedding, head = get_in(), get_out()
+    except NotImplementedError:  # transformers' default where the model names no base model
         return None
-    if getattr(head, "weight", None) is not embedding.weight:
+    # A pipeline stage without the embedding or the head has None in its place.
+    if not isinstance(embedding, nn.Embedding) or type(embedding).forward is not nn.Embedding.forward:
+        return None
+    if head is None or getattr(head, "weight", None) is not embedding.weight:
         return None
     return embedding
 

@@ -65,6 +65,21 @@ def test_only_a_plain_embedding_shared_with_the_head_is_changed() -> None:
     model.head.weight = model.emb.weight
     assert tied_input_embedding(model) is None and not accumulate_tied_embedding_rows(model)
     assert not accumulate_tied_embedding_rows(nn.Linear(2, 2))
+    stage = build_tiny_model("llama_tied")  # a later pipeline stage: its embedding was removed
+    stage.model.embed_tokens = None
+    assert tied_input_embedding(stage) is None
+    head_only = build_tiny_model("llama_tied")  # an earlier one: no head
+    head_only.lm_head = None
+    assert tied_input_embedding(head_only) is None
+
+    class NoBase(nn.Module):  # transformers' default accessors raise NotImplementedError
+        def get_input_embeddings(self) -> nn.Module:
+            raise NotImplementedError
+
+        def get_output_embeddings(self) -> None:
+            return None
+
+    assert tied_input_embedding(NoBase()) is None
 
 
 def _status_mib(field: str) -> int:
