@@ -17,6 +17,7 @@ earlier micro-batch's gradient keeps autograd's order of additions and the plain
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -88,6 +89,23 @@ class _RowsIntoGrad(torch.autograd.Function):
         return None, None, None, None
 
 
+def _tied_forward(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    weight = embedding.weight
+    if (
+        torch.is_grad_enabled()
+        and weight.requires_grad
+        and weight.grad is None
+        and not isinstance(weight, DTensor)
+        and embedding.max_norm is None
+        and not embedding.sparse
+    ):
+        out: torch.Tensor = _RowsIntoGrad.apply(
+            ids, weight, embedding.padding_idx, embedding.scale_grad_by_freq
+        )
+        return out
+    return nn.Embedding.forward(embedding, ids)
+
+
 def accumulate_tied_embedding_rows(model: nn.Module) -> bool:
     """Make the tied input embedding of ``model`` add its gradient rows in place (see the module docstring).
 
@@ -100,22 +118,6 @@ def accumulate_tied_embedding_rows(model: nn.Module) -> bool:
     embedding = tied_input_embedding(model)
     if embedding is None:
         return False
-
-    def forward(ids: torch.Tensor) -> torch.Tensor:
-        weight = embedding.weight
-        if (
-            torch.is_grad_enabled()
-            and weight.requires_grad
-            and weight.grad is None
-            and not isinstance(weight, DTensor)
-            and embedding.max_norm is None
-            and not embedding.sparse
-        ):
-            out: torch.Tensor = _RowsIntoGrad.apply(
-                ids, weight, embedding.padding_idx, embedding.scale_grad_by_freq
-            )
-            return out
-        return nn.Embedding.forward(embedding, ids)
-
-    embedding.forward = forward  # type: ignore[method-assign,assignment]
+    # A bound method, not a closure: a deep copy of the model binds it to the copied embedding.
+    embedding.forward = types.MethodType(_tied_forward, embedding)  # type: ignore[method-assign]
     return True
