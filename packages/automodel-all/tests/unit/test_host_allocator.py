@@ -48,7 +48,7 @@ def test_worker_environment_preloads_mimalloc_first() -> None:
     assert worker_environment("glibc", {"LD_PRELOAD": "/x/libfoo.so"}) == {}
     env = worker_environment("mimalloc", {"LD_PRELOAD": "/x/libfoo.so:/y/libbar.so"})
     assert env["LD_PRELOAD"] == f"{library} /x/libfoo.so /y/libbar.so"
-    assert env["MIMALLOC_PURGE_DELAY"] == "-1"
+    assert env["MIMALLOC_PURGE_DELAY"] == "5000"  # milliseconds
     assert env["MIMALLOC_ARENA_MAX_OBJECT_SIZE"] == "64MiB"  # a bare number would be bytes
     again = worker_environment("mimalloc", {"LD_PRELOAD": env["LD_PRELOAD"]})
     assert again["LD_PRELOAD"] == env["LD_PRELOAD"], "the library was preloaded twice"
@@ -68,7 +68,7 @@ _RETAINED = (
 
 @linux
 def test_the_workers_mimalloc_keeps_small_freed_blocks_and_returns_large_ones() -> None:
-    """Blocks up to 64 MiB stay for reuse (purge_delay -1); larger ones go back to the OS when freed."""
+    """Blocks up to 64 MiB stay for reuse (for purge_delay); larger ones go back to the OS when freed."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | worker_environment("mimalloc", {})
     out = subprocess.run(
         [sys.executable, "-c", _RETAINED], env=env, capture_output=True, text=True, timeout=120, check=True
@@ -76,6 +76,37 @@ def test_the_workers_mimalloc_keeps_small_freed_blocks_and_returns_large_ones() 
     small, large = (int(x) for x in out.stdout.split())
     assert small >= 12, f"the freed 16 MiB block was returned ({small} MiB kept): nothing keeps small blocks"
     assert large < 32, f"the freed 256 MiB block stayed resident ({large} MiB kept)"
+
+
+# What the child reports: resident MiB held after freeing 256 MiB of 4 MiB blocks, then after asking for
+# a buffer above the pool's bound (which purges first), then after an explicit release_host_memory().
+_PURGED = (
+    "import torch\n"
+    "from automodel_distributed.checkpoint.host_memory import HostBufferPool, release_host_memory\n"
+    "def rss():\n"
+    "    with open('/proc/self/status') as f:\n"
+    "        return next(int(l.split()[1]) for l in f if l.startswith('VmRSS:')) >> 10\n"
+    "pool = HostBufferPool(max_bytes=1 << 20, release_above=64 << 20)\n"
+    "large = lambda: pool.allocate((128 << 20,), dtype=torch.uint8, device='cpu')\n"
+    "for release in (large, release_host_memory):\n"
+    "    before = rss(); blocks = [torch.ones(1 << 20) for _ in range(64)]; del blocks\n"
+    "    kept = rss() - before; result = release()\n"
+    "    print(kept, rss() - before)\n"
+)
+
+
+@linux
+def test_the_workers_mimalloc_purges_before_a_buffer_the_pool_does_not_keep() -> None:
+    """Memory held free goes back to the OS before a fresh large buffer, not 5 s later."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | worker_environment("mimalloc", {})
+    out = subprocess.run(
+        [sys.executable, "-c", _PURGED], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    hows = ("the pool's large buffer", "release_host_memory")
+    for line, how in zip(out.stdout.splitlines(), hows, strict=True):
+        kept, after = (int(x) for x in line.split())
+        assert kept >= 192, f"mimalloc returned the freed blocks at once ({kept} MiB kept): nothing to purge"
+        assert after < 32, f"{after} MiB of the freed 256 MiB stayed resident after {how}"
 
 
 @linux

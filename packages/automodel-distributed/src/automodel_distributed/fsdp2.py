@@ -617,9 +617,13 @@ class FSDP2Manager(StrategyDefaults):
             # Collective buffers on the host: keep them across steps (see configure_host_allocator), and
             # copy gradients into the reduce-scatter buffer without a temporary (see host_copy_in).
             from automodel_distributed.checkpoint.host_copy_in import register_host_copy_in
-            from automodel_distributed.checkpoint.host_memory import pool_fsdp_buffers
+            from automodel_distributed.checkpoint.host_memory import (
+                free_all_gather_outputs_after_copy_out,
+                pool_fsdp_buffers,
+            )
 
             pool_fsdp_buffers(model)
+            free_all_gather_outputs_after_copy_out(model)
             register_host_copy_in()
         return model
 

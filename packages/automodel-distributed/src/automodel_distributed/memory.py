@@ -379,34 +379,44 @@ def fsdp_buffer_bytes(
     return sum(largest[: 1 + prefetch]) + max(grads, default=0)
 
 
-def fsdp_comm_buffer_bytes(unit_bytes: Sequence[int], *, shard: int) -> int:
+def fsdp_comm_buffer_bytes(
+    unit_bytes: Sequence[int],
+    *,
+    shard: int,
+    reduce_bytes: Sequence[int] | None = None,
+    host_tuned: bool = False,
+) -> int:
     """Bytes of FSDP2's full-size collective buffers at their peak: all-gather outputs, reduce-scatter inputs.
 
     Each unit's all-gather lands in one flat buffer of the unit's unsharded size, copied out into the
     parameters; in forward FSDP2 frees it only after the next unit's all-gather (to overlap the copy),
     so two units that run one after the other hold two at once. Each reduce-scatter copies the unit's
-    gradients into one flat buffer of the same size, kept until the next unit's reduce-scatter. Buffers
-    of one size and dtype are reused (the host `HostBufferPool` of
-    `automodel_distributed.checkpoint.host_memory` on CPU, which keeps them from step to step; the
-    caching allocator on GPU): per distinct unit size, two buffers when two consecutive units have that
-    size (a model's blocks), else one. Assumes gradients are reduced in the parameters' dtype (the
-    buffers are then shared by both collectives); the reduce-scatter *outputs* are the sharded
-    gradients themselves (the gradients line), but those of the two units reduced last in a step are
-    still held when the same units reduce in the next one: one more sharded buffer each.
+    gradients into one flat buffer of the reduction dtype, held until the next unit's post-backward,
+    that is through the next unit's backward all-gather. Buffers of one size and dtype are reused (the
+    host `HostBufferPool` of `automodel_distributed.checkpoint.host_memory` on CPU, which keeps them
+    from step to step; the caching allocator on GPU). So, per distinct unit size:
+
+    - one dtype for both collectives (``reduce_bytes`` None): the buffers are shared; two when two
+      consecutive units have that size (a model's blocks), else one;
+    - a wider reduction dtype: all-gather outputs as above, except one per size on the host with
+      ``FSDP2Config.tune_host_allocator`` (``host_tuned``: each is freed once copied out,
+      `automodel_distributed.checkpoint.host_memory.free_all_gather_outputs_after_copy_out`), plus
+      one reduce-scatter input per size.
+
+    The reduce-scatter *outputs* are the sharded gradients themselves (the gradients line).
 
     Args:
         unit_bytes: Each FSDP unit's parameter bytes on this rank, unsharded over the FSDP axis, in
-            the order the units run in forward.
+            the parameters' (all-gather) dtype, in the order the units run in forward.
         shard: Ranks each unit is sharded over (``dp_shard_cp``); 1: no collective, no buffer.
+        reduce_bytes: The same units' bytes in the reduction dtype, when it differs.
+        host_tuned: The collectives run on the host under ``tune_host_allocator``.
     """
     if shard <= 1 or not unit_bytes:
         return 0
-    count = dict.fromkeys(unit_bytes, 1)
-    for before, after in itertools.pairwise(unit_bytes):
-        if before == after:
-            count[before] = 2
-    # The reduce-scatter outputs of the two units reduced last in backward (the first two in forward
-    # order: the root and the embedding) are still referenced by FSDP2 when the same units reduce in
-    # the next step, so each gets a second sharded-size buffer (measured exactly on the pool).
-    last_reduced = sum(unit_bytes[:2]) // shard
-    return sum(size * n for size, n in count.items()) + last_reduced
+    consecutive = {before for before, after in itertools.pairwise(unit_bytes) if before == after}
+    if reduce_bytes is None:
+        return sum(size * (2 if size in consecutive else 1) for size in set(unit_bytes))
+    assert len(reduce_bytes) == len(unit_bytes), "one reduction size per unit"
+    gathers = sum(size * (2 if size in consecutive and not host_tuned else 1) for size in set(unit_bytes))
+    return gathers + sum(set(reduce_bytes))

@@ -1,14 +1,15 @@
 """The planner's FSDP2 terms are the real allocations: checked against a real step on 2 gloo ranks.
 
-One launch, a tiny Llama under `FSDP2Manager` on CPU (the host buffer pool on, as by default), two
-optimizer steps of two micro-batches each with the reduce-scatter deferred to the last micro-batch:
+One launch, a tiny fp32 Llama under `FSDP2Manager` on CPU (the host buffer pool on, as by default),
+twice: with both collectives in fp32 (CPU jobs' default, buffers shared by the all-gathers and the
+reduce-scatters) and with bf16 all-gathers and fp32 reductions (`FSDP2Config`'s default policy). Each
+takes two optimizer steps of two micro-batches each with the reduce-scatter deferred to the last
+micro-batch:
 
 - after the first micro-batch's backward, the unsharded gradients FSDP2 keeps are exactly the full
   trainable bytes (the planner's ``accumulated gradients`` line);
-- after the steps, the pool holds exactly `fsdp_comm_buffer_bytes` of the units (two full-size buffers
-  for the blocks, which run one after another, one for each other unit size, and a second
-  reduce-scatter output for the two units reduced last) plus the sharded gradients (the reduce-scatter
-  outputs, which the pool keeps too).
+- after the steps, the pool holds exactly `fsdp_comm_buffer_bytes` of the units plus the sharded
+  gradients (the reduce-scatter outputs, which the pool keeps too).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from automodel_testing import run_distributed
 pytestmark = pytest.mark.distributed
 
 
-def _fsdp_memory() -> dict[str, Any]:
-    from torch.distributed.fsdp import FSDPModule
+def _fsdp_memory() -> list[dict[str, Any]]:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     from automodel_distributed import FSDP2Manager
     from automodel_distributed.checkpoint.host_memory import host_buffer_pools
@@ -34,46 +35,60 @@ def _fsdp_memory() -> dict[str, Any]:
     from automodel_mesh import MeshContext
     from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
 
-    config = FSDP2Config(defer_fsdp_grad_sync=True)
-    manager = FSDP2Manager(config, MeshContext.build(config).device_mesh)
-    model = manager.parallelize(build_tiny_model("llama"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = make_batch(model.config.vocab_size, 4, 16, seed=1)
-    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
-    groups = [g for g in groups if g is not None]  # in module order: the root, embedding, blocks, head
-    accumulated = []
-    for _ in range(2):
-        for micro in range(2):
-            manager.set_gradient_sync(model, is_last_microbatch=micro == 1)
-            rows = slice(2 * micro, 2 * micro + 2)
-            causal_lm_loss(model(input_ids=batch["input_ids"][rows]).logits, batch["labels"][rows]).backward()
-            if micro == 0:
-                grads = [fp.unsharded_param.grad for g in groups for fp in g.fsdp_params]
-                accumulated.append(sum(t.numel() * t.element_size() for t in grads if t is not None))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    world = dist.get_world_size()
+    results = []
+    for gather_dtype in (torch.float32, torch.bfloat16):
+        policy = MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=torch.float32)
+        config = FSDP2Config(defer_fsdp_grad_sync=True, mp_policy=policy)
+        manager = FSDP2Manager(config, MeshContext.build(config).device_mesh)
+        model = manager.parallelize(build_tiny_model("llama"))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batch = make_batch(model.config.vocab_size, 4, 16, seed=1)
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        groups = [g for m in modules if (g := m._get_fsdp_state()._fsdp_param_group) is not None]
+        # groups are in module order: the root, embedding, blocks, head (the order they run in forward)
+        accumulated = []
+        for _ in range(2):
+            for micro in range(2):
+                manager.set_gradient_sync(model, is_last_microbatch=micro == 1)
+                rows = slice(2 * micro, 2 * micro + 2)
+                logits = model(input_ids=batch["input_ids"][rows]).logits
+                causal_lm_loss(logits, batch["labels"][rows]).backward()
+                if micro == 0:
+                    grads = [fp.unsharded_param.grad for g in groups for fp in g.fsdp_params]
+                    accumulated.append(sum(t.numel() * t.element_size() for t in grads if t is not None))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        world = dist.get_world_size()
 
-    def unit_bytes(group: Any) -> int:  # unsharded, with FSDP's dim-0 padding (none for these sizes)
-        return sum(fp.padded_sharded_param_size.numel() * world * 4 for fp in group.fsdp_params)
+        def numel(group: Any, world: int = world) -> int:  # unsharded, with FSDP's dim-0 padding (none here)
+            return sum(fp.padded_sharded_param_size.numel() * world for fp in group.fsdp_params)
 
-    units = [unit_bytes(g) for g in groups]
-    return {
-        "accumulated": accumulated,
-        "trainable_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "pool": sum(pool.nbytes for pool in host_buffer_pools(model)),
-        "comm_buffers": fsdp_comm_buffer_bytes(units, shard=world),
-        "sharded_grads": sum(u // world for u in units),
-        "units": units,
-    }
+        fp32 = [numel(g) * 4 for g in groups]
+        gathered = [numel(g) * gather_dtype.itemsize for g in groups]
+        mixed = gather_dtype != torch.float32
+        comm = fsdp_comm_buffer_bytes(
+            gathered, shard=world, reduce_bytes=fp32 if mixed else None, host_tuned=mixed
+        )
+        results.append(
+            {
+                "accumulated": accumulated,
+                "trainable_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "pool": sum(pool.nbytes for pool in host_buffer_pools(model)),
+                "comm_buffers": comm,
+                "sharded_grads": sum(u // world for u in fp32),
+                "units": fp32,
+            }
+        )
+    return results
 
 
 def test_fsdp_planner_terms_match_the_real_buffers() -> None:
-    for result in run_distributed(_fsdp_memory, 2, timeout_s=300):
-        units = result["units"]
-        assert len(units) >= 4 and len(set(units)) < len(units), units  # the blocks share one size
-        assert result["accumulated"] == [result["trainable_bytes"]] * 2, result
-        assert result["pool"] == result["comm_buffers"] + result["sharded_grads"], result
+    for per_policy in run_distributed(_fsdp_memory, 2, timeout_s=300):
+        for result in per_policy:
+            units = result["units"]
+            assert len(units) >= 4 and len(set(units)) < len(units), units  # the blocks share one size
+            assert result["accumulated"] == [result["trainable_bytes"]] * 2, result
+            assert result["pool"] == result["comm_buffers"] + result["sharded_grads"], result
 
 
 def _chunked_collectives() -> dict[str, Any]:
@@ -134,3 +149,72 @@ def test_gloo_collectives_in_pieces_equal_the_whole_collectives(world: int) -> N
         outputs = {(w * n, str(d)) for n in (1, 37, 1000) for d in ("torch.float32", "torch.bfloat16")}
         outputs |= {(n, str(d)) for n in (1, 37, 1000) for d in ("torch.float32", "torch.bfloat16")}
         assert staging <= set(result["shapes"]) <= staging | outputs, result
+
+
+def _early_release() -> dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    from automodel_distributed import FSDP2Manager
+    from automodel_distributed.checkpoint.host_memory import HostBufferPool, PooledReduceScatter
+    from automodel_distributed.config import FSDP2Config
+    from automodel_mesh import MeshContext
+    from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
+
+    group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    cpu = torch.device("cpu")
+    out: dict[str, Any] = {"reduce": {}}
+    # Reduce-scatter: an input the comm allocated above the pool's bound is freed once reduced, whole
+    # or in pieces; a pooled input and a caller's own tensor are left alone.
+    for label, chunk in (("whole", 1 << 30), ("pieces", 24 * world)):
+        rs = PooledReduceScatter(HostBufferPool(max_bytes=256), chunk_bytes=chunk)
+        full = torch.randn(world * 100, generator=torch.Generator().manual_seed(rank))
+        want = torch.empty(100)
+        dist.reduce_scatter_tensor(want, full.clone())
+        for source in ("unpooled", "pooled", "caller"):
+            numel = world * (100 if source != "pooled" else 8)
+            if source == "caller":
+                buffer = torch.empty(numel)
+            else:
+                buffer = rs.allocate((numel,), dtype=torch.float32, device=cpu)
+            buffer.copy_(full[:numel])
+            got = torch.empty(numel // world)
+            rs(got, buffer, group, dist.ReduceOp.SUM)
+            expected = want if source != "pooled" else None
+            out["reduce"][f"{label} {source}"] = (
+                buffer.untyped_storage().nbytes(),
+                expected is None or bool(torch.allclose(got, expected, atol=1e-6)),
+            )
+    # All-gather: during a block's forward, FSDP2 no longer holds that block's all-gather output.
+    batch = make_batch(64, 2, 16, seed=3)
+    for tune in (True, False):
+        config = FSDP2Config(tune_host_allocator=tune)
+        manager = FSDP2Manager(config, MeshContext.build(config).device_mesh)
+        model = manager.parallelize(build_tiny_model("llama"))
+        assert isinstance(model, FSDPModule)
+        held: list[bool] = []
+
+        def record(*_: Any, held: list[bool] = held, root: FSDPModule = model) -> None:
+            held.append(root._get_fsdp_state()._comm_ctx.all_gather_state is not None)
+
+        model.model.layers[0].mlp.register_forward_hook(record)
+        loss = causal_lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+        loss.backward()
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        out[f"tune={tune}"] = {"held": held, "loss": float(loss), "grads": grads}
+    return out
+
+
+def test_collective_buffers_are_freed_once_done() -> None:
+    """Host buffers FSDP2 holds past their use (a reduced input, a copied-out all-gather) are freed early.
+
+    The training numbers are those of the untuned path (``tune_host_allocator=False``), which keeps them.
+    """
+    for result in run_distributed(_early_release, 2, timeout_s=180):
+        for key, (nbytes, correct) in result["reduce"].items():
+            assert correct, key
+            assert (nbytes == 0) == key.endswith(" unpooled"), (key, nbytes)
+        tuned, untuned = result["tune=True"], result["tune=False"]
+        assert tuned["held"] == [False] and untuned["held"] == [True], (tuned["held"], untuned["held"])
+        assert tuned["loss"] == pytest.approx(untuned["loss"], abs=1e-6)
+        for a, b in zip(tuned["grads"], untuned["grads"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

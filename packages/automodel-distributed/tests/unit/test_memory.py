@@ -102,10 +102,14 @@ def test_fsdp_comm_buffers_are_two_per_size_of_consecutive_units_one_per_other_s
     root = model.config.hidden_size * 4  # the final norm
     # In forward order: the root, the embedding, the blocks (one after another), the head.
     ordered = [root, *units]
-    # The root and the embedding reduce last: one more sharded buffer each.
-    last = (root + embed) // 2
-    assert fsdp_comm_buffer_bytes(ordered, shard=2) == root + embed + 2 * blocks[0] + last
+    assert fsdp_comm_buffer_bytes(ordered, shard=2) == root + embed + 2 * blocks[0]
     assert fsdp_comm_buffer_bytes(ordered, shard=1) == 0
-    assert fsdp_comm_buffer_bytes([6, 8, 6], shard=2) == 6 + 8 + 7  # not consecutive: one buffer is reused
+    assert fsdp_comm_buffer_bytes([6, 8, 6], shard=2) == 6 + 8  # not consecutive: one buffer is reused
+    # bf16 all-gathers, fp32 reduce-scatters: separate buffers; on the tuned host one all-gather per size.
+    half = [size // 2 for size in ordered]
+    gathers = (root + embed + 2 * blocks[0]) // 2
+    assert fsdp_comm_buffer_bytes(half, shard=2, reduce_bytes=ordered) == gathers + root + embed + blocks[0]
+    tuned = fsdp_comm_buffer_bytes(half, shard=2, reduce_bytes=ordered, host_tuned=True)
+    assert tuned == (root + embed + blocks[0]) // 2 + root + embed + blocks[0]
     with pytest.raises(ValueError, match="seq_len=30 must be divisible by cp=4"):
         profile_activations(_config(), micro_batch=1, seq_len=30, dtype=torch.float32, cp=4)

@@ -14,14 +14,17 @@ An allocator replaces ``malloc`` only when it is loaded before everything else, 
 the launcher preloads it into the workers it starts (``LD_PRELOAD``), from the ``cmeel-mimalloc``
 wheel (a dependency of automodel-all on Linux), with two of mimalloc's options:
 
-- ``purge_delay`` -1 (``MIMALLOC_PURGE_DELAY``): freed memory stays with the process for reuse
-  instead of being decommitted a moment later, which removes the remaining page faults and lowered
-  the measured peak of small jobs further. Its default, 1 s, took about 500 page faults per step on
-  the 25M-parameter FSDP2 job of ``benchmarks/bench_fsdp2_manager.py`` and 1.10x the step of
-  hand-written ``fully_shard`` on the same allocator (against 0.98 and 1.05 at -1, in two runs of
-  that job on this 2-core host); at real widths it returns
-  the activations freed early in a long backward before its peak (Llama-3.2-1B shape, 4 ranks: 3669
-  MiB per rank against 3938 MiB at -1), which the step time does not pay for;
+- ``purge_delay`` 5 s (``MIMALLOC_PURGE_DELAY``): freed memory stays with the process for reuse for
+  5 s before it is decommitted, so a job whose steps reuse it within that time takes no page faults.
+  mimalloc's default, 1 s, took about 500 page faults per step on the 25M-parameter FSDP2 job of
+  ``benchmarks/bench_fsdp2_manager.py`` and 1.10x the step of hand-written ``fully_shard`` on the
+  same allocator (against 0.98 and 1.05 with purging off, -1, in two runs of that job on this 2-core
+  host). Purging off has its own cost at real widths, where FSDP2's largest buffers are fresh mappings
+  (next item) that memory held free cannot serve: the two add up. So purging stays on, and FSDP2's
+  host buffer pool purges at once (``mi_collect``) before each such buffer
+  (`automodel_distributed.checkpoint.host_memory.release_host_memory`). On the Llama-3.2-1B shape over
+  4 ranks (`benchmarks/bench_scale.py`, SGD) that took the peak per rank from 3295 MiB with purging
+  off to 2925 MiB (2913 MiB with a 1 s delay);
 - ``arena_max_object_size`` 64 MiB (``MIMALLOC_ARENA_MAX_OBJECT_SIZE``): a block above it is
   mapped for itself and unmapped when freed, as glibc does above its mmap threshold. Kept, such blocks
   cannot serve a request of another size, and at real widths the sizes differ (a 128k-vocabulary
@@ -58,7 +61,7 @@ MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 """The PyPI distribution that ships ``libmimalloc.so``."""
 # See the module docstring. The object-size bound matches the host pool's
 # (`automodel_distributed.checkpoint.host_memory.POOL_MAX_BYTES`); a bare number would mean bytes.
-_MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "64MiB"}
+_MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "5000", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "64MiB"}
 
 
 def mimalloc_library() -> Path | None:

@@ -36,6 +36,7 @@ import functools
 import logging
 import math
 import platform
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,10 +48,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 __all__ = [
     "GLOO_CHUNK_BYTES",
     "POOL_MAX_BYTES",
+    "RELEASE_ABOVE_BYTES",
     "HostBufferPool",
     "PooledAllGather",
     "PooledReduceScatter",
     "configure_host_allocator",
+    "free_all_gather_outputs_after_copy_out",
     "host_buffer_pools",
     "malloc_is_glibc",
     "pool_fsdp_buffers",
@@ -113,13 +116,34 @@ def configure_host_allocator(
     return ok
 
 
+@functools.cache
+def _mimalloc() -> ctypes.CDLL | None:
+    """The process's symbols when mimalloc is loaded into it (the launcher preloads it), else None."""
+    try:
+        process = ctypes.CDLL(None)
+    except OSError:  # pragma: no cover
+        return None
+    return process if hasattr(process, "mi_collect") else None
+
+
 def release_host_memory() -> bool:
-    """Return free heap memory to the OS (``malloc_trim(0)``); False on non-glibc hosts."""
+    """Return the memory the process's allocator holds free to the OS.
+
+    glibc: ``malloc_trim(0)``; mimalloc: ``mi_collect(true)`` (the calling thread's free pages and the
+    abandoned ones). Process-wide, no collectives; the memory faults in again when next used.
+
+    Returns:
+        Whether an allocator that can do it serves the process (False otherwise: a no-op).
+    """
     libc = _glibc()
-    if libc is None:
-        return False
-    libc.malloc_trim(0)
-    return True
+    if libc is not None:
+        libc.malloc_trim(0)
+        return True
+    mimalloc = _mimalloc()
+    if mimalloc is not None:
+        mimalloc.mi_collect(ctypes.c_bool(True))
+        return True
+    return False
 
 
 POOL_MAX_BYTES = 64 << 20
@@ -135,6 +159,20 @@ GiB to each rank's peak on the Llama-3.2-1B shape (2 of its layers) over 4 ranks
 under glibc's tuned thresholds (`benchmarks/bench_scale.py`).
 """
 
+RELEASE_ABOVE_BYTES = 256 << 20
+"""A `HostBufferPool` request above this first returns the memory the allocator holds free to the OS.
+
+Such a buffer is a fresh mapping (above `POOL_MAX_BYTES`, and above the block size mimalloc's arenas
+serve under the launcher's options), which memory held free cannot serve, so at the collective of a
+large unit the two add up: on the Llama-3.2-1B shape over 4 ranks the peak per rank is the tied
+embedding's 1 GiB fp32 reduce-scatter at the end of the backward, taken while the activations freed
+during that backward are still held. `release_host_memory` there took the peak from 3295 to 2925
+MiB (`benchmarks/bench_scale.py`, SGD, mimalloc with a purge delay). What it costs is faulting that
+memory in again where the next step reuses it: bounded by what is held free, and paid only by jobs
+with a unit this large, whose steps take seconds per unit. Units of smaller models (tens of MiB, up
+to a 100 MiB embedding) never trigger it, so their steps keep the memory they reuse.
+"""
+
 
 class HostBufferPool:
     """Buffers of FSDP2's collectives kept from step to step instead of allocated and freed each time.
@@ -144,8 +182,9 @@ class HostBufferPool:
     no tensor uses any more, or keeps a new one. A freed and re-requested host buffer costs a fresh
     mapping (page faults and zeroing) above glibc's mmap threshold, or heap fragmentation below it; a
     kept one costs neither. The pool holds at most as many buffers of a shape as were in use at once,
-    and none above ``max_bytes`` (`POOL_MAX_BYTES`): those are allocated afresh each time. Not
-    thread-safe; one pool per model.
+    and none above ``max_bytes`` (`POOL_MAX_BYTES`): those are allocated afresh each time, after the
+    allocator has returned the memory it holds free when above ``release_above``
+    (`RELEASE_ABOVE_BYTES`). Not thread-safe; one pool per model.
 
     ``requests`` and ``reused`` count the requests of a poolable size and those served by a kept
     buffer. A buffer is free only once nothing else holds its storage, and gloo's worker thread may
@@ -153,8 +192,9 @@ class HostBufferPool:
     step can occasionally miss and keep one more buffer of a shape; ``reused / requests`` stays near 1.
     """
 
-    def __init__(self, max_bytes: int = POOL_MAX_BYTES) -> None:
+    def __init__(self, max_bytes: int = POOL_MAX_BYTES, release_above: int = RELEASE_ABOVE_BYTES) -> None:
         self.max_bytes = max_bytes
+        self.release_above = release_above
         self.requests = 0
         self.reused = 0
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -164,7 +204,10 @@ class HostBufferPool:
     ) -> torch.Tensor:
         """A tensor of ``size`` and ``dtype`` on ``device`` (uninitialised, as ``torch.empty``)."""
         key = (tuple(int(s) for s in size), dtype, torch.device(device))
-        if math.prod(key[0]) * dtype.itemsize > self.max_bytes:
+        nbytes = math.prod(key[0]) * dtype.itemsize
+        if nbytes > self.max_bytes:
+            if nbytes > self.release_above:
+                release_host_memory()
             return torch.empty(key[0], dtype=dtype, device=device)
         kept = self._buffers.setdefault(key, [])
         self.requests += 1
@@ -266,7 +309,37 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
 
     On gloo, an input above ``chunk_bytes`` is reduced piece by piece through a pooled staging buffer
     (`GLOO_CHUNK_BYTES`): the same sums without gloo's whole-size temporary.
+
+    An input this comm allocated above the pool's ``max_bytes`` (not kept from step to step) has its
+    storage freed as soon as a synchronous reduction returns. FSDP2 keeps every unit's input alive
+    until the next unit's post-backward (``reduce_scatter_states``), which on a GPU stops the caching
+    allocator from handing the memory to the compute stream while the collective still reads it; on
+    the host the collective has finished when the call returns, so that hold only kept a dead buffer
+    resident through the next unit's backward: a block's fp32 input (245 MiB per rank on the
+    Llama-3.2-1B shape over 4 ranks) on top of that backward's own.
     """
+
+    def __init__(self, pool: HostBufferPool, chunk_bytes: int = GLOO_CHUNK_BYTES) -> None:
+        super().__init__(pool, chunk_bytes)
+        # id -> weak reference of the unpooled inputs handed out and not yet reduced.
+        self._unpooled: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A pooled buffer (see `HostBufferPool.allocate`); one above the pool's bound is remembered."""
+        buffer = self.pool.allocate(size, dtype=dtype, device=device)
+        if buffer.nbytes > self.pool.max_bytes:
+            # Forget inputs that died unreduced (a world of one copies instead), so an id is never stale.
+            self._unpooled = {k: ref for k, ref in self._unpooled.items() if ref() is not None}
+            self._unpooled[id(buffer)] = weakref.ref(buffer)
+        return buffer
+
+    def _release(self, input_tensor: torch.Tensor) -> None:
+        """Free ``input_tensor``'s storage when this comm allocated it unpooled (nothing reads it again)."""
+        ref = self._unpooled.pop(id(input_tensor), None)
+        if ref is not None and ref() is input_tensor:
+            input_tensor.untyped_storage().resize_(0)
 
     def __call__(
         self,
@@ -279,7 +352,10 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
         """Reduce ``input_tensor`` over ``group`` with ``op``; this rank's chunk goes to ``output_tensor``."""
         piece = self._piece(input_tensor, group)
         if piece is None or async_op:
-            return _reduce_scatter(output_tensor, input_tensor, op, group, async_op)
+            work = _reduce_scatter(output_tensor, input_tensor, op, group, async_op)
+            if not async_op:
+                self._release(input_tensor)
+            return work
         world, numel = group.size(), output_tensor.numel()
         rows = input_tensor.view(world, numel)
         staging = self.pool.allocate((world * piece,), dtype=input_tensor.dtype, device=input_tensor.device)
@@ -288,6 +364,7 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
             block = staging[: world * length]
             block.view(world, length).copy_(rows[:, start : start + length])
             _reduce_scatter(output_tensor[start : start + length], block, op, group, False)
+        self._release(input_tensor)
         return None
 
 
@@ -309,6 +386,32 @@ def pool_fsdp_buffers(model: torch.nn.Module) -> HostBufferPool:
             except ValueError:  # a unit with several parameter groups (per-parameter meshes) keeps torch's
                 continue
     return pool
+
+
+def free_all_gather_outputs_after_copy_out(model: torch.nn.Module) -> None:
+    """Free each FSDP2 unit's all-gather output once forward has copied it into the unsharded parameters.
+
+    In forward, FSDP2 keeps a unit's all-gather output (``all_gather_state``) until the next unit's
+    all-gather, so that on a GPU the copy-out can overlap that collective without the caching allocator
+    reusing the memory early; the root's post-forward drops the last one. On the host the copy-out has
+    finished when the unit's pre-forward returns, so the hold only keeps a second copy of the unit's
+    parameters resident through its forward: for the last unit, the LM head, through the logits and
+    the loss too (0.6 GiB per rank for a 152k x 2048 head in bf16). This adds a forward pre-hook to
+    every unit, run after FSDP2's own (which unshards), that releases it through FSDP2's
+    ``release_all_gather_state_on_current_stream``. A pooled output goes back to its pool.
+
+    Preconditions: ``fully_shard`` has been applied and the units' parameters live on the host.
+    Mutates: registers a forward pre-hook on each `FSDPModule`; no collectives.
+    """
+
+    def release(module: torch.nn.Module, args: Any) -> None:
+        assert isinstance(module, FSDPModule)
+        module._get_fsdp_state()._comm_ctx.release_all_gather_state_on_current_stream()
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Not prepended: FSDP2 prepends its pre-forward, so this runs after the unit's unshard.
+            module.register_forward_pre_hook(release)
 
 
 def host_buffer_pools(model: torch.nn.Module) -> list[HostBufferPool]:
