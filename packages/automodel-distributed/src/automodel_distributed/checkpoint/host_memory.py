@@ -398,15 +398,22 @@ def free_all_gather_outputs_after_copy_out(model: torch.nn.Module) -> None:
     parameters resident through its forward: for the last unit, the LM head, through the logits and
     the loss too (0.6 GiB per rank for a 152k x 2048 head in bf16). This adds a forward pre-hook to
     every unit, run after FSDP2's own (which unshards), that releases it through FSDP2's
-    ``release_all_gather_state_on_current_stream``. A pooled output goes back to its pool.
+    ``release_all_gather_state_on_current_stream`` (torch 2.15; before it, by dropping the state). A
+    pooled output goes back to its pool.
 
     Preconditions: ``fully_shard`` has been applied and the units' parameters live on the host.
     Mutates: registers a forward pre-hook on each `FSDPModule`; no collectives.
     """
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # bookkeeping, not a compiled graph
     def release(module: torch.nn.Module, args: Any) -> None:
         assert isinstance(module, FSDPModule)
-        module._get_fsdp_state()._comm_ctx.release_all_gather_state_on_current_stream()
+        comm_ctx = module._get_fsdp_state()._comm_ctx
+        release_now = getattr(comm_ctx, "release_all_gather_state_on_current_stream", None)
+        if release_now is not None:
+            release_now()
+        else:  # torch before 2.15 has no method for it; on the host there is no stream to order
+            comm_ctx.all_gather_state = None
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
