@@ -23,8 +23,8 @@ wheel (a dependency of automodel-all on Linux), with two of mimalloc's options:
   (next item) that memory held free cannot serve: the two add up. So purging stays on, and FSDP2's
   host buffer pool purges at once (``mi_collect``) before each such buffer
   (`automodel_distributed.checkpoint.host_memory.release_host_memory`). On the Llama-3.2-1B shape over
-  4 ranks (`benchmarks/bench_scale.py`, SGD) that took the peak per rank from 3295 MiB with purging
-  off to 2925 MiB (2913 MiB with a 1 s delay);
+  4 ranks (`benchmarks/bench_scale.py`, SGD), purging before every buffer above 64 MiB took the peak
+  per rank from 3295 MiB with purging off to 2925 MiB (2913 MiB with a 1 s delay) in one experiment;
 - ``arena_max_object_size`` 64 MiB (``MIMALLOC_ARENA_MAX_OBJECT_SIZE``): a block above it is
   mapped for itself and unmapped when freed, as glibc does above its mmap threshold. Kept, such blocks
   cannot serve a request of another size, and at real widths the sizes differ (a 128k-vocabulary

@@ -166,8 +166,9 @@ Such a buffer is a fresh mapping (above `POOL_MAX_BYTES`, and above the block si
 serve under the launcher's options), which memory held free cannot serve, so at the collective of a
 large unit the two add up: on the Llama-3.2-1B shape over 4 ranks the peak per rank is the tied
 embedding's 1 GiB fp32 reduce-scatter at the end of the backward, taken while the activations freed
-during that backward are still held. `release_host_memory` there took the peak from 3295 to 2925
-MiB (`benchmarks/bench_scale.py`, SGD, mimalloc with a purge delay). What it costs is faulting that
+during that backward are still held. Returning it before every buffer above 64 MiB took that peak
+from 3295 to 2925 MiB in one experiment (`benchmarks/bench_scale.py`, SGD, mimalloc with a purge
+delay); with this bound the published run measured 3068 MiB. What it costs is faulting that
 memory in again where the next step reuses it: bounded by what is held free, and paid only by jobs
 with a unit this large, whose steps take seconds per unit. Units of smaller models (tens of MiB, up
 to a 100 MiB embedding) never trigger it, so their steps keep the memory they reuse.
