@@ -21,10 +21,11 @@ _PROBE = (
 )
 
 
-def _probe(extra: dict[str, str]) -> str:
+def _run_child(script: str, extra: dict[str, str]) -> str:
+    """``script``'s output in a fresh Python process with ``extra`` added to the environment."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | extra
     proc = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True
     )
     return proc.stdout.strip()
 
@@ -69,11 +70,7 @@ _RETAINED = (
 @linux
 def test_the_workers_mimalloc_keeps_small_freed_blocks_and_returns_large_ones() -> None:
     """Blocks up to 64 MiB stay for reuse (for purge_delay); larger ones go back to the OS when freed."""
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | worker_environment("mimalloc", {})
-    out = subprocess.run(
-        [sys.executable, "-c", _RETAINED], env=env, capture_output=True, text=True, timeout=120, check=True
-    )
-    small, large = (int(x) for x in out.stdout.split())
+    small, large = (int(x) for x in _run_child(_RETAINED, worker_environment("mimalloc", {})).split())
     assert small >= 12, f"the freed 16 MiB block was returned ({small} MiB kept): nothing keeps small blocks"
     assert large < 32, f"the freed 256 MiB block stayed resident ({large} MiB kept)"
 
@@ -98,12 +95,9 @@ _PURGED = (
 @linux
 def test_the_workers_mimalloc_purges_before_a_buffer_the_pool_does_not_keep() -> None:
     """Memory held free goes back to the OS before a fresh large buffer, not 5 s later."""
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | worker_environment("mimalloc", {})
-    out = subprocess.run(
-        [sys.executable, "-c", _PURGED], env=env, capture_output=True, text=True, timeout=120, check=True
-    )
+    out = _run_child(_PURGED, worker_environment("mimalloc", {}))
     hows = ("the pool's large buffer", "release_host_memory")
-    for line, how in zip(out.stdout.splitlines(), hows, strict=True):
+    for line, how in zip(out.splitlines(), hows, strict=True):
         kept, after = (int(x) for x in line.split())
         assert kept >= 192, f"mimalloc returned the freed blocks at once ({kept} MiB kept): nothing to purge"
         assert after < 32, f"{after} MiB of the freed 256 MiB stayed resident after {how}"
@@ -111,5 +105,5 @@ def test_the_workers_mimalloc_purges_before_a_buffer_the_pool_does_not_keep() ->
 
 @linux
 def test_a_preloaded_child_runs_on_mimalloc_and_skips_the_glibc_tuning() -> None:
-    assert _probe(worker_environment("mimalloc", {})) == "True False False"
-    assert _probe({}) == "False True True"
+    assert _run_child(_PROBE, worker_environment("mimalloc", {})) == "True False False"
+    assert _run_child(_PROBE, {}) == "False True True"
