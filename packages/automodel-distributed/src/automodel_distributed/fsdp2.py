@@ -11,7 +11,10 @@ tensor-parallel.
 
 After a forward without gradients (an evaluation), every unit is resharded (`apply_fsdp2` registers
 the hook): units that keep their parameters gathered for backward (the root, the last blocks) would
-otherwise stay gathered, and an optimizer built then would hold the unsharded tensors.
+otherwise stay gathered, and an optimizer built then would hold the unsharded tensors. In backward the
+root is resharded as soon as its final norm and head are done, when nothing before the blocks needs
+its weights again (`automodel_distributed.root_reshard`): a tied embedding is not held gathered
+through every block's backward.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from automodel_distributed.config import (
 )
 from automodel_distributed.layers import blockless_parts, find_transformer_blocks
 from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, model_parts
+from automodel_distributed.root_reshard import needs_no_weight_in_backward, reshard_root_after_head_backward
 from automodel_distributed.strategy import StrategyDefaults, nothing_is_sharded
 from automodel_distributed.tied_embedding import accumulate_tied_embedding_rows
 from automodel_mesh import MeshAxisName, MeshContext, MeshKind
@@ -248,18 +252,9 @@ def plan_fsdp_units(
         return not is_last_block
 
     plans = [FSDPUnitPlan(fqn, module, policy(i)) for i, (fqn, module) in enumerate(units)]
-    if plans and plans[0].module is embed and _needs_no_weight_in_backward(embed):
+    if plans and plans[0].module is embed and needs_no_weight_in_backward(embed):
         plans[0] = replace(plans[0], unshard_in_backward=False)
     return plans
-
-
-def _needs_no_weight_in_backward(module: nn.Module) -> bool:
-    """A plain ``nn.Embedding`` (its own ``forward``): backward reads the token ids, never the weight.
-
-    A subclass with its own forward (fake quantization, scaling) or a wrapper (a LoRA embedding, whose
-    adapter gradients need the adapter weights) keeps the all-gather in backward.
-    """
-    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
 
 
 def _enclosing_reshard(unit: FSDPUnitPlan, dense: Sequence[FSDPUnitPlan]) -> bool | int:
@@ -333,7 +328,9 @@ def apply_fsdp2(
     forward/backward.
 
     Mutates ``model`` in place (its class becomes ``FSDP<Class>``; a forward hook reshards every unit
-    after a forward without gradients, `reshard_after_no_grad_forward`) and returns it.
+    after a forward without gradients, `reshard_after_no_grad_forward`; outside a pipeline, hooks
+    reshard the root in backward once the modules after its last unit are done with their weights,
+    `automodel_distributed.root_reshard`) and returns it.
     """
     units = plan_fsdp_units(
         model,
@@ -389,6 +386,9 @@ def apply_fsdp2(
             offload_policy=offload,
             ignored_params=ignored,
         )
+        if not pipelined:
+            # A tied embedding in the root is otherwise held gathered through every block's backward.
+            reshard_root_after_head_backward(model)
     reshard_after_no_grad_forward(model)
     if prefetch:
         _set_prefetch([u.module for u in units], forward_prefetch_depth, backward_prefetch_depth)

@@ -179,6 +179,53 @@ def _eval_then_train() -> dict[str, Any]:
     return out
 
 
+class _ScaledEmbedding(torch.nn.Embedding):
+    """An embedding with its own forward: backward may read its weight, so the root must stay gathered."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 2.0
+
+
+def _root_reshard() -> dict[str, Any]:
+    """Whether the tied root is resharded before the blocks' backward, and the loss after 3 steps.
+
+    ``tied``: the tied Llama (only a plain embedding runs before the blocks); ``scaled``: its embedding
+    swapped for a subclass with its own forward, which the early reshard must leave alone. Each reports
+    whether the head's weight was the sharded DTensor when the first block's backward ran.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from automodel_distributed import FSDP2Manager
+    from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
+
+    out: dict[str, Any] = {}
+    for case in ("tied", "scaled"):
+        config = _config({})
+        ctx = MeshContext.build(config)
+        model = build_tiny_model("llama_tied")
+        if case == "scaled":
+            old = model.model.embed_tokens
+            model.model.embed_tokens = _ScaledEmbedding(old.num_embeddings, old.embedding_dim)
+            model.model.embed_tokens.weight = old.weight
+            model.lm_head.weight = old.weight
+        model = FSDP2Manager(config, ctx.device_mesh).parallelize(model)
+        seen: list[bool] = []
+        head = model.lm_head
+
+        def record(*_: Any, seen: list[bool] = seen, head: torch.nn.Module = head) -> None:
+            seen.append(isinstance(head.weight, DTensor))
+
+        model.model.layers[0].register_full_backward_pre_hook(record)
+        batch = make_batch(model.config.vocab_size, 2, 16, seed=dist.get_rank())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            causal_lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        out[case] = seen
+    return out
+
+
 def _world_one() -> dict[str, Any]:
     """One rank: no sharding, but activation checkpointing still applies."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -203,6 +250,7 @@ def _run(world: int) -> dict[str, Any]:
     if world == 2:
         results["deferred_grad_sync"] = _deferred_grad_sync()
         results["eval_then_train"] = _eval_then_train()
+        results["root_reshard"] = _root_reshard()
     cases = [
         (f"{label}{'+ac' if ac else ''}/{family}", family, sizes, {**fields, "activation_checkpointing": ac})
         for label, sizes, fields in SETUPS[world]
@@ -230,6 +278,8 @@ def test_fsdp2_manager_parity(world: int) -> None:
             )
             assert evaluated["gathered_after_eval"] == [], evaluated["gathered_after_eval"]
             assert evaluated["eval"] <= FP32_ATOL and max(evaluated["steps"]) <= STEP_ATOL, evaluated
+            released = results.pop("root_reshard")
+            assert released == {"tied": [True] * 3, "scaled": [False] * 3}, released
         for label, report in results.items():
             report.check(
                 atol=atol.get(label, FP32_ATOL),

@@ -204,6 +204,73 @@ def _early_release() -> dict[str, Any]:
     return out
 
 
+def _deferred_copy_in() -> dict[str, Any]:
+    """Train with every reduce-scatter input deferred and in pieces, next to FSDP2 without our comms."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    from automodel_distributed import FSDP2Manager
+    from automodel_distributed.checkpoint.host_copy_in import register_host_copy_in
+    from automodel_distributed.checkpoint.host_memory import HostBufferPool, PooledReduceScatter
+    from automodel_distributed.config import FSDP2Config
+    from automodel_mesh import MeshContext
+    from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
+
+    class Watching(PooledReduceScatter):
+        """Fills each buffer it hands out with NaN, and records whether an input was still all NaN."""
+
+        unwritten: list[bool] = []
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            buffer = super().allocate(size, dtype=dtype, device=device)
+            return buffer.fill_(float("nan"))
+
+        def __call__(self, output_tensor: Any, input_tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            self.unwritten.append(bool(input_tensor.isnan().all()))
+            return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+
+    assert register_host_copy_in(), "torch >= 2.15 has fsdp::chunk_cat_mixed_dtype"
+    batch = make_batch(64, 2, 16, seed=dist.get_rank())
+    out: dict[str, Any] = {}
+    for label, param_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        runs = []
+        for deferred in (True, False):
+            mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+            config = FSDP2Config(mp_policy=mp, tune_host_allocator=False)
+            model = FSDP2Manager(config, MeshContext.build(config).device_mesh).parallelize(
+                build_tiny_model("llama_tied")
+            )
+            comm = Watching(HostBufferPool(max_bytes=0), chunk_bytes=96, defer_copy_in=True)
+            comm.unwritten = []
+            for module in model.modules():
+                if deferred and isinstance(module, FSDPModule):
+                    module.set_custom_reduce_scatter(comm)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = []
+            for _ in range(2):
+                loss = causal_lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+                loss.backward()
+                losses.append(float(loss))
+                optimizer.step()
+                optimizer.zero_grad()
+            runs.append({"losses": losses, "params": [p.full_tensor() for p in model.parameters()]})
+            if deferred:
+                out[f"{label} unwritten"] = comm.unwritten
+        out[label] = runs
+    return out
+
+
+def test_a_deferred_copy_in_trains_as_fsdp2_and_never_fills_the_input() -> None:
+    """Reduce-scatter inputs above the pool's bound stay unwritten; pieces come from the gradients."""
+    for result in run_distributed(_deferred_copy_in, 2, timeout_s=180):
+        for label in ("fp32", "bf16"):
+            unwritten = result[f"{label} unwritten"]
+            assert unwritten and all(unwritten), (label, unwritten)
+            deferred, plain = result[label]
+            assert deferred["losses"] == plain["losses"], label
+            for a, b in zip(deferred["params"], plain["params"], strict=True):
+                assert torch.equal(a, b), label
+
+
 def test_collective_buffers_are_freed_once_done() -> None:
     """Host buffers FSDP2 holds past their use (a reduced input, a copied-out all-gather) are freed early.
 

@@ -45,6 +45,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from automodel_distributed.checkpoint.host_copy_in import (
+    chunk_cat_into,
+    copy_in_rows,
+    expect_copy_in,
+    take_copy_in,
+)
+
 __all__ = [
     "GLOO_CHUNK_BYTES",
     "POOL_MAX_BYTES",
@@ -311,8 +318,16 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
     On gloo, an input above ``chunk_bytes`` is reduced piece by piece through a pooled staging buffer
     (`GLOO_CHUNK_BYTES`): the same sums without gloo's whole-size temporary.
 
-    An input this comm allocated above the pool's ``max_bytes`` (not kept from step to step) has its
-    storage freed as soon as a synchronous reduction returns. FSDP2 keeps every unit's input alive
+    With ``defer_copy_in`` (units sharded over more than one rank), an input this comm allocates above
+    the pool's ``max_bytes`` (not kept from step to step) is never filled: FSDP2's copy-in into it is
+    deferred (`automodel_distributed.checkpoint.host_copy_in.expect_copy_in`) and each piece is copied
+    from the gradients straight into the staging buffer, so the full-size input (1 GiB in fp32 for a
+    128k x 2048 embedding) is never resident next to the gradients it copies. The same values go
+    through the same pieces. Without it, FSDP2 would read the unfilled input itself where it
+    copies instead of reducing (a unit on one rank).
+
+    An input this comm allocated above the pool's ``max_bytes`` has its storage freed as soon as a
+    synchronous reduction returns. FSDP2 keeps every unit's input alive
     until the next unit's post-backward (``reduce_scatter_states``), which on a GPU stops the caching
     allocator from handing the memory to the compute stream while the collective still reads it; on
     the host the collective has finished when the call returns, so that hold only kept a dead buffer
@@ -320,8 +335,11 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
     Llama-3.2-1B shape over 4 ranks) on top of that backward's own.
     """
 
-    def __init__(self, pool: HostBufferPool, chunk_bytes: int = GLOO_CHUNK_BYTES) -> None:
+    def __init__(
+        self, pool: HostBufferPool, chunk_bytes: int = GLOO_CHUNK_BYTES, *, defer_copy_in: bool = False
+    ) -> None:
         super().__init__(pool, chunk_bytes)
+        self.defer_copy_in = defer_copy_in
         # id -> weak reference of the unpooled inputs handed out and not yet reduced.
         self._unpooled: dict[int, weakref.ref[torch.Tensor]] = {}
 
@@ -334,6 +352,9 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
             # Forget inputs that died unreduced (a world of one copies instead), so an id is never stale.
             self._unpooled = {k: ref for k, ref in self._unpooled.items() if ref() is not None}
             self._unpooled[id(buffer)] = weakref.ref(buffer)
+            # fp16 is divided in place before the collective (FSDP2's overflow guard): no deferral.
+            if self.defer_copy_in and dtype in (torch.float32, torch.bfloat16):
+                expect_copy_in(buffer)
         return buffer
 
     def _release(self, input_tensor: torch.Tensor) -> None:
@@ -352,18 +373,26 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
     ) -> dist.Work | None:
         """Reduce ``input_tensor`` over ``group`` with ``op``; this rank's chunk goes to ``output_tensor``."""
         piece = self._piece(input_tensor, group)
+        world, numel = group.size(), output_tensor.numel()
+        deferred = take_copy_in(input_tensor)
+        if deferred is not None and (piece is None or async_op):
+            chunk_cat_into(deferred[0], 0, deferred[1], input_tensor)  # the copy-in after all
+            deferred = None
         if piece is None or async_op:
             work = _reduce_scatter(output_tensor, input_tensor, op, group, async_op)
             if not async_op:
                 self._release(input_tensor)
             return work
-        world, numel = group.size(), output_tensor.numel()
         rows = input_tensor.view(world, numel)
         staging = self.pool.allocate((world * piece,), dtype=input_tensor.dtype, device=input_tensor.device)
         for start in range(0, numel, piece):
             length = min(piece, numel - start)
             block = staging[: world * length]
-            block.view(world, length).copy_(rows[:, start : start + length])
+            if deferred is not None:
+                assert deferred[1] == world, "FSDP2 copies in one chunk per rank of the group"
+                copy_in_rows(deferred[0], world, start, start + length, block.view(world, length))
+            else:
+                block.view(world, length).copy_(rows[:, start : start + length])
             _reduce_scatter(output_tensor[start : start + length], block, op, group, False)
         self._release(input_tensor)
         return None
@@ -378,12 +407,16 @@ def pool_fsdp_buffers(model: torch.nn.Module) -> HostBufferPool:
     per-parameter meshes) keeps its own buffers. No collectives run.
     """
     pool = HostBufferPool()
-    all_gather, reduce_scatter = PooledAllGather(pool), PooledReduceScatter(pool)
+    all_gather = PooledAllGather(pool)
+    # A unit on one rank has no collective: FSDP2 copies its input itself, so the copy-in must be there.
+    reduce_scatters = {True: PooledReduceScatter(pool, defer_copy_in=True), False: PooledReduceScatter(pool)}
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            sharded = group is not None and getattr(group.mesh_info, "shard_mesh_size", 1) > 1
             try:
                 module.set_custom_all_gather(all_gather)
-                module.set_custom_reduce_scatter(reduce_scatter)
+                module.set_custom_reduce_scatter(reduce_scatters[sharded])
             except ValueError:  # a unit with several parameter groups (per-parameter meshes) keeps torch's
                 continue
     return pool
