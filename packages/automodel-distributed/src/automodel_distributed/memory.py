@@ -403,7 +403,10 @@ def fsdp_comm_buffer_bytes(
       `automodel_distributed.checkpoint.host_memory.free_all_gather_outputs_after_copy_out`), plus
       one reduce-scatter input per size.
 
-    The reduce-scatter *outputs* are the sharded gradients themselves (the gradients line).
+    The reduce-scatter *outputs* are the sharded gradients themselves (the gradients line). On the
+    host with ``tune_host_allocator`` a reduce-scatter input above the pool's bound is never filled
+    (each piece is copied from the gradients, `automodel_distributed.checkpoint.host_copy_in`), so
+    counting it there keeps this an upper bound.
 
     Args:
         unit_bytes: Each FSDP unit's parameter bytes on this rank, unsharded over the FSDP axis, in
