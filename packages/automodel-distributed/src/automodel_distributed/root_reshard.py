@@ -13,11 +13,15 @@ runs before the last unit needs no weight in backward (a plain ``nn.Embedding``)
 (``FSDPModule.reshard``, freeing the gathered storage) once the gradients of the inputs of every module
 that runs after the last unit exist, that is once their backward has read the weights. The gradients
 are the same: only when the unsharded storage is freed changes; the root's post-backward reduces the
-same ``.grad`` tensors and its own reshard finds nothing left to do.
+same ``.grad`` tensors and its own reshard finds nothing left to do. A forward that starts before the
+previous forward's backward has run (two losses summed into one backward) turns the early reshard off
+until every pending backward is done: FSDP2 gathers the root once for all of them.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -45,16 +49,26 @@ def _grad_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
 class _RootWatch:
     """Per root forward: the order its parameter owners and child units ran in, and the trigger."""
 
-    def __init__(self, root: FSDPModule, owners: list[nn.Module]) -> None:
+    def __init__(self, root: FSDPModule) -> None:
         self.root = root
-        self.owners = owners
         self.in_forward = False
         # ("owner", module, its inputs that need a gradient) or ("unit", None, []).
         self.events: list[tuple[str, nn.Module | None, list[torch.Tensor]]] = []
+        # Triggers registered whose backward has not run yet, by a weak reference to one of their
+        # tensors (a graph dropped without backward frees it).
+        self.pending: list[weakref.ref[torch.Tensor]] = []
+        self.overlapped = False
 
     def start(self, *_: Any) -> None:
         self.in_forward = torch.is_grad_enabled()
         self.events = []
+        self.pending = [ref for ref in self.pending if ref() is not None]
+        if not self.pending:
+            self.overlapped = False
+        elif self.in_forward:
+            # A second forward before the first one's backward (two losses summed, DPO's chosen and
+            # rejected): FSDP2 gathers the root once for both backwards, so none may free it early.
+            self.overlapped = True
 
     def owner_ran(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.in_forward:
@@ -66,9 +80,9 @@ class _RootWatch:
 
     def finish(self, *_: Any) -> None:
         events, self.events = self.events, []
-        if not self.in_forward:
+        in_forward, self.in_forward = self.in_forward, False
+        if not in_forward or self.overlapped:
             return
-        self.in_forward = False
         last_unit = max((i for i, (kind, _, _) in enumerate(events) if kind == "unit"), default=None)
         if last_unit is None:
             return
@@ -83,13 +97,20 @@ class _RootWatch:
         if not after or any(not inputs for _, inputs in after):
             return
         tensors = [t for _, inputs in after for t in inputs]
-        torch.autograd.graph.register_multi_grad_hook(tensors, self._release, mode="all")
+        ref = weakref.ref(tensors[0])
+        self.pending.append(ref)
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, functools.partial(self._release, ref), mode="all"
+        )
 
-    def _release(self, _grads: Any) -> None:
+    def _release(self, ref: weakref.ref[torch.Tensor], _grads: Any) -> None:
+        self.pending = [r for r in self.pending if r is not ref]
         group = self.root._get_fsdp_state()._fsdp_param_group
         # A user who keeps the root gathered across micro-batches (set_reshard_after_backward(False)).
-        if group is not None and group.reshard_after_backward:
+        if not self.overlapped and group is not None and group.reshard_after_backward:
             self.root.reshard()
+        if not self.pending:
+            self.overlapped = False
 
 
 def reshard_root_after_head_backward(root: nn.Module) -> bool:
@@ -108,7 +129,7 @@ def reshard_root_after_head_backward(root: nn.Module) -> bool:
     owners = [m for m in root.modules() if any(id(p) not in in_units for p in m.parameters(recurse=False))]
     if not units or not owners:
         return False
-    watch = _RootWatch(root, owners)
+    watch = _RootWatch(root)
     # The hooks only record and register a gradient hook; compiled graphs must not trace them.
     root.register_forward_pre_hook(torch.compiler.disable(watch.start), prepend=True)
     root.register_forward_hook(torch.compiler.disable(watch.finish))

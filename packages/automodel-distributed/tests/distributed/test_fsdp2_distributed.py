@@ -223,6 +223,23 @@ def _root_reshard() -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
         out[case] = seen
+    # Two forwards, then one backward of the summed losses: the root must stay gathered for both
+    # backwards; the gradients equal two separate backwards'.
+    grads = []
+    for summed in (True, False):
+        config = _config({})
+        model = FSDP2Manager(config, MeshContext.build(config).device_mesh).parallelize(
+            build_tiny_model("llama_tied")
+        )
+        batches = [make_batch(model.config.vocab_size, 2, 16, seed=10 + i) for i in range(2)]
+        losses = [causal_lm_loss(model(input_ids=b["input_ids"]).logits, b["labels"]) for b in batches]
+        if summed:
+            (losses[0] + losses[1]).backward()
+        else:
+            losses[1].backward()
+            losses[0].backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    out["summed"] = max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
     return out
 
 
@@ -279,6 +296,7 @@ def test_fsdp2_manager_parity(world: int) -> None:
             assert evaluated["gathered_after_eval"] == [], evaluated["gathered_after_eval"]
             assert evaluated["eval"] <= FP32_ATOL and max(evaluated["steps"]) <= STEP_ATOL, evaluated
             released = results.pop("root_reshard")
+            assert released.pop("summed") <= FP32_ATOL, released
             assert released == {"tied": [True] * 3, "scaled": [False] * 3}, released
         for label, report in results.items():
             report.check(
