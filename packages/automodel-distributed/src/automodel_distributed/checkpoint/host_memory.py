@@ -323,8 +323,8 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
     deferred (`automodel_distributed.checkpoint.host_copy_in.expect_copy_in`) and each piece is copied
     from the gradients straight into the staging buffer, so the full-size input (1 GiB in fp32 for a
     128k x 2048 embedding) is never resident next to the gradients it copies. The same values go
-    through the same pieces. Without it, FSDP2 would read the unfilled input itself where it
-    copies instead of reducing (a unit on one rank).
+    through the same pieces. Units on one rank get a comm without it: FSDP2 copies their input
+    itself instead of calling the collective, and would read it unfilled.
 
     An input this comm allocated above the pool's ``max_bytes`` has its storage freed as soon as a
     synchronous reduction returns. FSDP2 keeps every unit's input alive
