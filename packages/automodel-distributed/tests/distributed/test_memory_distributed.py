@@ -27,17 +27,16 @@ pytestmark = pytest.mark.distributed
 
 
 def _fsdp_memory() -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
     # The collector runs between steps only: run mid-step, at a point that varies with the run
     # (PYTHONHASHSEED), it made the pool keep one more buffer of some size in about half the runs.
     gc.disable()
     try:
-        return _fsdp_memory_steps(results)
+        return _fsdp_memory_steps()
     finally:
         gc.enable()
 
 
-def _fsdp_memory_steps(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _fsdp_memory_steps() -> list[dict[str, Any]]:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     from automodel_distributed import FSDP2Manager
@@ -47,6 +46,7 @@ def _fsdp_memory_steps(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from automodel_mesh import MeshContext
     from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
 
+    results = []
     for gather_dtype in (torch.float32, torch.bfloat16):
         policy = MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=torch.float32)
         config = FSDP2Config(defer_fsdp_grad_sync=True, mp_policy=policy)

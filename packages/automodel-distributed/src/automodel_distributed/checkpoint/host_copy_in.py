@@ -128,9 +128,9 @@ def take_copy_in(buffer: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
 def _deferring_kernel(tensors: Sequence[torch.Tensor], dim: int, num_chunks: int, out: torch.Tensor) -> None:
     key = out.untyped_storage().data_ptr()
     ref = _expected.pop(key, None)
-    buffer = ref() if ref is not None else None
     if (
-        buffer is None
+        ref is None
+        or (buffer := ref()) is None
         or dim != 0
         or out.storage_offset() != 0
         or out.numel() != buffer.numel()
@@ -138,7 +138,7 @@ def _deferring_kernel(tensors: Sequence[torch.Tensor], dim: int, num_chunks: int
     ):
         chunk_cat_into(tensors, dim, num_chunks, out)
         return
-    _received[key] = (ref, list(tensors), num_chunks)  # type: ignore[assignment]
+    _received[key] = (ref, list(tensors), num_chunks)
 
 
 def register_host_copy_in() -> bool:
