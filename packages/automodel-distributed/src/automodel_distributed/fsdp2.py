@@ -54,6 +54,7 @@ from automodel_distributed.config import (
 )
 from automodel_distributed.layers import blockless_parts, find_transformer_blocks
 from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, model_parts
+from automodel_distributed.one_rank_units import install_one_rank_unit, runs_without_fsdp
 from automodel_distributed.root_reshard import needs_no_weight_in_backward, reshard_root_after_head_backward
 from automodel_distributed.strategy import StrategyDefaults, nothing_is_sharded
 from automodel_distributed.tied_embedding import accumulate_tied_embedding_rows
@@ -321,11 +322,13 @@ def apply_fsdp2(
     ``ignored_params``: every rank keeps them whole (no all-gather in forward; they get no gradients).
 
     Extra units (experts, on their own mesh) are sharded first, so the dense units that contain them skip
-    their parameters. Preconditions: tensor and expert parallelism and activation checkpointing are
-    already applied (the model may be on the meta device). Mesh axes: ``dp_mesh`` is the 1-D
-    ``dp_shard_cp`` mesh, or the 2-D ``(dp_replicate, dp_shard_cp)`` mesh for HSDP; an extra unit uses its
-    own (``ep_shard`` for experts). Collectives: none at wrap time; all-gathers and reduce-scatters during
-    forward/backward.
+    their parameters. An extra unit on a one-rank mesh whose parameters already have the policy's compute
+    dtype is not sharded at all (`automodel_distributed.one_rank_units`: hooks cast and divide as FSDP
+    would, and the enclosing units ignore its parameters). Preconditions: tensor and expert parallelism
+    and activation checkpointing are already applied (the model may be on the meta device). Mesh axes:
+    ``dp_mesh`` is the 1-D ``dp_shard_cp`` mesh, or the 2-D ``(dp_replicate, dp_shard_cp)`` mesh for HSDP;
+    an extra unit uses its own (``ep_shard`` for experts). Collectives: none at wrap time; all-gathers
+    and reduce-scatters during forward/backward.
 
     Mutates ``model`` in place (its class becomes ``FSDP<Class>``; a forward hook reshards every unit
     after a forward without gradients, `reshard_after_no_grad_forward`; outside a pipeline, hooks
@@ -342,19 +345,29 @@ def apply_fsdp2(
     if frozen_sharding == "replicate":
         ignored = {p for _, tower in frozen_towers(model) for p in tower.parameters()} or None
     offload = offload_policy if offload_policy is not None else OffloadPolicy()
+    # An extra unit on a one-rank mesh that FSDP would only copy stays out of it (see one_rank_units);
+    # every unit that contains it then leaves its parameters alone.
+    unsharded: set[nn.Parameter] = set()
     for unit in extra_units:
         mesh = unit.mesh if unit.mesh is not None else dp_mesh
+        policy = unit.mp_policy or mp_policy
+        if runs_without_fsdp(unit.module, mesh, policy, offload):
+            install_one_rank_unit(unit.module, policy, unit.gradient_divide_factor)
+            unsharded.update(unit.module.parameters())
+            continue
         fully_shard(
             unit.module,
             mesh=mesh,
             reshard_after_forward=_enclosing_reshard(unit, units),
-            mp_policy=unit.mp_policy or mp_policy,
+            mp_policy=policy,
             offload_policy=offload,
             shard_placement_fn=unit.shard_placement_fn,
             ignored_params=ignored,
         )
         if unit.gradient_divide_factor is not None:
             _divide_gradients(unit.module, unit.gradient_divide_factor, mesh)  # type: ignore[arg-type]
+    if unsharded:
+        ignored = (ignored or set()) | unsharded
     head = _output_head(model)
     for unit in units:
         policy = unit.mp_policy or mp_policy

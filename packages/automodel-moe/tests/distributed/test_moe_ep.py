@@ -156,6 +156,71 @@ def _bf16(family: str) -> dict[str, float]:
     }
 
 
+def _one_rank_experts_as_fsdp(family: str) -> dict[str, Any]:
+    """bf16 parameters under the default policy: experts left out of FSDP (``ep_shard`` of one rank) train
+    bit for bit as FSDP over that one-rank mesh (the experts' own ``fully_shard``, as before
+    ``automodel_distributed.one_rank_units``): same casts, same gradient division in fp32."""
+    from dataclasses import replace
+
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from automodel_distributed import FSDP2Config, FSDP2Manager
+    from automodel_distributed.fsdp2 import ExpertSharding
+    from automodel_moe import ExpertParallel, find_experts
+
+    config = FSDP2Config()  # bf16 parameters and outputs, fp32 reduction, inputs cast
+    ctx = _mesh(2)
+
+    class FSDPExperts:
+        def check(self, model: Any, mesh: Any) -> None:
+            ExpertParallel().check(model, mesh)
+
+        def apply(self, model: Any, mesh: Any) -> ExpertSharding:
+            sharding = ExpertParallel().apply(model, mesh)
+            for unit in sharding.units:
+                assert unit.mesh is not None and unit.mesh.size() == 1
+                fully_shard(
+                    unit.module,
+                    mesh=unit.mesh,
+                    reshard_after_forward=False,
+                    mp_policy=config.mp_policy,
+                    shard_placement_fn=unit.shard_placement_fn,
+                )
+                unit.module.set_gradient_divide_factor(unit.gradient_divide_factor)
+            return replace(sharding, units=())
+
+    models = {}
+    for name, step in (("ours", ExpertParallel()), ("fsdp", FSDPExperts())):
+        model = _build(family).to(torch.bfloat16)
+        models[name] = FSDP2Manager(config, mesh=ctx).with_experts(step).parallelize(model)  # type: ignore[arg-type]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = make_batch(128, BATCH, SEQ, seed=3)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.5) for name, m in models.items()}
+    losses: dict[str, list[float]] = {name: [] for name in models}
+    grads: dict[str, list[torch.Tensor]] = {}
+    for step in range(2):
+        for name, model in models.items():
+            loss = causal_lm_loss(
+                model(input_ids=batch["input_ids"][rows]).logits.float(), batch["labels"][rows]
+            )
+            loss.backward()
+            losses[name].append(loss.item())
+            if step == 0:
+                grads[name] = [to_full(p.grad) for p in model.parameters()]
+            opts[name].step()
+            opts[name].zero_grad()
+    params = {name: [to_full(p) for p in m.parameters()] for name, m in models.items()}
+    return {
+        "fsdp_experts": [
+            any(isinstance(site.module, FSDPModule) for site in find_experts(m)) for m in models.values()
+        ],
+        "losses": losses["ours"] == losses["fsdp"] and losses["ours"][1] != losses["ours"][0],
+        "grads": all(torch.equal(a, b) for a, b in zip(grads["ours"], grads["fsdp"], strict=True)),
+        "params": all(torch.equal(a, b) for a, b in zip(params["ours"], params["fsdp"], strict=True)),
+    }
+
+
 def _checkpoint_roundtrip(family: str, ep: int, folder: str) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
@@ -220,8 +285,9 @@ def _settings_under_ep() -> dict[str, Any]:
     manager ``with_experts(ExpertParallel(moe_config))``) keeps every FSDP2Config setting.
 
     One applier: prefetch, the checkpointing scope, mixed precision and resharding hold for the dense
-    units, the experts become their own units on ``ep_shard`` (sharded along dim 1), and the router is
-    saved by checkpointing.
+    units, and the router is saved by checkpointing. ``ep_shard`` has one rank here, so the experts are
+    no FSDP unit and no block's (``automodel_distributed.one_rank_units``): their parameters stay the
+    ``ep`` cut (the parity cases check that their gradients are divided by the data-parallel size).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -242,17 +308,15 @@ def _settings_under_ep() -> dict[str, Any]:
     blocks = list(model.model.layers)
     experts = [site.module for site in find_experts(model)]
     state = blocks[0]._get_fsdp_state()  # type: ignore[operator]
-    expert_state = experts[0]._get_fsdp_state()  # type: ignore[operator]
-    group = expert_state._fsdp_param_group
+    managed = {id(p.sharded_param) for p in state._fsdp_param_group.fsdp_params}
     return {
         "checkpointed": all(isinstance(b, CheckpointWrapper) for b in blocks),
         "prefetch": [s._modules[0] is blocks[1] for s in state._states_to_forward_prefetch],
-        "reshard": group.post_forward_mesh_info is not None,
-        "experts_are_units": len(experts) == 2 and all(isinstance(m, FSDPModule) for m in experts),
+        "reshard": state._fsdp_param_group.post_forward_mesh_info is not None,
+        "experts_are_units": any(isinstance(m, FSDPModule) for m in experts),
+        "experts_in_block_unit": any(id(p) in managed for p in experts[0].parameters()),
         "same_class": type(experts[0]).__name__,
-        # FSDP's placement (the outer, ep_shard axis) cuts dim 1; ep keeps Shard(0).
-        "expert_placement": [p.placements for p in experts[0].parameters()],
-        "divide_factor": group.gradient_divide_factor,
+        "expert_placement": [(p.device_mesh.mesh_dim_names, p.placements) for p in experts[0].parameters()],
         "param_dtype": str(state._mp_policy.param_dtype),
     }
 
@@ -268,6 +332,8 @@ def _two_ranks(folder: str) -> dict[str, Any]:
         results[f"{family}/bf16"] = _bf16(family)
     for family in ("qwen3_moe", "gpt_oss"):
         results[f"{family}/ckpt"] = _checkpoint_roundtrip(family, 2, str(pathlib.Path(folder, family)))
+    for family in ("qwen3_moe", "gpt_oss"):
+        results[f"{family}/one_rank"] = _one_rank_experts_as_fsdp(family)
     results["errors"] = _errors()
     results["settings"] = _settings_under_ep()
     return results
@@ -390,16 +456,22 @@ def test_ep2_parity_activation_checkpointing_bf16_checkpoint_and_errors(tmp_path
             assert bf16["falls"] == 1.0, (family, bf16)
             assert bf16["ep_vs_fsdp"] < 2e-2, (family, bf16)
             assert bf16["ep_vs_ref"] < 5e-2, (family, bf16)
+            assert results[f"{family}/one_rank"] == {
+                "fsdp_experts": [False, True],
+                "losses": True,
+                "grads": True,
+                "params": True,
+            }, (family, results[f"{family}/one_rank"])
             ckpt = results[f"{family}/ckpt"]
             assert ckpt["loaded"] < 1e-5 and ckpt["saved"] < 1e-5, (family, ckpt)
         assert results["settings"] == {
             "checkpointed": True,
             "prefetch": [True],
             "reshard": True,
-            "experts_are_units": True,
-            "same_class": "FSDPQwen3MoeExperts",
-            "expert_placement": [(Shard(1), Shard(0))] * 2,
-            "divide_factor": 2.0,
+            "experts_are_units": False,
+            "experts_in_block_unit": False,
+            "same_class": "Qwen3MoeExperts",
+            "expert_placement": [(("ep",), (Shard(0),))] * 2,
             "param_dtype": "torch.float32",
         }, results["settings"]
         errors = results["errors"]

@@ -21,6 +21,7 @@ from torch import nn
 from automodel_all.cli.config import ResolvedJob, pipeline_stage_count
 from automodel_all.cli.model import model_dtype
 from automodel_all.cli.yaml_source import ConfigError
+from automodel_distributed.config import default_mp_policy
 from automodel_distributed.fsdp2 import frozen_towers
 
 __all__ = ["DEVICE_PRESETS", "PeakEstimate", "estimate_peak", "parse_device_memory"]
@@ -193,6 +194,12 @@ def estimate_peak(
         else ()
     )
     # A frozen tower kept out of FSDP (frozen_sharding="replicate") is whole on every rank.
+    policy = getattr(job.distributed, "mp_policy", None) or default_mp_policy()
+    # Experts on a one-rank ep_shard mesh stay out of FSDP unless their dtype is cast for compute
+    # (automodel_distributed.one_rank_units): then nothing of theirs is gathered.
+    experts_gathered = (
+        job.strategy != "fsdp2" or layout.ep_shard > 1 or policy.param_dtype not in (None, dtype)
+    )
 
     # Parameters, gradients, optimizer state and FSDP units, per pipeline rank.
     params = [0.0] * pp
@@ -233,14 +240,14 @@ def estimate_peak(
             size = float(quantized_weight_bytes(param.numel(), bits=base_weight_bits))
         params[rank] += size / p_div
         # Its FSDP unit, in forward order: the root (gathered first), the embedding, each block and
-        # then its experts (a unit of their own on the ep_shard mesh), the head.
+        # then its experts (a unit of their own on the ep_shard mesh, when FSDP shards them), the head.
         if index is not None:
             unit = (2 + 2 * index + (1 if experts else 0), f"block{index}" + (".experts" if experts else ""))
         else:
             unit = next(
                 ((order, fqn) for order, fqn in outer_units if name.startswith(fqn + ".")), (0, "root")
             )
-        if gathered_over > 1 or experts:
+        if gathered_over > 1 or (experts and experts_gathered):
             local = size / (shard / gathered_over)  # this rank's part, unsharded over the FSDP axis
             units[rank][unit] = units[rank].get(unit, 0.0) + local
             if param.requires_grad:

@@ -83,9 +83,12 @@ def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapt
             sp = " with sequence parallelism" if getattr(job.distributed, "sequence_parallel", False) else ""
             steps.append(f"tensor-parallel plan over tp={layout.tp}{sp}")
         if layout.ep > 1:
-            steps.append(
-                f"expert parallelism over ep={layout.ep}; experts sharded over ep_shard={layout.ep_shard}"
+            where = (
+                f"experts sharded over ep_shard={layout.ep_shard}"
+                if layout.ep_shard > 1
+                else "ep_shard=1: experts stay out of FSDP when their dtype needs no cast"
             )
+            steps.append(f"expert parallelism over ep={layout.ep}; {where}")
         if ac:
             steps.append(f"activation checkpointing ({ac}) of each transformer block")
         hsdp = (

@@ -50,27 +50,37 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    # DTensor ops take operands of one mesh: experts kept out of FSDP live on ``ep``, the rest on the
+    # data-parallel (and tp) meshes. Plain gradients form a group of their own.
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for param in params:
+        if param.grad is not None:
+            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    return list(groups.values())
+
+
 def clip_gradients(params: list[nn.Parameter], max_norm: float | None, pp_group: Any = None) -> float:
     """The global gradient norm over every rank's parameters (before clipping); clip to ``max_norm``.
 
-    DTensor gradients (FSDP2, TP) give the norm over their mesh; with pipeline stages the squares are
-    summed over the ``pp`` group. ``max_norm=None`` only measures. Collective over the gradients' meshes
-    (and ``pp_group``).
+    DTensor gradients (FSDP2, TP, EP) give the norm over their mesh, one mesh at a time, and the squares
+    of the meshes' norms are summed; with pipeline stages the squares are also summed over the ``pp``
+    group. ``max_norm=None`` only measures. Collective over the gradients' meshes (and ``pp_group``).
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    groups = _by_mesh(params)
+    device = groups[0][0].grad.device if groups else torch.device("cpu")  # type: ignore[union-attr]
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], 2.0)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-    else:
-        norm = torch.zeros(())
-    norm = norm.float()
+        square = square + norm.float().to(device).square()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        square = norm.square()
         dist.all_reduce(square, group=pp_group)
-        norm = square.sqrt()
-    if grads and max_norm is not None and bool(torch.isfinite(norm)):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(grads[0].device))
+    norm = square.sqrt()
+    if max_norm is not None and bool(torch.isfinite(norm)):
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return float(norm)
 
 
