@@ -79,10 +79,11 @@ def install_one_rank_unit(
 
     Preconditions: `runs_without_fsdp` is true for ``module``; the caller keeps every enclosing
     ``fully_shard`` off its parameters (``ignored_params``). Mutates ``module``: a forward pre-hook casts
-    floating inputs (args and kwargs) to ``param_dtype`` when ``cast_forward_inputs`` is set, and gives
-    each parameter that requires a gradient at that forward (adapters may be unfrozen after sharding) a
-    tensor hook dividing its gradient by ``gradient_divide_factor`` (``None``: by 1, the one rank); a
-    forward hook casts outputs to ``output_dtype``. No collective. Returns the module hooks' handles.
+    floating inputs (args and kwargs) to ``param_dtype`` when ``cast_forward_inputs`` is set; each
+    parameter that requires a gradient now, or at a later forward (adapters may be unfrozen after
+    sharding), gets a tensor hook dividing its gradient by ``gradient_divide_factor`` (``None``: by 1,
+    the one rank); a forward hook casts outputs to ``output_dtype``. No collective. Returns the module
+    hooks' handles.
     """
     to_param = _cast(mp_policy.param_dtype if mp_policy.cast_forward_inputs else None)
     divide = (
@@ -92,13 +93,23 @@ def install_one_rank_unit(
     )
     divided: set[int] = set()
 
+    def register() -> None:
+        assert divide is not None, "only called with a divide factor"
+        for param in module.parameters():
+            if param.requires_grad and id(param) not in divided:
+                param.register_hook(divide)
+                divided.add(id(param))
+
+    # Registering hooks is nothing to trace into a compiled block.
+    hook_trainable: Callable[[], None] = torch.compiler.disable(register)
+
     def pre_forward(_module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if divide is not None:
-            for param in module.parameters():
-                if param.requires_grad and id(param) not in divided:
-                    param.register_hook(divide)
-                    divided.add(id(param))
+            hook_trainable()
         return to_param(args), to_param(kwargs)
+
+    if divide is not None:
+        hook_trainable()
 
     handles = [module.register_forward_pre_hook(pre_forward, with_kwargs=True)]
     if mp_policy.output_dtype is not None:
