@@ -224,7 +224,9 @@ def plan_fsdp_units(
 
     ``reshard_after_forward=None`` applies the usual heuristic: reshard every unit after forward except
     the last ones to run (the last block and the LM head), whose parameters backward needs at once; under
-    pipelining nothing reshards, since each micro-batch's backward follows soon after its forward.
+    pipelining nothing reshards, since each micro-batch's backward follows soon after its forward. An
+    untied plain ``nn.Embedding`` (its backward reads the token ids, not the weight) reshards after
+    forward under any setting outside a pipeline: nothing would be saved by keeping it.
 
     Raises:
         ValueError: ``per_layer`` for a frozen tower without blocks (`check_frozen_sharding`).
@@ -254,7 +256,11 @@ def plan_fsdp_units(
 
     plans = [FSDPUnitPlan(fqn, module, policy(i)) for i, (fqn, module) in enumerate(units)]
     if plans and plans[0].module is embed and needs_no_weight_in_backward(embed):
-        plans[0] = replace(plans[0], unshard_in_backward=False)
+        # Its backward gathers nothing, and FSDP reshards every unit after its backward anyway, so
+        # outside a pipeline (whose micro-batches keep units gathered from one forward to the next)
+        # keeping it gathered after forward saves no all-gather and holds the whole table all step.
+        reshard = plans[0].reshard_after_forward if pipelined else True
+        plans[0] = replace(plans[0], unshard_in_backward=False, reshard_after_forward=reshard)
     return plans
 
 

@@ -352,6 +352,7 @@ def fsdp_buffer_bytes(
     prefetch: int = 1,
     unit_grad_bytes: Sequence[int] | None = None,
     reshard: bool = True,
+    always_resharded: Sequence[bool] | None = None,
 ) -> int:
     """Bytes of FSDP2's gathered (unsharded) parameters at their peak, and the one fresh unit gradient.
 
@@ -369,11 +370,16 @@ def fsdp_buffer_bytes(
         unit_grad_bytes: Bytes of each unit's trainable parameters, unsharded (default: all of
             ``unit_bytes`` train); a frozen unit (LoRA's base) makes no gradient.
         reshard: Whether units reshard after forward (see above).
+        always_resharded: Per unit, whether it reshards after forward even without ``reshard`` (an
+            untied plain embedding outside a pipeline, `automodel_distributed.fsdp2.plan_fsdp_units`):
+            it runs first and is gathered alone, then freed.
     """
     if shard <= 1 or not unit_bytes:
         return 0
     if not reshard:
-        return sum(unit_bytes)
+        freed = always_resharded or [False] * len(unit_bytes)
+        held = sum(b for b, f in zip(unit_bytes, freed, strict=True) if not f)
+        return max(held, max((b for b, f in zip(unit_bytes, freed, strict=True) if f), default=0))
     largest = sorted(unit_bytes, reverse=True)
     grads = unit_bytes if unit_grad_bytes is None else unit_grad_bytes
     return sum(largest[: 1 + prefetch]) + max(grads, default=0)

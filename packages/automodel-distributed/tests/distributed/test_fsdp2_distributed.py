@@ -191,7 +191,9 @@ def _root_reshard() -> dict[str, Any]:
 
     ``tied``: the tied Llama (only a plain embedding runs before the blocks); ``scaled``: its embedding
     swapped for a subclass with its own forward, which the early reshard must leave alone. Each reports
-    whether the head's weight was the sharded DTensor when the first block's backward ran.
+    whether the head's weight was the sharded DTensor when the first block's backward ran. ``embedding``:
+    under ``reshard_after_forward=False`` an untied Llama's embedding is sharded again when the last
+    block's backward starts, while the first block is still gathered.
     """
     from torch.distributed.tensor import DTensor
 
@@ -240,6 +242,22 @@ def _root_reshard() -> dict[str, Any]:
             losses[0].backward()
         grads.append([p.grad.full_tensor() for p in model.parameters()])
     out["summed"] = max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
+    # reshard_after_forward=False: an untied plain embedding (its backward gathers nothing) is still
+    # resharded after forward, while the blocks stay gathered for backward (the control); the
+    # no-reshard parity case checks the numbers.
+    config = _config({"reshard_after_forward": False})
+    model = FSDP2Manager(config, MeshContext.build(config).device_mesh).parallelize(build_tiny_model("llama"))
+    states: list[tuple[bool, bool]] = []
+
+    def sharded(*_: Any) -> None:
+        embed, block = model.model.embed_tokens, model.model.layers[0].self_attn.q_proj
+        states.append((isinstance(embed.weight, DTensor), isinstance(block.weight, DTensor)))
+
+    model.model.layers[-1].register_full_backward_pre_hook(sharded)  # layers[0]: backward still ahead
+    batch = make_batch(model.config.vocab_size, 2, 16, seed=dist.get_rank())
+    for _ in range(2):
+        causal_lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"]).backward()
+    out["embedding"] = states
     return out
 
 
@@ -297,7 +315,11 @@ def test_fsdp2_manager_parity(world: int) -> None:
             assert evaluated["eval"] <= FP32_ATOL and max(evaluated["steps"]) <= STEP_ATOL, evaluated
             released = results.pop("root_reshard")
             assert released.pop("summed") <= FP32_ATOL, released
-            assert released == {"tied": [True] * 3, "scaled": [False] * 3}, released
+            assert released == {
+                "tied": [True] * 3,
+                "scaled": [False] * 3,
+                "embedding": [(True, False)] * 2,
+            }, released
         for label, report in results.items():
             report.check(
                 atol=atol.get(label, FP32_ATOL),

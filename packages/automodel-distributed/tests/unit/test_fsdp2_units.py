@@ -34,8 +34,13 @@ def test_tied_embeddings_stay_in_the_root() -> None:
 
 def test_explicit_and_pipelined_resharding() -> None:
     assert {r for _, r in _units("qwen2", reshard_after_forward=True)} == {True}
-    assert {r for _, r in _units("qwen2", reshard_after_forward=2)} == {2}
+    # The plain embedding's backward gathers nothing: outside a pipeline it reshards under any setting.
+    for setting in (2, False):
+        units = _units("qwen2", reshard_after_forward=setting)
+        assert units[0] == ("model.embed_tokens", True), units
+        assert {r for _, r in units[1:]} == {setting}, units
     assert {r for _, r in _units("qwen2", reshard_after_forward=None, pipelined=True)} == {False}
+    assert {r for _, r in _units("qwen2", reshard_after_forward=False, pipelined=True)} == {False}
 
 
 def test_manager_rejects_other_configs_and_meshes() -> None:

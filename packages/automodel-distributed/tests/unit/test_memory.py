@@ -87,6 +87,10 @@ def test_fsdp_buffers_and_bad_sizes() -> None:
     assert fsdp_buffer_bytes([10, 30, 20], shard=4, unit_grad_bytes=[10, 0, 5]) == 30 + 20 + 10
     # Nothing reshards (pipelining, reshard_after_forward=False): every unit stays gathered.
     assert fsdp_buffer_bytes([10, 30, 20], shard=4, reshard=False) == 60
+    # ... except a unit freed after forward anyway (a plain embedding): gathered alone, first.
+    freed = [True, False, False]
+    assert fsdp_buffer_bytes([10, 30, 20], shard=4, reshard=False, always_resharded=freed) == 50
+    assert fsdp_buffer_bytes([90, 30, 20], shard=4, reshard=False, always_resharded=freed) == 90
 
 
 def test_fsdp_comm_buffers_are_two_per_size_of_consecutive_units_one_per_other_size() -> None:

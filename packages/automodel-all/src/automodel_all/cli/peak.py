@@ -213,6 +213,7 @@ def estimate_peak(
     owner = {block: rank for rank, blocks in enumerate(owned) for block in blocks}
     first = "model.embed_tokens"
     outer_units = _outer_units(model)
+    freed = _always_resharded(model)
     fsdp_axis = layout.dp_shard * cp
     for name, param in model.named_parameters():
         index = _layer_index(name)
@@ -341,11 +342,13 @@ def estimate_peak(
                 shard=fsdp_axis,
                 unit_grad_bytes=[int(unit_grads[rank].get(key, 0)) for key in sorted(units[rank])],
                 reshard=reshard,
+                always_resharded=[pipeline is None and key[1] in freed for key in sorted(units[rank])],
             )
             estimate.notes["gathered units"] = (
                 "the 2 largest FSDP units unsharded + 1 unit's full-size gradient"
                 if reshard
-                else "every FSDP unit of the rank stays unsharded (pipelining / reshard_after_forward=False)"
+                else "every FSDP unit of the rank stays unsharded (pipelining / reshard_after_forward=False; "
+                "outside a pipeline an untied embedding is freed after forward)"
             )
         lines["activations"] = acts
         estimate.notes["activations"] = (
@@ -383,6 +386,16 @@ def estimate_peak(
             best = estimate
     assert best is not None
     return best
+
+
+def _always_resharded(model: nn.Module) -> set[str]:
+    """FQNs of the units `plan_fsdp_units` reshards after forward even when told not to (no pipeline)."""
+    from automodel_distributed.fsdp2 import plan_fsdp_units
+
+    try:
+        return {p.fqn for p in plan_fsdp_units(model, reshard_after_forward=False) if p.reshard_after_forward}
+    except ValueError:
+        return set()
 
 
 def _outer_units(model: nn.Module) -> list[tuple[int, str]]:
