@@ -129,10 +129,11 @@ EP_FAST_FAMILIES: tuple[str, ...] = (
 )
 """The MoE families of the default run's slice."""
 
-EP_FAST_LAYOUTS: tuple[str, ...] = ("ep2_lora",)
-"""The expert-parallel layouts of the default run's slice: one 2-rank launch through the public API
-(checkpoint load, experts on ``ep``, LoRA on attention and on the fused experts). The other expert-parallel
-layouts (the 4-rank ones, ep2 and ep2_ac) run over every MoE family in ``uvx nox -s models`` only; the
+EP_FAST_LAYOUTS: tuple[str, ...] = ("ep2", "ep2_lora")
+"""The expert-parallel layouts of the default run's slice: 2-rank launches through the public API
+(checkpoint load into a meta model, experts on ``ep`` and out of FSDP, full fine-tuning, and LoRA on
+attention and on the fused experts). The other expert-parallel layouts (the 4-rank ones and ep2_ac) run
+over every MoE family in ``uvx nox -s models`` only; the
 default run also covers ep 2, ep 4, ep 2 x ep_shard 2, activation checkpointing and the EP x TP placement
 in ``packages/automodel-moe/tests/distributed/test_moe_ep.py``."""
 

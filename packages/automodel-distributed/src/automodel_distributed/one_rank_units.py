@@ -22,6 +22,7 @@ between micro-batches) FSDP accumulates in ``reduce_dtype``, autograd here in th
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -91,14 +92,16 @@ def install_one_rank_unit(
         if gradient_divide_factor is not None and gradient_divide_factor != 1
         else None
     )
-    divided: set[int] = set()
+    # Weak: materialising a meta model or moving it may replace the parameters (a new one can reuse a
+    # freed one's id), and each replacement needs its own hook.
+    divided: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     def register() -> None:
         assert divide is not None, "only called with a divide factor"
         for param in module.parameters():
-            if param.requires_grad and id(param) not in divided:
+            if param.requires_grad and divided.get(id(param)) is not param:
                 param.register_hook(divide)
-                divided.add(id(param))
+                divided[id(param)] = param
 
     # Registering hooks is nothing to trace into a compiled block.
     hook_trainable: Callable[[], None] = torch.compiler.disable(register)
