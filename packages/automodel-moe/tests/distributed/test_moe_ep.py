@@ -165,7 +165,7 @@ def _one_rank_experts_as_fsdp(family: str) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from automodel_distributed import FSDP2Config, FSDP2Manager
-    from automodel_distributed.fsdp2 import ExpertSharding
+    from automodel_distributed.fsdp2 import ExpertParallelism, ExpertSharding
     from automodel_moe import ExpertParallel, find_experts
 
     config = FSDP2Config()  # bf16 parameters and outputs, fp32 reduction, inputs cast
@@ -189,10 +189,11 @@ def _one_rank_experts_as_fsdp(family: str) -> dict[str, Any]:
                 unit.module.set_gradient_divide_factor(unit.gradient_divide_factor)
             return replace(sharding, units=())
 
-    models = {}
-    for name, step in (("ours", ExpertParallel()), ("fsdp", FSDPExperts())):
-        model = _build(family).to(torch.bfloat16)
-        models[name] = FSDP2Manager(config, mesh=ctx).with_experts(step).parallelize(model)  # type: ignore[arg-type]
+    steps: dict[str, ExpertParallelism] = {"ours": ExpertParallel(), "fsdp": FSDPExperts()}
+    models = {
+        name: FSDP2Manager(config, mesh=ctx).with_experts(step).parallelize(_build(family).to(torch.bfloat16))
+        for name, step in steps.items()
+    }
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = make_batch(128, BATCH, SEQ, seed=3)
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)

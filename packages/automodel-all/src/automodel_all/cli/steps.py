@@ -50,13 +50,15 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+def _by_mesh(params: list[nn.Parameter]) -> list[tuple[list[nn.Parameter], list[torch.Tensor]]]:
     # DTensor ops take operands of one mesh: experts kept out of FSDP live on ``ep``, the rest on the
     # data-parallel (and tp) meshes. Plain gradients form a group of their own.
-    groups: dict[Any, list[nn.Parameter]] = {}
+    groups: dict[Any, tuple[list[nn.Parameter], list[torch.Tensor]]] = {}
     for param in params:
         if param.grad is not None:
-            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+            group = groups.setdefault(getattr(param.grad, "device_mesh", None), ([], []))
+            group[0].append(param)
+            group[1].append(param.grad)
     return list(groups.values())
 
 
@@ -68,10 +70,10 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float | None, pp_group:
     group. ``max_norm=None`` only measures. Collective over the gradients' meshes (and ``pp_group``).
     """
     groups = _by_mesh(params)
-    device = groups[0][0].grad.device if groups else torch.device("cpu")  # type: ignore[union-attr]
+    device = groups[0][1][0].device if groups else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
-    for group in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], 2.0)
+    for _, grads in groups:
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         square = square + norm.float().to(device).square()
@@ -79,7 +81,7 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float | None, pp_group:
         dist.all_reduce(square, group=pp_group)
     norm = square.sqrt()
     if max_norm is not None and bool(torch.isfinite(norm)):
-        for group in groups:
+        for group, _ in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return float(norm)
 
