@@ -59,6 +59,10 @@ MODEL = {
     "vocab_size": 512,  # a small LM head keeps the last stage close to the others
     "max_position_embeddings": 256,
 }
+# The same layers under a Llama-3-8B-like LM head: 2.4 layers of matmul work (6800 x 256 against a
+# layer's 724,992 elements), the case `balance_stages` is for.
+HEAVY_HEAD_MODEL = {**MODEL, "vocab_size": 6800}
+BALANCE_STEPS = 8  # timed steps of each split: a 2-3% difference needs more than the schedules' 3-5
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -170,6 +174,37 @@ def measure(microbatches: int, seq_len: int, steps: int, warmup: int) -> dict[st
             "stage_ids": list(pipe.stage_ids),
             "steps": steps_out,
         }
+    out["balance"] = _measure_balance(ctx, microbatches, seq_len, BALANCE_STEPS, warmup)
+    return out
+
+
+def _measure_balance(ctx: Any, microbatches: int, seq_len: int, steps: int, warmup: int) -> dict[str, Any]:
+    """1F1B on the heavy-head model with the layers split evenly and by cost: steps and layers per rank."""
+    from automodel_pipelining import AutoPipeline, PipelineConfig
+
+    batch = make_batch(HEAVY_HEAD_MODEL["vocab_size"], microbatches, seq_len, seed=1)
+    out: dict[str, Any] = {}
+    # Alternate the two splits step by step so that a slow spell of the host weighs on both alike.
+    pipes = {}
+    for balance in (False, True):
+        config = PipelineConfig(
+            pp_schedule="1f1b", pp_batch_size=microbatches, pp_microbatch_size=1, balance_stages=balance
+        )
+        pipes[balance] = AutoPipeline.from_config(config, ctx).build(
+            build_tiny_model("llama", seed=0, **HEAVY_HEAD_MODEL), loss_fn=causal_lm_loss
+        )
+        layers = {n.split(".")[2] for n, _ in pipes[balance].parts[0].named_parameters() if ".layers." in n}
+        out[balance] = {"layers": len(layers), "steps": []}
+    for step in range(warmup + steps):
+        for balance, pipe in pipes.items():
+            dist.barrier()
+            start = time.perf_counter()
+            pipe.step(batch["input_ids"], target=batch["labels"], position_ids=batch["position_ids"])
+            end = time.perf_counter()
+            for part in pipe.parts:
+                part.zero_grad(set_to_none=True)
+            if step >= warmup:
+                out[balance]["steps"].append((start, end))
     return out
 
 
@@ -218,12 +253,37 @@ def _replay(
     return [makespan - b for b in busy]
 
 
-def summarize(pp: int, microbatches: int, seq_len: int, steps: int, warmup: int) -> list[dict[str, Any]]:
-    """Launch `measure` on ``pp`` ranks; per schedule: theory, measured idle and its parts, replays.
+def summarize(pp: int, microbatches: int, seq_len: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Launch `measure` on ``pp`` ranks and analyse it.
 
-    Times are per step (seconds), the mean over the timed steps; per-rank lists are in rank order.
+    Returns:
+        ``{"schedules": analyze(...), "balance": analyze_balance(...)}``: per schedule, theory, measured
+        idle and its parts and the replays; and the heavy-head model's step split evenly and by cost.
+        Times are per step (seconds), the mean over the timed steps; per-rank lists are in rank order.
     """
-    return analyze(launch(measure, pp, microbatches, seq_len, steps, warmup, timeout_s=1200), microbatches)
+    per_rank = launch(measure, pp, microbatches, seq_len, steps, warmup, timeout_s=1200)
+    return {"schedules": analyze(per_rank, microbatches), "balance": analyze_balance(per_rank)}
+
+
+def analyze_balance(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The heavy-head model's 1F1B step, layers split evenly and by cost (`PipelineConfig.balance_stages`).
+
+    A step's time is the pipeline's: from the earliest rank's start to the last rank's end.
+
+    Returns:
+        ``layers_even`` / ``layers_balanced``: decoder layers per rank; ``step_even_s`` /
+        ``step_balanced_s``: median step time; ``ratio``: balanced / even.
+    """
+    out: dict[str, Any] = {}
+    for balance, name in ((False, "even"), (True, "balanced")):
+        ranks = [r["balance"][balance] for r in per_rank]
+        out[f"layers_{name}"] = [r["layers"] for r in ranks]
+        out[f"step_{name}_s"] = statistics.median(
+            max(end for _, end in per_step) - min(start for start, _ in per_step)
+            for per_step in zip(*(r["steps"] for r in ranks), strict=True)
+        )
+    out["ratio"] = out["step_balanced_s"] / out["step_even_s"]
+    return out
 
 
 def analyze(per_rank: list[dict[str, Any]], microbatches: int) -> list[dict[str, Any]]:
@@ -321,7 +381,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    rows = summarize(args.pp, args.microbatches, args.seq_len, args.steps, args.warmup)
+    result = summarize(args.pp, args.microbatches, args.seq_len, args.steps, args.warmup)
+    rows = result["schedules"]
     print(
         f"\nLlama h{MODEL['hidden_size']} x {MODEL['num_hidden_layers']} layers, seq {args.seq_len}, "
         f"p={args.pp} pipeline ranks, m={args.microbatches} microbatches of 1, {args.steps} timed steps; "
@@ -350,6 +411,13 @@ def main() -> None:
     for row in rows:
         ops = ", ".join(f"{name} {t * 1e3:.1f}" for name, t in row["op_s"].items())
         print(f"  {row['schedule']} op times (ms, median): {ops}")
+    balance = result["balance"]
+    print(
+        f"1F1B with a {HEAVY_HEAD_MODEL['vocab_size']}-token head (2.4 layers of work): layers per rank "
+        f"{balance['layers_even']} -> {balance['layers_balanced']} with balance_stages, step "
+        f"{balance['step_even_s'] * 1e3:.0f} -> {balance['step_balanced_s'] * 1e3:.0f} ms "
+        f"({balance['ratio']:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -278,7 +278,7 @@ def section_schedules() -> list[Row]:
     section = "pipeline and experts"
     rows = []
     bubble = bench_pipeline_bubble.summarize(pp=2, microbatches=8, seq_len=128, steps=3, warmup=1)
-    for row in bubble:
+    for row in bubble["schedules"]:
 
         def ms(key: str, row: dict = row) -> str:
             return "/".join(f"{value * 1e3:.0f}" for value in row[key])
@@ -299,6 +299,21 @@ def section_schedules() -> list[Row]:
                 f"step {row['step_s']:.2f} s",
             )
         )
+    balance = bubble["balance"]
+    heavy = bench_pipeline_bubble.HEAVY_HEAD_MODEL
+    rows.append(
+        Row(
+            section=section,
+            name=f"1F1B step (p 2, m 8) with a {heavy['vocab_size']}-token LM head (2.4 layers of work): "
+            "layers split by cost (`balance_stages`) vs evenly",
+            ours=balance["step_balanced_s"] * 1e3,
+            baseline=balance["step_even_s"] * 1e3,
+            unit="ms",
+            notes=f"{heavy['num_hidden_layers']} layers per rank {balance['layers_even']} (even) vs "
+            f"{balance['layers_balanced']} (by cost); the two pipelines' steps alternate, median of "
+            f"{bench_pipeline_bubble.BALANCE_STEPS}",
+        )
+    )
     moe = bench_moe_ep.measure()
     what = "Qwen3-30B-A3B widths, 2 layers, 32 experts top 2: ep 4 vs replicated experts (FSDP2), 4 ranks"
     rows.append(

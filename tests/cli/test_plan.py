@@ -262,3 +262,30 @@ def test_expert_parallel_units_stay_gathered_as_the_moe_config_says(tmp_path: Pa
     # The strategy's own setting wins over the MoE config's.
     strategy = estimate("--set", "distributed.reshard_after_forward=true")
     assert strategy.lines["gathered units"] == resharded.lines["gathered units"]
+
+
+def test_a_balanced_pipeline_split_is_planned_as_autopipeline_splits(tmp_path: Path) -> None:
+    """``pipeline.balance_stages``: the planner places the layers as `AutoPipeline` does. A 4096-token
+    vocabulary makes the LM head 7 layers of matmul work, so the first stage takes 5 of 6 layers and,
+    with the embedding table (a lookup, no matmul work), the most parameters."""
+    from automodel_all.cli.plan import plan_report
+    from automodel_testing.tiny import derive_tiny_config
+
+    config = derive_tiny_config("llama")
+    config.vocab_size, config.num_hidden_layers = 4096, 6
+    config.save_pretrained(tmp_path / "llama")
+
+    def report(*argv: str) -> dict:
+        args = build_parser().parse_args(
+            ["plan", "--model", str(tmp_path / "llama"), "--world-size", "2", "--pp", "2", *argv]
+        )
+        return plan_report(job_from_args(args), world_size=2)
+
+    even = report()
+    balanced = report("--set", "pipeline.balance_stages=true")
+    model = even["model"]
+    size = lambda module: sum(p.numel() * p.element_size() for p in module.parameters())  # noqa: E731
+    embed, block = size(model.model.embed_tokens), size(model.model.layers[0])
+    head = size(model.lm_head) + size(model.model.norm)
+    assert even["estimate"].lines["parameters"] == max(embed, head) + 3 * block
+    assert balanced["estimate"].lines["parameters"] == embed + 5 * block

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from automodel_mesh import MeshContext
 from automodel_pipelining.config import PipelineConfig
+from automodel_pipelining.costs import read_stage_costs
 from automodel_pipelining.debug import count_params, pretty_print_stages
 from automodel_pipelining.layout import DecoderLayout, resolve_decoder_layout
 from automodel_pipelining.schedules import (
@@ -94,9 +95,9 @@ class AutoPipeline:
         dtype: Overrides ``PipelineConfig.dtype`` (activation dtype for static shapes).
         **PipelineConfig fields: ``pp_schedule``, ``pp_schedule_csv``, ``pp_microbatch_size``,
             ``pp_batch_size``, ``layers_per_stage``, ``round_virtual_stages_to_pp_multiple``,
-            ``module_fqns_per_model_part``, ``patch_inner_model``, ``patch_causal_lm_model``,
-            ``patch_stage_backward_maybe_with_nosync``, ``scale_grads_in_schedule``, ``loss_fn``,
-            ``pp_seq_len``; see `PipelineConfig`.
+            ``module_fqns_per_model_part``, ``balance_stages``, ``patch_inner_model``,
+            ``patch_causal_lm_model``, ``patch_stage_backward_maybe_with_nosync``,
+            ``scale_grads_in_schedule``, ``loss_fn``, ``pp_seq_len``; see `PipelineConfig`.
 
     Raises:
         ValueError: No mesh, a mesh without the pipeline axis, an invalid config field, a CSV schedule whose
@@ -123,6 +124,7 @@ class AutoPipeline:
         layers_per_stage: int | None = None,
         round_virtual_stages_to_pp_multiple: Literal["up", "down"] | None = None,
         module_fqns_per_model_part: Sequence[Sequence[str]] | None = None,
+        balance_stages: bool = False,
         patch_inner_model: bool = True,
         patch_causal_lm_model: bool = True,
         patch_stage_backward_maybe_with_nosync: bool = False,
@@ -143,6 +145,7 @@ class AutoPipeline:
             layers_per_stage=layers_per_stage,
             round_virtual_stages_to_pp_multiple=round_virtual_stages_to_pp_multiple,
             module_fqns_per_model_part=module_fqns_per_model_part,
+            balance_stages=balance_stages,
             patch_inner_model=patch_inner_model,
             patch_causal_lm_model=patch_causal_lm_model,
             patch_stage_backward_maybe_with_nosync=patch_stage_backward_maybe_with_nosync,
@@ -371,7 +374,10 @@ class AutoPipeline:
                 layers_per_stage=self.config.layers_per_stage,
                 round_to_pp_multiple=self.config.round_virtual_stages_to_pp_multiple,
             )
-        return generate_stage_fqns(layout, num_stages)
+        counts = None
+        if self.config.balance_stages:
+            counts = read_stage_costs(model, layout).layer_counts(num_stages)
+        return generate_stage_fqns(layout, num_stages, counts)
 
     def _local_stage_ids(self, num_stages: int) -> tuple[int, ...]:
         if self.csv is not None:

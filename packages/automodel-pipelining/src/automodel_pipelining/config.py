@@ -113,6 +113,13 @@ class PipelineConfig(ConfigDict):
     pp_seq_len: int | None = None
     """Sequence length for static stage shapes (no shape exchange on the first step); ``None`` infers
     shapes from the first batch. Change it later with `AutoPipeline.update_seq_len`."""
+    balance_stages: bool = False
+    """Spread the decoder layers so the stages' compute is even rather than their layer counts
+    (automodel's own field): the LM head and the other modules of the first and last stages count as
+    the fraction of a layer their matrix parameters are (`automodel_pipelining.costs`), and the split
+    makes the most expensive stage as cheap as it can be (`split_layers_by_cost`); with a large
+    vocabulary the last stage gets fewer layers. ``False`` (NeMo AutoModel's split): the same number of
+    layers per stage, the remainder on the early stages. Ignored with ``module_fqns_per_model_part``."""
 
     def __post_init__(self) -> None:
         if self.pp_schedule is None and self.pp_schedule_csv is None:
@@ -153,6 +160,7 @@ class PipelineConfig(ConfigDict):
             "patch_causal_lm_model",
             "patch_stage_backward_maybe_with_nosync",
             "scale_grads_in_schedule",
+            "balance_stages",
         )
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"PipelineConfig.dtype must be a torch.dtype or None, got {self.dtype!r}")

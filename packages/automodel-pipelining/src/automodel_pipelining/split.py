@@ -2,6 +2,8 @@
 
 - `calculate_virtual_stages`: the stage count from ``layers_per_stage``, its rounding and the schedule.
 - `split_layers_evenly`: layer counts per stage, the remainder going to the early stages.
+- `split_layers_by_cost`: layer counts per stage that make the most expensive stage as cheap as it can
+  be, given each layer's cost and the cost of the first and last stages' other modules.
 - `generate_stage_fqns`: the default split of a `DecoderLayout` (embeddings and first-stage extras on
   stage 0, final norm and LM head on the last stage, shared parameter-free modules on every stage).
 - `check_stage_fqns`: validation of an explicit ``module_fqns_per_model_part``.
@@ -16,7 +18,13 @@ from typing import Literal
 from automodel_pipelining.layout import DecoderLayout
 from automodel_pipelining.schedules import ScheduleSpec
 
-__all__ = ["calculate_virtual_stages", "check_stage_fqns", "generate_stage_fqns", "split_layers_evenly"]
+__all__ = [
+    "calculate_virtual_stages",
+    "check_stage_fqns",
+    "generate_stage_fqns",
+    "split_layers_by_cost",
+    "split_layers_evenly",
+]
 
 
 def split_layers_evenly(num_layers: int, num_stages: int) -> list[int]:
@@ -25,6 +33,87 @@ def split_layers_evenly(num_layers: int, num_stages: int) -> list[int]:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def split_layers_by_cost(
+    layer_costs: Sequence[float],
+    num_stages: int,
+    *,
+    first_cost: float = 0.0,
+    last_cost: float = 0.0,
+) -> list[int]:
+    """Layers per stage, in order, so that the most expensive stage costs as little as possible.
+
+    A stage's cost is the sum of its layers' costs, plus ``first_cost`` on the first stage (embeddings
+    and what runs before the layers) and ``last_cost`` on the last (final norm, LM head). A pipeline
+    runs at the pace of its slowest stage, so the split first makes the largest stage cost as small as
+    it can be; among the splits that reach it, the one whose stage costs are closest to each other (the
+    least sum of squares), and among those the one with the most layers on the early stages. With equal
+    layer costs and no extra cost this is `split_layers_evenly`. Every stage gets at least one layer.
+
+    Args:
+        layer_costs: Cost of each decoder layer, in forward order (any unit, the same for all three).
+        num_stages: Number of stages, at most ``len(layer_costs)``.
+        first_cost: Cost of the first stage's modules besides its layers.
+        last_cost: Cost of the last stage's modules besides its layers.
+
+    Raises:
+        ValueError: ``num_stages`` below 1 or above the number of layers, or a negative cost.
+    """
+    n = len(layer_costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"num_stages must be between 1 and the number of layers ({n}), got {num_stages}")
+    if min((*layer_costs, first_cost, last_cost)) < 0:
+        raise ValueError("layer_costs, first_cost and last_cost must not be negative")
+    prefix = [0.0]
+    for cost in layer_costs:
+        prefix.append(prefix[-1] + cost)
+
+    def cost_of(stage: int, start: int, end: int) -> float:  # layers [start, end) on this stage
+        extra = (first_cost if stage == 0 else 0.0) + (last_cost if stage == num_stages - 1 else 0.0)
+        return prefix[end] - prefix[start] + extra
+
+    def ends(stage: int, start: int) -> range:  # where this stage can end, leaving a layer per later one
+        return range(start + 1, n - (num_stages - stage - 1) + 1)
+
+    # Dynamic programs over (stage, first layer of the stage) for the stages from there on: the least
+    # largest cost, then the least sum of squares with no stage above the overall least largest cost.
+    inf = math.inf
+    largest = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    largest[num_stages][n] = 0.0
+    for stage in range(num_stages - 1, -1, -1):
+        for start in range(stage, n - (num_stages - stage) + 1):
+            largest[stage][start] = min(
+                max(cost_of(stage, start, end), largest[stage + 1][end]) for end in ends(stage, start)
+            )
+    limit = largest[0][0] * (1 + 1e-9)  # sums in a different order differ in the last bits
+    squares = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    squares[num_stages][n] = 0.0
+    for stage in range(num_stages - 1, -1, -1):
+        for start in range(stage, n - (num_stages - stage) + 1):
+            squares[stage][start] = min(
+                (
+                    cost_of(stage, start, end) ** 2 + squares[stage + 1][end]
+                    for end in ends(stage, start)
+                    if cost_of(stage, start, end) <= limit
+                ),
+                default=inf,
+            )
+    counts: list[int] = []
+    start = 0
+    for stage in range(num_stages):
+        target = squares[stage][start]
+        tolerance = 1e-9 * max(target, 1.0)
+        end = max(
+            end
+            for end in ends(stage, start)
+            if cost_of(stage, start, end) <= limit
+            and cost_of(stage, start, end) ** 2 + squares[stage + 1][end] <= target + tolerance
+        )
+        counts.append(end - start)
+        start = end
+    assert sum(counts) == n, counts
+    return counts
 
 
 def calculate_virtual_stages(
@@ -93,22 +182,33 @@ def calculate_virtual_stages(
     return num_stages
 
 
-def generate_stage_fqns(layout: DecoderLayout, num_stages: int) -> list[list[str]]:
+def generate_stage_fqns(
+    layout: DecoderLayout, num_stages: int, layer_counts: Sequence[int] | None = None
+) -> list[list[str]]:
     """The default split: module FQNs per stage, in stage order.
 
     Stage 0 gets the input embedding and the extras the model runs before its layers, the last stage the
     final norm, the extras run after the layers and the LM head, every stage the shared parameter-free
-    modules (rotary embeddings), and the layers are spread with `split_layers_evenly`.
+    modules (rotary embeddings), and the layers are spread with `split_layers_evenly`, or as
+    ``layer_counts`` says (e.g. from `split_layers_by_cost`).
 
     Raises:
-        ValueError: The layout has modules whose stage is unknown (`DecoderLayout.unplaced`).
+        ValueError: The layout has modules whose stage is unknown (`DecoderLayout.unplaced`), or
+            ``layer_counts`` does not give each of the ``num_stages`` stages at least one of the layers.
     """
     if layout.unplaced:
         raise ValueError(
             f"cannot split automatically: the pipeline stage of {list(layout.unplaced)} is unknown "
             f"({layout.unplaced_reason}). Split it explicitly with module_fqns_per_model_part"
         )
-    counts = split_layers_evenly(layout.num_layers, num_stages)
+    if layer_counts is None:
+        layer_counts = split_layers_evenly(layout.num_layers, num_stages)
+    counts = list(layer_counts)
+    if len(counts) != num_stages or sum(counts) != layout.num_layers or min(counts) < 1:
+        raise ValueError(
+            f"layer_counts {counts} must give each of the {num_stages} stages at least one layer, "
+            f"{layout.num_layers} layers in all"
+        )
     layers = layout.layer_fqns
     parts: list[list[str]] = []
     start = 0

@@ -50,6 +50,8 @@ class Case:
     layers_per_stage: int | None = None
     csv: bool = False
     pp_seq_len: int | None = None
+    balance_stages: bool = False
+    vocab: int | None = None  # vocab_size override (a heavier LM head)
     steps: int = 3
 
 
@@ -140,6 +142,8 @@ def _run_case(case: Case) -> Report:
     dp_rank = ctx.submesh("dp").get_local_rank() if dp_size > 1 else 0
     tp_rank = ctx.submesh("tp").get_local_rank() if ctx.tp_size > 1 else 0
     overrides = {"num_hidden_layers": case.layers}
+    if case.vocab is not None:
+        overrides["vocab_size"] = case.vocab
     reference = build_tiny_model(case.family, seed=0, **overrides)
     model = build_tiny_model(case.family, seed=0, **overrides)
     batch = make_batch(reference.config.vocab_size, case.batch * dp_size, SEQ, seed=1)
@@ -158,6 +162,7 @@ def _run_case(case: Case) -> Report:
         pp_seq_len=case.pp_seq_len,
         patch_stage_backward_maybe_with_nosync=case.patch_nosync,
         module_fqns_per_model_part=case.fqns,
+        balance_stages=case.balance_stages,
     )
     pipe = AutoPipeline.from_config(config, ctx, defer_fsdp_grad_sync=case.defer_fsdp_grad_sync)
     pipe.build(model, loss_fn=causal_lm_loss, parallelize_fn=_parallelize_fn(case, ctx))
@@ -334,6 +339,16 @@ def test_every_schedule_on_two_pipeline_ranks() -> None:
             "pp2 looped_bfs layers_per_stage=1", "llama", "looped_bfs", layers=4, batch=2, layers_per_stage=1
         ),
         Case("pp2 gpipe static pp_seq_len", "qwen2", "gpipe", layers=3, batch=2, pp_seq_len=SEQ),
+        # A 2048-token head is 3.6 layers of this model's matmul work: 5 layers, then 1 and the head.
+        Case(
+            "pp2 1f1b llama-6 balance_stages",
+            "llama",
+            "1f1b",
+            layers=6,
+            batch=2,
+            balance_stages=True,
+            vocab=2048,
+        ),
         Case(
             "pp2 1f1b llama-4 explicit uneven split",
             "llama",
@@ -355,6 +370,12 @@ def test_every_schedule_on_two_pipeline_ranks() -> None:
     ]
     results = run_distributed(run_cases, 2, cases, timeout_s=240)
     _check(results, cases)
+    balanced = next(i for i, c in enumerate(cases) if c.balance_stages)
+    layers_per_rank = [
+        len({n.split(".")[2] for n in rank[balanced].names if n.startswith("model.layers.")})
+        for rank in results
+    ]
+    assert layers_per_rank == [5, 1], layers_per_rank
 
 
 def test_every_schedule_on_four_ranks_and_pp_x_fsdp_x_tp() -> None:

@@ -109,16 +109,23 @@ def _layer_index(name: str) -> int | None:
     return None
 
 
-def _stage_blocks(num_layers: int, pp: int, stages: int) -> list[list[int]]:
-    """Blocks of each pipeline rank: layers spread over stages (remainder first), stages in loops."""
+def _stage_blocks(counts: list[int], pp: int) -> list[list[int]]:
+    """Blocks of each pipeline rank: ``counts[s]`` layers on stage ``s``, stages placed in loops."""
     owned: list[list[int]] = [[] for _ in range(pp)]
-    per, extra = divmod(num_layers, stages)
     layer = 0
-    for stage in range(stages):
-        for _ in range(per + (1 if stage < extra else 0)):
-            owned[stage % pp].append(layer)
-            layer += 1
+    for stage, count in enumerate(counts):
+        owned[stage % pp].extend(range(layer, layer + count))
+        layer += count
     return owned
+
+
+def _stage_layer_counts(model: nn.Module, num_layers: int, stages: int, balance: bool) -> list[int]:
+    """Layers per stage as `AutoPipeline` splits them (``balance``: `PipelineConfig.balance_stages`)."""
+    from automodel_pipelining import read_stage_costs, resolve_decoder_layout, split_layers_evenly
+
+    if balance and 1 <= stages <= num_layers:
+        return read_stage_costs(model, resolve_decoder_layout(model)).layer_counts(stages)
+    return split_layers_evenly(num_layers, stages)
 
 
 def _config_int(config: Any, *names: str, default: int = 0) -> int:
@@ -182,7 +189,8 @@ def estimate_peak(
     stages = pp
     if pipeline is not None:
         stages = pipeline_stage_count(pipeline, pp, num_layers) or pp
-    owned = _stage_blocks(num_layers, pp, max(stages, 1))
+    balance = pipeline is not None and pipeline.balance_stages
+    owned = _stage_blocks(_stage_layer_counts(model, num_layers, max(stages, 1), balance), pp)
     fsdp = job.strategy in ("fsdp2", "megatron_fsdp")
     dense_shard = layout.dp_shard * cp * tp if fsdp else 1
     expert_shard = layout.ep * layout.ep_shard * tp if layout.ep > 1 else dense_shard
