@@ -119,7 +119,7 @@ class PipelineConfig(ConfigDict):
     the fraction of a layer their matrix parameters are (`automodel_pipelining.costs`), and the split
     makes the most expensive stage as cheap as it can be (`split_layers_by_cost`); with a large
     vocabulary the last stage gets fewer layers. ``False`` (NeMo AutoModel's split): the same number of
-    layers per stage, the remainder on the early stages. Ignored with ``module_fqns_per_model_part``."""
+    layers per stage, the remainder on the early stages. Not together with ``module_fqns_per_model_part``."""
 
     def __post_init__(self) -> None:
         if self.pp_schedule is None and self.pp_schedule_csv is None:
@@ -162,6 +162,12 @@ class PipelineConfig(ConfigDict):
             "scale_grads_in_schedule",
             "balance_stages",
         )
+        if self.balance_stages and self.module_fqns_per_model_part is not None:
+            raise ValueError(
+                "PipelineConfig.balance_stages=True chooses the split, but module_fqns_per_model_part "
+                "gives one: set balance_stages=False to keep the explicit split, or drop "
+                "module_fqns_per_model_part"
+            )
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"PipelineConfig.dtype must be a torch.dtype or None, got {self.dtype!r}")
         if self.loss_fn is not None and not callable(self.loss_fn):

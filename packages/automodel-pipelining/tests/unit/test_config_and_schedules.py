@@ -87,6 +87,11 @@ def test_from_dict_names_unknown_keys() -> None:
         ({"module_fqns_per_model_part": [["a", ""]]}, "non-FQN entries"),
         ({"module_fqns_per_model_part": []}, "is empty"),
         ({"patch_inner_model": 1}, "patch_inner_model must be a bool"),
+        ({"balance_stages": "yes"}, "balance_stages must be a bool"),
+        (
+            {"balance_stages": True, "module_fqns_per_model_part": [["model.layers.0"]]},
+            "balance_stages=True chooses the split, but module_fqns_per_model_part gives one",
+        ),
         ({"scale_grads_in_schedule": "yes"}, "scale_grads_in_schedule must be a bool"),
         ({"dtype": "bf16"}, "dtype must be a torch.dtype"),
         ({"loss_fn": 3}, "loss_fn must be callable"),
