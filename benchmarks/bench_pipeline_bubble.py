@@ -160,12 +160,7 @@ def measure(microbatches: int, seq_len: int, steps: int, warmup: int) -> dict[st
         steps_out = []
         for step in range(warmup + steps):
             recorder.events.clear()
-            dist.barrier()
-            start = time.perf_counter()
-            pipe.step(batch["input_ids"], target=batch["labels"], position_ids=batch["position_ids"])
-            end = time.perf_counter()
-            for part in pipe.parts:
-                part.zero_grad(set_to_none=True)
+            start, end = _timed_step(pipe, batch)
             if step >= warmup:
                 steps_out.append({"start": start, "end": end, "events": list(recorder.events)})
         for fn in undo:
@@ -197,15 +192,21 @@ def _measure_balance(ctx: Any, microbatches: int, seq_len: int, steps: int, warm
         out[balance] = {"layers": len(layers), "steps": []}
     for step in range(warmup + steps):
         for balance, pipe in pipes.items():
-            dist.barrier()
-            start = time.perf_counter()
-            pipe.step(batch["input_ids"], target=batch["labels"], position_ids=batch["position_ids"])
-            end = time.perf_counter()
-            for part in pipe.parts:
-                part.zero_grad(set_to_none=True)
+            timed = _timed_step(pipe, batch)
             if step >= warmup:
-                out[balance]["steps"].append((start, end))
+                out[balance]["steps"].append(timed)
     return out
+
+
+def _timed_step(pipe: Any, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """One training step of ``pipe`` from a barrier; its start and end on the host's clock."""
+    dist.barrier()
+    start = time.perf_counter()
+    pipe.step(batch["input_ids"], target=batch["labels"], position_ids=batch["position_ids"])
+    end = time.perf_counter()
+    for part in pipe.parts:
+        part.zero_grad(set_to_none=True)
+    return start, end
 
 
 def _replay(
