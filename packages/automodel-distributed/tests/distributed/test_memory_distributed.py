@@ -87,6 +87,12 @@ def _fsdp_memory_steps() -> list[dict[str, Any]]:
                 "accumulated": accumulated,
                 "trainable_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                 "pool": sum(pool.nbytes for pool in host_buffer_pools(model)),
+                "kept": [
+                    (key[0], str(key[1]), len(kept))
+                    for pool in host_buffer_pools(model)
+                    for key, kept in pool._buffers.items()
+                    if kept
+                ],
                 "comm_buffers": comm,
                 "sharded_grads": sum(u // world for u in fp32),
                 "units": fp32,
@@ -101,7 +107,7 @@ def test_fsdp_planner_terms_match_the_real_buffers() -> None:
             units = result["units"]
             assert len(units) >= 4 and len(set(units)) < len(units), units  # the blocks share one size
             assert result["accumulated"] == [result["trainable_bytes"]] * 2, result
-            assert result["pool"] == result["comm_buffers"] + result["sharded_grads"], result
+            assert result["pool"] == result["comm_buffers"] + result["sharded_grads"], str(result)
 
 
 def _chunked_collectives() -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from pathlib import Path
 
@@ -149,6 +150,31 @@ def test_host_buffer_pool_reuses_only_buffers_nobody_uses() -> None:
     assert again.data_ptr() == address and again.shape == (6,)
     assert pool.nbytes == 2 * 6 * 4 + 6 * 2, "a freed buffer was kept twice"
     assert (pool.requests, pool.reused) == (4, 1)
+
+
+def test_host_buffer_pool_waits_for_a_buffer_another_thread_is_about_to_drop() -> None:
+    """As gloo's worker thread drops a finished collective's tensors just after ``wait()`` returns."""
+    import threading
+
+    from automodel_distributed.checkpoint.host_memory import HANDBACK_WAIT_S, HostBufferPool
+
+    cpu = torch.device("cpu")
+    pool = HostBufferPool(handback_wait_s=10.0)  # a bound no test machine reaches
+    held = [pool.allocate((6,), dtype=torch.float32, device=cpu)]
+    address = held[0].data_ptr()
+    dropper = threading.Timer(0.05, held.clear)
+    dropper.start()
+    again = pool.allocate((6,), dtype=torch.float32, device=cpu)
+    dropper.join()
+    assert again.data_ptr() == address and pool.nbytes == 6 * 4, "kept a second buffer instead of waiting"
+    # Held past the wait: a new buffer, after about the wait.
+    assert 0 < HANDBACK_WAIT_S <= 0.1
+    pool = HostBufferPool(handback_wait_s=0.05)
+    first = pool.allocate((6,), dtype=torch.float32, device=cpu)
+    start = time.monotonic()
+    second = pool.allocate((6,), dtype=torch.float32, device=cpu)
+    assert time.monotonic() - start >= 0.05
+    assert second.data_ptr() != first.data_ptr() and pool.nbytes == 2 * 6 * 4
 
 
 def test_host_buffer_pool_keeps_nothing_above_its_bound() -> None:
