@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from automodel_all.cli.main import build_parser, job_from_args, main
 from automodel_all.cli.plan import plan
@@ -217,7 +218,10 @@ def test_fsdp_buffers_and_accumulated_gradients_are_the_real_allocations() -> No
     # 8 rows per data-parallel rank in micro-batches of 4: two micro-batches, the reduce-scatter deferred.
     two = report("--global-batch-size", "16", "--micro-batch-size", "4")
     model, estimate = two["model"], two["estimate"]
-    size = lambda module: sum(p.numel() * p.element_size() for p in module.parameters())  # noqa: E731
+
+    def size(module: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
     embed, block, head = size(model.model.embed_tokens), size(model.model.layers[0]), size(model.lm_head)
     norm = size(model.model.norm)
     assert embed == head != block
@@ -284,7 +288,10 @@ def test_a_balanced_pipeline_split_is_planned_as_autopipeline_splits(tmp_path: P
     even = report()
     balanced = report("--set", "pipeline.balance_stages=true")
     model = even["model"]
-    size = lambda module: sum(p.numel() * p.element_size() for p in module.parameters())  # noqa: E731
+
+    def size(module: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
     embed, block = size(model.model.embed_tokens), size(model.model.layers[0])
     head = size(model.lm_head) + size(model.model.norm)
     assert even["estimate"].lines["parameters"] == max(embed, head) + 3 * block
