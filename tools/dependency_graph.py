@@ -61,22 +61,22 @@ def _node(requires: Iterable[str] = (), optional: Iterable[str] = (), *, publish
     return Node(frozenset(requires), frozenset(optional), published)
 
 
-_MESH, _DIST, _PP, _MOE = "automodel-mesh", "automodel-distributed", "automodel-pipelining", "automodel-moe"
+_MESH, _MODS = "automodel-mesh", "automodel-modules"
+_DIST, _PP, _MOE = "automodel-distributed", "automodel-pipelining", "automodel-moe"
 _QUANT, _PEFT, _INFRA = "automodel-quant", "automodel-peft", "automodel-infra"
 
 #: The allowed graph. Edges point one way; a sibling not named here may not be depended on or imported.
 ALLOWED_GRAPH: Mapping[str, Node] = {
-    _MESH: _node(),
-    _DIST: _node([_MESH]),
-    _PP: _node([_MESH]),  # gets a parallelize_fn from its caller; never imports automodel_distributed
+    _MESH: _node(),  # meshes, sizes, axis names (and the ConfigDict its sizes and every config share)
+    _MODS: _node(),  # module-tree tools: names across wrappers, lookups, the fake-tensor tracer
+    _DIST: _node([_MESH, _MODS]),
+    _PP: _node([_MESH, _MODS]),  # gets a parallelize_fn from its caller; never imports automodel_distributed
     _MOE: _node([_MESH, _DIST]),
-    # mesh is the root every package requires: besides meshes it holds the few helpers all share
-    # (automodel_mesh.modules: wrapper segments, adapter names, FQN lookup; automodel_mesh.config_dict).
-    _QUANT: _node([_MESH]),  # torchao (+ optional bitsandbytes); uses no mesh, only the shared helpers
-    _PEFT: _node([_MESH], optional=[_QUANT]),  # QLoRA through the [quant] extra
+    _QUANT: _node([_MESH, _MODS]),  # torchao (+ optional bitsandbytes); uses ConfigDict, no mesh
+    _PEFT: _node([_MESH, _MODS], optional=[_QUANT]),  # QLoRA through the [quant] extra
     _INFRA: _node([_MESH, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),
-    "automodel-all": _node([_MESH, _DIST, _PP, _MOE, _QUANT, _PEFT, _INFRA]),
-    "automodel-testing": _node([_MESH], published=False),
+    "automodel-all": _node([_MESH, _MODS, _DIST, _PP, _MOE, _QUANT, _PEFT, _INFRA]),
+    "automodel-testing": _node([_MESH, _MODS], published=False),
 }
 
 #: Modules that are slow to import or drag in native libraries: never imported by ``import <package>``,

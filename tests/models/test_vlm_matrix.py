@@ -441,7 +441,7 @@ def _checkpointed_scope(model: Any, scope: str) -> list[str]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from automodel_distributed.multimodal import model_parts
-    from automodel_mesh.modules import strip_wrapper_segments
+    from automodel_modules import strip_wrapper_segments
 
     parts = model_parts(model)
     real = [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]

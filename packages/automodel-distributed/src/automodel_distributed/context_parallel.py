@@ -66,7 +66,7 @@ from automodel_distributed.cp_document_attention import (
 )
 from automodel_distributed.layers import find_transformer_blocks
 from automodel_mesh import MeshAxisName, MeshContext
-from automodel_mesh.modules import find_hf_model, unwrap
+from automodel_modules import find_hf_model, unwrap
 
 __all__ = [
     "ATTENTION_MODULE_NAMES",
@@ -215,7 +215,7 @@ a slice of the sequence and only ``scaled_dot_product_attention`` (ring attentio
 def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
     """Refuse a model whose forward combines positions outside SDPA (a silent error under CP).
 
-    One forward of the transformers model on fake tensors (`automodel_mesh.dataflow`; no compute, no
+    One forward of the transformers model on fake tensors (`automodel_modules.dataflow`; no compute, no
     memory, meta models included) labels everything computed from the token embeddings and records the
     ops of `SEQUENCE_MIXING_OPS` that take such activations: state-space and linear-attention layers
     (scans, convolutions over time), attention computed by hand, sparse-attention indexers. Layer kinds
@@ -226,7 +226,7 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
         ValueError: The forward mixes positions outside SDPA, or it does not run on fake tensors (so
             that CP cannot be shown to be exact for it).
     """
-    from automodel_mesh.dataflow import DataFlow, fake_forward
+    from automodel_modules.dataflow import DataFlow, fake_forward
 
     _, hf = find_hf_model(unwrap(model))
     config = getattr(hf, "config", None)

@@ -59,7 +59,7 @@ from automodel_distributed.root_reshard import needs_no_weight_in_backward, resh
 from automodel_distributed.strategy import StrategyDefaults, nothing_is_sharded
 from automodel_distributed.tied_embedding import accumulate_tied_embedding_rows
 from automodel_mesh import MeshAxisName, MeshContext, MeshKind
-from automodel_mesh.modules import fqn_of
+from automodel_modules import fqn_of
 
 __all__ = [
     "ExpertParallelism",

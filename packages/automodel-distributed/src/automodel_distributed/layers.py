@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from torch import nn
 
 from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, ModelParts, model_parts
-from automodel_mesh.modules import strip_wrapper_segments, unwrap
+from automodel_modules import strip_wrapper_segments, unwrap
 
 __all__ = [
     "FALLBACK_BLOCK_CONTAINERS",

@@ -13,7 +13,7 @@ from automodel_distributed.checkpoint.keys import (
     checkpoint_key,
     collect_tensor_slots,
 )
-from automodel_mesh.modules import ADAPTER_SEGMENTS, is_adapter_fqn
+from automodel_modules import ADAPTER_SEGMENTS, is_adapter_fqn
 from automodel_testing import build_tiny_model
 
 
@@ -38,7 +38,7 @@ def test_checkpoint_key(fqn: str, key: str) -> None:
 
 def test_adapter_keys_follow_the_one_adapter_rule_and_custom_rules() -> None:
     # Which parameters are adapters is one rule for every package: the segments peft's LoRA layers
-    # declare (automodel_mesh.modules; automodel-peft's tests check it against peft).
+    # declare (automodel_modules; automodel-peft's tests check it against peft).
     assert is_adapter_fqn("base_model.model.x.q_proj.lora_A.default.weight")
     assert is_adapter_fqn("x.embed.lora_embedding_B.default")
     assert not is_adapter_fqn("model.layers.0.self_attn.q_proj.weight")

@@ -1,12 +1,12 @@
 """Parameter and module names of adapted models: wrapper segments, adapter detection, HF checkpoint keys.
 
-The rules themselves (`ADAPTER_SEGMENTS`, the wrapper segments) live in ``automodel_mesh.modules``, the
+The rules themselves (`ADAPTER_SEGMENTS`, the wrapper segments) live in ``automodel_modules``, the
 one home every package reads them from.
 """
 
 from __future__ import annotations
 
-from automodel_mesh.modules import ADAPTER_SEGMENTS, is_adapter_fqn, strip_wrapper_segments
+from automodel_modules import ADAPTER_SEGMENTS, is_adapter_fqn, strip_wrapper_segments
 
 __all__ = ["ADAPTER_SEGMENTS", "clean_fqn", "hf_checkpoint_key", "is_adapter_name"]
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from automodel_mesh.modules import is_conv1d, is_dtensor
+from automodel_modules import is_conv1d, is_dtensor
 from automodel_peft._layers import lora_layers
 from automodel_peft._names import clean_fqn, hf_checkpoint_key, is_adapter_name
 from automodel_peft.config import PeftConfig

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel_mesh.modules import find_hf_model, is_dtensor, unwrap
+from automodel_modules import find_hf_model, is_dtensor, unwrap
 from automodel_peft._names import ADAPTER_SEGMENTS, clean_fqn, hf_checkpoint_key, is_adapter_name
 from automodel_peft.apply import ADAPTER_STATE_ATTR, AdapterState
 from automodel_peft.matching import is_causal_lm

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from automodel_mesh.modules import is_conv1d, maps_like_linear, output_head_fqns
+from automodel_modules import is_conv1d, maps_like_linear, output_head_fqns
 from automodel_peft._names import clean_fqn, is_adapter_name
 from automodel_peft.config import PeftConfig
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from automodel_mesh.modules import is_dtensor
+from automodel_modules import is_dtensor
 from automodel_peft._layers import lora_layers
 from automodel_peft.apply import ADAPTER_STATE_ATTR
 

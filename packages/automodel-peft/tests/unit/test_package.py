@@ -30,9 +30,9 @@ def test_import_and_config_do_not_import_peft_or_quant() -> None:
 
 
 def test_the_one_adapter_rule_is_what_peft_declares() -> None:
-    """``automodel_mesh.modules.ADAPTER_SEGMENTS`` (read by every package) is peft's own declaration."""
+    """``automodel_modules.ADAPTER_SEGMENTS`` (read by every package) is peft's own declaration."""
     from peft.tuners.lora.layer import LoraLayer
 
-    from automodel_mesh.modules import ADAPTER_SEGMENTS
+    from automodel_modules import ADAPTER_SEGMENTS
 
     assert set(ADAPTER_SEGMENTS) == set(LoraLayer.adapter_layer_names)

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from automodel_mesh.modules import find_hf_model, fqn_of, join_fqn
+from automodel_modules import find_hf_model, fqn_of, join_fqn
 from automodel_pipelining.probe import LAYERS_MARK, ForwardProbe, probe_forward
 
 __all__ = [

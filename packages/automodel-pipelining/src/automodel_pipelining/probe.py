@@ -14,7 +14,7 @@ compute, no memory, meta-device models included):
   ids and recomputes the other inputs from a discarded zero embedding, so they must not carry
   information).
 
-Data flow is traced with `automodel_mesh.dataflow.DataFlow`, labelling tensors by what they were
+Data flow is traced with `automodel_modules.dataflow.DataFlow`, labelling tensors by what they were
 computed from: the token ids, the embedding's output, and each layer's output, which starts a new link
 of the chain (its labels are reset to that layer alone). The forward first runs with the real layers; models
 whose layers cannot run on fake tensors (data-dependent expert routing) run again with pass-through
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from automodel_mesh.dataflow import DataFlow, fake_forward
+from automodel_modules.dataflow import DataFlow, fake_forward
 
 __all__ = ["ForwardProbe", "probe_forward"]
 

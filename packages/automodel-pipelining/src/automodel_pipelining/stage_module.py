@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel_mesh.modules import is_dtensor
+from automodel_modules import is_dtensor
 from automodel_pipelining.layout import DecoderLayout
 
 __all__ = ["StageForwardSpec", "build_stage_module"]

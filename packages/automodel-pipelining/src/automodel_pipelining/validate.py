@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from automodel_mesh.modules import find_hf_model
+from automodel_modules import find_hf_model
 
 __all__ = ["MULTIMODAL_CONFIG_FIELDS", "validate_hf_model_for_pipeline_support"]
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 from torch import nn
 
-from automodel_mesh.modules import is_adapter_fqn, output_head_fqns, strip_wrapper_segments
+from automodel_modules import is_adapter_fqn, output_head_fqns, strip_wrapper_segments
 
 __all__ = [
     "clean_fqn",

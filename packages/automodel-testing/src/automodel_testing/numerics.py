@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel_mesh.modules import is_dtensor, strip_wrapper_segments
+from automodel_modules import is_dtensor, strip_wrapper_segments
 
 __all__ = [
     "assert_grads_close",

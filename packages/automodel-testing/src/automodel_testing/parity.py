@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from automodel_mesh.modules import is_dtensor
+from automodel_modules import is_dtensor
 from automodel_testing.models import build_tiny_model, make_batch
 from automodel_testing.numerics import normalize_fqn, to_full
 

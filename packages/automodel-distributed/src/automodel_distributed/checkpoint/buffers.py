@@ -28,7 +28,7 @@ from torch import nn
 
 from automodel_distributed.checkpoint.convert import built_class
 from automodel_distributed.checkpoint.keys import DEFAULT_KEY_RULES, KeyRules, checkpoint_key
-from automodel_mesh.modules import find_hf_model, unwrap
+from automodel_modules import find_hf_model, unwrap
 
 __all__ = [
     "BufferInitializer",

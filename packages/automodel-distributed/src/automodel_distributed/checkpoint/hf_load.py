@@ -65,7 +65,7 @@ from automodel_distributed.checkpoint.materialize import (
 )
 from automodel_distributed.checkpoint.reader import CheckpointReader, open_checkpoint
 from automodel_distributed.checkpoint.slices import Box, tensor_boxes
-from automodel_mesh.modules import is_dtensor
+from automodel_modules import is_dtensor
 
 __all__ = [
     "CheckpointMismatchError",

@@ -33,7 +33,7 @@ from automodel_distributed.checkpoint.keys import (
 )
 from automodel_distributed.checkpoint.materialize import _hf_model
 from automodel_distributed.checkpoint.safetensors_io import SafetensorsStreamWriter
-from automodel_mesh.modules import is_dtensor
+from automodel_modules import is_dtensor
 
 __all__ = ["parse_size", "plan_shards", "save_hf_checkpoint"]
 

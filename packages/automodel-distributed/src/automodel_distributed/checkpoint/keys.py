@@ -4,7 +4,7 @@ Wrappers change parameter names without changing the weights: activation checkpo
 ``_checkpoint_wrapped_module.``, ``torch.compile`` ``_orig_mod.``, DDP a leading ``module.``, peft a
 leading ``base_model.model.`` and a ``.base_layer`` segment inside each adapted layer. `KeyRules`
 holds those rewrites as data (`DEFAULT_KEY_RULES`); extend them by building another `KeyRules`.
-Adapter parameters (inside the sub-modules of ``automodel_mesh.modules.ADAPTER_SEGMENTS``, the one
+Adapter parameters (inside the sub-modules of ``automodel_modules.ADAPTER_SEGMENTS``, the one
 adapter rule every package uses) are not part of a base checkpoint.
 
 Checkpoint-side renames (legacy key names, a saved base model without its head prefix) are regex
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from automodel_mesh.modules import WRAPPER_SEGMENTS, is_adapter_fqn
+from automodel_modules import WRAPPER_SEGMENTS, is_adapter_fqn
 
 __all__ = [
     "DEFAULT_KEY_RULES",

@@ -36,7 +36,7 @@ from automodel_distributed.checkpoint.keys import (
     TensorSlot,
     collect_tensor_slots,
 )
-from automodel_mesh.modules import find_hf_model, is_adapter_fqn, is_dtensor, unwrap
+from automodel_modules import find_hf_model, is_adapter_fqn, is_dtensor, unwrap
 
 __all__ = [
     "initialize_model_weights",
@@ -305,7 +305,7 @@ def _init_buffers_as_built(model: nn.Module, pending: list[TensorSlot]) -> list[
 
 
 def adapter_slots(model: nn.Module, rules: KeyRules = DEFAULT_KEY_RULES) -> list[TensorSlot]:
-    """The LoRA adapter tensors of ``model`` (``automodel_mesh.modules.is_adapter_fqn``)."""
+    """The LoRA adapter tensors of ``model`` (``automodel_modules.is_adapter_fqn``)."""
     return [
         slot
         for slot in collect_tensor_slots(model, rules, include_adapters=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from automodel_mesh.modules import is_dtensor
+from automodel_modules import is_dtensor
 
 __all__ = [
     "Box",

@@ -11,7 +11,7 @@ from fnmatch import fnmatch
 
 from torch import nn
 
-from automodel_mesh.modules import join_fqn
+from automodel_modules import join_fqn
 
 __all__ = ["match_modules"]
 

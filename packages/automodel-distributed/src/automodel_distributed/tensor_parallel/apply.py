@@ -29,7 +29,7 @@ from automodel_distributed.tensor_parallel.validate import (
     modules_by_style,
     validate_tensor_parallel,
 )
-from automodel_mesh.modules import find_hf_model, fqn_of, is_conv1d, join_fqn
+from automodel_modules import find_hf_model, fqn_of, is_conv1d, join_fqn
 
 __all__ = ["apply_tensor_parallel"]
 

@@ -34,7 +34,7 @@ from automodel_distributed.tensor_parallel.styles import (
     hf_style_is_skipped,
     parallel_style,
 )
-from automodel_mesh.modules import join_fqn
+from automodel_modules import join_fqn
 
 __all__ = [
     "call_or_none",

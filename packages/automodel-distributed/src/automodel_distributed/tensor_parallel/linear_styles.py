@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
-from automodel_mesh.modules import is_conv1d, maps_like_linear
+from automodel_modules import is_conv1d, maps_like_linear
 
 __all__ = [
     "ColwiseParallel",

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 from automodel_distributed.tensor_parallel import linear_styles
 from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.styles import ReplicateParallel
-from automodel_mesh.modules import join_fqn
+from automodel_modules import join_fqn
 
 __all__ = [
     "ColwiseParallelLora",

@@ -35,7 +35,7 @@ from automodel_distributed.tensor_parallel.sequence import (
 )
 from automodel_distributed.tensor_parallel.styles import to_parallel_style
 from automodel_distributed.tensor_parallel.validate import validate_tensor_parallel
-from automodel_mesh.modules import find_hf_model, join_fqn
+from automodel_modules import find_hf_model, join_fqn
 
 __all__ = ["is_sequence_parallel_plan", "resolve_tp_plan"]
 

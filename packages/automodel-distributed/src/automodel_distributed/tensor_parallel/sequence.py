@@ -272,7 +272,7 @@ def _tolerant_forward(forward: Any) -> Any:
 def check_sequence_stream(model: nn.Module, block_fqns: Sequence[str]) -> None:
     """Refuse a model whose code outside its decoder blocks would read a sequence slice (derived SP).
 
-    One forward of the transformers model on fake tensors (`automodel_mesh.dataflow`; no compute, no
+    One forward of the transformers model on fake tensors (`automodel_modules.dataflow`; no compute, no
     memory, meta models included) labels what derived sequence parallelism would cut: the first output of
     every block but the last, when it is as long as the sequence. A block's input is gathered, so
     everything a block computes is full length again; what is recorded is every op outside the blocks
@@ -290,8 +290,8 @@ def check_sequence_stream(model: nn.Module, block_fqns: Sequence[str]) -> None:
         ValueError: Such a read exists, or the forward does not run on fake tensors (so that the derived
             form cannot be shown to be exact); the message says to use ``sequence_parallel=False``.
     """
-    from automodel_mesh.dataflow import DataFlow, fake_forward
-    from automodel_mesh.modules import find_hf_model, unwrap
+    from automodel_modules import find_hf_model, unwrap
+    from automodel_modules.dataflow import DataFlow, fake_forward
 
     _, hf = find_hf_model(unwrap(model))
     name = type(hf).__name__

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (
 from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.linear_styles import linear_features
 from automodel_distributed.tensor_parallel.styles import ReplicateParallel
-from automodel_mesh.modules import find_hf_model
+from automodel_modules import find_hf_model
 
 __all__ = ["PARAM_STYLES", "is_local_colwise", "modules_by_style", "validate_tensor_parallel"]
 

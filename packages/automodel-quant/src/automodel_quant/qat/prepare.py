@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from automodel_mesh.modules import is_dtensor
+from automodel_modules import is_dtensor
 from automodel_quant._deps import import_torchao
 from automodel_quant._modules import clean_fqn, is_adapter_fqn, linear_modules, parameter_dtypes, shielded
 from automodel_quant.qat.config import QAT_MODES, UnsupportedLayerPolicy

@@ -1,0 +1,45 @@
+"""automodel-modules: module-tree tools every automodel package shares (depends on torch only).
+
+- `automodel_modules.names`: names across wrappers (`WRAPPER_SEGMENTS`) and the adapter rule
+  (`ADAPTER_SEGMENTS`);
+- `automodel_modules.lookup`: the transformers model inside peft, the module inside wrappers, FQNs;
+- `automodel_modules.kinds`: DTensors, ``Conv1D``, linear-like maps, asked without importing them;
+- `automodel_modules.fsdp_units`: reshard every FSDP2 unit of a model;
+- `automodel_modules.dataflow`: what each tensor of a fake-tensor forward is computed from (the tracer
+  that tensor, context and pipeline parallelism read a model's structure with).
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from automodel_modules.fsdp_units import reshard_fsdp_units
+from automodel_modules.kinds import is_conv1d, is_dtensor, maps_like_linear
+from automodel_modules.lookup import find_hf_model, fqn_of, output_head_fqns, unwrap
+from automodel_modules.names import (
+    ADAPTER_SEGMENTS,
+    WRAPPER_SEGMENTS,
+    is_adapter_fqn,
+    join_fqn,
+    strip_wrapper_segments,
+)
+
+try:
+    __version__ = version("automodel-modules")
+except PackageNotFoundError:  # pragma: no cover - a source tree without metadata
+    __version__ = "0.0.0"
+
+__all__ = [
+    "ADAPTER_SEGMENTS",
+    "WRAPPER_SEGMENTS",
+    "__version__",
+    "find_hf_model",
+    "fqn_of",
+    "is_adapter_fqn",
+    "is_conv1d",
+    "is_dtensor",
+    "join_fqn",
+    "maps_like_linear",
+    "output_head_fqns",
+    "reshard_fsdp_units",
+    "strip_wrapper_segments",
+    "unwrap",
+]
