@@ -433,6 +433,10 @@ print(json.dumps({
 """
 
 
+# Examples that must run with nothing but the package's own wheel installed (its README's promise).
+_RUN_ALONE = {"automodel-checkpoint": "docs/examples/checkpoints_example.py"}
+
+
 @nox.session
 @_timed
 def wheels(session: nox.Session) -> None:
@@ -535,6 +539,14 @@ def _install_alone(
         )
     report = json.loads(str(output).strip().splitlines()[-1])
     errors = []
+    example = _RUN_ALONE.get(distribution)
+    if example is not None:
+        # What the package's README promises of it alone, run from the fresh venv (gloo, 2 ranks).
+        with session.chdir(tmp):
+            session.run(
+                str(python), "-I", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                str(ROOT / example), external=True, env={"PYTHONPATH": None, "OMP_NUM_THREADS": "1"},
+            )  # fmt: skip
     if not str(report["file"]).startswith(str(venv)):
         errors.append(f"{import_name} imported from {report['file']}, not from the fresh venv")
     version = built[distribution][1]

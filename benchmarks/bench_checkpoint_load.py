@@ -125,7 +125,7 @@ def ours(path: str, tune_host_allocator: bool, steps: int) -> dict[str, Any]:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from automodel_distributed.checkpoint import load_hf_checkpoint
+    from automodel_checkpoint import load_hf_checkpoint
     from automodel_distributed.config import FSDP2Config
     from automodel_distributed.fsdp2 import FSDP2Manager
     from automodel_mesh import MeshContext, ParallelismSizes

@@ -1,6 +1,6 @@
 """Our safetensors slice reader against ``safetensors.safe_open(...).get_slice`` and torch's DCP reader.
 
-The question: does `automodel_distributed.checkpoint` need its own header parser and ``preadv`` reader
+The question: does `automodel_checkpoint` need its own header parser and ``preadv`` reader
 (``safetensors_io.py`` + ``reader.py``), or would the library readers do? Each of 4 gloo ranks reads its
 FSDP shard (rows ``r/4 .. (r+1)/4`` of dim 0, as ``Shard(0)`` cuts them) of every tensor of one
 checkpoint into preallocated tensors, three ways, in the same run:
@@ -70,7 +70,7 @@ def write_checkpoint(folder: Path, overrides: dict[str, Any]) -> tuple[Path, int
     """Write a transformers-layout Llama checkpoint tensor by tensor; return (folder, parameter count)."""
     import transformers
 
-    from automodel_distributed.checkpoint.safetensors_io import SafetensorsStreamWriter
+    from automodel_checkpoint.safetensors_io import SafetensorsStreamWriter
 
     config = transformers.LlamaConfig(max_position_embeddings=2048, **overrides)
     with torch.device("meta"):
@@ -107,9 +107,9 @@ def _destinations(path: Path, rank: int, world: int) -> dict[str, tuple[torch.Te
 
 
 def _read_ours(folder: Path, dest: dict[str, Any]) -> None:
-    from automodel_distributed.checkpoint.layout import resolve_checkpoint
-    from automodel_distributed.checkpoint.reader import open_checkpoint
-    from automodel_distributed.checkpoint.slices import Box
+    from automodel_checkpoint.files import resolve_checkpoint
+    from automodel_checkpoint.reader import open_checkpoint
+    from automodel_checkpoint.slices import Box
 
     reader = open_checkpoint(resolve_checkpoint(folder))
     try:

@@ -61,7 +61,7 @@ def _node(requires: Iterable[str] = (), optional: Iterable[str] = (), *, publish
     return Node(frozenset(requires), frozenset(optional), published)
 
 
-_MESH, _MODS = "automodel-mesh", "automodel-modules"
+_MESH, _MODS, _CKPT = "automodel-mesh", "automodel-modules", "automodel-checkpoint"
 _DIST, _PP, _MOE = "automodel-distributed", "automodel-pipelining", "automodel-moe"
 _QUANT, _PEFT, _INFRA = "automodel-quant", "automodel-peft", "automodel-infra"
 
@@ -69,13 +69,14 @@ _QUANT, _PEFT, _INFRA = "automodel-quant", "automodel-peft", "automodel-infra"
 ALLOWED_GRAPH: Mapping[str, Node] = {
     _MESH: _node(),  # meshes, sizes, axis names (and the ConfigDict its sizes and every config share)
     _MODS: _node(),  # module-tree tools: names across wrappers, lookups, the fake-tensor tracer
-    _DIST: _node([_MESH, _MODS]),
+    _CKPT: _node([_MODS]),  # HF / DCP checkpoints into and out of shards; imports no strategy
+    _DIST: _node([_MESH, _MODS, _CKPT]),
     _PP: _node([_MESH, _MODS]),  # gets a parallelize_fn from its caller; never imports automodel_distributed
     _MOE: _node([_MESH, _DIST]),
     _QUANT: _node([_MESH, _MODS]),  # torchao (+ optional bitsandbytes); uses ConfigDict, no mesh
     _PEFT: _node([_MESH, _MODS], optional=[_QUANT]),  # QLoRA through the [quant] extra
-    _INFRA: _node([_MESH, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),
-    "automodel-all": _node([_MESH, _MODS, _DIST, _PP, _MOE, _QUANT, _PEFT, _INFRA]),
+    _INFRA: _node([_MESH, _CKPT, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),
+    "automodel-all": _node([_MESH, _MODS, _CKPT, _DIST, _PP, _MOE, _QUANT, _PEFT, _INFRA]),
     "automodel-testing": _node([_MESH, _MODS], published=False),
 }
 

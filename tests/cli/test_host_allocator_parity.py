@@ -38,7 +38,7 @@ def _manager(tune: bool) -> Any:
 
 
 def _run() -> dict[str, Any]:
-    from automodel_distributed.checkpoint.host_memory import malloc_is_glibc, pool_fsdp_buffers
+    from automodel_distributed.host_memory import malloc_is_glibc, pool_fsdp_buffers
 
     rank = dist.get_rank()
     report = train_parity(

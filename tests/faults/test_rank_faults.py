@@ -158,8 +158,8 @@ def _fingerprint(model: nn.Module) -> dict[str, list[float]]:
 
 def save_fault(point: str, root: str, out: str) -> None:
     """Save a good checkpoint at step 2, train step 3, then one rank dies while step 3 is being saved."""
-    from automodel_distributed.checkpoint import save_distributed_checkpoint
-    from automodel_distributed.checkpoint.atomic import COMPLETE_MARKER, staging_dir_for
+    from automodel_checkpoint import save_distributed_checkpoint
+    from automodel_checkpoint.atomic import COMPLETE_MARKER, staging_dir_for
 
     model, group = _sharded_model(meta=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -200,7 +200,7 @@ def save_fault(point: str, root: str, out: str) -> None:
 
 def resume(root: str) -> dict[str, Any]:
     """An uninterrupted run of 5 steps, and a run resumed from the newest complete checkpoint."""
-    from automodel_distributed.checkpoint import latest_checkpoint, load_distributed_checkpoint
+    from automodel_checkpoint import latest_checkpoint, load_distributed_checkpoint
 
     model, group = _sharded_model(meta=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -276,7 +276,7 @@ def test_a_rank_hung_outside_collectives_is_stopped_by_the_wall_clock_limit(faul
 
 
 def _load_fingerprint(path: Path) -> dict[str, list[float]]:
-    from automodel_distributed.checkpoint import load_distributed_checkpoint
+    from automodel_checkpoint import load_distributed_checkpoint
 
     model = build_tiny_model("llama", meta=True)
     with warnings.catch_warnings():
@@ -302,7 +302,7 @@ def crashed_root(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_rank_killed_mid_save_loses_nothing(
     point: str, tmp_path: Path, fault_ledger: Any, crashed_root: dict[str, Any]
 ) -> None:
-    from automodel_distributed.checkpoint import is_complete_checkpoint, latest_checkpoint
+    from automodel_checkpoint import is_complete_checkpoint, latest_checkpoint
 
     root, out = tmp_path / "ckpts", tmp_path / "out"
     root.mkdir()

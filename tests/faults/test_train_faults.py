@@ -313,8 +313,8 @@ def test_a_flipped_byte_stops_resume_naming_the_file_and_fallback_resumes_exactl
 _CHECK_AFTER_DISK_FULL = r"""
 import json, sys
 from pathlib import Path
-from automodel_distributed.checkpoint import COMPLETE_MARKER, complete_checkpoints, read_marker
-from automodel_distributed.checkpoint import verify_checkpoint
+from automodel_checkpoint import COMPLETE_MARKER, complete_checkpoints, read_marker
+from automodel_checkpoint import verify_checkpoint
 root = Path(sys.argv[1]) / "checkpoints"
 found = complete_checkpoints(root, kind="dcp")
 ok = [str(p.name) for p in found]

@@ -16,7 +16,7 @@ linux = pytest.mark.skipif(platform.system() != "Linux", reason="mimalloc is pre
 # What the child reports: which malloc serves it, and whether the glibc tuning applied.
 _PROBE = (
     "import ctypes\n"
-    "from automodel_distributed.checkpoint.host_memory import configure_host_allocator, malloc_is_glibc\n"
+    "from automodel_distributed.host_memory import configure_host_allocator, malloc_is_glibc\n"
     "print(hasattr(ctypes.CDLL(None), 'mi_version'), malloc_is_glibc(), configure_host_allocator())\n"
 )
 
@@ -79,7 +79,7 @@ def test_the_workers_mimalloc_keeps_small_freed_blocks_and_returns_large_ones() 
 # a buffer above the pool's bound (which purges first), then after an explicit release_host_memory().
 _PURGED = (
     "import torch\n"
-    "from automodel_distributed.checkpoint.host_memory import HostBufferPool, release_host_memory\n"
+    "from automodel_distributed.host_memory import HostBufferPool, release_host_memory\n"
     "def rss():\n"
     "    with open('/proc/self/status') as f:\n"
     "        return next(int(l.split()[1]) for l in f if l.startswith('VmRSS:')) >> 10\n"

@@ -190,13 +190,13 @@ class FSDP2Config(ConfigDict):
     offload). Three parts: on a CPU mesh every FSDP2 unit takes its all-gather and reduce-scatter buffers
     from one pool per model, reused from step to step up to 64 MiB a buffer, and on gloo runs those
     collectives in pieces of at most 32 MiB, since gloo allocates a temporary of the whole size
-    (`automodel_distributed.checkpoint.host_memory.pool_fsdp_buffers`), frees each buffer as soon as
+    (`automodel_distributed.host_memory.pool_fsdp_buffers`), frees each buffer as soon as
     the host is done with it rather than when FSDP2's stream bookkeeping would (an all-gather output
     once copied out, `free_all_gather_outputs_after_copy_out`; a reduce-scatter input above the pool's
     bound once reduced), and hands the allocator's free memory back to the OS before a buffer above
     256 MiB (`RELEASE_ABOVE_BYTES`); gradients are copied into the
     reduce-scatter buffer in its dtype without torch's temporary of the gradients' size (process-wide,
-    the same values bit for bit: `automodel_distributed.checkpoint.host_copy_in`); and, when glibc's
+    the same values bit for bit: `automodel_distributed.host_copy_in`); and, when glibc's
     malloc serves the process, its mmap and trim thresholds are fixed when the manager is created
     (`configure_host_allocator`, process-wide), so the other large buffers FSDP2 frees every step go
     back to the OS instead of staying resident in malloc arenas. Under glibc that halves the peak per

@@ -59,7 +59,7 @@ from automodel_distributed.root_reshard import needs_no_weight_in_backward, resh
 from automodel_distributed.strategy import StrategyDefaults, nothing_is_sharded
 from automodel_distributed.tied_embedding import accumulate_tied_embedding_rows
 from automodel_mesh import MeshAxisName, MeshContext, MeshKind
-from automodel_modules import fqn_of
+from automodel_modules import fqn_of, reshard_fsdp_units
 
 __all__ = [
     "ExpertParallelism",
@@ -295,11 +295,8 @@ def reshard_after_no_grad_forward(root: nn.Module) -> None:
     """
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
-            return
-        for sub in module.modules():
-            if isinstance(sub, FSDPModule):
-                sub.reshard()
+        if not torch.is_grad_enabled():
+            reshard_fsdp_units(module)
 
     root.register_forward_hook(hook)
 
@@ -501,7 +498,7 @@ class FSDP2Manager(StrategyDefaults):
         host_buffers = self.mesh.device_type == "cpu" or self.offload_policy is not None
         if config.tune_host_allocator and self.device_mesh is not None and host_buffers:
             # Before the model is materialised: the setting applies to allocations made afterwards.
-            from automodel_distributed.checkpoint.host_memory import configure_host_allocator
+            from automodel_distributed.host_memory import configure_host_allocator
 
             configure_host_allocator()
 
@@ -635,8 +632,8 @@ class FSDP2Manager(StrategyDefaults):
         if cfg.tune_host_allocator and self.mesh.device_type == "cpu":
             # Collective buffers on the host: keep them across steps (see configure_host_allocator), and
             # copy gradients into the reduce-scatter buffer without a temporary (see host_copy_in).
-            from automodel_distributed.checkpoint.host_copy_in import register_host_copy_in
-            from automodel_distributed.checkpoint.host_memory import (
+            from automodel_distributed.host_copy_in import register_host_copy_in
+            from automodel_distributed.host_memory import (
                 free_all_gather_outputs_after_copy_out,
                 pool_fsdp_buffers,
             )

@@ -113,7 +113,7 @@ def _blocks_by_container_name(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _repeated_children(module_list: nn.ModuleList) -> bool:
     # Lazily: the checkpoint package is not needed to find blocks by their declared classes.
-    from automodel_distributed.checkpoint.convert import built_class
+    from automodel_checkpoint.convert import built_class
 
     children = list(module_list.children())
     return (

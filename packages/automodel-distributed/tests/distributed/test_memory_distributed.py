@@ -40,8 +40,8 @@ def _fsdp_memory_steps() -> list[dict[str, Any]]:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     from automodel_distributed import FSDP2Manager
-    from automodel_distributed.checkpoint.host_memory import host_buffer_pools
     from automodel_distributed.config import FSDP2Config
+    from automodel_distributed.host_memory import host_buffer_pools
     from automodel_distributed.memory import fsdp_comm_buffer_bytes
     from automodel_mesh import MeshContext
     from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
@@ -111,7 +111,7 @@ def test_fsdp_planner_terms_match_the_real_buffers() -> None:
 
 
 def _chunked_collectives() -> dict[str, Any]:
-    from automodel_distributed.checkpoint.host_memory import (
+    from automodel_distributed.host_memory import (
         HostBufferPool,
         PooledAllGather,
         PooledReduceScatter,
@@ -174,8 +174,8 @@ def _early_release() -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
     from automodel_distributed import FSDP2Manager
-    from automodel_distributed.checkpoint.host_memory import HostBufferPool, PooledReduceScatter
     from automodel_distributed.config import FSDP2Config
+    from automodel_distributed.host_memory import HostBufferPool, PooledReduceScatter
     from automodel_mesh import MeshContext
     from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
 
@@ -228,9 +228,9 @@ def _deferred_copy_in() -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     from automodel_distributed import FSDP2Manager
-    from automodel_distributed.checkpoint.host_copy_in import register_host_copy_in
-    from automodel_distributed.checkpoint.host_memory import HostBufferPool, PooledReduceScatter
     from automodel_distributed.config import FSDP2Config
+    from automodel_distributed.host_copy_in import register_host_copy_in
+    from automodel_distributed.host_memory import HostBufferPool, PooledReduceScatter
     from automodel_mesh import MeshContext
     from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
 

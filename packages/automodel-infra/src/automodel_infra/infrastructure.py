@@ -572,7 +572,7 @@ def _load_or_init(
     after the base weights are final: DoRA magnitudes are the row norms of the loaded weights, and random
     A matrices come from one rank so every rank agrees.
     """
-    from automodel_distributed.checkpoint import load_base_model
+    from automodel_checkpoint import load_base_model
 
     load_base_model(
         part,
@@ -695,7 +695,7 @@ def apply_model_infrastructure(
     weights_already_loaded = bool(_kwargs.get("weights_already_loaded", False))
     need_load = load_base_model and not weights_already_loaded
     if need_load:
-        from automodel_distributed.checkpoint import check_hf_checkpoint
+        from automodel_checkpoint import check_hf_checkpoint
 
         # Files, keys and shapes against the unsharded model, from metadata, before any change or
         # collective: a wrong checkpoint fails here on every rank, alone, instead of after sharding.

@@ -1,11 +1,11 @@
 """automodel-moe: expert parallelism with FSDP2 for Hugging Face mixture-of-experts models.
 
 The config and the experts discovery (`find_experts`: from the model's own metadata, with a registry for
-the rest) are light and imported eagerly; the parallelizer, the expert sharding and the checkpoint
-functions pull in DTensor/FSDP and are loaded on first attribute access.
-`load_hf_checkpoint` / `save_hf_checkpoint` are automodel-distributed's (re-exported here for
-convenience): they convert transformers' per-expert on-disk layout to and from the fused in-memory
-experts, and each rank reads only the experts and slices it holds.
+the rest) are light and imported eagerly; the parallelizer and the expert sharding pull in DTensor/FSDP
+and are loaded on first attribute access. Checkpoints of MoE models load and save with
+automodel-checkpoint (``automodel_checkpoint.load_hf_checkpoint``): it converts transformers'
+per-expert on-disk layout to and from the fused in-memory experts, and each rank reads only the
+experts and slices it holds.
 """
 
 import lazy_loader

@@ -1,9 +1,5 @@
 """Type stub of the package: its public names (SPEC 1; `lazy_loader.attach_stub` reads the imports)."""
 
-from .checkpoint import (
-    load_hf_checkpoint,
-    save_hf_checkpoint,
-)
 from .config import MoEParallelizerConfig
 from .load import ExpertLoad
 from .parallelizer import ExpertParallel, parallelize_model
@@ -32,8 +28,6 @@ __all__ = [
     "find_experts",
     "find_routers",
     "has_experts",
-    "load_hf_checkpoint",
     "parallelize_model",
     "register_moe_family",
-    "save_hf_checkpoint",
 ]

@@ -225,7 +225,7 @@ def _one_rank_experts_as_fsdp(family: str) -> dict[str, Any]:
 def _checkpoint_roundtrip(family: str, ep: int, folder: str) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    from automodel_moe import load_hf_checkpoint, save_hf_checkpoint
+    from automodel_checkpoint import load_hf_checkpoint, save_hf_checkpoint
     from automodel_moe.parallelizer import parallelize_model
     from automodel_testing import save_tiny_checkpoint
 

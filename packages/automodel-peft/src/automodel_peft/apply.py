@@ -177,7 +177,7 @@ def adapter_initializer(
     """`init_adapter_weights` bound to the config's ``lora_A_init``.
 
     What a checkpoint loader calls, once, after the base weights are final (the ``init_adapters`` of
-    ``automodel_distributed.checkpoint.load_hf_checkpoint``). A ``peft.LoraConfig`` has no
+    ``automodel_checkpoint.load_hf_checkpoint``). A ``peft.LoraConfig`` has no
     ``lora_A_init``: then what `apply_lora` recorded, else kaiming.
     """
     method = (

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel_distributed.checkpoint import checkpoint_key, read_marker, save_hf_checkpoint
+from automodel_checkpoint import checkpoint_key, read_marker, save_hf_checkpoint
 
 __all__ = ["export_hf", "generate_sample", "prune_checkpoints"]
 

@@ -215,7 +215,7 @@ def torchrun_args(job: JobConfig) -> list[str]:
 
 def _preempted_checkpoint(job: JobConfig, since: float) -> Path | None:
     """The checkpoint the workers saved after a stop signal that arrived at ``since``, if any."""
-    from automodel_distributed.checkpoint import latest_checkpoint, read_marker
+    from automodel_checkpoint import latest_checkpoint, read_marker
 
     latest = latest_checkpoint(Path(job.train.output_dir) / "checkpoints", kind="dcp")
     if latest is None:

@@ -74,7 +74,7 @@ def save_checkpoint(
         CheckpointWriteError: A rank could not write (a full disk); nothing is published and the
             previous checkpoints are intact.
     """
-    from automodel_distributed.checkpoint import save_distributed_checkpoint
+    from automodel_checkpoint import save_distributed_checkpoint
 
     return save_distributed_checkpoint(
         module,
@@ -136,7 +136,7 @@ def resume_from_checkpoint(
         CorruptCheckpointError: The newest checkpoint fails verification and ``fallback`` is off (the
             message names the file), or every checkpoint fails it.
     """
-    from automodel_distributed.checkpoint import (
+    from automodel_checkpoint import (
         CorruptCheckpointError,
         complete_checkpoints,
         load_distributed_checkpoint,

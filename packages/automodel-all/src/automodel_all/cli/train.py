@@ -239,7 +239,7 @@ def _resume(run: _Run) -> ResumePoint:
 
 def _finish(run: _Run) -> None:
     """Export the Hugging Face model (collective) and, on rank 0, print where and a sample."""
-    from automodel_distributed.checkpoint import latest_checkpoint
+    from automodel_checkpoint import latest_checkpoint
 
     hf_dir = export_hf(
         run.model if run.pipeline is None else None,

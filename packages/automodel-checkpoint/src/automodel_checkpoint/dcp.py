@@ -26,17 +26,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel_distributed.checkpoint._dist import agree_on_failure, rank_of
-from automodel_distributed.checkpoint.atomic import (
+from automodel_checkpoint.atomic import (
     COMPLETE_MARKER,
     prepare_staging_dir,
     publish_staging_dir,
     read_marker,
 )
-from automodel_distributed.checkpoint.hf_load import _default_device, _has_meta, _reshard_fsdp
-from automodel_distributed.checkpoint.integrity import MARKER_FILES_KEY, verify_checkpoint
-from automodel_distributed.checkpoint.keys import collect_tensor_slots
-from automodel_distributed.checkpoint.materialize import _mark, materialize_meta_tensors, verify_materialized
+from automodel_checkpoint.integrity import MARKER_FILES_KEY, verify_checkpoint
+from automodel_checkpoint.keys import collect_tensor_slots
+from automodel_checkpoint.materialize import (
+    default_device,
+    has_meta_tensors,
+    mark_needs_init,
+    materialize_meta_tensors,
+    verify_materialized,
+)
+from automodel_checkpoint.ranks import agree_on_failure, rank_of
+from automodel_modules import reshard_fsdp_units
 
 __all__ = [
     "RANK_STATE_DIR",
@@ -212,7 +218,7 @@ def save_distributed_checkpoint(
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    _reshard_fsdp(model)
+    reshard_fsdp_units(model)
     if check_finite:
         _check_finite(model, process_group)
     final = Path(path)
@@ -299,9 +305,9 @@ def load_distributed_checkpoint(
     recorded = marker.get(MARKER_FILES_KEY)
     if verify and isinstance(recorded, dict):
         verify_checkpoint(folder, recorded, exclude=frozenset({COMPLETE_MARKER}))
-    if _has_meta(model):
-        materialize_meta_tensors(model, device if device is not None else _default_device(model))
-    _reshard_fsdp(model)
+    if has_meta_tensors(model):
+        materialize_meta_tensors(model, device if device is not None else default_device(model))
+    reshard_fsdp_units(model)
     state = _state(model, optimizer)
     load(
         state,
@@ -314,7 +320,7 @@ def load_distributed_checkpoint(
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if strict:  # every tensor came from the checkpoint; a partial load into a meta model fails below
         for slot in collect_tensor_slots(model, include_adapters=True):
-            _mark(slot.tensor, False)
+            mark_needs_init(slot.tensor, False)
     verify_materialized(model)
     step = marker.get("step")
     own = folder / RANK_STATE_DIR / f"rank_{rank_of():05d}.pt"

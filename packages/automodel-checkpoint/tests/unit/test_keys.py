@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from automodel_distributed.checkpoint.keys import (
+from automodel_checkpoint.keys import (
     DEFAULT_KEY_RULES,
     KeyRules,
     apply_key_mapping,

@@ -18,12 +18,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from automodel_distributed.checkpoint import (
+from automodel_checkpoint import (
     CheckpointMismatchError,
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
-from automodel_distributed.checkpoint.convert import (
+from automodel_checkpoint.convert import (
     Computed,
     Node,
     Part,

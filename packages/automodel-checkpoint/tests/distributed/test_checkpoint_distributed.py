@@ -118,7 +118,7 @@ def load_parity(
     fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """meta model -> parallelize -> load -> logits against from_pretrained."""
-    from automodel_distributed.checkpoint import load_hf_checkpoint
+    from automodel_checkpoint import load_hf_checkpoint
 
     model = sharded_meta_model(family, sizes, fields)
     report = load_hf_checkpoint(model, ckpt)
@@ -136,7 +136,7 @@ def save_roundtrip(family: str, sizes: dict[str, int], ckpt: str, out: str) -> d
     """load -> save consolidated (sharded files) -> from_pretrained on rank 0 -> identical tensors."""
     from transformers import AutoModelForCausalLM
 
-    from automodel_distributed.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+    from automodel_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 
     model = sharded_meta_model(family, sizes)
     load_hf_checkpoint(model, ckpt)
@@ -158,7 +158,7 @@ def save_roundtrip(family: str, sizes: dict[str, int], ckpt: str, out: str) -> d
 
 def resume(family: str, sizes: dict[str, int], ckpt: str, dcp_dir: str) -> dict[str, Any]:
     """Train one step, DCP save, train on; then a fresh model resumes and must give the same losses."""
-    from automodel_distributed.checkpoint import (
+    from automodel_checkpoint import (
         load_distributed_checkpoint,
         load_hf_checkpoint,
         save_distributed_checkpoint,
@@ -187,7 +187,7 @@ def resume(family: str, sizes: dict[str, int], ckpt: str, dcp_dir: str) -> dict[
 
 def resume_other_world(family: str, sizes: dict[str, int], dcp_dir: str) -> dict[str, Any]:
     """Load a DCP checkpoint saved on another world size and train the same next steps."""
-    from automodel_distributed.checkpoint import load_distributed_checkpoint
+    from automodel_checkpoint import load_distributed_checkpoint
 
     batches = [make_batch(128, 2, SEQ, seed=s) for s in (11, 12, 13)]
     fresh = sharded_meta_model(family, sizes)
@@ -203,7 +203,7 @@ def peft_roundtrip(sizes: dict[str, int], ckpt: str, ref_logits: torch.Tensor, o
     """A meta peft model, sharded: load the base checkpoint, then save adapters HF-PEFT style."""
     import peft
 
-    from automodel_distributed.checkpoint import load_hf_checkpoint
+    from automodel_checkpoint import load_hf_checkpoint
     from automodel_distributed.fsdp2 import FSDP2Manager
     from automodel_peft import init_adapter_weights, save_adapters
 
@@ -239,7 +239,7 @@ def peft_roundtrip(sizes: dict[str, int], ckpt: str, ref_logits: torch.Tensor, o
 
 def slices_ground_truth(sizes: dict[str, int]) -> list[str]:
     """Parameters whose local shard differs from the boxes `tensor_boxes` computes (uneven shapes)."""
-    from automodel_distributed.checkpoint.slices import tensor_boxes
+    from automodel_checkpoint.slices import tensor_boxes
     from automodel_distributed.fsdp2 import FSDP2Manager
 
     dims = {"vocab_size": 130, "intermediate_size": 132}
@@ -267,7 +267,7 @@ def fault(
     case: str, ckpt: str, family: str = "llama", sizes: dict[str, int] | None = None, strict: bool = True
 ) -> dict[str, Any]:
     """Load a broken checkpoint: report the error and whether the model was left untouched."""
-    from automodel_distributed.checkpoint import initialize_model_weights, load_hf_checkpoint
+    from automodel_checkpoint import initialize_model_weights, load_hf_checkpoint
 
     out: dict[str, Any] = {"case": case}
     meta = sharded_meta_model(family, sizes or {})
@@ -292,7 +292,7 @@ def fault(
 
 def kill_during_save(kind: str, root: str, ckpt: str) -> str:
     """Publish one good checkpoint, then die (os._exit) in the middle of writing the next one."""
-    from automodel_distributed.checkpoint import (
+    from automodel_checkpoint import (
         load_hf_checkpoint,
         save_distributed_checkpoint,
         save_hf_checkpoint,
@@ -579,7 +579,7 @@ def test_checkpoints_on_two_ranks(checkpoints: Any, four_rank_results: Any, tmp_
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["hf", "dcp"])
 def test_killed_rank_leaves_previous_checkpoint(checkpoints: Any, tmp_path: Path, kind: str) -> None:
-    from automodel_distributed.checkpoint import is_complete_checkpoint, latest_checkpoint
+    from automodel_checkpoint import is_complete_checkpoint, latest_checkpoint
 
     ckpts, _, _ = checkpoints
     with pytest.raises(DistributedRunError) as raised:

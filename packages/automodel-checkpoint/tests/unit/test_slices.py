@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from automodel_distributed.checkpoint.slices import (
+from automodel_checkpoint.slices import (
     Box,
     PlacementSpec,
     chunk_runs,

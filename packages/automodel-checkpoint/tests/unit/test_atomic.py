@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel_distributed.checkpoint.atomic import (
+from automodel_checkpoint.atomic import (
     COMPLETE_MARKER,
     is_complete_checkpoint,
     latest_checkpoint,

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from automodel_distributed.checkpoint import CorruptCheckpointError, resolve_checkpoint
-from automodel_distributed.checkpoint.layout import parse_index
-from automodel_distributed.checkpoint.reader import open_checkpoint
+from automodel_checkpoint import CorruptCheckpointError, resolve_checkpoint
+from automodel_checkpoint.files import parse_index
+from automodel_checkpoint.reader import open_checkpoint
 
 
 def _sharded(root: Path, parts: dict[str, dict[str, torch.Tensor]]) -> Path:

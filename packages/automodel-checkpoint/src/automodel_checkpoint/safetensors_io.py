@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from automodel_distributed.checkpoint.slices import Box
+from automodel_checkpoint.slices import Box
 
 __all__ = [
     "DTYPE_TO_SAFETENSORS",

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from automodel_distributed.checkpoint.host_copy_in import (
+from automodel_distributed.host_copy_in import (
     chunk_cat_into,
     copy_in_rows,
     expect_copy_in,
@@ -350,7 +350,7 @@ class PooledReduceScatter(_FromPool, ReduceScatter):
 
     With ``defer_copy_in`` (units sharded over more than one rank), an input this comm allocates above
     the pool's ``max_bytes`` (not kept from step to step) is never filled: FSDP2's copy-in into it is
-    deferred (`automodel_distributed.checkpoint.host_copy_in.expect_copy_in`) and each piece is copied
+    deferred (`automodel_distributed.host_copy_in.expect_copy_in`) and each piece is copied
     from the gradients straight into the staging buffer, so the full-size input (1 GiB in fp32 for a
     128k x 2048 embedding) is never resident next to the gradients it copies. The same values go
     through the same pieces. Units on one rank get a comm without it: FSDP2 copies their input

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_distributed.checkpoint import (
+from automodel_checkpoint import (
     COMPLETE_MARKER,
     CorruptCheckpointError,
     complete_checkpoints,
@@ -97,7 +97,7 @@ def test_a_model_holding_nan_is_never_saved(tmp_path: Path) -> None:
 _SAVE_WITH_SMALL_FILE_LIMIT = r"""
 import resource, signal, sys
 import torch
-from automodel_distributed.checkpoint import CheckpointWriteError, save_distributed_checkpoint
+from automodel_checkpoint import CheckpointWriteError, save_distributed_checkpoint
 from automodel_testing import build_tiny_model
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
 model = build_tiny_model("llama", seed=0)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from automodel_distributed.checkpoint import (
+from automodel_checkpoint import (
     CheckpointMismatchError,
     initialize_model_weights,
     load_base_model,
@@ -301,7 +301,7 @@ def test_keys_save_pretrained_writes_load_where_transformers_renamings_miss_them
     """
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from automodel_distributed.checkpoint import save_hf_checkpoint
+    from automodel_checkpoint import save_hf_checkpoint
     from automodel_testing.tiny import derive_tiny_config
 
     torch.manual_seed(0)

@@ -25,24 +25,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel_distributed.checkpoint.buffers import (
-    assign_buffer,
-    fresh_buffers,
-    reinitialize_non_persistent_buffers,
-)
-from automodel_distributed.checkpoint.keys import (
+from automodel_checkpoint.keys import (
     DEFAULT_KEY_RULES,
     KeyRules,
     TensorSlot,
     collect_tensor_slots,
 )
+from automodel_checkpoint.recomputed_buffers import (
+    assign_buffer,
+    fresh_buffers,
+    reinitialize_non_persistent_buffers,
+)
 from automodel_modules import find_hf_model, is_adapter_fqn, is_dtensor, unwrap
 
 __all__ = [
+    "adapter_slots",
+    "default_device",
+    "has_meta_tensors",
+    "initializable_hf_model",
     "initialize_model_weights",
+    "mark_needs_init",
     "materialize_meta_tensors",
     "needs_init",
     "retie_weights",
+    "run_adapter_init",
     "verify_materialized",
 ]
 
@@ -57,7 +63,8 @@ def needs_init(t: torch.Tensor) -> bool:
     return bool(getattr(t, _NEEDS_INIT, False))
 
 
-def _mark(t: torch.Tensor, value: bool) -> None:
+def mark_needs_init(t: torch.Tensor, value: bool) -> None:
+    """Record on ``t`` that it holds no values yet (``value``), or that it was initialised or loaded."""
     if value:
         setattr(t, _NEEDS_INIT, True)
     elif hasattr(t, _NEEDS_INIT):
@@ -128,18 +135,18 @@ def materialize_meta_tensors(
             assert isinstance(slot.tensor, nn.Parameter)
             _swap_param(slot.owners, slot.tensor, dev)
             module, name = slot.owners[0]
-            _mark(module._parameters[name], True)  # type: ignore[arg-type]
+            mark_needs_init(module._parameters[name], True)  # type: ignore[arg-type]
         else:
             new = _empty_like(slot.tensor, dev)
             for module, name in slot.owners:
                 module._buffers[name] = new
-            _mark(new, True)
+            mark_needs_init(new, True)
         done.extend(slot.keys[:1])
     reinitialize_non_persistent_buffers(model, dev, only_meta=True)
     return done
 
 
-def _hf_model(model: nn.Module) -> nn.Module | None:
+def initializable_hf_model(model: nn.Module) -> nn.Module | None:
     """The transformers model inside ``model`` (through peft, compile and DDP wrappers), if any."""
     _, inner = find_hf_model(unwrap(model))
     return inner if callable(getattr(inner, "initialize_weights", None)) else None
@@ -155,7 +162,7 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 def _zero_padding_row(embedding: nn.Embedding) -> None:
     """Zero ``weight[padding_idx]`` on the rank(s) that hold that row (DTensor-aware, no collective)."""
-    from automodel_distributed.checkpoint.slices import tensor_boxes
+    from automodel_checkpoint.slices import tensor_boxes
 
     weight, idx = embedding.weight, embedding.padding_idx
     assert idx is not None
@@ -217,7 +224,7 @@ def _run_torch_init(model: nn.Module, pending: list[torch.Tensor]) -> None:
         ):
             module.reset_parameters()  # type: ignore[operator]
             for p in own:
-                _mark(p, False)
+                mark_needs_init(p, False)
 
 
 def initialize_model_weights(
@@ -265,7 +272,7 @@ def initialize_model_weights(
     pending = _init_buffers_as_built(model, pending)
     if pending:
         tensors = [s.tensor for s in pending]
-        hf = _hf_model(model)
+        hf = initializable_hf_model(model)
         with torch.no_grad():
             if hf is not None:
                 versions = {id(t): t._version for t in tensors}
@@ -274,7 +281,7 @@ def initialize_model_weights(
                     # transformers' _init_weights covers every parameter; a buffer it did not write keeps
                     # its mark, so verify_materialized names it instead of training on garbage.
                     if slot.is_param or slot.tensor._version != versions[id(slot.tensor)]:
-                        _mark(slot.tensor, False)
+                        mark_needs_init(slot.tensor, False)
             else:
                 _run_torch_init(model, tensors)
     reinitialize_non_persistent_buffers(model, None)
@@ -322,7 +329,7 @@ def run_adapter_init(
         return
     init_adapters(model)
     for slot in slots:
-        _mark(slot.tensor, False)
+        mark_needs_init(slot.tensor, False)
 
 
 def retie_weights(model: nn.Module) -> list[str]:
@@ -338,7 +345,7 @@ def retie_weights(model: nn.Module) -> list[str]:
     Raises:
         RuntimeError: A sharded (DTensor) model has broken ties.
     """
-    hf = _hf_model(model)
+    hf = initializable_hf_model(model)
     if hf is None:
         return []
     ties = getattr(hf, "all_tied_weights_keys", None) or {}
@@ -386,3 +393,23 @@ def verify_materialized(model: nn.Module, rules: KeyRules = DEFAULT_KEY_RULES) -
             "what a checkpoint lacks); LoRA adapters are initialised by their owner: pass "
             "init_adapters=automodel_peft.init_adapter_weights."
         )
+
+
+def has_meta_tensors(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is still on the meta device."""
+    return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+
+
+def default_device(model: nn.Module) -> torch.device:
+    """Where meta tensors go by default: the model's device, else its DTensor mesh's device, else CPU."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for t in tensors:
+        if t.device.type != "meta":
+            return t.device
+    for t in tensors:
+        if is_dtensor(t):
+            kind = t.device_mesh.device_type
+            if kind == "cuda":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device(kind)
+    return torch.device("cpu")

@@ -12,13 +12,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from automodel_distributed.checkpoint.safetensors_io import (
+from automodel_checkpoint.safetensors_io import (
     CorruptCheckpointError,
     SafetensorsStreamWriter,
     read_box,
     read_safetensors_header,
 )
-from automodel_distributed.checkpoint.slices import Box
+from automodel_checkpoint.slices import Box
 
 
 @pytest.fixture

@@ -32,12 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel_distributed.checkpoint._dist import agree_on_failure
-from automodel_distributed.checkpoint.buffers import (
-    reinitialize_non_persistent_buffers,
-    unrecomputable_buffers,
-)
-from automodel_distributed.checkpoint.convert import (
+from automodel_checkpoint.convert import (
     Computed,
     Node,
     Source,
@@ -47,25 +42,32 @@ from automodel_distributed.checkpoint.convert import (
     plan_conversions,
     sources,
 )
-from automodel_distributed.checkpoint.keys import (
+from automodel_checkpoint.files import resolve_checkpoint
+from automodel_checkpoint.keys import (
     DEFAULT_KEY_RULES,
     KeyRules,
     TensorSlot,
     apply_key_mapping,
     collect_tensor_slots,
 )
-from automodel_distributed.checkpoint.layout import resolve_checkpoint
-from automodel_distributed.checkpoint.materialize import (
-    _hf_model,
-    _mark,
+from automodel_checkpoint.materialize import (
+    default_device,
+    has_meta_tensors,
+    initializable_hf_model,
     initialize_model_weights,
+    mark_needs_init,
     retie_weights,
     run_adapter_init,
     verify_materialized,
 )
-from automodel_distributed.checkpoint.reader import CheckpointReader, open_checkpoint
-from automodel_distributed.checkpoint.slices import Box, tensor_boxes
-from automodel_modules import is_dtensor
+from automodel_checkpoint.ranks import agree_on_failure
+from automodel_checkpoint.reader import CheckpointReader, open_checkpoint
+from automodel_checkpoint.recomputed_buffers import (
+    reinitialize_non_persistent_buffers,
+    unrecomputable_buffers,
+)
+from automodel_checkpoint.slices import Box, tensor_boxes
+from automodel_modules import is_dtensor, reshard_fsdp_units
 
 __all__ = [
     "CheckpointMismatchError",
@@ -186,7 +188,7 @@ def _plan(
     files = resolve_checkpoint(path_or_repo_id, cache_dir=cache_dir, revision=revision)
     reader = open_checkpoint(files)
     try:
-        hf = _hf_model(model)
+        hf = initializable_hf_model(model)
         mapping = {**(getattr(hf, "_checkpoint_conversion_mapping", None) or {}), **(key_mapping or {})}
         renamed = apply_key_mapping(reader.tensors, mapping)  # key after key_mapping -> file key
         ignore_missing = getattr(hf, "_keys_to_ignore_on_load_missing", None)
@@ -266,7 +268,7 @@ def _check_buffer_initializers(model: nn.Module) -> None:
             f"cannot recompute the non-persistent buffers of {stuck} after materialisation: a fresh "
             "construction of the model does not have them and their modules are not constructible from "
             "their config alone. Register an initializer with "
-            "automodel_distributed.checkpoint.register_buffer_initializer(ModuleClass, fn)."
+            "automodel_checkpoint.register_buffer_initializer(ModuleClass, fn)."
         )
 
 
@@ -274,15 +276,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     if is_dtensor(t):
         return t.to_local().detach()
     return t.detach()
-
-
-def _reshard_fsdp(model: nn.Module) -> None:
-    """Put FSDP2 modules back in their sharded state (a no-grad forward can leave the root gathered)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def _read_all(plan: _Plan) -> int:
@@ -317,7 +310,7 @@ def _read_all(plan: _Plan) -> int:
                     _box_of(local, box.local_start, box.shape).copy_(
                         _box_of(full, box.global_start, box.shape)
                     )
-                _mark(tensor, False)
+                mark_needs_init(tensor, False)
                 continue
             for box in boxes:
                 region = _box_of(local, box.local_start, box.shape)
@@ -325,7 +318,7 @@ def _read_all(plan: _Plan) -> int:
                 for piece in pieces(node, box.global_start, box.shape):
                     source_box = Box(piece.start, (0,) * len(piece.start), piece.shape)
                     total += plan.reader.read(piece.key, source_box, region[piece.index])
-            _mark(tensor, False)
+            mark_needs_init(tensor, False)
     return total
 
 
@@ -339,25 +332,6 @@ def _current(slot: TensorSlot) -> torch.Tensor:
     tensor = module._parameters[name] if slot.is_param else module._buffers[name]
     assert tensor is not None, f"{slot.fqns[0]} was removed from the model during the load"
     return tensor
-
-
-def _has_meta(model: nn.Module) -> bool:
-    return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
-
-
-def _default_device(model: nn.Module) -> torch.device:
-    """Where meta tensors go by default: the model's device, else its DTensor mesh's device, else CPU."""
-    tensors = [*model.parameters(), *model.buffers()]
-    for t in tensors:
-        if t.device.type != "meta":
-            return t.device
-    for t in tensors:
-        if is_dtensor(t):
-            kind = t.device_mesh.device_type
-            if kind == "cuda":
-                return torch.device("cuda", torch.cuda.current_device())
-            return torch.device(kind)
-    return torch.device("cpu")
 
 
 def check_hf_checkpoint(
@@ -494,9 +468,9 @@ def load_hf_checkpoint(
     assert plan is not None
     error = None
     try:
-        _reshard_fsdp(model)
-        if _has_meta(model):
-            dev = torch.device(device) if device is not None else _default_device(model)
+        reshard_fsdp_units(model)
+        if has_meta_tensors(model):
+            dev = torch.device(device) if device is not None else default_device(model)
             initialize_model_weights(model, dev, skip_keys=plan.report.loaded, rules=rules)
         plan.report.bytes_read = _read_all(plan)
         run_adapter_init(model, init_adapters, rules)
@@ -572,7 +546,7 @@ def load_base_model(
             process_group=process_group,
         )
         return model
-    if _has_meta(model):
+    if has_meta_tensors(model):
         initialize_model_weights(model, device, init_adapters=init_adapters)
     reinitialize_non_persistent_buffers(model, None)
     retie_weights(model)

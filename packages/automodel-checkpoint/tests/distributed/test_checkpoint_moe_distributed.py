@@ -67,7 +67,7 @@ def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def _case(model: nn.Module, src: str, expected: torch.Tensor, ids: torch.Tensor) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    from automodel_distributed.checkpoint import load_hf_checkpoint
+    from automodel_checkpoint import load_hf_checkpoint
 
     report = load_hf_checkpoint(model, src)
     experts = [p for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")]
@@ -84,7 +84,7 @@ def _case(model: nn.Module, src: str, expected: torch.Tensor, ids: torch.Tensor)
 def run_two_ranks(checkpoints: dict[str, str], work: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from automodel_distributed.checkpoint import save_hf_checkpoint
+    from automodel_checkpoint import save_hf_checkpoint
 
     ids = make_batch(128, 2, 12, seed=3)["input_ids"]
     out: dict[str, Any] = {}

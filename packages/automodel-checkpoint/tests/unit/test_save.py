@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_distributed.checkpoint import (
+from automodel_checkpoint import (
     is_complete_checkpoint,
     latest_checkpoint,
     load_distributed_checkpoint,
     save_distributed_checkpoint,
     save_hf_checkpoint,
 )
-from automodel_distributed.checkpoint.hf_save import parse_size, plan_shards
-from automodel_distributed.checkpoint.host_memory import configure_host_allocator, release_host_memory
+from automodel_checkpoint.hf_save import parse_size, plan_shards
+from automodel_distributed.host_memory import configure_host_allocator, release_host_memory
 from automodel_testing import build_tiny_model, make_batch
 
 
@@ -134,7 +134,7 @@ def test_host_allocator_helpers() -> None:
 
 
 def test_host_buffer_pool_reuses_only_buffers_nobody_uses() -> None:
-    from automodel_distributed.checkpoint.host_memory import HostBufferPool
+    from automodel_distributed.host_memory import HostBufferPool
 
     pool = HostBufferPool()
     cpu = torch.device("cpu")
@@ -156,7 +156,7 @@ def test_host_buffer_pool_waits_for_a_buffer_another_thread_is_about_to_drop() -
     """As gloo's worker thread drops a finished collective's tensors just after ``wait()`` returns."""
     import threading
 
-    from automodel_distributed.checkpoint.host_memory import HANDBACK_WAIT_S, HostBufferPool
+    from automodel_distributed.host_memory import HANDBACK_WAIT_S, HostBufferPool
 
     cpu = torch.device("cpu")
     pool = HostBufferPool(handback_wait_s=10.0)  # a bound no test machine reaches
@@ -178,7 +178,7 @@ def test_host_buffer_pool_waits_for_a_buffer_another_thread_is_about_to_drop() -
 
 
 def test_host_buffer_pool_keeps_nothing_above_its_bound() -> None:
-    from automodel_distributed.checkpoint.host_memory import POOL_MAX_BYTES, HostBufferPool
+    from automodel_distributed.host_memory import POOL_MAX_BYTES, HostBufferPool
 
     assert POOL_MAX_BYTES == 64 << 20  # the launcher's mimalloc bound (automodel_all.cli.host_allocator)
     pool = HostBufferPool(max_bytes=64)

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel_distributed.checkpoint.convert import built_class
-from automodel_distributed.checkpoint.keys import DEFAULT_KEY_RULES, KeyRules, checkpoint_key
+from automodel_checkpoint.convert import built_class
+from automodel_checkpoint.keys import DEFAULT_KEY_RULES, KeyRules, checkpoint_key
 from automodel_modules import find_hf_model, unwrap
 
 __all__ = [
@@ -242,7 +242,7 @@ def reinitialize_non_persistent_buffers(
         raise ValueError(
             f"cannot recompute non-persistent buffers of {missing}: a fresh construction of the model does "
             "not have them and their modules are not constructible from their config alone. Register an "
-            "initializer with automodel_distributed.checkpoint.register_buffer_initializer(ModuleClass, fn)."
+            "initializer with automodel_checkpoint.register_buffer_initializer(ModuleClass, fn)."
         )
     logger.debug("recomputed non-persistent buffers: %s", done)
     return done

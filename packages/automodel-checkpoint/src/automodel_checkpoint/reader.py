@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from automodel_distributed.checkpoint.layout import CheckpointFiles
-from automodel_distributed.checkpoint.safetensors_io import (
+from automodel_checkpoint.files import CheckpointFiles
+from automodel_checkpoint.safetensors_io import (
     CorruptCheckpointError,
     TensorEntry,
     read_box,
     read_safetensors_header,
 )
-from automodel_distributed.checkpoint.slices import Box
+from automodel_checkpoint.slices import Box
 
 __all__ = ["CheckpointReader", "StoredTensor", "open_checkpoint"]
 

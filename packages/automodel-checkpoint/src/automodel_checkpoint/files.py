@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from automodel_distributed.checkpoint.safetensors_io import CorruptCheckpointError
+from automodel_checkpoint.safetensors_io import CorruptCheckpointError
 
 __all__ = [
     "WEIGHT_FILE_PATTERNS",

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from automodel_distributed.checkpoint._dist import agree_on_failure, rank_of, world_of
-from automodel_distributed.checkpoint.integrity import MARKER_FILES_KEY, file_checksums
+from automodel_checkpoint.integrity import MARKER_FILES_KEY, file_checksums
+from automodel_checkpoint.ranks import agree_on_failure, rank_of, world_of
 
 __all__ = [
     "COMPLETE_MARKER",

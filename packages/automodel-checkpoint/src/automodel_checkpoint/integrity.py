@@ -17,8 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from automodel_distributed.checkpoint._dist import is_distributed, rank_of, world_of
-from automodel_distributed.checkpoint.safetensors_io import CorruptCheckpointError
+from automodel_checkpoint.ranks import is_distributed, rank_of, world_of
+from automodel_checkpoint.safetensors_io import CorruptCheckpointError
 
 __all__ = ["MARKER_FILES_KEY", "file_checksums", "verify_checkpoint"]
 

@@ -22,18 +22,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel_distributed.checkpoint._dist import rank_of
-from automodel_distributed.checkpoint.atomic import prepare_staging_dir, publish_staging_dir
-from automodel_distributed.checkpoint.convert import DiskPiece, DiskTensor, built_class, disk_layout
-from automodel_distributed.checkpoint.hf_load import _reshard_fsdp
-from automodel_distributed.checkpoint.keys import (
+from automodel_checkpoint.atomic import prepare_staging_dir, publish_staging_dir
+from automodel_checkpoint.convert import DiskPiece, DiskTensor, built_class, disk_layout
+from automodel_checkpoint.keys import (
     DEFAULT_KEY_RULES,
     KeyRules,
     collect_tensor_slots,
 )
-from automodel_distributed.checkpoint.materialize import _hf_model
-from automodel_distributed.checkpoint.safetensors_io import SafetensorsStreamWriter
-from automodel_modules import is_dtensor
+from automodel_checkpoint.materialize import initializable_hf_model
+from automodel_checkpoint.ranks import rank_of
+from automodel_checkpoint.safetensors_io import SafetensorsStreamWriter
+from automodel_modules import is_dtensor, reshard_fsdp_units
 
 __all__ = ["parse_size", "plan_shards", "save_hf_checkpoint"]
 
@@ -168,7 +167,7 @@ def _stream_files(
 
 
 def _write_configs(staging: Path, model: nn.Module, dtype: torch.dtype | None) -> None:
-    hf = _hf_model(model)
+    hf = initializable_hf_model(model)
     config = getattr(hf, "config", None)
     if hf is None or config is None:
         return
@@ -233,8 +232,8 @@ def save_hf_checkpoint(
         ValueError: An unreadable ``max_shard_size``; OSError from writing (on every rank).
     """
     limit = parse_size(max_shard_size)
-    _reshard_fsdp(model)
-    hf = _hf_model(model)
+    reshard_fsdp_units(model)
+    hf = initializable_hf_model(model)
     tied_targets = set((getattr(hf, "all_tied_weights_keys", None) or {}).keys())
     by_model_key: dict[str, torch.Tensor] = {}
     for slot in collect_tensor_slots(model, rules):
