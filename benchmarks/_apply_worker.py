@@ -43,17 +43,18 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
-def _apply_automodel(model: Any, path: str, device: Any, tune_host_allocator: bool = True) -> Any:
+def _apply_automodel(model: Any, path: str, device: Any, cpu_runtime: bool = True) -> Any:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from automodel_cpu import CPURuntime
     from automodel_distributed.config import FSDP2Config
     from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
     from automodel_mesh import MeshContext, ParallelismSizes
 
     config = FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
-        tune_host_allocator=tune_host_allocator,
+        host_runtime=CPURuntime() if cpu_runtime else None,
     )
     mesh = MeshContext.build(config, ParallelismSizes())
     wrapper, pipeline, parallelize_fn, qat = instantiate_infrastructure(
@@ -129,7 +130,7 @@ def _steps(model: Any, opt: Any, ids: Any, steps: int) -> tuple[list[float], lis
     return losses, times
 
 
-def _one(impl: str, checkpoint: str, seq: int, steps: int, tune_host_allocator: bool) -> dict[str, Any]:
+def _one(impl: str, checkpoint: str, seq: int, steps: int, cpu_runtime: bool) -> dict[str, Any]:
     """Fresh process, one implementation: apply time, peak memory of apply and of the first step, then
     the median time of ``steps`` more SGD steps and every loss."""
     import torch
@@ -144,7 +145,7 @@ def _one(impl: str, checkpoint: str, seq: int, steps: int, tune_host_allocator: 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if impl == "automodel":
-            model = _apply_automodel(model, checkpoint, torch.device("cpu"), tune_host_allocator)
+            model = _apply_automodel(model, checkpoint, torch.device("cpu"), cpu_runtime)
         else:
             model = _apply_nemo(model, checkpoint, torch.device("cpu"))
     dist.barrier()
@@ -171,10 +172,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed SGD steps after the first")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument(
-        "--tune-host-allocator",
+        "--cpu-runtime",
         choices=("true", "false"),
         default="true",
-        help="FSDP2Config.tune_host_allocator of the automodel job",
+        help="give the automodel job automodel_cpu.CPURuntime() (FSDP2Config.host_runtime)",
     )
     args = parser.parse_args()
     if args.impl != "automodel":
@@ -194,7 +195,7 @@ def main() -> None:
         import nemo_automodel._transformers.infrastructure  # noqa: F401
     else:
         import automodel_infra.infrastructure  # noqa: F401
-    result = _one(args.impl, args.checkpoint, args.seq, args.steps, args.tune_host_allocator == "true")
+    result = _one(args.impl, args.checkpoint, args.seq, args.steps, args.cpu_runtime == "true")
     result["torch"], result["transformers"] = torch.__version__, transformers.__version__
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))

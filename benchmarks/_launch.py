@@ -34,29 +34,27 @@ class HostSetting:
     """The settings of ours that a CPU row's memory and step time depend on, as one job runs them.
 
     ``host_allocator`` is the workers' malloc the way the ``automodel`` launcher starts them
-    (``launch.host_allocator``; its ``auto`` gives ``mimalloc`` on CPU), ``tune_host_allocator`` the
-    `FSDP2Config` field.
+    (``launch.host_allocator``; its ``auto`` gives ``mimalloc`` on CPU), ``cpu_runtime`` whether the
+    job gives the strategy ``automodel_cpu.CPURuntime()`` (``FSDP2Config.host_runtime``).
     """
 
     host_allocator: str
-    tune_host_allocator: bool
+    cpu_runtime: bool
     label: str
 
     def env(self) -> dict[str, str]:
         """The environment variables of this setting's workers."""
-        from automodel_all.cli.host_allocator import worker_environment
+        from automodel_cpu.mimalloc_preload import worker_environment
 
         return worker_environment(self.host_allocator)
 
 
 # Every allocator-dependent CPU row is measured under each of these, in the same run; the first is
-# what `automodel train` does by default, the second what plain torchrun gives with FSDP2Config's default.
+# what `automodel train` does on CPU, the last what plain torchrun gives with FSDP2Config's defaults.
 HOST_SETTINGS: tuple[HostSetting, ...] = (
-    HostSetting(
-        "mimalloc", True, "defaults: launch.host_allocator=auto (mimalloc), tune_host_allocator=True"
-    ),
-    HostSetting("glibc", True, "glibc malloc (plain torchrun), tune_host_allocator=True"),
-    HostSetting("glibc", False, "glibc malloc (plain torchrun), tune_host_allocator=False"),
+    HostSetting("mimalloc", True, "automodel train on CPU: mimalloc preloaded, CPURuntime"),
+    HostSetting("glibc", True, "glibc malloc, CPURuntime (plain torchrun, opted in)"),
+    HostSetting("glibc", False, "glibc malloc, no host runtime (plain torchrun, library defaults)"),
 )
 
 

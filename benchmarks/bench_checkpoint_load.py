@@ -117,15 +117,16 @@ def baseline(path: str) -> dict[str, Any]:
     return {"peak": meter.peak, "load_s": load_s, "loss": loss, "phases": meter.phases}
 
 
-def ours(path: str, tune_host_allocator: bool, steps: int) -> dict[str, Any]:
+def ours(path: str, cpu_runtime: bool, steps: int) -> dict[str, Any]:
     """FSDP2 over all ranks: meta model -> parallelize -> load_hf_checkpoint -> one SGD step.
 
-    ``tune_host_allocator`` is passed to `FSDP2Config` (True is the default on a CPU mesh; False leaves
-    glibc's allocator alone).
+    ``cpu_runtime``: give `FSDP2Config` ``automodel_cpu.CPURuntime()`` (what ``automodel train`` does on
+    CPU; without it FSDP2 is plain torch and glibc's allocator is left alone).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from automodel_checkpoint import load_hf_checkpoint
+    from automodel_cpu import CPURuntime
     from automodel_distributed.config import FSDP2Config
     from automodel_distributed.fsdp2 import FSDP2Manager
     from automodel_mesh import MeshContext, ParallelismSizes
@@ -133,7 +134,7 @@ def ours(path: str, tune_host_allocator: bool, steps: int) -> dict[str, Any]:
 
     config = FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
-        tune_host_allocator=tune_host_allocator,
+        host_runtime=CPURuntime() if cpu_runtime else None,
     )
     ctx = MeshContext.build(config, ParallelismSizes())
     assert ctx.device_mesh is not None
@@ -199,9 +200,7 @@ def measure_ours(
     path: Path, ranks: int, setting: HostSetting = HOST_SETTINGS[0], steps: int = 0
 ) -> list[dict[str, Any]]:
     """FSDP2 over ``ranks`` processes under ``setting``; one result per rank."""
-    return launch(
-        ours, ranks, str(path), setting.tune_host_allocator, steps, timeout_s=1200, env=setting.env()
-    )
+    return launch(ours, ranks, str(path), setting.cpu_runtime, steps, timeout_s=1200, env=setting.env())
 
 
 def main() -> None:

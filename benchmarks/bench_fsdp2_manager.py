@@ -4,9 +4,9 @@ Both versions of the same Llama (hidden 256, 4 layers, vocab 4096, batch 2 x 128
 in the same processes, on the same mesh, and timed in alternating rounds, so machine noise hits both
 alike. The baseline is the hand-written version under glibc's malloc with its defaults (what a user
 writing ``fully_shard`` under plain torchrun gets), measured in a job next to ours with
-``FSDP2Config.tune_host_allocator=False``. Every setting of `_launch.HOST_SETTINGS` runs in two jobs of
-its own (see `measure`): under glibc, ``tune_host_allocator=True`` changes process-wide allocator
-settings, so only ours runs there; under mimalloc (the ``automodel`` launcher's default on CPU, where
+no host runtime (FSDP2Config's default). Every setting of `_launch.HOST_SETTINGS` runs in two jobs of
+its own (see `measure`): under glibc, the CPU runtime changes process-wide allocator settings, so only
+ours runs there; under mimalloc (the ``automodel`` launcher's default on CPU, where
 the glibc tuning does nothing) the hand-written version runs alongside again, which gives the
 manager's own cost on that allocator too. Prints the ratio manager / hand-written for each layout and
 setting (goal: at most 1.03).
@@ -100,25 +100,24 @@ def _time_steps(
     return statistics.median(times)
 
 
-def _bench(
-    layout: str, steps: int, rounds: int, tune_host_allocator: bool, hand_written: bool
-) -> dict[str, Any]:
+def _bench(layout: str, steps: int, rounds: int, cpu_runtime: bool, hand_written: bool) -> dict[str, Any]:
     """Per round, the median step of ours and (when ``hand_written``) the hand-written version.
 
     Rounds alternate between the two (``steps`` steps each), so a drift of the machine's load hits both
     alike: many short rounds make the comparison robust on a shared host.
 
-    ``hand_written`` must be False when ``FSDP2Config.tune_host_allocator=True`` tunes glibc: its
+    ``hand_written`` must be False when the CPU runtime tunes glibc (``cpu_runtime`` under glibc): its
     process-wide settings would change what the hand-written version gets.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from automodel_cpu import CPURuntime
     from automodel_distributed import FSDP2Config, FSDP2Manager
 
     sizes = ParallelismSizes(tp_size=2) if layout == "tp2" else ParallelismSizes()
     config = FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
-        tune_host_allocator=tune_host_allocator,
+        host_runtime=CPURuntime() if cpu_runtime else None,
     )
     ctx = MeshContext.build(config, sizes)
     models = {"ours": FSDP2Manager(config, ctx.device_mesh).parallelize(build_tiny_model("llama", **MODEL))}
@@ -154,22 +153,20 @@ def measure(
     each setting; ``theirs_same_job[label]``: the hand-written version in that setting's jobs, where it
     ran. ``ours_runs[label]`` and ``theirs_runs``: the per-job figures behind the means, in job order.
     """
-    glibc_plain = next(
-        (s for s in settings if s.host_allocator == "glibc" and not s.tune_host_allocator), None
-    )
+    glibc_plain = next((s for s in settings if s.host_allocator == "glibc" and not s.cpu_runtime), None)
     if glibc_plain is None:
-        raise ValueError("settings must hold glibc with tune_host_allocator=False (the baseline's jobs)")
+        raise ValueError("settings must hold glibc without the CPU runtime (the baseline's jobs)")
     order = [glibc_plain, *(s for s in settings if s is not glibc_plain)]
     order += order[::-1]
     out: dict[str, dict[str, Any]] = {}
     for layout in ("fsdp2", "tp2"):
         figures: dict[str, dict[str, list[float]]] = {"ours": {}, "theirs_same_job": {}}
         for setting in order:
-            # Under glibc, tune_host_allocator=True changes process-wide allocator settings, which would
+            # Under glibc, the CPU runtime changes process-wide allocator settings, which would
             # change what the hand-written version gets: ours runs alone there.
-            alongside = not (setting.host_allocator == "glibc" and setting.tune_host_allocator)
+            alongside = not (setting.host_allocator == "glibc" and setting.cpu_runtime)
             per_rank = launch(
-                _bench, 2, layout, steps, max(rounds // 2, 1), setting.tune_host_allocator, alongside,
+                _bench, 2, layout, steps, max(rounds // 2, 1), setting.cpu_runtime, alongside,
                 timeout_s=1200, env=setting.env(),
             )  # fmt: skip
             figures["ours"].setdefault(setting.label, []).append(_median_over_rounds(per_rank, "ours"))

@@ -6,7 +6,7 @@ for that job; the measurement runs the job's own setup (`automodel_all.cli.train
 training step (AdamW's states are created first by a step on zero gradients, so they exist during the
 measured forward and backward, as in every step after the first; then `run_step` and the optimizer
 step), each layout in its own launch of fresh ranks under the launcher's CPU defaults (mimalloc
-preloaded, FSDP2's buffer pool on: `_launch.HOST_SETTINGS[0]`), and takes each rank's peak growth of
+preloaded, the CPU runtime on: `_launch.HOST_SETTINGS[0]`), and takes each rank's peak growth of
 resident memory: ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``VmRSS``
 before the setup (imports, the process group and a warm-up of the same job on a tiny model are done).
 Printed per layout: estimate, measured (largest rank), their ratio, and the largest rank's growth by
@@ -218,7 +218,7 @@ def measure(layouts: list[str] | None = None) -> list[dict[str, Any]]:
     from _launch import HOST_SETTINGS, launch
 
     setting = HOST_SETTINGS[0]  # what `automodel train` does by default on CPU
-    assert setting.host_allocator == "mimalloc" and setting.tune_host_allocator, setting
+    assert setting.host_allocator == "mimalloc" and setting.cpu_runtime, setting
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-planner-") as tmp:
         jobs, estimates = _jobs(Path(tmp))

@@ -171,17 +171,18 @@ def baseline(path: str, kind: str) -> dict[str, Any]:
     }
 
 
-def ours(name: str, path: str, kind: str, tune_host_allocator: bool) -> dict[str, Any]:
+def ours(name: str, path: str, kind: str, cpu_runtime: bool) -> dict[str, Any]:
     """One rank: meta model, the public API with ``load_base_model=True``, one step on this rank's row."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from automodel_cpu import CPURuntime
     from automodel_distributed import FSDP2Config
     from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
     from automodel_mesh import MeshContext, ParallelismSizes
     from automodel_moe import MoEParallelizerConfig
 
     spec = MODELS[name]
-    config = FSDP2Config(tune_host_allocator=tune_host_allocator)
+    config = FSDP2Config(host_runtime=CPURuntime() if cpu_runtime else None)
     mesh = MeshContext.build(config, ParallelismSizes(ep_size=spec.ep_size))
     infra = instantiate_infrastructure(
         distributed_config=config,
@@ -249,7 +250,7 @@ def measure(
                 (base,) = launch(baseline, 1, str(path), kind, init_process_group=False, timeout_s=3600)
                 per_setting = {
                     s.label: launch(
-                        ours, RANKS, name, str(path), kind, s.tune_host_allocator, timeout_s=3600, env=s.env()
+                        ours, RANKS, name, str(path), kind, s.cpu_runtime, timeout_s=3600, env=s.env()
                     )
                     for s in settings
                 }

@@ -2,12 +2,12 @@
 
 A Llama checkpoint (hidden 512, 8 layers, vocab 8192, fp32: about 33M parameters) is generated once.
 Then a scratch virtual environment receives ``nemo-automodel`` from PyPI **and** our
-``automodel-mesh``, ``automodel-distributed`` and ``automodel-infra`` from this checkout, so both
+``automodel-infra`` with what it needs (`OURS`) from this checkout, so both
 implementations run on the very same torch and transformers. In it, ``torchrun`` launches
 `_apply_worker.py` on 2 gloo ranks: ours once per setting of `_launch.HOST_SETTINGS` (the workers'
-malloc as the ``automodel`` launcher chooses it, and ``FSDP2Config.tune_host_allocator``), then NeMo
-(glibc's malloc, as torchrun starts it), then the same jobs in reverse order (a fresh job each, since
-NeMo patches FSDP2 classes globally): build the model on meta, ``instantiate_infrastructure`` +
+malloc as the ``automodel`` launcher chooses it, and the CPU runtime, ``FSDP2Config.host_runtime``),
+then NeMo (glibc's malloc, as torchrun starts it), then the same jobs in reverse order (a fresh job
+each, since NeMo patches FSDP2 classes globally): build the model on meta, ``instantiate_infrastructure`` +
 ``apply_model_infrastructure`` (FSDP2 over both ranks, fp32, load the checkpoint into the shards), then
 SGD steps on the same batch. The import cost of each orchestration module is CPU time, as in
 `bench_import_time.py`.
@@ -41,7 +41,14 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "_apply_worker.py"
 NEMO_REQUIREMENT = "nemo-automodel==0.7.0"
 NEMO_TORCH = "torch==2.11.*"  # see the module docstring
-OURS = ("automodel-mesh", "automodel-distributed", "automodel-infra")
+OURS = (
+    "automodel-mesh",
+    "automodel-modules",
+    "automodel-checkpoint",
+    "automodel-cpu",
+    "automodel-distributed",
+    "automodel-infra",
+)
 MODEL: dict[str, Any] = {
     "hidden_size": 512,
     "intermediate_size": 1376,
@@ -67,7 +74,7 @@ def _log(message: str) -> None:
 
 
 def make_environment(folder: Path) -> Path:
-    """Create the scratch venv with nemo-automodel and our three packages; return its python."""
+    """Create the scratch venv with nemo-automodel and our packages (`OURS`); return its python."""
     uv = shutil.which("uv")
     if uv is None:
         raise NemoUnavailable("`uv` is not on PATH, so no scratch environment can be made")
@@ -127,7 +134,7 @@ def measure(folder: Path, steps: int = 5, settings: Sequence[HostSetting] = HOST
     """Install, then run the jobs; per implementation: means over its jobs of the maxima over ranks.
 
     Ours runs once per `HostSetting` in ``settings`` (the workers' malloc and
-    ``FSDP2Config.tune_host_allocator``, both process-wide, so each gets its own jobs);
+    the CPU runtime (``FSDP2Config.host_runtime``), both process-wide, so each gets its own jobs);
     ``results["automodel"][setting.label]`` holds its figures. NeMo runs under glibc's malloc with its
     defaults, as torchrun starts it. Every figure ``key`` also comes as ``key + "_runs"``: one value per
     job, in job order.
@@ -148,7 +155,7 @@ def measure(folder: Path, steps: int = 5, settings: Sequence[HostSetting] = HOST
     for index, (impl, setting) in enumerate(order):
         extra = ["--steps", str(steps)]
         if setting is not None:
-            extra += ["--tune-host-allocator", str(setting.tune_host_allocator).lower()]
+            extra += ["--cpu-runtime", str(setting.cpu_runtime).lower()]
         env = setting.env() if setting is not None else None
         start = time.perf_counter()
         per_rank = run_job(python, impl, checkpoint, folder / f"out{index}", *extra, env=env)

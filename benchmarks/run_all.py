@@ -26,9 +26,9 @@ Sections (each one also runs alone as its own script, with more detail):
   widths with 64 experts under EP 4), 4 ranks against transformers in one process on the same global
   batch (`bench_scale.py`).
 
-A figure that depends on a setting of ours (the workers' malloc, ``launch.host_allocator``, and
-``FSDP2Config.tune_host_allocator``, for every CPU row that trains through `FSDP2Manager`) is measured
-under each of `_launch.HOST_SETTINGS`, in the same run, and shown as one row per setting (the
+A figure that depends on a setting of ours (the workers' malloc, ``launch.host_allocator``, and the
+CPU runtime, ``FSDP2Config.host_runtime``, for every CPU row that trains through `FSDP2Manager`) is
+measured under each of `_launch.HOST_SETTINGS`, in the same run, and shown as one row per setting (the
 planner's measured peaks run under the defaults only: each layout in fresh ranks on mimalloc). Ratios are
 ours / baseline: below 1 is better for time and memory. On a CPU host (gloo), times are only
 meaningful as ratios between rows of the same run; they say nothing about GPU speed.

@@ -61,7 +61,7 @@ def _node(requires: Iterable[str] = (), optional: Iterable[str] = (), *, publish
     return Node(frozenset(requires), frozenset(optional), published)
 
 
-_MESH, _MODS, _CKPT = "automodel-mesh", "automodel-modules", "automodel-checkpoint"
+_MESH, _MODS, _CKPT, _CPU = "automodel-mesh", "automodel-modules", "automodel-checkpoint", "automodel-cpu"
 _DIST, _PP, _MOE = "automodel-distributed", "automodel-pipelining", "automodel-moe"
 _QUANT, _PEFT, _INFRA = "automodel-quant", "automodel-peft", "automodel-infra"
 
@@ -69,6 +69,7 @@ _QUANT, _PEFT, _INFRA = "automodel-quant", "automodel-peft", "automodel-infra"
 ALLOWED_GRAPH: Mapping[str, Node] = {
     _MESH: _node(),  # meshes, sizes, axis names (and the ConfigDict its sizes and every config share)
     _MODS: _node(),  # module-tree tools: names across wrappers, lookups, the fake-tensor tracer
+    _CPU: _node(),  # opt-in CPU runtime (host buffers, allocator, CPU ring attention); torch only
     _CKPT: _node([_MODS]),  # HF / DCP checkpoints into and out of shards; imports no strategy
     _DIST: _node([_MESH, _MODS, _CKPT]),
     _PP: _node([_MESH, _MODS]),  # gets a parallelize_fn from its caller; never imports automodel_distributed
@@ -76,7 +77,7 @@ ALLOWED_GRAPH: Mapping[str, Node] = {
     _QUANT: _node([_MESH, _MODS]),  # torchao (+ optional bitsandbytes); uses ConfigDict, no mesh
     _PEFT: _node([_MESH, _MODS], optional=[_QUANT]),  # QLoRA through the [quant] extra
     _INFRA: _node([_MESH, _CKPT, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),
-    "automodel-all": _node([_MESH, _MODS, _CKPT, _DIST, _PP, _MOE, _QUANT, _PEFT, _INFRA]),
+    "automodel-all": _node([_MESH, _MODS, _CKPT, _CPU, _DIST, _PP, _MOE, _QUANT, _PEFT, _INFRA]),
     "automodel-testing": _node([_MESH, _MODS], published=False),
 }
 

@@ -148,6 +148,7 @@ def _run(case: str, checkpoint: str) -> dict[str, Any]:
             if case == "pp":
                 model.step(batch["input_ids"], target=target, position_ids=batch["position_ids"])
             elif case.startswith("cp"):
+                from automodel_cpu import CPURuntime
                 from automodel_distributed.context_parallel import (
                     context_parallel_inputs,
                     context_parallel_region,
@@ -157,7 +158,7 @@ def _run(case: str, checkpoint: str) -> dict[str, Any]:
                     {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "target": target}
                 )
                 with context_parallel_region(
-                    ctx, prepared, seq_dims={"target": 1}, cpu_ring_attention=True
+                    ctx, prepared, seq_dims={"target": 1}, host_runtime=CPURuntime()
                 ) as local:
                     logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
                     loss(logits, local["target"])

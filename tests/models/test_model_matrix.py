@@ -460,6 +460,7 @@ def _forward_backward(
         logits = torch.cat(loss_fn.logits[-local["input_ids"].shape[0] :]) if loss_fn.logits else None
         return total, logits
     if axes.cp_size > 1:
+        from automodel_cpu import CPURuntime
         from automodel_distributed.context_parallel import (
             context_parallel_inputs,
             context_parallel_region,
@@ -473,8 +474,9 @@ def _forward_backward(
                 "shift_labels": local["labels"],
             }
         )
-        # CPU meshes run torch's ring attention through the explicit CPU kernel switch.
-        with context_parallel_region(ctx, prepared, cpu_ring_attention=ctx.device_type == "cpu") as shard:
+        # CPU meshes run torch's ring attention through the CPU runtime's kernel.
+        runtime = CPURuntime() if ctx.device_type == "cpu" else None
+        with context_parallel_region(ctx, prepared, host_runtime=runtime) as shard:
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
             loss_sum = _token_sum(logits, shard["shift_labels"])
             (loss_sum / denominator).backward()

@@ -1,9 +1,8 @@
-"""Single-process saves: consolidated HF checkpoints, HF-PEFT adapters, DCP resume, allocator helpers."""
+"""Single-process saves: consolidated HF checkpoints, HF-PEFT adapters, DCP resume."""
 
 from __future__ import annotations
 
 import json
-import time
 import warnings
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from automodel_checkpoint import (
     save_hf_checkpoint,
 )
 from automodel_checkpoint.hf_save import parse_size, plan_shards
-from automodel_distributed.host_memory import configure_host_allocator, release_host_memory
 from automodel_testing import build_tiny_model, make_batch
 
 
@@ -126,68 +124,3 @@ def test_distributed_checkpoint_resume_single_process(tmp_path: Path) -> None:
     save_hf_checkpoint(model, tmp_path / "hf")
     with pytest.raises(ValueError, match="not a distributed one"):
         load_distributed_checkpoint(fresh, opt2, tmp_path / "hf")
-
-
-def test_host_allocator_helpers() -> None:
-    assert isinstance(configure_host_allocator(), bool)
-    assert isinstance(release_host_memory(), bool)
-
-
-def test_host_buffer_pool_reuses_only_buffers_nobody_uses() -> None:
-    from automodel_distributed.host_memory import HostBufferPool
-
-    pool = HostBufferPool()
-    cpu = torch.device("cpu")
-    first = pool.allocate((6,), dtype=torch.float32, device=cpu)
-    chunks = first.view(2, 3).unbind(0)  # FSDP's copy-out holds views like these while it reads them
-    second = pool.allocate((6,), dtype=torch.float32, device=cpu)
-    assert second.data_ptr() != first.data_ptr(), "a buffer still in use was handed out again"
-    other = pool.allocate((6,), dtype=torch.float16, device=cpu)
-    assert other.dtype == torch.float16 and pool.nbytes == 2 * 6 * 4 + 6 * 2
-    address = first.data_ptr()
-    del first, chunks
-    again = pool.allocate((6,), dtype=torch.float32, device=cpu)
-    assert again.data_ptr() == address and again.shape == (6,)
-    assert pool.nbytes == 2 * 6 * 4 + 6 * 2, "a freed buffer was kept twice"
-    assert (pool.requests, pool.reused) == (4, 1)
-
-
-def test_host_buffer_pool_waits_for_a_buffer_another_thread_is_about_to_drop() -> None:
-    """As gloo's worker thread drops a finished collective's tensors just after ``wait()`` returns."""
-    import threading
-
-    from automodel_distributed.host_memory import HANDBACK_WAIT_S, HostBufferPool
-
-    cpu = torch.device("cpu")
-    pool = HostBufferPool(handback_wait_s=10.0)  # a bound no test machine reaches
-    held = [pool.allocate((6,), dtype=torch.float32, device=cpu)]
-    address = held[0].data_ptr()
-    dropper = threading.Timer(0.05, held.clear)
-    dropper.start()
-    again = pool.allocate((6,), dtype=torch.float32, device=cpu)
-    dropper.join()
-    assert again.data_ptr() == address and pool.nbytes == 6 * 4, "kept a second buffer instead of waiting"
-    # Held past the wait: a new buffer, after about the wait.
-    assert 0 < HANDBACK_WAIT_S <= 0.1
-    pool = HostBufferPool(handback_wait_s=0.05)
-    first = pool.allocate((6,), dtype=torch.float32, device=cpu)
-    start = time.monotonic()
-    second = pool.allocate((6,), dtype=torch.float32, device=cpu)
-    assert time.monotonic() - start >= 0.05
-    assert second.data_ptr() != first.data_ptr() and pool.nbytes == 2 * 6 * 4
-
-
-def test_host_buffer_pool_keeps_nothing_above_its_bound() -> None:
-    from automodel_distributed.host_memory import POOL_MAX_BYTES, HostBufferPool
-
-    assert POOL_MAX_BYTES == 64 << 20  # the launcher's mimalloc bound (automodel_all.cli.host_allocator)
-    pool = HostBufferPool(max_bytes=64)
-    cpu = torch.device("cpu")
-    kept = pool.allocate((16,), dtype=torch.float32, device=cpu)  # 64 bytes: at the bound, kept
-    large = pool.allocate((17,), dtype=torch.float32, device=cpu)
-    assert pool.nbytes == 64 and large.shape == (17,) and large.dtype == torch.float32
-    address = kept.data_ptr()
-    del kept, large
-    assert pool.allocate((16,), dtype=torch.float32, device=cpu).data_ptr() == address
-    assert pool.nbytes == 64, "a buffer above the bound was kept"
-    assert (pool.requests, pool.reused) == (2, 1), "a request above the bound was counted"

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
 import torch
 
+from automodel_distributed.host_runtime import HostRuntime
 from automodel_mesh import MeshKind
 from automodel_mesh.config_dict import ConfigDict
 
@@ -185,26 +186,13 @@ class FSDP2Config(ConfigDict):
     """Blocks to prefetch ahead in forward when prefetch is on."""
     multimodal: MultimodalDistributedConfig = field(default_factory=MultimodalDistributedConfig)
     """Sharding policy for frozen multimodal towers."""
-    tune_host_allocator: bool = True
-    """Keep host memory from piling up when FSDP2's buffers live on the host (a CPU mesh, or CPU
-    offload). Three parts: on a CPU mesh every FSDP2 unit takes its all-gather and reduce-scatter buffers
-    from one pool per model, reused from step to step up to 64 MiB a buffer, and on gloo runs those
-    collectives in pieces of at most 32 MiB, since gloo allocates a temporary of the whole size
-    (`automodel_distributed.host_memory.pool_fsdp_buffers`), frees each buffer as soon as
-    the host is done with it rather than when FSDP2's stream bookkeeping would (an all-gather output
-    once copied out, `free_all_gather_outputs_after_copy_out`; a reduce-scatter input above the pool's
-    bound once reduced), and hands the allocator's free memory back to the OS before a buffer above
-    256 MiB (`RELEASE_ABOVE_BYTES`); gradients are copied into the
-    reduce-scatter buffer in its dtype without torch's temporary of the gradients' size (process-wide,
-    the same values bit for bit: `automodel_distributed.host_copy_in`); and, when glibc's
-    malloc serves the process, its mmap and trim thresholds are fixed when the manager is created
-    (`configure_host_allocator`, process-wide), so the other large buffers FSDP2 frees every step go
-    back to the OS instead of staying resident in malloc arenas. Under glibc that halves the peak per
-    rank but costs page faults on every step (about 1.5x the step time on the benchmark job); under
-    mimalloc, which the ``automodel`` launcher preloads into CPU workers (``launch.host_allocator``),
-    only the pool applies and neither cost remains. Both values are measured in every benchmark run
-    (docs/benchmarks.md, "The host allocator setting"). Not in NeMo AutoModel; False leaves the
-    allocator and FSDP2's collectives alone."""
+    host_runtime: HostRuntime | None = None
+    """An opt-in layer for collectives and tensors in host memory (a CPU mesh, or CPU offload), such as
+    ``automodel_cpu.CPURuntime`` (`automodel_distributed.host_runtime.HostRuntime`): the manager calls
+    its ``prepare_process`` when created and its ``attach_fsdp`` after ``fully_shard`` on a CPU mesh.
+    ``None`` (the default): plain torch FSDP2, no process-wide setting, no op override. A runtime on a
+    CUDA mesh without CPU offload would act on nothing and is refused. Not in NeMo AutoModel; the
+    ``automodel`` command gives one to its CPU jobs, and YAML cannot set it."""
 
     def __post_init__(self) -> None:
         _check_bool(
@@ -215,8 +203,12 @@ class FSDP2Config(ConfigDict):
             "enable_async_tensor_parallel",
             "enable_compile",
             "enable_fsdp2_prefetch",
-            "tune_host_allocator",
         )
+        if self.host_runtime is not None and not isinstance(self.host_runtime, HostRuntime):
+            raise ValueError(
+                "FSDP2Config.host_runtime must implement automodel_distributed.host_runtime.HostRuntime "
+                f"(e.g. automodel_cpu.CPURuntime()), got {type(self.host_runtime).__name__}"
+            )
         self.activation_checkpointing = _checked_activation_checkpointing(
             self.activation_checkpointing, "FSDP2Config.activation_checkpointing"
         )

@@ -36,10 +36,10 @@ same load-balanced layout) and opens a document region instead
 values over ``cp`` and runs SDPA with a per-document causal mask. That path holds all keys per rank and
 an O(T^2 / cp) mask: it is exact, not fast. Unpacked batches keep ring attention.
 
-CPU: PyTorch ships ring attention only for the CUDA kernels; on a CPU mesh (gloo) the region needs
-``cpu_ring_attention=True``, the explicit switch to automodel's test backend
-(`automodel_distributed.cpu_ring_attention`, private torch internals); without it a CPU mesh is refused
-with a `ValueError` before any collective. Packed batches do not use ring attention and need no switch.
+CPU: PyTorch ships ring attention only for the CUDA kernels; on a CPU mesh (gloo) the region needs a
+host runtime (``host_runtime=automodel_cpu.CPURuntime()``, whose ``ring_attention`` registers the CPU
+kernel through private torch internals while the region is open); without one a CPU mesh is refused
+with a `ValueError` before any collective. Packed batches do not use ring attention and need none.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from automodel_distributed.cp_document_attention import (
     document_region_active,
     register_cp_document_attention,
 )
+from automodel_distributed.host_runtime import HostRuntime
 from automodel_distributed.layers import find_transformer_blocks
 from automodel_mesh import MeshAxisName, MeshContext
 from automodel_modules import find_hf_model, unwrap
@@ -380,7 +381,7 @@ def context_parallel_region(
     batch: Mapping[str, Any],
     *,
     seq_dims: Mapping[str, int] | None = None,
-    cpu_ring_attention: bool = False,
+    host_runtime: HostRuntime | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Shard ``batch`` over the ``cp`` axis and run SDPA as ring attention until the context closes.
 
@@ -392,7 +393,7 @@ def context_parallel_region(
     Packed rows (``position_ids`` restarting inside a row): the same shards, but instead of ring attention
     a document region (`automodel_distributed.cp_document_attention.document_region`): the model's
     attention gathers keys and values over ``cp`` and masks them per document, exactly (not fast: all
-    keys and an O(T^2 / cp) mask per rank). ``cpu_ring_attention`` is then not needed.
+    keys and an O(T^2 / cp) mask per rank). No host runtime is needed then.
 
     Preconditions: `apply_context_parallel` was applied to the model; the batch went through
     `context_parallel_inputs`; every rank of the ``cp`` axis enters with the same global batch.
@@ -403,15 +404,16 @@ def context_parallel_region(
         mesh: The ``cp`` mesh (1-D), a mesh with a ``cp`` axis, or a `MeshContext`.
         batch: The global batch.
         seq_dims: Sequence dim per key, overriding the default 1.
-        cpu_ring_attention: On a CPU mesh, run ring attention through automodel's CPU test backend
-            (`automodel_distributed.cpu_ring_attention`: private torch internals, patched only while the
-            region is open). Ignored, with a warning, on CUDA.
+        host_runtime: On a CPU mesh, what runs ring attention on CPU tensors
+            (`automodel_distributed.host_runtime.HostRuntime.ring_attention`, e.g.
+            ``automodel_cpu.CPURuntime()``: private torch internals, patched only while the region is
+            open). Refused on CUDA, where torch's own kernels run.
 
     Raises:
         ValueError: Sharded tensors disagree on the sequence length, or it is not divisible by
             ``2 * cp_size``; the batch has ``labels`` or ``attention_mask`` not named in ``seq_dims``; a
-            CPU mesh without ``cpu_ring_attention=True`` (unpacked rows).
-        RuntimeError: With ``cpu_ring_attention``, the installed torch lacks the internals it needs.
+            CPU mesh without ``host_runtime`` (unpacked rows), or a CUDA mesh with one.
+        RuntimeError: On CPU, the installed torch lacks the internals the host runtime needs.
     """
     cp_mesh = _cp_mesh(mesh)
     dims = dict(seq_dims or {})
@@ -452,15 +454,16 @@ def context_parallel_region(
                 _ACTIVE_CP_SIZE.reset(token)
         return
     on_cpu = cp_mesh.device_type == "cpu"
-    if on_cpu and not cpu_ring_attention:
+    if on_cpu and host_runtime is None:
         raise ValueError(
             "context parallelism on a CPU mesh: torch has ring attention for CUDA SDPA kernels only; pass "
-            "context_parallel_region(..., cpu_ring_attention=True) to use automodel's CPU test backend "
+            "context_parallel_region(..., host_runtime=automodel_cpu.CPURuntime()) for its CPU kernel "
             "(private torch internals, for testing), or run on CUDA devices"
         )
-    if cpu_ring_attention and not on_cpu:
-        warnings.warn(
-            "context_parallel_region(cpu_ring_attention=True) is ignored on a CUDA mesh", stacklevel=3
+    if host_runtime is not None and not on_cpu:
+        raise ValueError(
+            f"context_parallel_region(host_runtime=...) acts on CPU meshes only; this is a "
+            f"{cp_mesh.device_type} mesh, whose ring attention is torch's own: drop host_runtime"
         )
     local = dict(batch)
     buffers = [batch[k].clone() for k in keys]
@@ -475,10 +478,8 @@ def context_parallel_region(
                 no_restore_buffers=set(buffers),
             )
         )
-        if on_cpu:
-            from automodel_distributed.cpu_ring_attention import cpu_ring_attention as cpu_backend
-
-            stack.enter_context(cpu_backend())
+        if host_runtime is not None:
+            stack.enter_context(host_runtime.ring_attention())
         local.update(zip(keys, buffers, strict=True))
         token = _ACTIVE_CP_SIZE.set(cp_mesh.size())
         try:

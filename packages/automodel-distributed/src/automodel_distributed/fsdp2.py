@@ -495,12 +495,24 @@ class FSDP2Manager(StrategyDefaults):
             config.mp_policy if config.mp_policy is not None else default_mp_policy()
         )
         self.offload_policy: OffloadPolicy | None = _offload_for_host(config.offload_policy)
-        host_buffers = self.mesh.device_type == "cpu" or self.offload_policy is not None
-        if config.tune_host_allocator and self.device_mesh is not None and host_buffers:
-            # Before the model is materialised: the setting applies to allocations made afterwards.
-            from automodel_distributed.host_memory import configure_host_allocator
+        self._prepare_host_runtime()
 
-            configure_host_allocator()
+    def _prepare_host_runtime(self) -> None:
+        """Let ``config.host_runtime`` make its process-wide settings, before anything is materialised.
+
+        Raises:
+            ValueError: A host runtime on an accelerator mesh without CPU offload (it would act on nothing).
+        """
+        host = self.config.host_runtime
+        if host is None or self.device_mesh is None:
+            return
+        if self.mesh.device_type != "cpu" and self.offload_policy is None:
+            raise ValueError(
+                f"FSDP2Config.host_runtime ({type(host).__name__}) serves collectives and tensors in host "
+                f"memory, but this is a {self.mesh.device_type} mesh without offload_policy: drop it, or "
+                "set offload_policy=CPUOffloadPolicy()"
+            )
+        host.prepare_process()
 
     def with_experts(self, experts: ExpertParallelism) -> FSDP2Manager:
         """A manager over the same config and mesh that runs ``experts`` first in `parallelize`."""
@@ -602,6 +614,7 @@ class FSDP2Manager(StrategyDefaults):
                     ("offload_policy", self.offload_policy is not None),
                     ("enable_fsdp2_prefetch", cfg.enable_fsdp2_prefetch),
                     ("reshard_after_forward", cfg.reshard_after_forward is not None),
+                    ("host_runtime", cfg.host_runtime is not None),
                 )
                 if active
             ]
@@ -629,18 +642,8 @@ class FSDP2Manager(StrategyDefaults):
         )
         # FSDP2 reduces after the whole backward, so the rows may join the gradient after accumulation.
         accumulate_tied_embedding_rows(model)
-        if cfg.tune_host_allocator and self.mesh.device_type == "cpu":
-            # Collective buffers on the host: keep them across steps (see configure_host_allocator), and
-            # copy gradients into the reduce-scatter buffer without a temporary (see host_copy_in).
-            from automodel_distributed.host_copy_in import register_host_copy_in
-            from automodel_distributed.host_memory import (
-                free_all_gather_outputs_after_copy_out,
-                pool_fsdp_buffers,
-            )
-
-            pool_fsdp_buffers(model)
-            free_all_gather_outputs_after_copy_out(model)
-            register_host_copy_in()
+        if cfg.host_runtime is not None and self.mesh.device_type == "cpu":
+            cfg.host_runtime.attach_fsdp(model)  # the collectives' buffers live in host memory
         return model
 
     def dp_mesh(self) -> DeviceMesh:

@@ -399,19 +399,19 @@ def fsdp_comm_buffer_bytes(
     so two units that run one after the other hold two at once. Each reduce-scatter copies the unit's
     gradients into one flat buffer of the reduction dtype, held until the next unit's post-backward,
     that is through the next unit's backward all-gather. Buffers of one size and dtype are reused (the
-    host `HostBufferPool` of `automodel_distributed.host_memory` on CPU, which keeps them
+    host `HostBufferPool` of `automodel_cpu.fsdp_buffer_pool` under a CPU runtime, which keeps them
     from step to step; the caching allocator on GPU). So, per distinct unit size:
 
     - one dtype for both collectives (``reduce_bytes`` None): the buffers are shared; two when two
       consecutive units have that size (a model's blocks), else one;
     - a wider reduction dtype: all-gather outputs as above, except one per size on the host with
-      ``FSDP2Config.tune_host_allocator`` (``host_tuned``: each is freed once copied out,
-      `automodel_distributed.host_memory.free_all_gather_outputs_after_copy_out`), plus
+      ``FSDP2Config.host_runtime`` (``host_tuned``: each is freed once copied out,
+      `automodel_cpu.fsdp_buffer_pool.free_all_gather_outputs_after_copy_out`), plus
       one reduce-scatter input per size.
 
     The reduce-scatter *outputs* are the sharded gradients themselves (the gradients line). On the
-    host with ``tune_host_allocator`` a reduce-scatter input above the pool's bound is never filled
-    (each piece is copied from the gradients, `automodel_distributed.host_copy_in`), so
+    host under a CPU runtime a reduce-scatter input above the pool's bound is never filled
+    (each piece is copied from the gradients, `automodel_cpu.copy_in_kernel`), so
     counting it there keeps this an upper bound.
 
     Args:
@@ -419,7 +419,7 @@ def fsdp_comm_buffer_bytes(
             the parameters' (all-gather) dtype, in the order the units run in forward.
         shard: Ranks each unit is sharded over (``dp_shard_cp``); 1: no collective, no buffer.
         reduce_bytes: The same units' bytes in the reduction dtype, when it differs.
-        host_tuned: The collectives run on the host under ``tune_host_allocator``.
+        host_tuned: The collectives run on the host under a CPU runtime (``FSDP2Config.host_runtime``).
     """
     if shard <= 1 or not unit_bytes:
         return 0

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from automodel_cpu import CPURuntime
 from automodel_distributed.context_parallel import (
     apply_context_parallel,
     context_parallel_inputs,
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.distributed
 
 FAMILIES = ("llama", "qwen2", "mistral", "llama_tied")
 ATOL = 1e-5
+CPU = CPURuntime()  # ring attention on CPU tensors
 SEQ = 16
 
 
@@ -45,7 +47,7 @@ def _round_trip(mesh: Any) -> dict[str, Any]:
         "heads_first": torch.randn(2, 4, SEQ, 5, generator=gen),
         "untouched": torch.randn(7, generator=gen),
     }
-    with context_parallel_region(mesh, batch, seq_dims={"heads_first": 2}, cpu_ring_attention=True) as local:
+    with context_parallel_region(mesh, batch, seq_dims={"heads_first": 2}, host_runtime=CPU) as local:
         order = load_balance_indices(SEQ, size)
         mine = order.chunk(size)[rank]
         shard_ok = (
@@ -78,7 +80,7 @@ def _parity(family: str, mesh: Any) -> dict[str, float]:
     model = apply_context_parallel(build_tiny_model(family))
     batch = context_parallel_inputs(global_batch)
     num_tokens = int((batch["shift_labels"] != -100).sum())
-    with context_parallel_region(mesh, batch, cpu_ring_attention=True) as local:
+    with context_parallel_region(mesh, batch, host_runtime=CPU) as local:
         out = model(
             input_ids=local["input_ids"],
             position_ids=local["position_ids"],
@@ -111,7 +113,7 @@ def _shift_after_sharding_is_wrong(mesh: Any) -> float:
     batch = context_parallel_inputs({k: v for k, v in global_batch.items() if k != "labels"})
     batch["labels"] = global_batch["labels"]  # sharded as is: transformers shifts each shard
     with (
-        context_parallel_region(mesh, batch, seq_dims={"labels": 1}, cpu_ring_attention=True) as local,
+        context_parallel_region(mesh, batch, seq_dims={"labels": 1}, host_runtime=CPU) as local,
         torch.no_grad(),
     ):
         loss = model(
@@ -127,13 +129,13 @@ def _rank_main() -> dict[str, Any]:
     too_short = context_parallel_inputs(make_batch(128, 2, 6))
     errors = []
     cases = (
-        (too_short, True),  # a 6-token sequence
-        (make_batch(128, 2, SEQ), True),  # raw labels
-        (context_parallel_inputs(make_batch(128, 2, SEQ)), False),  # a CPU mesh without the switch
+        (too_short, CPU),  # a 6-token sequence
+        (make_batch(128, 2, SEQ), CPU),  # raw labels
+        (context_parallel_inputs(make_batch(128, 2, SEQ)), None),  # a CPU mesh without a host runtime
     )
-    for bad, cpu_ring in cases:
+    for bad, runtime in cases:
         try:
-            with context_parallel_region(mesh, bad, cpu_ring_attention=cpu_ring):
+            with context_parallel_region(mesh, bad, host_runtime=runtime):
                 pass
             errors.append("no error")
         except ValueError as exc:
@@ -159,5 +161,5 @@ def test_context_parallel_on_two_ranks() -> None:
         assert result["shift_after_sharding"] > 1e-3, "per-shard label shift should not match"
         assert "divisible by 2 * cp_size = 4, got 6" in result["errors"][0]
         assert "got 'labels'" in result["errors"][1]
-        # The CPU ring-attention backend is an explicit opt-in, never switched on behind the caller's back.
-        assert "cpu_ring_attention=True" in result["errors"][2], result["errors"][2]
+        # The CPU ring-attention kernel is an explicit opt-in, never switched on behind the caller's back.
+        assert "host_runtime=automodel_cpu.CPURuntime()" in result["errors"][2], result["errors"][2]

@@ -280,9 +280,31 @@ def _world_one() -> dict[str, Any]:
     }
 
 
+def _plain_torch_by_default() -> list[str]:
+    """What of FSDP2's own machinery a default manager replaced on a CPU mesh (nothing, without a runtime)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from automodel_distributed import FSDP2Config, FSDP2Manager
+    from automodel_testing import build_tiny_model, make_batch
+
+    config = FSDP2Config()
+    model = FSDP2Manager(config, MeshContext.build(config).device_mesh).parallelize(build_tiny_model("llama"))
+    batch = make_batch(model.config.vocab_size, 2, 16, seed=0)
+    model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss.backward()
+    replaced = []
+    for name, module in model.named_modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for comm in ("_all_gather_comm", "_reduce_scatter_comm"):
+            kind = type(getattr(group, comm, None))
+            if group is not None and not kind.__module__.startswith("torch."):
+                replaced.append(f"{name or 'root'}.{comm}: {kind.__module__}.{kind.__name__}")
+    return replaced
+
+
 def _run(world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     if world == 2:
+        results["plain_torch_by_default"] = _plain_torch_by_default()
         results["deferred_grad_sync"] = _deferred_grad_sync()
         results["eval_then_train"] = _eval_then_train()
         results["root_reshard"] = _root_reshard()
@@ -306,6 +328,8 @@ def test_fsdp2_manager_parity(world: int) -> None:
     atol = {f"{label}/{family}": tol for label, family, _, _, tol in EXTRAS[world]}
     for rank, results in enumerate(per_rank):
         if world == 2:
+            # No host runtime given: FSDP2's collectives and their buffers are torch's own.
+            assert results.pop("plain_torch_by_default") == []
             assert results.pop("deferred_grad_sync") <= FP32_ATOL
             evaluated = results.pop("eval_then_train")
             assert evaluated["control_gathered_after_eval"] > 0, (

@@ -20,7 +20,6 @@ from automodel_distributed.context_parallel import (
     load_balance_indices,
 )
 from automodel_distributed.cp_document_attention import CP_DOCUMENT_ATTENTION, _DocumentLayout, document_ids
-from automodel_distributed.cpu_ring_attention import cpu_ring_attention_available
 from automodel_testing import build_tiny_model, make_batch
 
 
@@ -112,10 +111,6 @@ def test_the_registered_attention_is_sdpa_outside_a_document_region() -> None:
     assert model.config._attn_implementation == CP_DOCUMENT_ATTENTION
     assert apply_context_parallel(model).config._attn_implementation == CP_DOCUMENT_ATTENTION
     assert torch.equal(model(**batch).logits, expected)  # packed rows isolated outside CP too
-
-
-def test_cpu_ring_attention_internals_exist_in_this_torch() -> None:
-    assert cpu_ring_attention_available() == (True, "")
 
 
 def test_eager_attention_is_rejected() -> None:

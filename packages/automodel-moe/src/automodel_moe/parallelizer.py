@@ -270,6 +270,5 @@ def parallelize_model(
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,  # type: ignore[arg-type]  # validated there
         activation_checkpointing_scope=activation_checkpointing_scope,
-        tune_host_allocator=False,
     )
     return FSDP2Manager(fsdp, mesh=ctx, experts=ExpertParallel(moe)).parallelize(model)

@@ -44,6 +44,7 @@ from automodel_distributed.config import (
     FSDP2Config,
     MegatronFSDPConfig,
 )
+from automodel_distributed.host_runtime import HostRuntime
 from automodel_mesh import MeshContext, ParallelismSizes
 from automodel_mesh.layout import MeshLayout
 from automodel_moe.config import MoEParallelizerConfig
@@ -107,6 +108,9 @@ class JobConfig:
     moe: MoEParallelizerConfig | None
     freeze_config: FreezeConfig | None
     """Parts of a multimodal model to freeze before sharding (the section's presence turns it on)."""
+    host_runtime: HostRuntime | None = None
+    """The CPU runtime of a CPU job (``automodel_cpu.CPURuntime``), given to the FSDP2 strategy and the
+    context-parallel region; ``None`` on GPUs (`build_job`)."""
 
     @property
     def device_type(self) -> str:
@@ -150,9 +154,23 @@ def _distributed(raw: RawJob, device_type: str) -> tuple[str, DistributedConfig]
         # On CPU, bf16 matmuls are slow and buy nothing: default to the model's own dtype.
         dtype = str(raw.sections.get("model", {}).get("dtype", "float32"))
         values["mp_policy"] = {"param_dtype": dtype, "reduce_dtype": "float32"}
+    if "host_runtime" in values:
+        raise ConfigError(
+            f"{raw.where('distributed', 'host_runtime')}: distributed.host_runtime cannot be set in a job: "
+            "the automodel command gives CPU jobs automodel_cpu.CPURuntime() (and GPU jobs none)"
+        )
     return strategy, build_dataclass(
         STRATEGIES[strategy], raw, "distributed", values=values, skip=("strategy",)
     )
+
+
+def _host_runtime(device_type: str) -> HostRuntime | None:
+    """The CPU runtime a CPU job runs with (pooled FSDP2 host buffers, CPU ring attention); None on GPUs."""
+    if device_type != "cpu":
+        return None
+    from automodel_cpu import CPURuntime
+
+    return CPURuntime()
 
 
 def build_job(raw: RawJob) -> JobConfig:
@@ -174,6 +192,9 @@ def build_job(raw: RawJob) -> JobConfig:
         launch.device if launch.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     strategy, distributed = _distributed(raw, device_type)
+    host_runtime = _host_runtime(device_type)
+    if isinstance(distributed, FSDP2Config):
+        distributed = dataclasses.replace(distributed, host_runtime=host_runtime)
     return JobConfig(
         raw=raw,
         model=build_dataclass(ModelSection, raw, "model"),
@@ -190,6 +211,7 @@ def build_job(raw: RawJob) -> JobConfig:
         compile=_optional(CompileConfig, raw, "compile"),
         moe=_optional(MoEParallelizerConfig, raw, "moe"),
         freeze_config=_optional(FreezeConfig, raw, "freeze_config"),
+        host_runtime=host_runtime,
     )
 
 

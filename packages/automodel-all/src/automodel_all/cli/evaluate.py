@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from automodel_all.cli.packing import IGNORE_INDEX, TokenRows
-from automodel_all.cli.steps import TokenLoss, run_step
+from automodel_all.cli.steps import ContextParallelism, TokenLoss, run_step
 from automodel_distributed.strategy import StrategyManager
 
 __all__ = ["evaluate"]
@@ -47,7 +47,7 @@ def evaluate(
     tp_size: int,
     device: torch.device,
     pipeline: Any = None,
-    cp_mesh: Any = None,
+    context_parallel: ContextParallelism | None = None,
 ) -> dict[str, float]:
     """The mean token loss over ``rows`` (collective: every rank calls it with the same rows).
 
@@ -62,7 +62,7 @@ def evaluate(
         tp_size: Tensor-parallel ranks compute the same loss; the sum over ranks is divided by it.
         device: Where batches go.
         pipeline: The `AutoPipeline` under pipeline parallelism.
-        cp_mesh: The mesh context under context parallelism.
+        context_parallel: The mesh and host runtime under context parallelism.
 
     Returns:
         ``eval_loss``, ``eval_ppl`` (``exp(eval_loss)``) and ``eval_tokens``.
@@ -82,7 +82,7 @@ def evaluate(
                     micro_batch_size=rows_per_forward,
                     strategy=strategy,
                     pipeline=pipeline,
-                    cp_mesh=cp_mesh,
+                    context_parallel=context_parallel,
                     backward=False,
                 )
                 total += local.double()

@@ -29,10 +29,10 @@ import torch
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
 from automodel_all.cli.data import prepare_data
 from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
-from automodel_all.cli.host_allocator import resolve_host_allocator, worker_environment
 from automodel_all.cli.model import load_model_config, load_processor, model_dtype
 from automodel_all.cli.train import JOB_ENV
 from automodel_all.cli.yaml_source import ConfigError, RawJob
+from automodel_cpu.mimalloc_preload import resolve_host_allocator, worker_environment
 
 __all__ = ["launch", "nproc_per_node", "prepare_job", "torchrun_args"]
 

@@ -30,7 +30,7 @@ from automodel_all.cli.metrics import MetricsWriter
 from automodel_all.cli.packing import IGNORE_INDEX
 from automodel_all.cli.progress import Progress, memory_gib, warn
 from automodel_all.cli.resume import ResumePoint, checkpoint_root, save_checkpoint
-from automodel_all.cli.steps import clip_gradients, lr_at, run_step
+from automodel_all.cli.steps import ContextParallelism, clip_gradients, lr_at, run_step
 
 __all__ = ["LoopResult", "train_loop"]
 
@@ -87,7 +87,7 @@ class _Loop:
         self.sampler = RowSampler(len(run.rows), self.train.global_batch_size, self.train.seed)
         self.dp_rank, self.dp_size = _dp_coordinates(run)
         self.pp_group = run.mesh.get_group("pp") if layout.pp > 1 else None
-        self.cp_mesh = run.mesh if layout.cp > 1 else None
+        self.context_parallel = ContextParallelism(run.mesh, run.job.host_runtime) if layout.cp > 1 else None
         self.tp = layout.tp
         self.dp_cp = layout.dp_cp
         self.params = [p for group in run.optimizer.param_groups for p in group["params"]]
@@ -129,7 +129,7 @@ class _Loop:
             micro_batch_size=train.micro_batch_size,
             strategy=run.strategy,
             pipeline=run.pipeline,
-            cp_mesh=self.cp_mesh,
+            context_parallel=self.context_parallel,
         )
         status = StepStatus.agree(
             local, stop=self.stop.requested, grads_finite=local_grads_finite(self.params), device=run.device
@@ -196,7 +196,7 @@ class _Loop:
             tp_size=self.tp,
             device=run.device,
             pipeline=run.pipeline,
-            cp_mesh=self.cp_mesh,
+            context_parallel=self.context_parallel,
         )
         if self.experts is not None:
             self.experts.active = True

@@ -203,7 +203,7 @@ class LaunchSection:
     checkpoint and exit, before the launcher kills them."""
     host_allocator: Literal["auto", "glibc", "mimalloc"] = "auto"
     """The workers' ``malloc``. ``mimalloc`` is preloaded into them from the ``cmeel-mimalloc`` wheel
-    (Linux; see `automodel_all.cli.host_allocator`), ``glibc`` leaves the system's. ``auto``: mimalloc
+    (Linux; see `automodel_cpu.mimalloc_preload`), ``glibc`` leaves the system's. ``auto``: mimalloc
     for CPU jobs, where FSDP2's buffers are host memory and glibc either fragments (peak memory) or
     page-faults (step time), glibc otherwise. Cost of mimalloc: memory a worker frees is reused but
     not returned to the OS before it exits. Figures of both: docs/benchmarks.md."""

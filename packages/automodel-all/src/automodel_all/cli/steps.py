@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,10 +19,22 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel_all.cli.packing import model_inputs, take_rows
+from automodel_distributed.host_runtime import HostRuntime
 from automodel_distributed.loss import MaskedCrossEntropy
 from automodel_distributed.strategy import StrategyManager
+from automodel_mesh import MeshContext
 
-__all__ = ["TokenLoss", "clip_gradients", "lr_at", "run_step"]
+__all__ = ["ContextParallelism", "TokenLoss", "clip_gradients", "lr_at", "run_step"]
+
+
+@dataclass(frozen=True)
+class ContextParallelism:
+    """What a step needs to shard its sequences over the ``cp`` axis."""
+
+    mesh: MeshContext
+    """The run's mesh (its ``cp`` axis)."""
+    host_runtime: HostRuntime | None
+    """The CPU runtime on a CPU mesh (ring attention on CPU tensors), else None."""
 
 
 class TokenLoss(nn.Module):
@@ -91,11 +104,11 @@ def _forward_loss(
     batch: dict[str, torch.Tensor],
     loss_fn: TokenLoss,
     strategy: StrategyManager,
-    cp_mesh: Any,
+    context_parallel: ContextParallelism | None,
     backward: bool,
 ) -> torch.Tensor:
     """One forward (under the strategy's autocast) and backward of ``batch``; the loss, detached."""
-    if cp_mesh is None:
+    if context_parallel is None:
         with strategy.autocast():
             logits = model(**model_inputs(batch)).logits
             loss = loss_fn(logits, batch["labels"])
@@ -111,9 +124,11 @@ def _forward_loss(
             "shift_labels": batch["labels"],
         }
     )
-    # CPU meshes (gloo) run ring attention through automodel's opt-in CPU backend.
-    cpu_ring = cp_mesh.device_type == "cpu"
-    with context_parallel_region(cp_mesh, sharded, cpu_ring_attention=cpu_ring) as local:
+    # CPU meshes (gloo) run ring attention through the job's CPU runtime.
+    region = context_parallel_region(
+        context_parallel.mesh, sharded, host_runtime=context_parallel.host_runtime
+    )
+    with region as local:
         with strategy.autocast():  # forward and backward inside the region
             logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
             loss = loss_fn(logits, local["shift_labels"])
@@ -130,7 +145,7 @@ def run_step(
     micro_batch_size: int,
     strategy: StrategyManager,
     pipeline: Any = None,
-    cp_mesh: Any = None,
+    context_parallel: ContextParallelism | None = None,
     backward: bool = True,
 ) -> torch.Tensor:
     """Forward (and backward) over this rank's rows of one step; gradients accumulate in ``.grad``.
@@ -149,7 +164,8 @@ def run_step(
         micro_batch_size: Rows per forward pass (outside pipelining).
         strategy: The run's strategy manager (``automodel_distributed.strategy.as_strategy``).
         pipeline: The `AutoPipeline`, which splits the rows into its own microbatches.
-        cp_mesh: The mesh context when context parallelism is on (sequences are sharded over ``cp``).
+        context_parallel: The mesh and host runtime under context parallelism (sequences are sharded
+            over ``cp``); None otherwise.
         backward: False for evaluation: forward only (call under ``torch.no_grad()``).
 
     Returns:
@@ -175,6 +191,6 @@ def run_step(
             else contextlib.nullcontext()
         )
         with sync:
-            loss = _forward_loss(model, micro, loss_fn, strategy, cp_mesh, backward)
+            loss = _forward_loss(model, micro, loss_fn, strategy, context_parallel, backward)
         total += loss.float() * loss_fn.denominator
     return total

@@ -7,7 +7,7 @@ import platform
 import pytest
 import torch
 
-from automodel_distributed.host_copy_in import (
+from automodel_cpu.copy_in_kernel import (
     chunk_cat_into,
     copy_in_rows,
     expect_copy_in,

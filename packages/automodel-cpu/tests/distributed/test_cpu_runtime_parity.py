@@ -1,10 +1,11 @@
-"""The host allocator settings change memory and time, never numbers: parity on real gloo ranks.
+"""The CPU runtime changes memory and time, never numbers: parity on real gloo ranks.
 
 One launch per malloc (mimalloc preloaded as ``launch.host_allocator='auto'`` does for CPU workers,
-and glibc's): on each rank, FSDP2Manager's default (``tune_host_allocator=True``: pooled collective
-buffers) trains next to the unsharded transformers model (`train_parity`), and a pooled and an
-unpooled copy of the same sharded model take SGD steps side by side and must agree bit for bit in
-every loss and gradient, while the pool hands its kept buffers out again on every later step.
+and glibc's): on each rank, FSDP2Manager with ``FSDP2Config(host_runtime=CPURuntime())`` (pooled
+collective buffers, the copy-in kernel, glibc's thresholds) trains next to the unsharded transformers
+model (`train_parity`), and a copy of the same sharded model with the runtime and one without take SGD
+steps side by side and must agree bit for bit in every loss and gradient, while the pool hands its
+kept buffers out again on every later step.
 """
 
 from __future__ import annotations
@@ -24,28 +25,30 @@ pytestmark = [
 ]
 
 
-def _manager(tune: bool) -> Any:
+def _manager(with_runtime: bool) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from automodel_cpu import CPURuntime
     from automodel_distributed import FSDP2Config, FSDP2Manager
     from automodel_mesh import MeshContext, ParallelismSizes
 
     config = FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
-        tune_host_allocator=tune,
+        host_runtime=CPURuntime() if with_runtime else None,
     )
     return FSDP2Manager(config, MeshContext.build(config, ParallelismSizes()).device_mesh)
 
 
 def _run() -> dict[str, Any]:
-    from automodel_distributed.host_memory import malloc_is_glibc, pool_fsdp_buffers
+    from automodel_cpu.fsdp_buffer_pool import host_buffer_pools
+    from automodel_cpu.malloc_settings import malloc_is_glibc
 
     rank = dist.get_rank()
     report = train_parity(
         "llama", _manager(True).parallelize, dp_rank=rank, dp_size=2, dp_group=dist.group.WORLD, steps=3
     )
-    pooled = _manager(False).parallelize(build_tiny_model("llama", seed=3))
-    pool = pool_fsdp_buffers(pooled)
+    pooled = _manager(True).parallelize(build_tiny_model("llama", seed=3))
+    (pool,) = host_buffer_pools(pooled)
     plain = _manager(False).parallelize(build_tiny_model("llama", seed=3))
     batch = make_batch(pooled.config.vocab_size, 2, 16, seed=10 + rank)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pooled, plain)]
@@ -73,8 +76,8 @@ def _run() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("allocator", ["mimalloc", "glibc"])
-def test_pooled_buffers_change_no_number(allocator: str) -> None:
-    from automodel_all.cli.host_allocator import worker_environment
+def test_the_cpu_runtime_changes_no_number(allocator: str) -> None:
+    from automodel_cpu.mimalloc_preload import worker_environment
 
     # An allocator is chosen when an interpreter starts: spawned ranks, not forked ones.
     ranks = run_distributed(_run, 2, timeout_s=600, env=worker_environment(allocator), start_method="spawn")

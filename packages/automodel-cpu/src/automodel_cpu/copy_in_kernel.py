@@ -16,7 +16,7 @@ kernel does it. Process-wide; nothing else changes.
 **Deferred copy-in.** Even without the temporary, the buffer itself is a full-size copy of the unit's
 gradients in the reduction dtype, held while the gradients still exist: for that tied embedding, 0.5
 GiB of bf16 gradient and 1 GiB of fp32 buffer at once. A reduce-scatter that reads the buffer piece
-by piece (`automodel_distributed.host_memory.PooledReduceScatter` on gloo) does not need
+by piece (`automodel_cpu.fsdp_buffer_pool.PooledReduceScatter` on gloo) does not need
 it filled in advance: a buffer announced with `expect_copy_in` is left untouched by the kernel, which
 records the gradients instead; the collective then takes them back (`take_copy_in`) and copies each
 piece from them (`copy_in_rows`) into its staging buffer. The buffer's pages are never written, so

@@ -6,8 +6,8 @@ SDPA lowers to ``aten._scaled_dot_product_flash_attention_for_cpu``, for which t
 sharding strategy registered``. `cpu_ring_attention` registers that kernel with torch's ring-attention
 template while its context is open, through private torch internals checked against torch 2.15
 (`cpu_ring_attention_available`). It exists so context parallelism can be tested on CPU meshes (gloo),
-not for speed, and it is never switched on behind the caller's back: pass
-``context_parallel_region(..., cpu_ring_attention=True)``.
+not for speed, and it is never switched on behind the caller's back: it runs only inside
+``context_parallel_region(..., host_runtime=CPURuntime())`` (`automodel_cpu.CPURuntime.ring_attention`).
 """
 
 from __future__ import annotations

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from automodel_all.cli.host_allocator import mimalloc_library, resolve_host_allocator, worker_environment
+from automodel_cpu.mimalloc_preload import mimalloc_library, resolve_host_allocator, worker_environment
 
 linux = pytest.mark.skipif(platform.system() != "Linux", reason="mimalloc is preloaded with LD_PRELOAD")
 
 # What the child reports: which malloc serves it, and whether the glibc tuning applied.
 _PROBE = (
     "import ctypes\n"
-    "from automodel_distributed.host_memory import configure_host_allocator, malloc_is_glibc\n"
+    "from automodel_cpu.malloc_settings import configure_host_allocator, malloc_is_glibc\n"
     "print(hasattr(ctypes.CDLL(None), 'mi_version'), malloc_is_glibc(), configure_host_allocator())\n"
 )
 
@@ -79,7 +79,8 @@ def test_the_workers_mimalloc_keeps_small_freed_blocks_and_returns_large_ones() 
 # a buffer above the pool's bound (which purges first), then after an explicit release_host_memory().
 _PURGED = (
     "import torch\n"
-    "from automodel_distributed.host_memory import HostBufferPool, release_host_memory\n"
+    "from automodel_cpu.fsdp_buffer_pool import HostBufferPool\n"
+    "from automodel_cpu.malloc_settings import release_host_memory\n"
     "def rss():\n"
     "    with open('/proc/self/status') as f:\n"
     "        return next(int(l.split()[1]) for l in f if l.startswith('VmRSS:')) >> 10\n"

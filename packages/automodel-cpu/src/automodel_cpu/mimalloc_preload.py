@@ -4,7 +4,7 @@ Why the launcher chooses it: on a CPU job FSDP2's buffers live in host memory, a
 and frees the same large blocks (unsharded parameters, gradients, gloo's temporaries). glibc serves
 them one of two ways, each with a cost measured on the job of ``benchmarks/bench_vs_nemo.py``: from
 its heap (its default), which fragments until the peak per rank is about NeMo AutoModel's; or, with
-the fixed mmap threshold of ``FSDP2Config.tune_host_allocator``, as fresh mappings whose pages fault
+the fixed mmap threshold of ``CPURuntime.tune_glibc``, as fresh mappings whose pages fault
 in and are zeroed on every step (about 150,000 page faults and 1.5x the step time). No ``mallopt``
 setting or trimming point avoided both. mimalloc reuses freed blocks of the same size without
 returning them to the OS, which keeps both the peak and the step time low; docs/benchmarks.md has
@@ -22,7 +22,7 @@ wheel (a dependency of automodel-all on Linux), with two of mimalloc's options:
   host). Purging off has its own cost at real widths, where FSDP2's largest buffers are fresh mappings
   (next item) that memory held free cannot serve: the two add up. So purging stays on, and FSDP2's
   host buffer pool purges at once (``mi_collect``) before each such buffer
-  (`automodel_distributed.host_memory.release_host_memory`). On the Llama-3.2-1B shape over
+  (`automodel_cpu.malloc_settings.release_host_memory`). On the Llama-3.2-1B shape over
   4 ranks (`benchmarks/bench_scale.py`, SGD), purging before every buffer above 64 MiB took the peak
   per rank from 3295 MiB with purging off to 2925 MiB (2913 MiB with a 1 s delay) in one experiment;
 - ``arena_max_object_size`` 64 MiB (``MIMALLOC_ARENA_MAX_OBJECT_SIZE``): a block above it is
@@ -32,7 +32,7 @@ wheel (a dependency of automodel-all on Linux), with two of mimalloc's options:
   on the Llama-3.2-1B shape over 4 ranks (`benchmarks/bench_scale.py`) keeping them all ran the ranks
   out of memory, above 6 GiB each. Blocks that large take seconds of compute each step, against which
   mapping them afresh is noise; the same bound decides what FSDP2's host buffer pool keeps
-  (`automodel_distributed.host_memory.POOL_MAX_BYTES`).
+  (`automodel_cpu.fsdp_buffer_pool.POOL_MAX_BYTES`).
 
 The cost: memory below that size that a rank freed is not returned to the OS before the rank exits
 (as with a caching allocator).
@@ -60,7 +60,7 @@ HOST_ALLOCATORS = ("auto", "glibc", "mimalloc")
 MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 """The PyPI distribution that ships ``libmimalloc.so``."""
 # See the module docstring. The object-size bound matches the host pool's
-# (`automodel_distributed.host_memory.POOL_MAX_BYTES`); a bare number would mean bytes.
+# (`automodel_cpu.fsdp_buffer_pool.POOL_MAX_BYTES`); a bare number would mean bytes.
 _MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "5000", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "64MiB"}
 
 
