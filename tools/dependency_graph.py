@@ -64,6 +64,7 @@ def _node(requires: Iterable[str] = (), optional: Iterable[str] = (), *, publish
 _MESH, _MODS, _CKPT, _CPU = "automodel-mesh", "automodel-modules", "automodel-checkpoint", "automodel-cpu"
 _DIST, _PP, _MOE = "automodel-distributed", "automodel-pipelining", "automodel-moe"
 _QUANT, _PEFT, _INFRA = "automodel-quant", "automodel-peft", "automodel-infra"
+_PLAN = "automodel-planner"
 
 #: The allowed graph. Edges point one way; a sibling not named here may not be depended on or imported.
 ALLOWED_GRAPH: Mapping[str, Node] = {
@@ -77,7 +78,8 @@ ALLOWED_GRAPH: Mapping[str, Node] = {
     _QUANT: _node([_MESH, _MODS]),  # torchao (+ optional bitsandbytes); uses ConfigDict, no mesh
     _PEFT: _node([_MESH, _MODS], optional=[_QUANT]),  # QLoRA through the [quant] extra
     _INFRA: _node([_MESH, _CKPT, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),
-    "automodel-all": _node([_MESH, _MODS, _CKPT, _CPU, _DIST, _PP, _MOE, _QUANT, _PEFT, _INFRA]),
+    _PLAN: _node([_MESH, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),  # each feature's term lazily
+    "automodel-all": _node([_MESH, _MODS, _CKPT, _CPU, _DIST, _PP, _MOE, _QUANT, _PEFT, _INFRA, _PLAN]),
     "automodel-testing": _node([_MESH, _MODS], published=False),
 }
 

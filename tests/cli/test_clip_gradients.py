@@ -36,9 +36,7 @@ def _case(family: str, ep: int, tp: int) -> dict[str, Any]:
     config = FSDP2Config(mp_policy=MixedPrecisionPolicy())  # fp32 throughout: exact against transformers
     ctx = MeshContext.build(config, ParallelismSizes(ep_size=ep, tp_size=tp))
     ref, model = build_tiny_model(family), build_tiny_model(family)
-    manager = FSDP2Manager(config, mesh=ctx)
-    if ep > 1:
-        manager = manager.with_experts(ExpertParallel())
+    manager = FSDP2Manager(config, mesh=ctx, experts=ExpertParallel() if ep > 1 else None)
     manager.parallelize(model)
     batch = make_batch(128, 4, 16, seed=4)
     dp_rank, dp = (dist.get_rank(), dist.get_world_size()) if tp == 1 else (0, 1)

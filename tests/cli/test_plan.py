@@ -100,7 +100,8 @@ def test_every_example_job_file_is_valid_and_the_runnable_ones_plan() -> None:
 def test_peak_lines_device_fit_json_and_suggestions(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from automodel_all.cli.peak import DEVICE_PRESETS, parse_device_memory
+    from automodel_all.cli.plan import device_memory as parse_device_memory
+    from automodel_planner import DEVICE_PRESETS
 
     report = _plan("--world-size", "4")
     lines = ("parameters", "gradients", "optimizer", "gathered units", "activations", "communication buffers")
@@ -203,7 +204,7 @@ def test_the_vlm_example_plans_a_model_whose_text_config_has_no_causal_lm_class(
     path = Path(__file__).parents[2] / "examples" / "sft_qwen2_5_vl_frozen_tower.yaml"
     report = _plan(str(path), "--model", str(tmp_path / "qwen2_5_vl"), "--world-size", "8", "--device", "cpu")
     assert "Qwen2_5_VLForConditionalGeneration" in report, report
-    assert "freeze model.visual (freeze_config) before sharding" in report, report
+    assert "freeze model.visual (freeze_config)" in report, report
     assert _mib(report, "activations") > 0
 
 

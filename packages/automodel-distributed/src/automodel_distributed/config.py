@@ -18,7 +18,10 @@ from automodel_mesh import MeshKind
 from automodel_mesh.config_dict import ConfigDict
 
 if TYPE_CHECKING:
+    from torch import nn
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    from automodel_mesh import MeshLayout
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING_SCOPES",
@@ -259,6 +262,22 @@ class FSDP2Config(ConfigDict):
         """FSDP2 shards over the ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh."""
         return MeshKind.FSDP2
 
+    def loads_before_sharding(self, layout: MeshLayout, *, adapters: bool) -> bool:
+        """Load into real tensors before sharding only when nothing is sharded and there are no adapters."""
+        return not adapters and not layout.shards_parameters
+
+    def describe_sharding(self, layout: MeshLayout, model: nn.Module) -> list[str]:
+        """What `FSDP2Manager.parallelize` will do to ``model`` on ``layout``, in order (no collective)."""
+        from automodel_distributed.fsdp2 import describe_fsdp2_sharding
+
+        return describe_fsdp2_sharding(self, layout, model)
+
+    def describe_compile(self, compile_config: CompileConfig | None) -> list[str]:
+        """What `FSDP2Manager.compile` will do: every block in place, from either setting."""
+        if self.enable_compile or (compile_config is not None and compile_config.enabled):
+            return ["torch.compile each transformer block, in place"]
+        return []
+
 
 @dataclass(kw_only=True)
 class MegatronFSDPConfig(ConfigDict):
@@ -321,6 +340,20 @@ class MegatronFSDPConfig(ConfigDict):
         """Megatron-FSDP shards over the ``(dp, cp, tp)`` mesh."""
         return MeshKind.MEGATRON_FSDP
 
+    def loads_before_sharding(self, layout: MeshLayout, *, adapters: bool) -> bool:
+        """Megatron-FSDP wraps real tensors unless ``init_fsdp_with_meta_device``."""
+        del layout, adapters
+        return not self.init_fsdp_with_meta_device
+
+    def describe_sharding(self, layout: MeshLayout, model: nn.Module) -> list[str]:
+        """What `MegatronFSDPManager.parallelize` will do (no collective)."""
+        del model
+        return [f"Megatron-FSDP (ZeRO-{self.zero_dp_strategy}) over dp_cp={layout.dp_cp}, tp={layout.tp}"]
+
+    def describe_compile(self, compile_config: CompileConfig | None) -> list[str]:
+        """The whole model (pipeline stages: per block) when ``compile_config`` is enabled."""
+        return _whole_model_compile(compile_config)
+
 
 @dataclass(kw_only=True)
 class DDPConfig(ConfigDict):
@@ -357,6 +390,22 @@ class DDPConfig(ConfigDict):
     def mesh_kind(self) -> MeshKind:
         """DDP needs no device mesh."""
         return MeshKind.DDP
+
+    def loads_before_sharding(self, layout: MeshLayout, *, adapters: bool) -> bool:
+        """Always: DDP broadcasts rank 0's real weights when it wraps."""
+        del layout, adapters
+        return True
+
+    def describe_sharding(self, layout: MeshLayout, model: nn.Module) -> list[str]:
+        """What `DDPManager.parallelize` will do (no collective)."""
+        del model
+        mode = normalize_activation_checkpointing(self.activation_checkpointing)
+        lines = [f"activation checkpointing ({mode}) of each transformer block"] if mode else []
+        return [*lines, f"wrap in DistributedDataParallel over {layout.world_size} ranks"]
+
+    def describe_compile(self, compile_config: CompileConfig | None) -> list[str]:
+        """The whole model (pipeline stages: per block) when ``compile_config`` is enabled."""
+        return _whole_model_compile(compile_config)
 
 
 @dataclass(kw_only=True)
@@ -395,4 +444,12 @@ class CompileConfig(ConfigDict):
 
 
 DistributedConfig: TypeAlias = FSDP2Config | MegatronFSDPConfig | DDPConfig
-"""Any strategy config."""
+"""Any strategy config. Each says which mesh it needs (``mesh_kind``), whether its manager loads the
+checkpoint before sharding (``loads_before_sharding``), and what its manager will do in the sharding
+and compile steps (``describe_sharding`` / ``describe_compile``, what ``automodel plan`` prints)."""
+
+
+def _whole_model_compile(compile_config: CompileConfig | None) -> list[str]:
+    if compile_config is not None and compile_config.enabled:
+        return ["torch.compile the whole model (pipeline stages: each block, in place)"]
+    return []

@@ -206,9 +206,8 @@ class DDPManager(StrategyDefaults):
         return self.parallelize(model)
 
     def loads_before_sharding(self, *, adapters: bool) -> bool:
-        """Always: DDP replicates real tensors (and broadcasts rank 0's), so weights load before wrapping."""
-        del adapters
-        return True
+        """`DDPConfig.loads_before_sharding`: always (DDP replicates real tensors, broadcasting rank 0's)."""
+        return self.config.loads_before_sharding(self.mesh.layout, adapters=adapters)
 
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, *, enabled: bool) -> Iterator[None]:

@@ -20,7 +20,6 @@ through every block's backward.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -56,9 +55,9 @@ from automodel_distributed.layers import blockless_parts, find_transformer_block
 from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, model_parts
 from automodel_distributed.one_rank_units import install_one_rank_unit, runs_without_fsdp
 from automodel_distributed.root_reshard import needs_no_weight_in_backward, reshard_root_after_head_backward
-from automodel_distributed.strategy import StrategyDefaults, nothing_is_sharded
+from automodel_distributed.strategy import StrategyDefaults
 from automodel_distributed.tied_embedding import accumulate_tied_embedding_rows
-from automodel_mesh import MeshAxisName, MeshContext, MeshKind
+from automodel_mesh import MeshAxisName, MeshContext, MeshKind, MeshLayout
 from automodel_modules import fqn_of, reshard_fsdp_units
 
 __all__ = [
@@ -68,6 +67,7 @@ __all__ = [
     "FSDPUnitPlan",
     "apply_fsdp2",
     "check_frozen_sharding",
+    "describe_fsdp2_sharding",
     "frozen_towers",
     "plan_fsdp_units",
     "reshard_after_no_grad_forward",
@@ -262,6 +262,36 @@ def plan_fsdp_units(
         reshard = plans[0].reshard_after_forward if pipelined else True
         plans[0] = replace(plans[0], unshard_in_backward=False, reshard_after_forward=reshard)
     return plans
+
+
+def describe_fsdp2_sharding(config: FSDP2Config, layout: MeshLayout, model: nn.Module) -> list[str]:
+    """What `FSDP2Manager.parallelize` will do to ``model`` on ``layout``, one line per step, in order.
+
+    Reads the model (its blocks and frozen towers, `plan_fsdp_units`) and the config only; no collective,
+    nothing mutated. ``automodel plan`` prints it.
+    """
+    lines = []
+    if layout.tp > 1:
+        sp = " with sequence parallelism" if config.sequence_parallel else ""
+        lines.append(f"tensor-parallel plan over tp={layout.tp}{sp}")
+    if layout.ep > 1:
+        where = (
+            f"experts sharded over ep_shard={layout.ep_shard}"
+            if layout.ep_shard > 1
+            else "ep_shard=1: experts stay out of FSDP when their dtype needs no cast"
+        )
+        lines.append(f"expert parallelism over ep={layout.ep}; {where}")
+    mode = resolve_checkpointing_mode(config.activation_checkpointing)
+    if mode is not None:
+        lines.append(f"activation checkpointing ({mode}) of each transformer block")
+    blocks = {fqn for fqn, _ in find_transformer_blocks(model)}
+    frozen = config.multimodal.frozen_sharding
+    plans = plan_fsdp_units(model, reshard_after_forward=None, frozen_sharding=frozen)
+    units = sum(1 for plan in plans if plan.fqn in blocks)
+    hsdp = f", replicated over dp_replicate={layout.dp_replicate} (HSDP)" if layout.dp_replicate > 1 else ""
+    over = f"over dp_shard_cp={layout.dp_shard_cp}{hsdp}"
+    lines.append(f"fully_shard each of {units} transformer blocks, then the root, {over}")
+    return lines
 
 
 def _enclosing_reshard(unit: FSDPUnitPlan, dense: Sequence[FSDPUnitPlan]) -> bool | int:
@@ -514,12 +544,6 @@ class FSDP2Manager(StrategyDefaults):
             )
         host.prepare_process()
 
-    def with_experts(self, experts: ExpertParallelism) -> FSDP2Manager:
-        """A manager over the same config and mesh that runs ``experts`` first in `parallelize`."""
-        manager = copy.copy(self)
-        manager.experts = experts
-        return manager
-
     # ------------------------------------------------------------------ parallelize
 
     def _warn_ignored(self) -> None:
@@ -660,13 +684,18 @@ class FSDP2Manager(StrategyDefaults):
 
     # ------------------------------------------------------------------ StrategyManager
 
+    def check(self, model: nn.Module) -> None:
+        """The expert step's refusal of the whole model (`ExpertParallelism.check`), before any split."""
+        if self.experts is not None:
+            self.experts.check(model, self.mesh)
+
     def shard(self, model: nn.Module) -> nn.Module:
         """`parallelize`."""
         return self.parallelize(model)
 
     def loads_before_sharding(self, *, adapters: bool) -> bool:
-        """Load first only when nothing will be sharded and there are no adapters (one device)."""
-        return not adapters and self.experts is None and nothing_is_sharded(self.mesh)
+        """`FSDP2Config.loads_before_sharding` on this mesh: only when nothing is sharded, no adapters."""
+        return self.config.loads_before_sharding(self.mesh.layout, adapters=adapters)
 
     def init_device(self, device: torch.device | str) -> torch.device | str:
         """CPU under CPU offload (the shards live there), else ``device``."""

@@ -205,11 +205,6 @@ class MegatronFSDPManager(StrategyDefaults):
                 self.zero_dp_strategy,
             )
 
-    @property
-    def materialize_before_parallelize(self) -> bool:
-        """Whether `parallelize` needs real weights (``init_fsdp_with_meta_device=False``)."""
-        return not self.config.init_fsdp_with_meta_device
-
     def _check_can_run(self) -> None:
         if self.device_mesh.device_type != "cuda" or not torch.cuda.is_available():
             where = "no CUDA device is available" if not torch.cuda.is_available() else "the mesh is on 'cpu'"
@@ -308,6 +303,5 @@ class MegatronFSDPManager(StrategyDefaults):
         return self.parallelize(model)[0]
 
     def loads_before_sharding(self, *, adapters: bool) -> bool:
-        """`materialize_before_parallelize`: real weights unless ``init_fsdp_with_meta_device``."""
-        del adapters
-        return self.materialize_before_parallelize
+        """`MegatronFSDPConfig.loads_before_sharding`: real weights unless ``init_fsdp_with_meta_device``."""
+        return self.config.loads_before_sharding(self.mesh.layout, adapters=adapters)

@@ -1,348 +1,151 @@
-"""Activation memory per rank, measured from the model's own forward on fake tensors (no memory used).
+"""The strategy's share of a rank's memory and traffic, for planners (``automodel_planner``).
 
-`profile_activations` runs the causal LM's forward and loss once under ``FakeTensorMode`` (shapes and
-dtypes only, the real widths) with a ``saved_tensors_hooks`` pack hook, so every tensor autograd keeps
-for backward is seen exactly as a real step would keep it (the attention kernel, the norms' fp32 copies,
-the logits' upcast). Each saved tensor is attributed to the transformer block running when it was saved
-(`find_transformer_blocks`) or to the rest of the model (embedding, final norm, head, loss), and
-classified, from the model's tensor-parallel plan (`resolve_tp_plan`), as *boundary* (the hidden states
-entering a column-parallel layer, norms, residuals: replicated over ``tp`` unless sequence parallel) or
-*interior* (between a column- and a row-parallel layer: sharded over ``tp``). A dispatch mode records
-which op produced each tensor so that selective checkpointing's save list
-(`SELECTIVE_AC_ALWAYS_SAVE_OPS`, every other `SELECTIVE_AC_MATMUL_OPS` op) can be applied to the
-profile. `activation_bytes` then combines a profile with a checkpointing mode and the number of
-micro-batches a pipeline rank holds at once; `fsdp_buffer_bytes` gives FSDP2's gathered units and
-`fsdp_comm_buffer_bytes` its all-gather / reduce-scatter buffers.
+Pure arithmetic over a meta model and the layout's sizes; no process group, nothing mutated:
 
-No process group, no mesh axes: pure functions of the model config and the sizes given. transformers
-treats a fake tensor as tracing and takes its traceable path (an explicit causal mask, a few more saved
-tensors), so the profile errs a few percent high against an eager forward
-(``tests/unit/test_memory.py`` bounds it at 10%).
+- `placement_rule`: how the strategy places each parameter: what it divides the parameter, its
+  gradient and its AdamW state by on one rank, and which FSDP unit gathers it over how many ranks
+  (the units `plan_fsdp_units` makes, experts on their own mesh, frozen towers kept whole);
+- `fsdp_buffer_bytes` / `fsdp_comm_buffer_bytes`: FSDP2's gathered units and collective buffers;
+- `StrategyMemory`: the planner term of the strategy, with tensor and context parallelism: parameters,
+  gradients, optimizer state, the unreduced gradients of deferred reduction, the gathered units, the
+  collective buffers and the traffic of each collective, from a rank's facts (`StrategyFacts`).
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from automodel_distributed.activation_checkpointing import (
-    SELECTIVE_AC_ALWAYS_SAVE_OPS,
-    SELECTIVE_AC_MATMUL_OPS,
+from automodel_distributed.activation_checkpointing import resolve_checkpointing_mode
+from automodel_distributed.config import (
+    DDPConfig,
+    DistributedConfig,
+    FSDP2Config,
+    MegatronFSDPConfig,
+    default_mp_policy,
 )
-from automodel_distributed.layers import find_transformer_blocks
+from automodel_mesh import MeshLayout
 
 __all__ = [
-    "ActivationProfile",
-    "BlockActivations",
-    "activation_bytes",
+    "Placement",
+    "StrategyFacts",
+    "StrategyMemory",
     "fsdp_buffer_bytes",
     "fsdp_comm_buffer_bytes",
-    "profile_activations",
+    "layer_index",
+    "placement_rule",
 ]
 
-Checkpointing = Literal[False, "full", "selective"]
+_ROOT = (0, "root")
 
 
 @dataclass(frozen=True)
-class BlockActivations:
-    """Bytes one transformer block saves for backward, per micro-batch, on one rank (before TP/SP)."""
+class Placement:
+    """Where the strategy puts one parameter on a rank."""
 
-    boundary: int
-    """Hidden-state-wide tensors (norm inputs and outputs, column-parallel inputs, residuals)."""
-    interior: int
-    """Tensors between a column- and a row-parallel layer (heads, the MLP's inner width)."""
-    selective_boundary: int
-    """The part of ``boundary`` that selective checkpointing keeps."""
-    selective_interior: int
-    """The part of ``interior`` that selective checkpointing keeps."""
-    input_bytes: int
-    """The block's input hidden states (what full checkpointing keeps)."""
-
-    def total(self, tp: int, sequence_parallel: bool) -> int:
-        """Saved bytes on one of ``tp`` ranks."""
-        return self.boundary // (tp if sequence_parallel else 1) + self.interior // tp
-
-    def kept(self, tp: int, sequence_parallel: bool) -> int:
-        """Bytes selective checkpointing keeps on one of ``tp`` ranks (the block input included)."""
-        sp = tp if sequence_parallel else 1
-        return (self.selective_boundary + self.input_bytes) // sp + self.selective_interior // tp
+    divisors: tuple[float, float, float]
+    """What its bytes are divided by on one rank: the parameter, its gradient, its optimizer state."""
+    shard: int
+    """Ranks FSDP shards it over (1: every rank holds it whole)."""
+    unit: tuple[int, str]
+    """Its FSDP unit: (forward order, name)."""
+    gathered_over: int
+    """Ranks its unit gathers it over (1: never gathered)."""
+    gathered: bool
+    """Whether it is part of a unit's gathered parameters at all."""
 
 
-@dataclass(frozen=True)
-class ActivationProfile:
-    """What one micro-batch's forward saves, from `profile_activations`."""
-
-    blocks: tuple[BlockActivations, ...]
-    """One entry per transformer block, in forward order."""
-    head: int
-    """Bytes saved outside the blocks by the last pipeline stage: final norm, LM head, logits, loss."""
-    embedding: int
-    """Bytes saved outside the blocks by the first pipeline stage (the embedding's indices)."""
-    largest_head_tensor: int
-    """The largest single tensor saved outside the blocks (the logits or their fp32 copy): its
-    gradient exists alongside it at the start of backward."""
-    tokens: int
-    """Tokens per micro-batch on one rank (micro-batch x sequence length / cp)."""
+def layer_index(name: str) -> int | None:
+    """The decoder-layer index in a parameter name (``model.layers.3.mlp.weight`` -> 3), else None."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
 
 
-def _leaf_styles(model: nn.Module) -> dict[str, str]:
-    """FQN -> ``"colwise"`` / ``"rowwise"`` for the modules the model's TP plan shards."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from automodel_distributed.tensor_parallel import resolve_tp_plan
-    from automodel_distributed.tensor_parallel._fqn import match_modules
+def _outer_units(model: nn.Module) -> dict[str, tuple[int, bool]]:
+    """FQN -> (forward order, resharded even when told not to) of the FSDP units outside the blocks."""
+    from automodel_distributed.fsdp2 import plan_fsdp_units
+    from automodel_distributed.layers import find_transformer_blocks
 
     try:
-        plan = resolve_tp_plan(model, tp_size=2)
+        blocks = {fqn for fqn, _ in find_transformer_blocks(model)}
+        planned = plan_fsdp_units(model, reshard_after_forward=False)
     except ValueError:
-        return {}  # no plan: everything counts as boundary (replicated), the cautious estimate
-    styles: dict[str, str] = {}
-    for key, style in plan.items():
-        kind = "colwise" if isinstance(style, ColwiseParallel) else None
-        kind = "rowwise" if isinstance(style, RowwiseParallel) else kind
-        if kind is None:
-            continue
-        for fqn, _module in match_modules(model, key):
-            styles[fqn] = kind
-    return styles
+        return {}
+    seen_block, units = False, {}
+    for plan in planned:
+        seen_block = seen_block or plan.fqn in blocks
+        if plan.fqn not in blocks:  # before or after the blocks
+            units[plan.fqn] = (1 << 30 if seen_block else 1, bool(plan.reshard_after_forward))
+    return units
 
 
-class _Producers(torch.utils._python_dispatch.TorchDispatchMode):
-    """Sums, per block, the outputs that selective checkpointing saves (attention, every other matmul)."""
+def _replicated_prefixes(config: DistributedConfig, model: nn.Module) -> tuple[str, ...]:
+    """Frozen towers FSDP2 keeps whole on every rank (``frozen_sharding="replicate"``)."""
+    if not isinstance(config, FSDP2Config) or config.multimodal.frozen_sharding != "replicate":
+        return ()
+    from automodel_distributed.fsdp2 import frozen_towers
 
-    def __init__(self, classify: Callable[[bool], tuple[int, str]]) -> None:
-        super().__init__()
-        self.classify = classify
-        self.matmuls = 0
-        self.kept: dict[tuple[int, str], int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        name = str(func)
-        keep = name in SELECTIVE_AC_ALWAYS_SAVE_OPS
-        if name in SELECTIVE_AC_MATMUL_OPS:
-            self.matmuls += 1
-            keep = self.matmuls % 2 == 1  # the 1st, 3rd, ... matmul of the block call
-        if keep:
-            block, kind = self.classify(True)
-            if block >= 0:
-                for tensor in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(tensor, torch.Tensor):
-                        size = tensor.numel() * tensor.element_size()
-                        self.kept[(block, kind)] = self.kept.get((block, kind), 0) + size
-        return out
+    return tuple(fqn + "." for fqn, _ in frozen_towers(model))
 
 
-def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
-    """The causal LM of ``model_config`` built under the active ``FakeTensorMode`` (config untouched).
+def _divisors(config: DistributedConfig, shard: int, tp: int) -> tuple[float, float, float]:
+    """Parameter, gradient and optimizer divisors: ``shard``, or ZeRO's stages under Megatron-FSDP."""
+    if isinstance(config, MegatronFSDPConfig):
+        zero = config.zero_dp_strategy
+        return (shard if zero >= 3 else tp, shard if zero >= 2 else tp, shard if zero >= 1 else tp)
+    return (shard, shard, shard)
 
-    A vision-language config is profiled by its language model (``get_text_config()``): image tokens
-    count as text tokens, and the vision tower's own activations are not modelled. Where transformers
-    maps the text config to no causal-LM class (Qwen2.5-VL's text config has none), the whole
-    image-text-to-text model is built and runs on text alone: its tower's blocks save nothing.
+
+def placement_rule(
+    config: DistributedConfig, layout: MeshLayout, model: nn.Module, dtype: torch.dtype
+) -> Callable[[str], Placement]:
+    """How the strategy places each named parameter of ``model`` on ``layout`` (see `Placement`).
+
+    FSDP (FSDP2, Megatron-FSDP) shards dense parameters over ``dp_shard x cp x tp`` and experts over
+    ``ep x ep_shard x tp``; DDP shards nothing. Experts on a one-rank ``ep_shard`` stay out of FSDP
+    unless their dtype is cast for compute (`automodel_distributed.one_rank_units`).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    tp, fsdp = layout.tp, not isinstance(config, DDPConfig)
+    dense = layout.dp_shard * layout.cp * tp if fsdp else 1
+    expert_shard = layout.ep * layout.ep_shard * tp if layout.ep > 1 else dense
+    fsdp_axis = layout.dp_shard * layout.cp
+    policy = (config.mp_policy if isinstance(config, FSDP2Config) else None) or default_mp_policy()
+    experts_gathered = (
+        not isinstance(config, FSDP2Config) or layout.ep_shard > 1 or policy.param_dtype not in (None, dtype)
+    )
+    whole = _replicated_prefixes(config, model)
+    outer = _outer_units(model)
 
-    implementation = attn_implementation or getattr(model_config, "_attn_implementation", None) or "sdpa"
-    get_text = getattr(model_config, "get_text_config", None)
-    text = get_text() if callable(get_text) else model_config
-    whole = text is not model_config and text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    config = copy.deepcopy(model_config if whole else text)
-    config.use_cache = False
-    if whole:
-        config.get_text_config().use_cache = False
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        auto = AutoModelForImageTextToText if whole else AutoModelForCausalLM
-        return auto.from_config(config, attn_implementation=implementation)
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def profile_activations(
-    model_config: Any,
-    *,
-    micro_batch: int,
-    seq_len: int,
-    dtype: torch.dtype,
-    cp: int = 1,
-    attn_implementation: str | None = None,
-) -> ActivationProfile:
-    """Profile the activations one micro-batch saves, from the model's own forward on fake tensors.
-
-    Preconditions: ``model_config`` builds a causal LM with ``AutoModelForCausalLM.from_config``.
-    Nothing is allocated and ``model_config`` is not mutated (a copy is built).
-
-    Args:
-        model_config: The transformers config (real widths).
-        micro_batch: Rows per forward.
-        seq_len: Tokens per row (the whole sequence; each CP rank sees ``seq_len // cp``).
-        dtype: The compute dtype of the activations (the parameter dtype, or autocast's).
-        cp: Context-parallel degree: each rank runs the forward on its sequence shard.
-        attn_implementation: The attention implementation (default: the config's, else ``sdpa``).
-
-    Returns:
-        Per-block and outside-the-blocks saved bytes on one rank, before tensor parallelism.
-
-    Raises:
-        ValueError: ``seq_len`` not divisible by ``cp``, or a size below 1.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    if micro_batch < 1 or seq_len < 1 or cp < 1:
-        raise ValueError(f"micro_batch, seq_len and cp must be >= 1, got {micro_batch}, {seq_len}, {cp}")
-    if seq_len % cp:
-        raise ValueError(f"seq_len={seq_len} must be divisible by cp={cp} (each CP rank holds a shard)")
-    local_seq = seq_len // cp
-    with FakeTensorMode():
-        model = _fake_model(model_config, dtype, attn_implementation)
-        blocks = find_transformer_blocks(model)
-        styles = _leaf_styles(model)
-        names = {module: fqn for fqn, module in model.named_modules()}
-        parameters = {p.untyped_storage()._cdata for p in model.parameters()}
-        block_prefixes = tuple(fqn + "." for fqn, _ in blocks)
-        # Modules inside a block that hold a sharded layer (attention, MLP): what they compute between
-        # their column- and row-parallel layers is sharded over tp.
-        plan_parents = tuple(
-            {fqn.rsplit(".", 1)[0] for fqn in styles if fqn.rsplit(".", 1)[0].startswith(block_prefixes)}
-        )
-        embedding_module = model.get_input_embeddings()  # type: ignore[operator]
-        embed_fqn = names.get(embedding_module, "\0")
-        scope: list[str] = []
-        current = [-1]
-
-        def classify(op_output: bool = False) -> tuple[int, str]:
-            where = scope[-1] if scope else ""
-            style = styles.get(where)
-            if current[0] < 0 and (where == embed_fqn or where.startswith(embed_fqn + ".")):
-                kind = "embedding"
-            elif style is not None:
-                # A column-parallel layer saves its full input and outputs a shard; a row-parallel layer
-                # saves its sharded input and outputs full-size partial sums.
-                kind = "interior" if (style == "colwise") == op_output else "boundary"
-            elif any(where == p or where.startswith(p + ".") for p in plan_parents):
-                kind = "interior"
-            else:
-                kind = "boundary"
-            return current[0], kind
-
-        producers = _Producers(classify)
-        saved: dict[int, tuple[int, str, int]] = {}  # storage -> (block, kind, bytes)
-        inputs: dict[int, int] = {}
-
-        def enter_block(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            current[0] = index
-            producers.matmuls = 0
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            if isinstance(hidden, torch.Tensor):
-                inputs[index] = hidden.numel() * hidden.element_size()
-
-        handles = []
-        for fqn, module in model.named_modules():
-            if fqn:
-                handles.append(module.register_forward_pre_hook(lambda m, _a: scope.append(names[m])))
-                handles.append(module.register_forward_hook(lambda _m, _a, _o: scope.pop() and None))
-        for index, (_fqn, block) in enumerate(blocks):
-            handles.append(
-                block.register_forward_pre_hook(
-                    lambda _m, a, k, i=index: enter_block(i, a, k), with_kwargs=True
-                )
-            )
-            handles.append(block.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, -1)))
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            key = storage._cdata  # saved tensors stay alive until backward: their storages are unique
-            if key not in parameters and key not in saved:
-                block, kind = classify()
-                saved[key] = (block, kind, storage.nbytes())
-            return tensor
-
-        ids = torch.zeros(micro_batch, local_seq, dtype=torch.long)
-        with producers, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, labels=ids)
-        for handle in handles:
-            handle.remove()
-    per_block = [[0, 0] for _ in blocks]
-    head = embedding = largest = 0
-    for index, kind, size in saved.values():
-        if index >= 0:
-            per_block[index][0 if kind == "boundary" else 1] += size
-        elif kind == "embedding":
-            embedding += size
+    def place(name: str) -> Placement:
+        index = layer_index(name)
+        experts = ".experts." in name
+        shard = expert_shard if experts else dense
+        over = (layout.ep_shard if experts else fsdp_axis) if fsdp else 1
+        if whole and name.startswith(whole):
+            shard, over = 1, 1
+        if index is not None:
+            unit = (2 + 2 * index + (1 if experts else 0), f"block{index}" + (".experts" if experts else ""))
         else:
-            head += size
-            largest = max(largest, size)
-    return ActivationProfile(
-        blocks=tuple(
-            BlockActivations(
-                boundary=b,
-                interior=i,
-                selective_boundary=producers.kept.get((n, "boundary"), 0),
-                selective_interior=producers.kept.get((n, "interior"), 0),
-                input_bytes=inputs.get(n, 0),
+            unit = next(
+                ((order, fqn) for fqn, (order, _) in outer.items() if name.startswith(fqn + ".")), _ROOT
             )
-            for n, (b, i) in enumerate(per_block)
-        ),
-        head=head,
-        embedding=embedding,
-        largest_head_tensor=largest,
-        tokens=micro_batch * local_seq,
-    )
+        gathered = over > 1 or (experts and experts_gathered)
+        return Placement(_divisors(config, shard, tp), shard, unit, over, gathered)
+
+    return place
 
 
-def activation_bytes(
-    profile: ActivationProfile,
-    *,
-    checkpointing: Checkpointing,
-    blocks: Sequence[int] | None = None,
-    in_flight: float = 1.0,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    first_stage: bool = True,
-    last_stage: bool = True,
-) -> int:
-    """Peak saved-activation bytes of one rank during backward.
-
-    Args:
-        profile: From `profile_activations` (one micro-batch on one rank).
-        checkpointing: ``False``, ``"full"`` (each block keeps its input and is recomputed, one at a
-            time, during backward) or ``"selective"`` (keeps attention and every other matmul output).
-        blocks: Indices of the blocks this rank runs (default: all).
-        in_flight: Micro-batches whose activations of ``blocks`` the rank holds at once (pipeline
-            schedules: `automodel_pipelining.schedules.in_flight_microbatches` / stages per rank).
-        tp: Tensor-parallel degree.
-        sequence_parallel: Whether boundary tensors are sharded over ``tp`` too.
-        first_stage: Whether the rank holds the embedding.
-        last_stage: Whether the rank holds the head and the loss.
-
-    Returns:
-        Bytes.
-    """
-    chosen = [profile.blocks[i] for i in (blocks if blocks is not None else range(len(profile.blocks)))]
-    if not chosen:
-        held = recompute = 0
-    elif checkpointing == "full":
-        held = sum(b.input_bytes // (tp if sequence_parallel else 1) for b in chosen)
-        recompute = max(b.total(tp, sequence_parallel) for b in chosen)
-    elif checkpointing == "selective":
-        held = sum(b.kept(tp, sequence_parallel) for b in chosen)
-        recompute = max(b.total(tp, sequence_parallel) - b.kept(tp, sequence_parallel) for b in chosen)
-    else:
-        held = sum(b.total(tp, sequence_parallel) for b in chosen)
-        recompute = 0
-    outside = (profile.embedding if first_stage else 0) + (
-        profile.head + profile.largest_head_tensor if last_stage else 0
-    )
-    return int(in_flight * held) + max(recompute, 0) + outside
+def always_resharded_units(model: nn.Module) -> set[str]:
+    """Units FSDP2 reshards after forward even with ``reshard_after_forward=False`` (outside pipelines)."""
+    return {fqn for fqn, (_, resharded) in _outer_units(model).items() if resharded}
 
 
 def fsdp_buffer_bytes(
@@ -429,3 +232,164 @@ def fsdp_comm_buffer_bytes(
     assert len(reduce_bytes) == len(unit_bytes), "one reduction size per unit"
     gathers = sum(size * (2 if size in consecutive and not host_tuned else 1) for size in set(unit_bytes))
     return gathers + sum(set(reduce_bytes))
+
+
+class StrategyFacts(Protocol):
+    """What `StrategyMemory` reads of a planner's per-rank facts (``automodel_planner.RankFacts``)."""
+
+    layout: MeshLayout
+    tokens: int
+    """Tokens per micro-batch on the rank."""
+    hidden_size: int
+    element_size: int
+    """Bytes per activation value."""
+    attention: tuple[int, int]
+    """(key/value heads, head dim) of the model."""
+    params: float
+    grads: float
+    states: float
+    """Bytes of this rank's parameters, gradients and AdamW state (two fp32 values per trainable one)."""
+    accumulated: float
+    """Bytes of this rank's trainable parameters unsharded over the FSDP axis."""
+    units: Sequence[int]
+    """Each FSDP unit's parameter bytes on this rank, unsharded over the FSDP axis, in forward order."""
+    unit_grads: Sequence[int]
+    units_freed: Sequence[bool]
+    """Per unit: resharded after forward whatever the setting (`always_resharded_units`)."""
+    blocks: Sequence[int]
+    n_micro: int
+    """The pipeline's micro-batches per step (1 outside pipelining)."""
+    accumulation: int
+    """Forward/backward passes per optimizer step (gradient accumulation, or the pipeline's)."""
+    pipelined: bool
+
+
+@dataclass(frozen=True)
+class StrategyMemory:
+    """The strategy's lines of a rank's peak, its collective buffers and its traffic (a planner term).
+
+    Args:
+        config: The strategy config.
+        reshard: Whether FSDP units free their parameters after forward (`for_job`).
+    """
+
+    config: DistributedConfig
+    reshard: bool
+
+    @classmethod
+    def for_job(
+        cls, config: DistributedConfig, *, pipelined: bool, experts_reshard: bool | None
+    ) -> StrategyMemory:
+        """The term of ``config``, resharding as its manager does.
+
+        Args:
+            config: The strategy config.
+            pipelined: Under pipelining no unit reshards after forward unless the config says so.
+            experts_reshard: Under expert parallelism, the MoE config's ``reshard_after_forward``, which
+                `FSDP2Manager` applies where the strategy config leaves it unset; None without experts.
+        """
+        setting = config.reshard_after_forward if isinstance(config, FSDP2Config) else None
+        if setting is None and isinstance(config, FSDP2Config):
+            setting = experts_reshard
+        return cls(config, reshard=setting is not False and not (pipelined and setting is None))
+
+    @property
+    def checkpointing(self) -> Any:
+        """``False``, ``"full"`` or ``"selective"``: what the strategy recomputes."""
+        return resolve_checkpointing_mode(self.config.activation_checkpointing) or False
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether hidden states between the tensor-parallel regions are sharded over ``tp`` too."""
+        return isinstance(self.config, FSDP2Config) and self.config.sequence_parallel
+
+    @property
+    def _fsdp(self) -> bool:
+        return not isinstance(self.config, DDPConfig)
+
+    def _deferred(self, facts: StrategyFacts) -> bool:
+        """FSDP2 keeps each micro-batch's gradients unsharded and unreduced until the last one."""
+        config = self.config
+        return isinstance(config, FSDP2Config) and facts.accumulation > 1 and config.defer_fsdp_grad_sync
+
+    def memory(self, facts: StrategyFacts) -> list[tuple[str, int, str]]:
+        """Parameters, gradients, AdamW state, deferred gradients and the gathered FSDP units."""
+        lines = [
+            ("parameters", int(facts.params), ""),
+            ("gradients", int(facts.grads), ""),
+            ("optimizer", int(facts.states), "AdamW: 2 fp32 states per trainable parameter"),
+        ]
+        if self._deferred(facts) and facts.accumulated:
+            note = f"unsharded, unreduced over {facts.accumulation} micro-batches (defer_fsdp_grad_sync)"
+            lines.append(("accumulated gradients", int(facts.accumulated), note))
+        if self._fsdp:
+            lines.append(("gathered units", self._gathered(facts), self._gathered_note()))
+        return lines
+
+    def _gathered(self, facts: StrategyFacts) -> int:
+        freed = [not facts.pipelined and f for f in facts.units_freed]
+        shard = facts.layout.dp_shard * facts.layout.cp
+        return fsdp_buffer_bytes(
+            facts.units,
+            shard=shard,
+            unit_grad_bytes=facts.unit_grads,
+            reshard=self.reshard,
+            always_resharded=freed,
+        )
+
+    def _gathered_note(self) -> str:
+        if self.reshard:
+            return "the 2 largest FSDP units unsharded + 1 unit's full-size gradient"
+        return (
+            "every FSDP unit of the rank stays unsharded (pipelining / reshard_after_forward=False; "
+            "outside a pipeline an untied embedding is freed after forward)"
+        )
+
+    def buffers(self, facts: StrategyFacts) -> dict[str, int]:
+        """FSDP2's all-gather outputs and reduce-scatter inputs, DDP's buckets, TP's and CP's buffers."""
+        layout, out = facts.layout, {}
+        shard = layout.dp_shard * layout.cp
+        fsdp = fsdp_comm_buffer_bytes(facts.units, shard=shard) if self._fsdp else 0
+        if fsdp:
+            out["FSDP all-gather / reduce-scatter"] = fsdp
+        if isinstance(self.config, DDPConfig) and layout.world_size > 1:
+            out["DDP gradient buckets"] = int(facts.grads)  # a second copy of the gradients
+        if layout.tp > 1:
+            out["TP gathered hidden states"] = facts.tokens * facts.hidden_size * facts.element_size
+        if layout.cp > 1:
+            kv, head_dim = facts.attention
+            out["CP ring K/V send + receive"] = 2 * 2 * facts.tokens * kv * head_dim * facts.element_size
+        return out
+
+    def traffic(self, facts: StrategyFacts) -> dict[str, int]:
+        """Bytes one rank sends per step, per collective, with ring-algorithm factors."""
+        layout = facts.layout
+        if isinstance(self.config, DDPConfig):
+            world = layout.world_size
+            return (
+                {"all-reduce gradients (DDP)": int(2 * (world - 1) / world * facts.grads)}
+                if world > 1
+                else {}
+            )
+        out, shard = {}, layout.dp_shard * layout.cp
+        if shard > 1:
+            gathers = 2 if self.reshard else 1  # again in backward when units reshard after forward
+            out[f"FSDP all-gather x{gathers}"] = int(gathers * (shard - 1) / shard * sum(facts.units))
+            trainable_full = facts.grads * shard
+            out["FSDP reduce-scatter"] = int((shard - 1) / shard * trainable_full)
+        if layout.dp_replicate > 1:
+            r = layout.dp_replicate
+            out["HSDP all-reduce"] = int(2 * (r - 1) / r * facts.grads)
+        tokens, hidden, element = facts.tokens, facts.hidden_size, facts.element_size
+        blocks, n_micro = len(facts.blocks), facts.n_micro
+        if layout.tp > 1:
+            tp = layout.tp
+            out["TP all-reduce (or AG+RS)"] = int(
+                4 * 2 * (tp - 1) / tp * tokens * hidden * element * blocks * n_micro
+            )
+        if layout.cp > 1:
+            kv, head_dim = facts.attention
+            out["CP ring K/V"] = int(
+                3 * (layout.cp - 1) * 2 * tokens * kv * head_dim * element * blocks * n_micro
+            )
+        return out

@@ -2,8 +2,9 @@
 
 Every strategy manager (`FSDP2Manager`, `DDPManager`, `MegatronFSDPManager`) implements this typed
 protocol, so a caller never asks ``isinstance`` or ``getattr`` what a manager is: each step of
-``apply_model_infrastructure`` is one call (`StrategyManager.shard`, `StrategyManager.loads_before_sharding`,
-`StrategyManager.init_device`, `StrategyManager.compile`, `StrategyManager.place`), and a training loop
+``apply_model_infrastructure`` is one call (`StrategyManager.check`, `StrategyManager.shard`,
+`StrategyManager.loads_before_sharding`, `StrategyManager.init_device`, `StrategyManager.compile`,
+`StrategyManager.place`), and a training loop
 wraps its forward in `StrategyManager.autocast` and each micro-batch's backward in
 `StrategyManager.gradient_sync`. `NoStrategy` is the manager of a run without a strategy config (one
 device, or expert parallelism through ``automodel_moe.parallelize_model`` alone); `as_strategy` picks it.
@@ -22,7 +23,7 @@ from torch import nn
 from automodel_distributed.config import CompileConfig
 from automodel_mesh import MeshContext
 
-__all__ = ["NoStrategy", "StrategyDefaults", "StrategyManager", "as_strategy", "nothing_is_sharded"]
+__all__ = ["NoStrategy", "StrategyDefaults", "StrategyManager", "as_strategy"]
 
 
 @runtime_checkable
@@ -31,6 +32,14 @@ class StrategyManager(Protocol):
 
     mesh: MeshContext
     """The mesh the strategy works on (the object it was given; never a rebuilt copy)."""
+
+    def check(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` when `shard` would refuse the whole, unsplit ``model``; pure, no collective.
+
+        Called before anything changes: under pipeline parallelism `shard` runs on each stage, which may
+        not hold what the strategy refuses (a stage of dense layers under expert parallelism).
+        """
+        ...
 
     def shard(self, model: nn.Module) -> nn.Module:
         """Apply the strategy (TP, checkpointing, FSDP / DDP) in place; return the model to use."""
@@ -72,11 +81,6 @@ class StrategyManager(Protocol):
         ...
 
 
-def nothing_is_sharded(mesh: MeshContext) -> bool:
-    """Whether every rank holds whole parameters: no pipeline, tensor, expert or FSDP sharding axis."""
-    return not mesh.pp_enabled and mesh.tp_size <= 1 and mesh.ep_size <= 1 and mesh.dp_shard_cp_size <= 1
-
-
 def _has_dtensors(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -85,6 +89,10 @@ def _has_dtensors(model: nn.Module) -> bool:
 
 class StrategyDefaults:
     """Behaviour the managers share: whole-model compile, placement of unsharded models, no-op contexts."""
+
+    def check(self, model: nn.Module) -> None:
+        """Nothing to refuse before sharding."""
+        del model
 
     def init_device(self, device: torch.device | str) -> torch.device | str:
         """``device`` itself."""
@@ -131,7 +139,7 @@ class NoStrategy(StrategyDefaults):
 
     def loads_before_sharding(self, *, adapters: bool) -> bool:
         """Load first when every rank holds whole parameters and there are no adapters."""
-        return not adapters and nothing_is_sharded(self.mesh)
+        return not adapters and not self.mesh.layout.shards_parameters
 
 
 def as_strategy(manager: StrategyManager | None, mesh: MeshContext) -> StrategyManager:

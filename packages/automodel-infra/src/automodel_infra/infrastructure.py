@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -50,7 +51,9 @@ from automodel_distributed.config import (
 )
 from automodel_distributed.loss import MaskedCrossEntropy
 from automodel_distributed.strategy import StrategyManager, as_strategy
+from automodel_infra import steps
 from automodel_infra._optional import import_component
+from automodel_infra.steps import Step
 from automodel_mesh import MeshContext, MeshKind
 
 if TYPE_CHECKING:
@@ -65,6 +68,8 @@ if TYPE_CHECKING:
     Manager = FSDP2Manager | MegatronFSDPManager | DDPManager
 
 __all__ = [
+    "APPLY_STEPS",
+    "ApplyState",
     "Infrastructure",
     "_apply_peft_and_lower_precision",
     "_instantiate_distributed",
@@ -92,7 +97,8 @@ class Infrastructure(NamedTuple):
     autopipeline: Any
     """`AutoPipeline` when the mesh has ``pp > 1``, else ``None``."""
     parallelize_fn: Callable[..., Any] | None
-    """The MoE parallelizer (``ep > 1``), `parallelize_for_pp` bound to the manager (pipelining), or None."""
+    """`parallelize_for_pp` bound to the manager (pipelining), the MoE parallelizer (``ep > 1`` without a
+    strategy config), or None (the manager shards: under ``ep > 1`` it runs the expert step first)."""
     qat_quantizer: Any
     """A torchao QAT quantizer, or ``None``."""
 
@@ -251,10 +257,11 @@ def _shard_pp(
 def _shard_ep_fsdp(model: nn.Module, model_wrapper: Any, parallelize_fn: Any, mesh: MeshContext) -> nn.Module:
     """Apply EP + FSDP sharding (non-PP path).
 
-    With a ``parallelize_fn`` (the manager's ``parallelize`` with the expert step plugged in, or the MoE
-    parallelizer when there is no manager) and several ranks it is called in place with the meshes and
-    `MeshContext.parallelize_axis_kwargs`; otherwise the manager shards (`StrategyManager.shard`). With
-    neither, nothing happens.
+    With a ``parallelize_fn`` (the caller's own, or the MoE parallelizer when expert parallelism has no
+    strategy config) and several ranks it is called in place with the meshes and
+    `MeshContext.parallelize_axis_kwargs`, as in the reference system; otherwise the manager shards
+    (`StrategyManager.shard`: under expert parallelism the FSDP2 manager runs its expert step first).
+    With neither, nothing happens.
 
     Returns:
         The sharded (possibly wrapped) model.
@@ -282,6 +289,13 @@ def _instantiate_distributed(config: DistributedConfig | None, mesh: MeshContext
             strategy (e.g. a tensor-parallel mesh for DDP), or the config is of an unknown type.
         RuntimeError: `DDPConfig` without an initialised process group.
     """
+    return _build_manager(config, mesh, None)
+
+
+def _build_manager(
+    config: DistributedConfig | None, mesh: MeshContext, experts: ExpertParallelism | None
+) -> Manager | None:
+    """`_instantiate_distributed`, with the expert-parallel step an `FSDP2Manager` runs first (or None)."""
     if config is None:
         return None
     if mesh.kind is not None and isinstance(config, FSDP2Config | MegatronFSDPConfig | DDPConfig):
@@ -300,7 +314,7 @@ def _instantiate_distributed(config: DistributedConfig | None, mesh: MeshContext
             )
         from automodel_distributed.fsdp2 import FSDP2Manager
 
-        return FSDP2Manager(config, mesh=mesh)
+        return FSDP2Manager(config, mesh=mesh, experts=experts)
     if isinstance(config, MegatronFSDPConfig):
         if mesh.device_mesh is None:
             raise ValueError(
@@ -441,10 +455,10 @@ def instantiate_infrastructure(
 
     Returns:
         ``Infrastructure(model_wrapper, autopipeline, parallelize_fn, qat_quantizer)``, a 4-tuple:
-        the manager (or None); the `AutoPipeline` (or None); the parallelization function (the manager's
-        ``parallelize``, adapted by `parallelize_for_pp`, when ``ep_size > 1``, where the manager runs
-        the expert step first, or under PP; the MoE parallelizer for ``ep_size > 1`` without a strategy
-        config; else None); the QAT quantizer (or None).
+        the manager (or None; with ``ep_size > 1`` it runs the expert step first); the `AutoPipeline`
+        (or None); the parallelization function (`parallelize_for_pp` bound to the manager under PP; the
+        MoE parallelizer for ``ep_size > 1`` without a strategy config; else None, since the manager's
+        own `StrategyManager.shard` is the route); the QAT quantizer (or None).
 
     Raises:
         ValueError: An unknown config type, a mesh that the strategy cannot use, a pipeline axis without
@@ -495,21 +509,16 @@ def instantiate_infrastructure(
     if moe_config is not None and not ep_enabled:
         logger.info("moe_config ignored: ep_size is 1 (the strategy shards the MoE model like a dense one)")
 
-    # Under expert parallelism the FSDP2 manager runs the expert step first: one applier, every setting.
-    model_wrapper = _instantiate_distributed(distributed_config, mesh)
-    if ep_enabled and isinstance(distributed_config, FSDP2Config):
-        from automodel_distributed.fsdp2 import FSDP2Manager
-
-        assert isinstance(model_wrapper, FSDP2Manager)  # built from that config just above
-        model_wrapper = model_wrapper.with_experts(_expert_parallel(moe_config))
+    # Under expert parallelism the FSDP2 manager runs the expert step first: one applier, every setting,
+    # and the manager's own `shard` is the route (no parallelize_fn) unless stages need one.
+    experts = _expert_parallel(moe_config) if ep_enabled and distributed_config is not None else None
+    model_wrapper = _build_manager(distributed_config, mesh, experts)
     autopipeline = _instantiate_pipeline(pipeline_config, mesh, device, distributed_config)
-    parallelize_fn: Callable[..., Any] | None
-    if ep_enabled and model_wrapper is None:
+    parallelize_fn: Callable[..., Any] | None = None
+    if model_wrapper is None and ep_enabled:
         parallelize_fn = _moe_parallelize_fn(moe_config, ac)
-    elif model_wrapper is not None and (ep_enabled or autopipeline is not None):
+    elif model_wrapper is not None and autopipeline is not None:
         parallelize_fn = partial(parallelize_for_pp, model_wrapper=model_wrapper)
-    else:
-        parallelize_fn = None
     qat_quantizer = _instantiate_qat(qat_config)
     return Infrastructure(model_wrapper, autopipeline, parallelize_fn, qat_quantizer)
 
@@ -555,17 +564,38 @@ def _check_apply_inputs(
         warnings.warn(f"apply_model_infrastructure ignores the keyword(s) {unknown}", stacklevel=3)
 
 
-def _load_or_init(
-    part: nn.Module,
-    *,
-    device: torch.device | str,
-    load: bool,
-    path: str,
-    cache_dir: str | None,
-    init_adapters: Callable[[nn.Module], object] | None,
-    process_group: Any,
-    pipelined: bool,
-) -> None:
+@dataclass
+class ApplyState:
+    """What the steps of one `apply_model_infrastructure` call read and write (see `APPLY_STEPS`)."""
+
+    model: nn.Module
+    """The model as the steps left it so far (replaced by step 1 when a conversion returns a new one)."""
+    mesh: MeshContext
+    strategy: StrategyManager
+    device: torch.device | str
+    is_meta_device: bool
+    autopipeline: AutoPipeline | None
+    parallelize_fn: Callable[..., Any] | None
+    peft_config: Any
+    quantization_config: Any
+    fp8_config: Any
+    qat_quantizer: Any
+    loss_fn: Callable[..., torch.Tensor] | None
+    compile_config: CompileConfig | None
+    need_load: bool
+    path: str
+    cache_dir: str | None
+    freeze_config: Any
+    peft: Any = None
+    """``automodel_peft`` when there are adapters (their owner: initialise, freeze), else None."""
+    loaded: bool = False
+    result: Any = None
+    """The sharded model, or the `AutoPipeline` whose ``parts`` are this rank's stages."""
+    parts: list[nn.Module] = field(default_factory=list)
+    pipelined: bool = False
+
+
+def _load_or_init(state: ApplyState, part: nn.Module, device: torch.device | str, *, pipelined: bool) -> None:
     """Materialise ``part`` and load the checkpoint into it (or initialise it), in place.
 
     Adapters are initialised once, by their owner (``init_adapters``: `automodel_peft.init_adapter_weights`),
@@ -577,14 +607,161 @@ def _load_or_init(
     load_base_model(
         part,
         device,
-        cache_dir,
-        path,
-        load_base_model=load,
+        state.cache_dir,
+        state.path,
+        load_base_model=state.need_load,
         # A pipeline stage holds part of the checkpoint; every tensor it has must still be found.
         allow_unexpected=pipelined,
-        init_adapters=init_adapters,
-        process_group=process_group,
+        init_adapters=state.peft.adapter_initializer(state.peft_config) if state.peft is not None else None,
+        process_group=state.mesh.process_group,
     )
+
+
+def _run_check(state: ApplyState) -> None:
+    state.strategy.check(state.model)
+    if state.need_load:
+        from automodel_checkpoint import check_hf_checkpoint
+
+        check_hf_checkpoint(state.model, state.path, cache_dir=state.cache_dir)
+
+
+def _run_lower_precision(state: ApplyState) -> None:
+    state.model = _apply_peft_and_lower_precision(
+        state.model,
+        state.mesh.tp_size,
+        state.autopipeline,
+        state.peft_config,
+        state.quantization_config,
+        state.fp8_config,
+        state.qat_quantizer,
+    )
+    if state.peft_config is not None:
+        state.peft = import_component("automodel_peft", "peft_config")
+    if state.mesh.cp_size > 1:
+        from automodel_distributed.context_parallel import apply_context_parallel
+
+        apply_context_parallel(state.model)
+
+
+def _run_load_first(state: ApplyState) -> None:
+    adapters = state.peft is not None
+    if state.strategy.loads_before_sharding(adapters=adapters) and (state.is_meta_device or state.need_load):
+        _load_or_init(state, state.model, state.device, pipelined=False)
+        state.loaded = True
+
+
+def _run_freeze(state: ApplyState) -> None:
+    if state.freeze_config is not None:
+        from automodel_distributed.multimodal import apply_freeze_config
+
+        apply_freeze_config(state.model, state.freeze_config)
+    if state.peft is not None:
+        state.peft.freeze_base(state.model)
+    if state.loss_fn is None:
+        state.loss_fn = MaskedCrossEntropy()
+
+
+def _run_shard(state: ApplyState) -> None:
+    if state.autopipeline is not None:
+        state.result = _shard_pp(state.autopipeline, state.model, state.loss_fn, state.parallelize_fn)
+    else:
+        state.result = _shard_ep_fsdp(state.model, state.strategy, state.parallelize_fn, state.mesh)
+    state.pipelined = state.autopipeline is not None and state.result is state.autopipeline
+    state.parts = list(state.result.parts) if state.pipelined else [state.result]
+
+
+def _run_compile(state: ApplyState) -> None:
+    if state.pipelined:
+        state.parts = [state.strategy.compile(p, state.compile_config, in_place=True) for p in state.parts]
+    else:
+        state.result = state.strategy.compile(state.result, state.compile_config, in_place=False)
+        state.parts = [state.result]
+
+
+def _run_materialise(state: ApplyState) -> None:
+    if state.loaded or not (state.is_meta_device or state.need_load):
+        return
+    for part in state.parts:
+        _load_or_init(state, part, state.strategy.init_device(state.device), pipelined=state.pipelined)
+
+
+def _run_finish(state: ApplyState) -> None:
+    if state.peft is not None:
+        for part in state.parts:
+            state.peft.freeze_base(part)
+    if not state.pipelined:
+        state.strategy.place(state.result, state.device)
+    for part in state.parts:
+        trainable, total = _count_params(part)
+        logger.info("%s: %d trainable of %d parameters on this rank", type(part).__name__, trainable, total)
+
+
+APPLY_STEPS: tuple[Step[ApplyState], ...] = (
+    Step(
+        "check",
+        "Check the arguments, the strategy's refusals and the checkpoint against the unsharded model",
+        "A user error must leave the model as it was and be raised on every rank before the first "
+        "collective; the checkpoint is read from its metadata only (files, keys, shapes).",
+        _run_check,
+        steps.describe_check,
+    ),
+    Step(
+        "adapters and precision",
+        "LoRA adapters, then FP8 training, then QAT fake quantization; context-parallel attention hooks",
+        "Before sharding, on meta when the model is: tensor-parallel plans and FSDP units key on the "
+        "final module types, and swapping modules after sharding would replace sharded parameters.",
+        _run_lower_precision,
+        steps.describe_lower_precision,
+    ),
+    Step(
+        "load first",
+        "Materialise and load the whole model, only where the strategy needs real tensors to shard",
+        "Loading into unsharded tensors costs a full copy per rank, which sharding exists to avoid; "
+        "DDP (and one device without adapters) needs the real weights before wrapping.",
+        _run_load_first,
+        steps.describe_load_first,
+    ),
+    Step(
+        "freeze",
+        "Freeze the parts freeze_config names and, under PEFT, the base; the pipeline's loss",
+        "FSDP2 places frozen towers by what is frozen when it wraps, and DDP decides at wrap time "
+        "which parameters get gradients.",
+        _run_freeze,
+        steps.describe_freeze,
+    ),
+    Step(
+        "shard",
+        "The pipeline split, then the strategy on the model or each stage",
+        "Inside the strategy: the expert step, the tensor-parallel plan, activation checkpointing, then "
+        "fully_shard of each unit and the root (checkpoint wrappers must exist before FSDP hooks them).",
+        _run_shard,
+        steps.describe_shard,
+    ),
+    Step(
+        "compile",
+        "torch.compile, as the strategy compiles (each block in place under FSDP2 and for stages)",
+        "After sharding, so compiled code sees the sharded parameters and their names are kept.",
+        _run_compile,
+        steps.describe_compile,
+    ),
+    Step(
+        "materialise and load",
+        "Materialise the meta parameters on the shards, then read the checkpoint straight into them",
+        "Each rank reads only the bytes of the slices it holds: peak memory stays near the shard size; "
+        "adapters are initialised once the base weights are final.",
+        _run_materialise,
+        steps.describe_materialise,
+    ),
+    Step(
+        "finish",
+        "Freeze everything but the adapters again; move what is unsharded to the device",
+        "Parameters created while sharding or loading start trainable.",
+        _run_finish,
+        steps.describe_finish,
+    ),
+)
+"""The order of operations, as data: `apply_model_infrastructure` runs it, ``automodel plan`` prints it,
+``docs/concepts.md`` shows it (`automodel_infra.steps`)."""
 
 
 def apply_model_infrastructure(
@@ -609,30 +786,13 @@ def apply_model_infrastructure(
 ) -> Any:
     """Apply sharding, PEFT, quantization, and checkpoint loading to a model.
 
-    The steps, in order (docs/concepts.md gives the reasons); each is one call, into the strategy
-    manager's `StrategyManager` methods (`NoStrategy` without one), `automodel_peft`, or a leaf function:
-
-    0. Check every argument, and the checkpoint against the unsharded model (files, keys, shapes; from
-       metadata), before anything is modified or communicated.
-    1. LoRA adapters, then FP8, then QAT (`_apply_peft_and_lower_precision`; on meta when the model is);
-       with ``cp_size > 1``, the context-parallel attention hooks
-       (`automodel_distributed.context_parallel.apply_context_parallel`).
-    2. `StrategyManager.loads_before_sharding`: if nothing will be sharded and there are no adapters
-       (single device), or the strategy replicates real tensors (DDP), materialise and load now.
-    3. ``freeze_config`` (`automodel_distributed.multimodal.FreezeConfig` or its dict: vision tower,
-       audio tower, language model, embeddings) and, with PEFT, ``automodel_peft.freeze_base`` (before
-       FSDP2 places frozen towers and DDP decides which parameters get gradients).
-       ``loss_fn=None`` becomes `MaskedCrossEntropy` (a given loss is kept); the loss only matters
-       under pipelining.
-    4. Shard: the pipeline split with each stage parallelized (`_shard_pp`), else ``parallelize_fn``
-       (the manager with its expert step under EP) or `StrategyManager.shard` (`_shard_ep_fsdp`).
-    5. `StrategyManager.compile`: per transformer block in place under FSDP2 and for pipeline stages
-       (``FSDP2Config.enable_compile`` or ``compile_config``), the whole model otherwise.
-    6. Materialise the meta parameters on each rank's shards (`StrategyManager.init_device`) and load
-       the checkpoint straight into them (each rank reads only its slices); the adapters' owner
-       initialises them once the base weights are final (``automodel_peft.adapter_initializer``).
-    7. With PEFT, freeze everything but the adapters again (parameters created while sharding or
-       loading start trainable); `StrategyManager.place` moves an unsharded model to ``device``.
+    Runs `APPLY_STEPS` in order on one `ApplyState` (docs/concepts.md lists them with their reasons):
+    check; adapters, FP8 and QAT (on meta) and the context-parallel hooks; load first where the strategy
+    needs real tensors; freeze (``freeze_config``, the base under PEFT) and the pipeline's loss; shard
+    (the pipeline split, or ``parallelize_fn``, or `StrategyManager.shard`); compile; materialise the
+    shards and load the checkpoint into them; freeze everything but the adapters and place. Each step is
+    one call into a leaf package (the manager through `StrategyManager`, adapters through
+    `automodel_peft`).
 
     Preconditions: the process group and the mesh exist (`MeshContext.build`); every rank calls this
     with the same arguments. Collectives: those of sharding (mesh axes of the strategy) and of loading
@@ -685,93 +845,25 @@ def apply_model_infrastructure(
         compile_kwargs(compile_config)  # a mode with options is refused here, before anything runs
     if mesh is None:
         mesh = model_wrapper.mesh if model_wrapper is not None else MeshContext()
-    strategy: StrategyManager = as_strategy(model_wrapper, mesh)
-    experts = getattr(model_wrapper, "experts", None)
-    if experts is not None:
-        # The whole model, before any change: pipeline stages run the expert step on the layers they
-        # hold, and a stage of dense layers only must not be where a model EP cannot shard is refused.
-        experts.check(model, mesh)
-    path = str(pretrained_model_name_or_path or "")
-    weights_already_loaded = bool(_kwargs.get("weights_already_loaded", False))
-    need_load = load_base_model and not weights_already_loaded
-    if need_load:
-        from automodel_checkpoint import check_hf_checkpoint
-
-        # Files, keys and shapes against the unsharded model, from metadata, before any change or
-        # collective: a wrong checkpoint fails here on every rank, alone, instead of after sharding.
-        check_hf_checkpoint(model, path, cache_dir=cache_dir)
-
-    # 1. Adapters, FP8, QAT: before sharding, so plans and FSDP units see the final module types.
-    model = _apply_peft_and_lower_precision(
-        model, mesh.tp_size, autopipeline, peft_config, quantization_config, fp8_config, qat_quantizer
-    )
-    peft = import_component("automodel_peft", "peft_config") if peft_config is not None else None
-
-    # Context parallelism: attention hooks on the unsharded model (sharding keeps the attention modules,
-    # so the hooks travel with them into FSDP units and pipeline stages); a model that cannot run ring
-    # attention fails here, before any collective.
-    if mesh.cp_size > 1:
-        from automodel_distributed.context_parallel import apply_context_parallel
-
-        apply_context_parallel(model)
-
-    # 2. Load first when every rank will hold whole tensors anyway (or the strategy needs real ones).
-    load_or_init = partial(
-        _load_or_init,
-        load=need_load,
-        path=path,
+    state = ApplyState(
+        model=model,
+        mesh=mesh,
+        strategy=as_strategy(model_wrapper, mesh),
+        device=device,
+        is_meta_device=is_meta_device,
+        autopipeline=autopipeline,
+        parallelize_fn=parallelize_fn,
+        peft_config=peft_config,
+        quantization_config=quantization_config,
+        fp8_config=fp8_config,
+        qat_quantizer=qat_quantizer,
+        loss_fn=loss_fn,
+        compile_config=compile_config,
+        need_load=load_base_model and not bool(_kwargs.get("weights_already_loaded", False)),
+        path=str(pretrained_model_name_or_path or ""),
         cache_dir=cache_dir,
-        init_adapters=peft.adapter_initializer(peft_config) if peft is not None else None,
-        process_group=mesh.process_group,
+        freeze_config=_kwargs.get("freeze_config"),
     )
-    loaded = False
-    if strategy.loads_before_sharding(adapters=peft is not None) and (is_meta_device or need_load):
-        load_or_init(model, device=device, pipelined=False)
-        loaded = True
-
-    # 3. Freeze the parts freeze_config names, and the base under PEFT, now: FSDP2 places frozen towers
-    #    by what is frozen when it wraps, DDP decides at wrap time which parameters get gradients, and a
-    #    base frozen only after wrapping leaves it waiting for gradients that never come.
-    if _kwargs.get("freeze_config") is not None:
-        from automodel_distributed.multimodal import apply_freeze_config
-
-        apply_freeze_config(model, _kwargs["freeze_config"])
-    if peft is not None:
-        peft.freeze_base(model)
-    # The loss of the last pipeline stage (the caller's is kept: stages hand it logits).
-    if loss_fn is None:
-        loss_fn = MaskedCrossEntropy()
-
-    # 4. Shard.
-    result: Any
-    if autopipeline is not None:
-        result = _shard_pp(autopipeline, model, loss_fn, parallelize_fn)
-    else:
-        result = _shard_ep_fsdp(model, model_wrapper, parallelize_fn, mesh)
-    pipelined = autopipeline is not None and result is autopipeline
-    parts = list(result.parts) if pipelined else [result]
-
-    # 5. Compile, after sharding: in place per block under FSDP2 and for pipeline stages (parameter
-    #    names kept), else as the strategy compiles whole models.
-    if pipelined:
-        parts = [strategy.compile(part, compile_config, in_place=True) for part in parts]
-    else:
-        result = strategy.compile(result, compile_config, in_place=False)
-        parts = [result]
-
-    # 6. Materialise the shards and load the checkpoint into them.
-    if not loaded and (is_meta_device or need_load):
-        for part in parts:
-            load_or_init(part, device=strategy.init_device(device), pipelined=pipelined)
-
-    # 7. Freeze again under PEFT (parameters created while sharding or loading start trainable); place
-    #    unsharded models.
-    if peft is not None:
-        for part in parts:
-            peft.freeze_base(part)
-    if not pipelined:
-        strategy.place(result, device)
-    for part in parts:
-        trainable, total = _count_params(part)
-        logger.info("%s: %d trainable of %d parameters on this rank", type(part).__name__, trainable, total)
-    return result
+    for step in APPLY_STEPS:
+        step.run(state)
+    return state.result

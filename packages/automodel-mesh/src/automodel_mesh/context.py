@@ -263,6 +263,22 @@ class MeshContext:
         return MeshKind.DDP if self.process_group is not None else None
 
     @property
+    def layout(self) -> MeshLayout:
+        """The sizes of this context as the `MeshLayout` `resolve` gives a dry run of the same job.
+
+        Read live from the meshes, like every size here. An empty context is a one-rank FSDP2 layout.
+        """
+        kind = self.kind or MeshKind.FSDP2
+        sizes = ParallelismSizes(
+            dp_replicate_size=self.dp_replicate_size if kind is MeshKind.FSDP2 else None,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+            cp_size=self.cp_size,
+            ep_size=self.ep_size,
+        )
+        return resolve_layout(kind, sizes, self.world_size)
+
+    @property
     def device_type(self) -> str:
         """``"cuda"`` or ``"cpu"``: the device type of the meshes, else of the process group's backend.
 

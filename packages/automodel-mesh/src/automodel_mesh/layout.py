@@ -101,6 +101,11 @@ class MeshLayout:
         return self.dp * self.cp
 
     @property
+    def shards_parameters(self) -> bool:
+        """Whether some rank holds only part of the parameters: a ``pp``, ``tp``, ``ep`` or FSDP axis > 1."""
+        return self.pp > 1 or self.tp > 1 or self.ep > 1 or self.dp_shard_cp > 1
+
+    @property
     def has_device_mesh(self) -> bool:
         """Whether this layout builds a device mesh (DDP uses the process group only)."""
         return self.kind is not MeshKind.DDP

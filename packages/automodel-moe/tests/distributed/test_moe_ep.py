@@ -191,7 +191,7 @@ def _one_rank_experts_as_fsdp(family: str) -> dict[str, Any]:
 
     steps: dict[str, ExpertParallelism] = {"ours": ExpertParallel(), "fsdp": FSDPExperts()}
     models = {
-        name: FSDP2Manager(config, mesh=ctx).with_experts(step).parallelize(_build(family).to(torch.bfloat16))
+        name: FSDP2Manager(config, mesh=ctx, experts=step).parallelize(_build(family).to(torch.bfloat16))
         for name, step in steps.items()
     }
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -282,8 +282,9 @@ def _errors() -> dict[str, str]:
 
 
 def _settings_under_ep() -> dict[str, Any]:
-    """Expert parallelism through the FSDP2 manager (what instantiate_infrastructure builds under EP: the
-    manager ``with_experts(ExpertParallel(moe_config))``) keeps every FSDP2Config setting.
+    """Expert parallelism through the FSDP2 manager (what instantiate_infrastructure builds under EP: a
+    manager whose ``experts`` is ``ExpertParallel(moe_config)``, and no parallelize_fn: the manager's own
+    ``shard`` is the route) keeps every FSDP2Config setting.
 
     One applier: prefetch, the checkpointing scope, mixed precision and resharding hold for the dense
     units, and the router is saved by checkpointing. ``ep_shard`` has one rank here, so the experts are
@@ -294,6 +295,7 @@ def _settings_under_ep() -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     from automodel_distributed import FSDP2Config, FSDP2Manager
+    from automodel_infra import instantiate_infrastructure
     from automodel_mesh import MeshContext, ParallelismSizes
     from automodel_moe import ExpertParallel, find_experts
 
@@ -305,7 +307,9 @@ def _settings_under_ep() -> dict[str, Any]:
         reshard_after_forward=True,
     )
     ctx = MeshContext.build(config, ParallelismSizes(ep_size=2))
-    model = FSDP2Manager(config, mesh=ctx).with_experts(ExpertParallel()).parallelize(_build("qwen3_moe"))
+    infra = instantiate_infrastructure(distributed_config=config, mesh=ctx)
+    route = (infra.parallelize_fn, type(infra.model_wrapper.experts).__name__)
+    model = FSDP2Manager(config, mesh=ctx, experts=ExpertParallel()).parallelize(_build("qwen3_moe"))
     blocks = list(model.model.layers)
     experts = [site.module for site in find_experts(model)]
     state = blocks[0]._get_fsdp_state()  # type: ignore[operator]
@@ -319,6 +323,7 @@ def _settings_under_ep() -> dict[str, Any]:
         "same_class": type(experts[0]).__name__,
         "expert_placement": [(p.device_mesh.mesh_dim_names, p.placements) for p in experts[0].parameters()],
         "param_dtype": str(state._mp_policy.param_dtype),
+        "route": route,
     }
 
 
@@ -351,7 +356,7 @@ def _sequence_parallel_refused() -> str:
     model = _build("qwen3_moe")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
-        FSDP2Manager(config, mesh=ctx).with_experts(ExpertParallel()).parallelize(model)
+        FSDP2Manager(config, mesh=ctx, experts=ExpertParallel()).parallelize(model)
     except ValueError as err:
         untouched = all(
             torch.equal(p, before[n]) and type(p) is torch.nn.Parameter for n, p in model.named_parameters()
@@ -370,7 +375,7 @@ def _tensor_parallel_layout() -> dict[str, Any]:
 
     config = FSDP2Config()
     ctx = MeshContext.build(config, ParallelismSizes(tp_size=2, ep_size=2))
-    model = FSDP2Manager(config, mesh=ctx).with_experts(ExpertParallel()).parallelize(_build("qwen3_moe"))
+    model = FSDP2Manager(config, mesh=ctx, experts=ExpertParallel()).parallelize(_build("qwen3_moe"))
     layer = model.model.layers[0]
     layer = getattr(layer, "_checkpoint_wrapped_module", layer)
 
@@ -474,6 +479,7 @@ def test_ep2_parity_activation_checkpointing_bf16_checkpoint_and_errors(tmp_path
             "same_class": "Qwen3MoeExperts",
             "expert_placement": [(("ep",), (Shard(0),))] * 2,
             "param_dtype": "torch.float32",
+            "route": (None, "ExpertParallel"),
         }, results["settings"]
         errors = results["errors"]
         assert "num_experts=3" in errors["divisibility"] and "ep_size=2" in errors["divisibility"], errors

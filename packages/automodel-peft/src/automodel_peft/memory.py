@@ -1,4 +1,4 @@
-"""Activation memory that LoRA adapters add, for planners (pure arithmetic).
+"""Activation memory that LoRA adapters add, for planners (``automodel_planner``): pure arithmetic.
 
 A LoRA layer ``y = W x + B(A(dropout(x))) * scale`` saves, beyond what the frozen base saves, the
 rank-``r`` output of ``A`` (the input of ``B``), and with dropout the dropped copy of ``x`` (the input
@@ -9,8 +9,10 @@ its weight gradient, but ``A`` needs the same input, so the base's saved input s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["lora_activation_bytes"]
+__all__ = ["LoRAFacts", "LoRAMemory", "lora_activation_bytes"]
 
 
 def lora_activation_bytes(
@@ -28,3 +30,46 @@ def lora_activation_bytes(
     per_layer_rank = tokens * rank * element_size
     dropped = sum(tokens * width * element_size for width in in_features) if dropout > 0 else 0
     return len(in_features) * per_layer_rank + dropped
+
+
+class LoRAFacts(Protocol):
+    """What `LoRAMemory` reads of a planner's per-rank facts (``automodel_planner.RankFacts``)."""
+
+    adapted_inputs: Sequence[int]
+    """Input width of each adapted linear layer in the rank's blocks."""
+    tokens: int
+    element_size: int
+    in_flight: float
+    """Micro-batches whose activations the rank holds at once."""
+
+
+@dataclass(frozen=True)
+class LoRAMemory:
+    """The adapters' saved activations on a rank (a planner term; see `lora_activation_bytes`)."""
+
+    rank: int
+    """LoRA rank ``r``."""
+    dropout: float = 0.0
+
+    def memory(self, facts: LoRAFacts) -> list[tuple[str, int, str]]:
+        """One line, when the rank's blocks hold adapted layers."""
+        if not facts.adapted_inputs:
+            return []
+        size = lora_activation_bytes(
+            facts.adapted_inputs,
+            rank=self.rank,
+            tokens=facts.tokens,
+            element_size=facts.element_size,
+            dropout=self.dropout,
+        )
+        return [("LoRA activations", int(facts.in_flight * size), "")]
+
+    def buffers(self, facts: LoRAFacts) -> dict[str, int]:
+        """No collective buffers of their own."""
+        del facts
+        return {}
+
+    def traffic(self, facts: LoRAFacts) -> dict[str, int]:
+        """No collectives of their own."""
+        del facts
+        return {}

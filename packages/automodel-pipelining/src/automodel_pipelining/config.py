@@ -177,3 +177,20 @@ class PipelineConfig(ConfigDict):
     def n_microbatches(self) -> int:
         """Microbatches per step: ``pp_batch_size // pp_microbatch_size``."""
         return self.pp_batch_size // self.pp_microbatch_size
+
+    def stage_count(self, pp_size: int, num_layers: int | None = None) -> int | None:
+        """Stages the layers are split into on ``pp_size`` ranks, when known before the model is built.
+
+        From ``module_fqns_per_model_part``, else the schedule's stages per rank, else (``layers_per_stage``)
+        from ``num_layers``; None when the schedule is a CSV file or the layer count is needed but not given.
+        """
+        from automodel_pipelining.schedules import resolve_schedule
+
+        if self.module_fqns_per_model_part is not None:
+            return len(self.module_fqns_per_model_part)
+        spec = resolve_schedule(self.pp_schedule, self.pp_schedule_csv)
+        if spec is None:
+            return None
+        if self.layers_per_stage is not None:
+            return None if num_layers is None else -(-num_layers // self.layers_per_stage)
+        return pp_size * spec.default_stages_per_rank

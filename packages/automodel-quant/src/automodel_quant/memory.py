@@ -1,4 +1,4 @@
-"""Memory of quantized weights and FP8 training, for planners (pure arithmetic; nothing imported).
+"""Memory of quantized weights and FP8 training, for planners (``automodel_planner``): pure arithmetic.
 
 - `quantized_weight_bytes`: a frozen base weight stored in 4 or 8 bits (bitsandbytes' NF4/FP4 or
   int8), with its per-block absmax scales (one fp32 per ``block_size`` values, or one byte plus a
@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["fp8_transient_bytes", "quantized_weight_bytes"]
+__all__ = ["FP8Facts", "FP8Memory", "fp8_transient_bytes", "quantized_weight_bytes"]
 
 
 def quantized_weight_bytes(numel: int, *, bits: int, block_size: int = 64, double_quant: bool = False) -> int:
@@ -40,3 +42,30 @@ def fp8_transient_bytes(linear_shapes: Sequence[tuple[int, int]], tokens: int) -
     if not linear_shapes:
         return 0
     return max(out * inp + tokens * inp for out, inp in linear_shapes)
+
+
+class FP8Facts(Protocol):
+    """What `FP8Memory` reads of a planner's per-rank facts (``automodel_planner.RankFacts``)."""
+
+    linear_shapes: Sequence[tuple[int, int]]
+    """``(out_features, in_features)`` of each converted linear layer (local shards)."""
+    tokens: int
+
+
+@dataclass(frozen=True)
+class FP8Memory:
+    """Float8 training's casts at their peak on a rank (a planner term; see `fp8_transient_bytes`)."""
+
+    def memory(self, facts: FP8Facts) -> list[tuple[str, int, str]]:
+        """The largest layer's float8 weight and input."""
+        return [("FP8 casts", fp8_transient_bytes(facts.linear_shapes, facts.tokens), "")]
+
+    def buffers(self, facts: FP8Facts) -> dict[str, int]:
+        """No collective buffers of their own."""
+        del facts
+        return {}
+
+    def traffic(self, facts: FP8Facts) -> dict[str, int]:
+        """No collectives of their own."""
+        del facts
+        return {}

@@ -59,7 +59,6 @@ __all__ = [
     "JobConfig",
     "ResolvedJob",
     "build_job",
-    "pipeline_stage_count",
     "resolve_job",
 ]
 
@@ -234,27 +233,11 @@ def _pipeline(resolved_rows: int, job: JobConfig) -> PipelineConfig:
     return dataclasses.replace(base, pp_batch_size=resolved_rows, pp_microbatch_size=train.micro_batch_size)
 
 
-def pipeline_stage_count(pipeline: PipelineConfig, pp_size: int, num_layers: int | None = None) -> int | None:
-    """Stages of the pipeline when known without the model (or from ``num_layers``); None otherwise."""
-    from automodel_pipelining.schedules import resolve_schedule
-
-    if pipeline.module_fqns_per_model_part is not None:
-        return len(pipeline.module_fqns_per_model_part)
-    spec = resolve_schedule(pipeline.pp_schedule, pipeline.pp_schedule_csv)
-    if spec is None:
-        return None
-    if pipeline.layers_per_stage is not None:
-        if num_layers is None:
-            return None
-        return -(-num_layers // pipeline.layers_per_stage)
-    return pp_size * spec.default_stages_per_rank
-
-
 def _check_schedule(raw: RawJob, pipeline: PipelineConfig, pp_size: int) -> None:
     from automodel_pipelining.schedules import check_microbatches, resolve_schedule
 
     spec = resolve_schedule(pipeline.pp_schedule, pipeline.pp_schedule_csv)
-    stages = pipeline_stage_count(pipeline, pp_size)
+    stages = pipeline.stage_count(pp_size)
     if spec is None or stages is None:
         return
     try:
@@ -275,7 +258,7 @@ def _default_micro_batch(job: JobConfig, layout: MeshLayout, dp: int) -> int:
     rows = max(1, job.train.global_batch_size // dp)
     stages = 1
     if layout.pp > 1:
-        stages = pipeline_stage_count(job.pipeline or PipelineConfig(), layout.pp) or layout.pp
+        stages = (job.pipeline or PipelineConfig()).stage_count(layout.pp) or layout.pp
     cap = job.train.micro_batch_size
     fitting = [m for m in range(1, min(rows, cap) + 1) if rows % m == 0 and rows // m >= stages]
     return max(fitting) if fitting else 1

@@ -221,10 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         raw = job_from_args(args)
         if args.command == "plan":
-            from automodel_all.cli.peak import parse_device_memory
-            from automodel_all.cli.plan import plan
+            from automodel_all.cli.plan import device_memory, plan
 
-            device = parse_device_memory(args.device_memory) if args.device_memory else None
+            device = device_memory(args.device_memory) if args.device_memory else None
             print(
                 plan(
                     raw,

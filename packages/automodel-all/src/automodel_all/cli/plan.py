@@ -1,7 +1,8 @@
 """``automodel plan``: a dry run on the meta device, with no process group and no worker.
 
 It prints the mesh layout (`MeshContext.resolve`), the steps `apply_model_infrastructure` will apply in
-order, and the estimated peak memory of the largest rank, line by line (`automodel_all.cli.peak`):
+order (`automodel_infra.infrastructure.APPLY_STEPS`), and the estimated peak memory of the largest
+rank, line by line (`automodel_planner.estimate_peak`):
 parameters, gradients, AdamW state, FSDP's gathered units, activations (profiled from the model's own
 forward on fake tensors), LoRA / FP8 extras and communication buffers; with a device size, whether it
 fits; with ``suggest``, every valid layout of the world size ranked by peak memory, then traffic.
@@ -16,113 +17,93 @@ from typing import Any
 
 from torch import nn
 
-from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, pipeline_stage_count, resolve_job
+from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
 from automodel_all.cli.launch import nproc_per_node
-from automodel_all.cli.model import build_meta_model, load_model_config
-from automodel_all.cli.peak import PeakEstimate, estimate_peak
+from automodel_all.cli.model import build_meta_model, load_model_config, model_dtype
 from automodel_all.cli.yaml_source import ConfigError, RawJob
-from automodel_distributed.config import normalize_activation_checkpointing
 from automodel_distributed.fsdp2 import frozen_towers
-from automodel_distributed.layers import find_transformer_blocks
+from automodel_infra.infrastructure import APPLY_STEPS
+from automodel_infra.steps import PlannedJob, describe_steps
+from automodel_planner import PeakEstimate, PlanInput, ProfileCache, device_memory_bytes, estimate_peak
 
-__all__ = ["plan", "plan_report", "planned_steps", "suggest_layouts"]
+__all__ = [
+    "device_memory",
+    "plan",
+    "plan_input",
+    "plan_report",
+    "planned_job",
+    "planned_steps",
+    "suggest_layouts",
+]
 
 _MIB = 2**20
 
 
-def _fsdp_block_units(job: JobConfig, model: nn.Module, default: int) -> int:
-    """How many blocks FSDP2 makes units of: a frozen tower's only under ``frozen_sharding=per_layer``."""
+def device_memory(text: str) -> int:
+    """Bytes of ``--device-memory``: a preset (``automodel_planner.DEVICE_PRESETS``) or a size (``80GiB``).
+
+    Raises:
+        ConfigError: Neither, naming the option.
+    """
     try:
-        blocks = find_transformer_blocks(model)  # a vision-language model's tower blocks too
-    except ValueError:
-        return default
-    multimodal = getattr(job.distributed, "multimodal", None)
-    if getattr(multimodal, "frozen_sharding", "per_layer") == "per_layer":
-        return len(blocks)
-    towers = [fqn for fqn, _ in frozen_towers(model)]
-    return sum(1 for fqn, _ in blocks if not any(fqn.startswith(t + ".") for t in towers))
+        return device_memory_bytes(text)
+    except ValueError as exc:
+        raise ConfigError(f"--device-memory {exc}") from None
+
+
+def plan_input(
+    resolved: ResolvedJob, model: nn.Module, model_config: Any, base_weight_bits: int | None = None
+) -> PlanInput:
+    """The planner's view of a job (`automodel_planner.PlanInput`) on its resolved layout."""
+    job = resolved.job
+    micro_batch = job.train.micro_batch_size or resolved.rows_per_dp_rank
+    return PlanInput(
+        model=model,
+        model_config=model_config,
+        layout=resolved.layout,
+        strategy=job.distributed,
+        dtype=model_dtype(job),
+        seq_len=job.data.seq_len,
+        micro_batch_size=micro_batch,
+        accumulation=max(resolved.rows_per_dp_rank // micro_batch, 1),
+        pipeline=resolved.pipeline,
+        moe=job.moe,
+        peft=job.peft,
+        fp8=job.fp8,
+        base_weight_bits=base_weight_bits,
+        attn_implementation=job.model.attn_implementation,
+    )
+
+
+def planned_job(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapted: int) -> PlannedJob:
+    """What `apply_model_infrastructure`'s steps will see for this job (`automodel_infra.steps`)."""
+    layout = resolved.layout
+    blocks = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    stages = 0
+    if resolved.pipeline is not None:
+        stages = resolved.pipeline.stage_count(layout.pp, blocks) or layout.pp
+    return PlannedJob(
+        model=model,
+        layout=layout,
+        device_type=job.device_type,
+        strategy=job.distributed,
+        pipeline=resolved.pipeline,
+        pipeline_stages=stages,
+        peft=job.peft,
+        adapted_layers=adapted,
+        fp8=job.fp8,
+        qat=job.qat,
+        compile=job.compile,
+        freeze=job.freeze_config,
+        frozen_towers=tuple(fqn for fqn, _ in frozen_towers(model)),
+        weights=_weights_source(job),
+        loads_checkpoint=job.model.name_or_path is not None and job.model.load_weights,
+    )
 
 
 def planned_steps(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapted: int) -> list[str]:
-    """What `apply_model_infrastructure` (and the worker) will do, in order."""
-    layout = resolved.layout
-    steps: list[str] = []
-    if job.peft is not None:
-        kind = "DoRA" if job.peft.use_dora else "LoRA"
-        steps.append(
-            f"add {kind} adapters (rank {job.peft.dim}, alpha {job.peft.alpha}) to {adapted} linear layers"
-        )
-    if job.fp8 is not None and job.fp8.enabled:
-        steps.append(
-            f"convert linear layers to float8 training (recipe {job.fp8.recipe_name or 'tensorwise'})"
-        )
-    if job.qat is not None:
-        steps.append(f"prepare quantization-aware training ({job.qat.quantizer_type})")
-    sharded = layout.pp > 1 or layout.tp > 1 or layout.ep > 1 or layout.dp_shard_cp > 1
-    source = _weights_source(job)
-    if job.strategy == "ddp" or not sharded:
-        steps.append(f"materialise the whole model and {source} before wrapping it (nothing is sharded)")
-    # False, "full" or "selective" (a config keeps True as given, as in NeMo AutoModel).
-    ac = normalize_activation_checkpointing(getattr(job.distributed, "activation_checkpointing", False))
-    blocks = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
-    units = _fsdp_block_units(job, model, blocks)
-    if job.freeze_config is not None:
-        frozen = [fqn for fqn, _ in frozen_towers(model)] or ["no tower"]
-        steps.insert(0, f"freeze {', '.join(frozen)} (freeze_config) before sharding")
-    if resolved.pipeline is not None:
-        stages = pipeline_stage_count(resolved.pipeline, layout.pp, blocks) or layout.pp
-        steps.append(
-            f"split into {stages} pipeline stages over pp={layout.pp} (schedule "
-            f"{resolved.pipeline.pp_schedule_csv or resolved.pipeline.pp_schedule}, "
-            f"{resolved.pipeline.n_microbatches} microbatches of "
-            f"{resolved.pipeline.pp_microbatch_size} rows); "
-            "each stage is parallelized as follows"
-        )
-    if job.strategy == "fsdp2":
-        if layout.tp > 1:
-            sp = " with sequence parallelism" if getattr(job.distributed, "sequence_parallel", False) else ""
-            steps.append(f"tensor-parallel plan over tp={layout.tp}{sp}")
-        if layout.ep > 1:
-            where = (
-                f"experts sharded over ep_shard={layout.ep_shard}"
-                if layout.ep_shard > 1
-                else "ep_shard=1: experts stay out of FSDP when their dtype needs no cast"
-            )
-            steps.append(f"expert parallelism over ep={layout.ep}; {where}")
-        if ac:
-            steps.append(f"activation checkpointing ({ac}) of each transformer block")
-        hsdp = (
-            f", replicated over dp_replicate={layout.dp_replicate} (HSDP)" if layout.dp_replicate > 1 else ""
-        )
-        steps.append(
-            f"fully_shard each of {units} transformer blocks, then the root, over "
-            f"dp_shard_cp={layout.dp_shard_cp}{hsdp}"
-        )
-    elif job.strategy == "ddp":
-        if ac:
-            steps.append(f"activation checkpointing ({ac}) of each transformer block")
-        steps.append(f"wrap in DistributedDataParallel over {resolved.world_size} ranks")
-    else:
-        zero = getattr(job.distributed, "zero_dp_strategy", 3)
-        steps.append(f"Megatron-FSDP (ZeRO-{zero}) over dp_cp={layout.dp_cp}, tp={layout.tp}")
-    compile_on = (job.compile is not None and job.compile.enabled) or getattr(
-        job.distributed, "enable_compile", False
-    )
-    if compile_on:
-        steps.append("torch.compile each transformer block (after sharding)")
-    if sharded and job.strategy != "ddp":
-        steps.append(
-            f"materialise the meta parameters on {job.device_type}; {source} straight into the shards "
-            "(each rank reads only its slices)"
-        )
-    if job.peft is not None:
-        steps.append("freeze every parameter but the adapters")
-    if layout.cp > 1:
-        steps.append(
-            f"context parallelism: sequences sharded over cp={layout.cp}; ring attention, or for packed "
-            "rows SDPA over the gathered keys with a per-document mask"
-        )
-    return steps
+    """What `apply_model_infrastructure` will do, in the order of its `APPLY_STEPS`."""
+    return describe_steps(APPLY_STEPS, planned_job(job, resolved, model, adapted))
 
 
 def _weights_source(job: JobConfig) -> str:
@@ -192,7 +173,7 @@ def suggest_layouts(
     splits). The job's own layout settings are replaced; everything else is kept.
     """
     moe = _config_has_experts(model_config)
-    cache: dict[tuple[int, int, int], Any] = {}
+    cache: ProfileCache = {}
     ranked: list[tuple[int, int, dict[str, Any]]] = []
     for sizes in _candidates(world, moe):
         trial = copy.deepcopy(raw)
@@ -205,7 +186,7 @@ def suggest_layouts(
         except (ConfigError, ValueError):
             continue
         estimate = estimate_peak(
-            model, model_config, resolved, profile_cache=cache, base_weight_bits=base_weight_bits
+            plan_input(resolved, model, model_config, base_weight_bits), profile_cache=cache
         )
         entry = {"layout": _layout_name(sizes), "sizes": sizes, **estimate.as_dict()}
         ranked.append((estimate.total, estimate.communication_total, entry))
@@ -269,7 +250,7 @@ def plan_report(
         adapted = apply_lora_to_linear_modules(model, job.peft)  # on meta: free; freezes the base
     elif base_weight_bits is not None:
         raise ConfigError("--qlora-bits needs LoRA adapters (--lora): only a frozen base is quantized")
-    estimate = estimate_peak(model, model_config, resolved, base_weight_bits=base_weight_bits)
+    estimate = estimate_peak(plan_input(resolved, model, model_config, base_weight_bits))
     report: dict[str, Any] = {
         "job": job,
         "resolved": resolved,

@@ -37,7 +37,7 @@ from automodel_distributed.tensor_parallel.styles import to_parallel_style
 from automodel_distributed.tensor_parallel.validate import validate_tensor_parallel
 from automodel_modules import find_hf_model, join_fqn
 
-__all__ = ["is_sequence_parallel_plan", "resolve_tp_plan"]
+__all__ = ["is_sequence_parallel_plan", "linear_styles", "resolve_tp_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -384,3 +384,24 @@ def _resolve(
         )
     logger.info("tensor-parallel plan of %s: none (tp_size=1)", class_name)
     return {}, "no plan"
+
+
+def linear_styles(model: nn.Module) -> dict[str, str]:
+    """FQN -> ``"colwise"`` / ``"rowwise"`` for every module the model's TP plan shards (reads only).
+
+    What a planner needs to tell sharded activations (between a column- and a row-parallel layer) from
+    replicated ones. A model without a plan gets ``{}``.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    try:  # any degree above 1 gives the plan's styles
+        plan = resolve_tp_plan(model, tp_size=2)
+    except ValueError:
+        return {}
+    styles: dict[str, str] = {}
+    for key, style in plan.items():
+        kind = "colwise" if isinstance(style, ColwiseParallel) else None
+        kind = "rowwise" if isinstance(style, RowwiseParallel) else kind
+        if kind is not None:
+            styles.update((fqn, kind) for fqn, _module in match_modules(model, key))
+    return styles

@@ -6,12 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from automodel_distributed.memory import (
-    activation_bytes,
-    fsdp_buffer_bytes,
-    fsdp_comm_buffer_bytes,
-    profile_activations,
-)
+from automodel_planner import activation_bytes, profile_activations
 
 
 def _config() -> LlamaConfig:
@@ -80,40 +75,6 @@ def test_checkpointing_tp_and_sequence_parallel_each_shrink_the_activations() ->
     assert activation_bytes(profile, checkpointing=False, blocks=[], last_stage=False) == profile.embedding
 
 
-def test_fsdp_buffers_and_bad_sizes() -> None:
-    assert fsdp_buffer_bytes([10, 30, 20], shard=4) == 30 + 20 + 30
-    assert fsdp_buffer_bytes([10, 30], shard=1) == 0
-    # A frozen unit makes no gradient: the fresh gradient is the largest *trainable* unit's.
-    assert fsdp_buffer_bytes([10, 30, 20], shard=4, unit_grad_bytes=[10, 0, 5]) == 30 + 20 + 10
-    # Nothing reshards (pipelining, reshard_after_forward=False): every unit stays gathered.
-    assert fsdp_buffer_bytes([10, 30, 20], shard=4, reshard=False) == 60
-    # ... except a unit freed after forward anyway (a plain embedding): gathered alone, first.
-    freed = [True, False, False]
-    assert fsdp_buffer_bytes([10, 30, 20], shard=4, reshard=False, always_resharded=freed) == 50
-    assert fsdp_buffer_bytes([90, 30, 20], shard=4, reshard=False, always_resharded=freed) == 90
-
-
-def test_fsdp_comm_buffers_are_two_per_size_of_consecutive_units_one_per_other_size() -> None:
-    from automodel_distributed.fsdp2 import plan_fsdp_units
-
-    model = AutoModelForCausalLM.from_config(_config())
-    units = [
-        sum(p.numel() * 4 for p in plan.module.parameters())
-        for plan in plan_fsdp_units(model, reshard_after_forward=None)
-    ]
-    embed, *blocks, head = units
-    assert embed == head and len(set(blocks)) == 1 and blocks[0] != embed
-    root = model.config.hidden_size * 4  # the final norm
-    # In forward order: the root, the embedding, the blocks (one after another), the head.
-    ordered = [root, *units]
-    assert fsdp_comm_buffer_bytes(ordered, shard=2) == root + embed + 2 * blocks[0]
-    assert fsdp_comm_buffer_bytes(ordered, shard=1) == 0
-    assert fsdp_comm_buffer_bytes([6, 8, 6], shard=2) == 6 + 8  # not consecutive: one buffer is reused
-    # bf16 all-gathers, fp32 reduce-scatters: separate buffers; on the tuned host one all-gather per size.
-    half = [size // 2 for size in ordered]
-    gathers = (root + embed + 2 * blocks[0]) // 2
-    assert fsdp_comm_buffer_bytes(half, shard=2, reduce_bytes=ordered) == gathers + root + embed + blocks[0]
-    tuned = fsdp_comm_buffer_bytes(half, shard=2, reduce_bytes=ordered, host_tuned=True)
-    assert tuned == (root + embed + blocks[0]) // 2 + root + embed + blocks[0]
+def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="seq_len=30 must be divisible by cp=4"):
         profile_activations(_config(), micro_batch=1, seq_len=30, dtype=torch.float32, cp=4)

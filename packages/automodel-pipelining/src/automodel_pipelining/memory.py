@@ -1,0 +1,105 @@
+"""The pipeline's share of a rank's memory and traffic, for planners (``automodel_planner``).
+
+Which blocks each pipeline rank runs (`rank_blocks`: the split `AutoPipeline` makes, looped over the
+ranks), how many micro-batches' activations a rank holds at its peak (`in_flight_microbatches` of the
+schedule), and `PipelineMemory`: the stage's receive buffers and its point-to-point traffic. Pure
+arithmetic over a meta model; no process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import nn
+
+from automodel_pipelining.config import PipelineConfig
+from automodel_pipelining.costs import read_stage_costs
+from automodel_pipelining.layout import resolve_decoder_layout
+from automodel_pipelining.schedules import in_flight_microbatches, resolve_schedule
+from automodel_pipelining.split import split_layers_evenly
+
+__all__ = ["PipelineFacts", "PipelineMemory", "rank_blocks", "stage_layer_counts"]
+
+
+def stage_layer_counts(model: nn.Module, config: PipelineConfig, num_layers: int, stages: int) -> list[int]:
+    """Layers per stage as `AutoPipeline` splits them (by cost with ``balance_stages``, else evenly)."""
+    if config.balance_stages and 1 <= stages <= num_layers:
+        return read_stage_costs(model, resolve_decoder_layout(model)).layer_counts(stages)
+    return split_layers_evenly(num_layers, stages)
+
+
+def rank_blocks(counts: Sequence[int], pp_size: int) -> list[list[int]]:
+    """Block indices of each pipeline rank: ``counts[s]`` layers on stage ``s``, stages placed in loops."""
+    owned: list[list[int]] = [[] for _ in range(pp_size)]
+    layer = 0
+    for stage, count in enumerate(counts):
+        owned[stage % pp_size].extend(range(layer, layer + count))
+        layer += count
+    return owned
+
+
+class PipelineFacts(Protocol):
+    """What `PipelineMemory` reads of a planner's per-rank facts."""
+
+    index: int
+    """The pipeline rank."""
+    first_stage: bool
+    last_stage: bool
+    tokens: int
+    """Tokens per micro-batch on the rank."""
+    hidden_size: int
+    element_size: int
+
+
+@dataclass(frozen=True)
+class PipelineMemory:
+    """A pipeline's receive buffers and point-to-point traffic on each rank (a planner term).
+
+    Args:
+        config: The pipeline config (batch sizes filled in).
+        pp_size: Pipeline ranks.
+        stages: Stages in all (``config.stage_count``).
+    """
+
+    config: PipelineConfig
+    pp_size: int
+    stages: int
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Stages each rank runs (``v`` of a looped schedule)."""
+        return max(self.stages // self.pp_size, 1)
+
+    def in_flight(self, rank: int) -> float:
+        """Micro-batches of its blocks' activations rank ``rank`` holds at once, per stage it runs."""
+        spec = resolve_schedule(self.config.pp_schedule, self.config.pp_schedule_csv)
+        held = in_flight_microbatches(
+            spec,
+            pp_size=self.pp_size,
+            rank=rank,
+            n_microbatches=self.config.n_microbatches,
+            stages_per_rank=self.stages_per_rank,
+        )
+        return held / self.stages_per_rank
+
+    def memory(self, facts: PipelineFacts) -> list[tuple[str, int, str]]:
+        """No lines of its own: the activations it keeps in flight are the activation term's."""
+        del facts
+        return []
+
+    def buffers(self, facts: PipelineFacts) -> dict[str, int]:
+        """The stage's receive buffers, made once by torch's ``PipelineStage``: one per micro-batch.
+
+        Forward inputs on every stage but the first, backward gradients on every stage but the last,
+        for each of the rank's stages.
+        """
+        kinds = 2 * self.stages_per_rank - (1 if facts.first_stage else 0) - (1 if facts.last_stage else 0)
+        size = kinds * self.config.n_microbatches * facts.tokens * facts.hidden_size * facts.element_size
+        return {"PP receive buffers": size}
+
+    def traffic(self, facts: PipelineFacts) -> dict[str, int]:
+        """Activations sent forward and gradients sent back, per micro-batch."""
+        size = 2 * facts.tokens * facts.hidden_size * facts.element_size * self.config.n_microbatches
+        return {"PP send/recv": size}

@@ -1,0 +1,316 @@
+"""Activation memory per rank, measured from the model's own forward on fake tensors (no memory used).
+
+`profile_activations` runs the causal LM's forward and loss once under ``FakeTensorMode`` (shapes and
+dtypes only, the real widths) with a ``saved_tensors_hooks`` pack hook, so every tensor autograd keeps
+for backward is seen exactly as a real step would keep it (the attention kernel, the norms' fp32 copies,
+the logits' upcast). Each saved tensor is attributed to the transformer block running when it was saved
+(`find_transformer_blocks`) or to the rest of the model (embedding, final norm, head, loss), and
+classified, from the model's tensor-parallel plan (`resolve_tp_plan`), as *boundary* (the hidden states
+entering a column-parallel layer, norms, residuals: replicated over ``tp`` unless sequence parallel) or
+*interior* (between a column- and a row-parallel layer: sharded over ``tp``). A dispatch mode records
+which op produced each tensor so that selective checkpointing's save list
+(`SELECTIVE_AC_ALWAYS_SAVE_OPS`, every other `SELECTIVE_AC_MATMUL_OPS` op) can be applied to the
+profile. `activation_bytes` then combines a profile with a checkpointing mode and the number of
+micro-batches a pipeline rank holds at once.
+
+No process group, no mesh axes: pure functions of the model config and the sizes given. transformers
+treats a fake tensor as tracing and takes its traceable path (an explicit causal mask, a few more saved
+tensors), so the profile errs a few percent high against an eager forward
+(``tests/unit/test_activations.py`` bounds it at 10%).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from automodel_distributed.activation_checkpointing import (
+    SELECTIVE_AC_ALWAYS_SAVE_OPS,
+    SELECTIVE_AC_MATMUL_OPS,
+)
+from automodel_distributed.layers import find_transformer_blocks
+
+__all__ = ["ActivationProfile", "BlockActivations", "activation_bytes", "profile_activations"]
+
+Checkpointing = Literal[False, "full", "selective"]
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """Bytes one transformer block saves for backward, per micro-batch, on one rank (before TP/SP)."""
+
+    boundary: int
+    """Hidden-state-wide tensors (norm inputs and outputs, column-parallel inputs, residuals)."""
+    interior: int
+    """Tensors between a column- and a row-parallel layer (heads, the MLP's inner width)."""
+    selective_boundary: int
+    """The part of ``boundary`` that selective checkpointing keeps."""
+    selective_interior: int
+    """The part of ``interior`` that selective checkpointing keeps."""
+    input_bytes: int
+    """The block's input hidden states (what full checkpointing keeps)."""
+
+    def total(self, tp: int, sequence_parallel: bool) -> int:
+        """Saved bytes on one of ``tp`` ranks."""
+        return self.boundary // (tp if sequence_parallel else 1) + self.interior // tp
+
+    def kept(self, tp: int, sequence_parallel: bool) -> int:
+        """Bytes selective checkpointing keeps on one of ``tp`` ranks (the block input included)."""
+        sp = tp if sequence_parallel else 1
+        return (self.selective_boundary + self.input_bytes) // sp + self.selective_interior // tp
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What one micro-batch's forward saves, from `profile_activations`."""
+
+    blocks: tuple[BlockActivations, ...]
+    """One entry per transformer block, in forward order."""
+    head: int
+    """Bytes saved outside the blocks by the last pipeline stage: final norm, LM head, logits, loss."""
+    embedding: int
+    """Bytes saved outside the blocks by the first pipeline stage (the embedding's indices)."""
+    largest_head_tensor: int
+    """The largest single tensor saved outside the blocks (the logits or their fp32 copy): its
+    gradient exists alongside it at the start of backward."""
+    tokens: int
+    """Tokens per micro-batch on one rank (micro-batch x sequence length / cp)."""
+
+
+class _Producers(torch.utils._python_dispatch.TorchDispatchMode):
+    """Sums, per block, the outputs that selective checkpointing saves (attention, every other matmul)."""
+
+    def __init__(self, classify: Callable[[bool], tuple[int, str]]) -> None:
+        super().__init__()
+        self.classify = classify
+        self.matmuls = 0
+        self.kept: dict[tuple[int, str], int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        keep = name in SELECTIVE_AC_ALWAYS_SAVE_OPS
+        if name in SELECTIVE_AC_MATMUL_OPS:
+            self.matmuls += 1
+            keep = self.matmuls % 2 == 1  # the 1st, 3rd, ... matmul of the block call
+        if keep:
+            block, kind = self.classify(True)
+            if block >= 0:
+                for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(tensor, torch.Tensor):
+                        size = tensor.numel() * tensor.element_size()
+                        self.kept[(block, kind)] = self.kept.get((block, kind), 0) + size
+        return out
+
+
+def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
+    """The causal LM of ``model_config`` built under the active ``FakeTensorMode`` (config untouched).
+
+    A vision-language config is profiled by its language model (``get_text_config()``): image tokens
+    count as text tokens, and the vision tower's own activations are not modelled. Where transformers
+    maps the text config to no causal-LM class (Qwen2.5-VL's text config has none), the whole
+    image-text-to-text model is built and runs on text alone: its tower's blocks save nothing.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    implementation = attn_implementation or getattr(model_config, "_attn_implementation", None) or "sdpa"
+    get_text = getattr(model_config, "get_text_config", None)
+    text = get_text() if callable(get_text) else model_config
+    whole = text is not model_config and text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    config = copy.deepcopy(model_config if whole else text)
+    config.use_cache = False
+    if whole:
+        config.get_text_config().use_cache = False
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        auto = AutoModelForImageTextToText if whole else AutoModelForCausalLM
+        return auto.from_config(config, attn_implementation=implementation)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def profile_activations(
+    model_config: Any,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    cp: int = 1,
+    attn_implementation: str | None = None,
+) -> ActivationProfile:
+    """Profile the activations one micro-batch saves, from the model's own forward on fake tensors.
+
+    Preconditions: ``model_config`` builds a causal LM with ``AutoModelForCausalLM.from_config``.
+    Nothing is allocated and ``model_config`` is not mutated (a copy is built).
+
+    Args:
+        model_config: The transformers config (real widths).
+        micro_batch: Rows per forward.
+        seq_len: Tokens per row (the whole sequence; each CP rank sees ``seq_len // cp``).
+        dtype: The compute dtype of the activations (the parameter dtype, or autocast's).
+        cp: Context-parallel degree: each rank runs the forward on its sequence shard.
+        attn_implementation: The attention implementation (default: the config's, else ``sdpa``).
+
+    Returns:
+        Per-block and outside-the-blocks saved bytes on one rank, before tensor parallelism.
+
+    Raises:
+        ValueError: ``seq_len`` not divisible by ``cp``, or a size below 1.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from automodel_distributed.tensor_parallel import linear_styles
+
+    if micro_batch < 1 or seq_len < 1 or cp < 1:
+        raise ValueError(f"micro_batch, seq_len and cp must be >= 1, got {micro_batch}, {seq_len}, {cp}")
+    if seq_len % cp:
+        raise ValueError(f"seq_len={seq_len} must be divisible by cp={cp} (each CP rank holds a shard)")
+    local_seq = seq_len // cp
+    with FakeTensorMode():
+        model = _fake_model(model_config, dtype, attn_implementation)
+        blocks = find_transformer_blocks(model)
+        styles = linear_styles(model)
+        names = {module: fqn for fqn, module in model.named_modules()}
+        parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+        block_prefixes = tuple(fqn + "." for fqn, _ in blocks)
+        # Modules inside a block that hold a sharded layer (attention, MLP): what they compute between
+        # their column- and row-parallel layers is sharded over tp.
+        plan_parents = tuple(
+            {fqn.rsplit(".", 1)[0] for fqn in styles if fqn.rsplit(".", 1)[0].startswith(block_prefixes)}
+        )
+        embedding_module = model.get_input_embeddings()  # type: ignore[operator]
+        embed_fqn = names.get(embedding_module, "\0")
+        scope: list[str] = []
+        current = [-1]
+
+        def classify(op_output: bool = False) -> tuple[int, str]:
+            where = scope[-1] if scope else ""
+            style = styles.get(where)
+            if current[0] < 0 and (where == embed_fqn or where.startswith(embed_fqn + ".")):
+                kind = "embedding"
+            elif style is not None:
+                # A column-parallel layer saves its full input and outputs a shard; a row-parallel layer
+                # saves its sharded input and outputs full-size partial sums.
+                kind = "interior" if (style == "colwise") == op_output else "boundary"
+            elif any(where == p or where.startswith(p + ".") for p in plan_parents):
+                kind = "interior"
+            else:
+                kind = "boundary"
+            return current[0], kind
+
+        producers = _Producers(classify)
+        saved: dict[int, tuple[int, str, int]] = {}  # storage -> (block, kind, bytes)
+        inputs: dict[int, int] = {}
+
+        def enter_block(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            current[0] = index
+            producers.matmuls = 0
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(hidden, torch.Tensor):
+                inputs[index] = hidden.numel() * hidden.element_size()
+
+        handles = []
+        for fqn, module in model.named_modules():
+            if fqn:
+                handles.append(module.register_forward_pre_hook(lambda m, _a: scope.append(names[m])))
+                handles.append(module.register_forward_hook(lambda _m, _a, _o: scope.pop() and None))
+        for index, (_fqn, block) in enumerate(blocks):
+            handles.append(
+                block.register_forward_pre_hook(
+                    lambda _m, a, k, i=index: enter_block(i, a, k), with_kwargs=True
+                )
+            )
+            handles.append(block.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, -1)))
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            key = storage._cdata  # saved tensors stay alive until backward: their storages are unique
+            if key not in parameters and key not in saved:
+                block, kind = classify()
+                saved[key] = (block, kind, storage.nbytes())
+            return tensor
+
+        ids = torch.zeros(micro_batch, local_seq, dtype=torch.long)
+        with producers, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        for handle in handles:
+            handle.remove()
+    per_block = [[0, 0] for _ in blocks]
+    head = embedding = largest = 0
+    for index, kind, size in saved.values():
+        if index >= 0:
+            per_block[index][0 if kind == "boundary" else 1] += size
+        elif kind == "embedding":
+            embedding += size
+        else:
+            head += size
+            largest = max(largest, size)
+    return ActivationProfile(
+        blocks=tuple(
+            BlockActivations(
+                boundary=b,
+                interior=i,
+                selective_boundary=producers.kept.get((n, "boundary"), 0),
+                selective_interior=producers.kept.get((n, "interior"), 0),
+                input_bytes=inputs.get(n, 0),
+            )
+            for n, (b, i) in enumerate(per_block)
+        ),
+        head=head,
+        embedding=embedding,
+        largest_head_tensor=largest,
+        tokens=micro_batch * local_seq,
+    )
+
+
+def activation_bytes(
+    profile: ActivationProfile,
+    *,
+    checkpointing: Checkpointing,
+    blocks: Sequence[int] | None = None,
+    in_flight: float = 1.0,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    first_stage: bool = True,
+    last_stage: bool = True,
+) -> int:
+    """Peak saved-activation bytes of one rank during backward.
+
+    Args:
+        profile: From `profile_activations` (one micro-batch on one rank).
+        checkpointing: ``False``, ``"full"`` (each block keeps its input and is recomputed, one at a
+            time, during backward) or ``"selective"`` (keeps attention and every other matmul output).
+        blocks: Indices of the blocks this rank runs (default: all).
+        in_flight: Micro-batches whose activations of ``blocks`` the rank holds at once (pipeline
+            schedules: `automodel_pipelining.schedules.in_flight_microbatches` / stages per rank).
+        tp: Tensor-parallel degree.
+        sequence_parallel: Whether boundary tensors are sharded over ``tp`` too.
+        first_stage: Whether the rank holds the embedding.
+        last_stage: Whether the rank holds the head and the loss.
+
+    Returns:
+        Bytes.
+    """
+    chosen = [profile.blocks[i] for i in (blocks if blocks is not None else range(len(profile.blocks)))]
+    if not chosen:
+        held = recompute = 0
+    elif checkpointing == "full":
+        held = sum(b.input_bytes // (tp if sequence_parallel else 1) for b in chosen)
+        recompute = max(b.total(tp, sequence_parallel) for b in chosen)
+    elif checkpointing == "selective":
+        held = sum(b.kept(tp, sequence_parallel) for b in chosen)
+        recompute = max(b.total(tp, sequence_parallel) - b.kept(tp, sequence_parallel) for b in chosen)
+    else:
+        held = sum(b.total(tp, sequence_parallel) for b in chosen)
+        recompute = 0
+    outside = (profile.embedding if first_stage else 0) + (
+        profile.head + profile.largest_head_tensor if last_stage else 0
+    )
+    return int(in_flight * held) + max(recompute, 0) + outside

@@ -1,0 +1,198 @@
+"""`RankFacts`: what the terms of a pipeline rank's peak are computed from (one census of the model).
+
+The census walks the meta model's parameters once. Where each parameter lives, how the strategy
+divides it and which FSDP unit gathers it is the strategy's rule
+(`automodel_distributed.memory.placement_rule`); which blocks a pipeline rank runs is the pipeline's
+(`automodel_pipelining.memory.rank_blocks`); the size of a quantized frozen weight is
+automodel-quant's (`automodel_quant.memory.quantized_weight_bytes`). Nothing is allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from automodel_distributed.memory import Placement, layer_index, placement_rule
+from automodel_mesh import MeshLayout
+from automodel_planner.inputs import PlanInput
+
+__all__ = ["RankFacts", "rank_facts"]
+
+_FIRST_STAGE_PREFIX = "model.embed_tokens"  # outside the blocks: on the first stage, else on the last
+
+
+@dataclass
+class _Tally:
+    """Bytes of one pipeline rank's parameters, gradients, optimizer state and FSDP units."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    states: float = 0.0
+    accumulated: float = 0.0
+    units: dict[tuple[int, str], float] = field(default_factory=dict)
+    unit_grads: dict[tuple[int, str], float] = field(default_factory=dict)
+
+    def add(self, place: Placement, param: nn.Parameter, size: float) -> None:
+        p_div, g_div, o_div = place.divisors
+        self.params += size / p_div
+        if place.gathered:
+            local = size / (place.shard / place.gathered_over)  # this rank's part, unsharded over FSDP
+            self.units[place.unit] = self.units.get(place.unit, 0.0) + local
+            if param.requires_grad:
+                self.unit_grads[place.unit] = self.unit_grads.get(place.unit, 0.0) + local
+                self.accumulated += local
+        if param.requires_grad:
+            self.grads += param.numel() * param.element_size() / g_div
+            self.states += param.numel() * 8 / o_div
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """One pipeline rank's facts (every rank's, without pipelining): what each planner term reads."""
+
+    label: str
+    """``pp rank 0``, or ``every rank``."""
+    index: int
+    layout: MeshLayout
+    blocks: Sequence[int]
+    """The transformer blocks the rank runs."""
+    first_stage: bool
+    last_stage: bool
+    pipelined: bool
+    n_micro: int
+    """The pipeline's micro-batches per step (1 outside pipelining)."""
+    accumulation: int
+    """Forward/backward passes per optimizer step."""
+    in_flight: float
+    """Micro-batches whose activations of its blocks the rank holds at once."""
+    tokens: int
+    """Tokens per micro-batch on the rank."""
+    element_size: int
+    hidden_size: int
+    attention: tuple[int, int]
+    """(key/value heads, head dim)."""
+    top_k: int
+    """Experts each token is routed to (1 for dense models)."""
+    params: float
+    grads: float
+    states: float
+    accumulated: float
+    units: Sequence[int]
+    unit_grads: Sequence[int]
+    units_freed: Sequence[bool]
+    linear_shapes: Sequence[tuple[int, int]]
+    """Every block's linear weights as (out / tp, in), for float8 casts."""
+    adapted_inputs: Sequence[int]
+    """Input widths of the adapted layers in the rank's blocks."""
+
+
+@dataclass
+class _Census:
+    tallies: list[_Tally]
+    linear_shapes: list[tuple[int, int]] = field(default_factory=list)
+    adapted_inputs: dict[int, list[int]] = field(default_factory=dict)
+
+
+def _size(plan: PlanInput, param: nn.Parameter, index: int | None) -> float:
+    """Bytes of a parameter as stored: a quantized frozen block weight under QLoRA, else its own."""
+    bits = plan.base_weight_bits
+    if bits is not None and not param.requires_grad and param.dim() == 2 and index is not None:
+        from automodel_quant.memory import quantized_weight_bytes
+
+        return float(quantized_weight_bytes(param.numel(), bits=bits))
+    return float(param.numel() * param.element_size())
+
+
+def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
+    pp = plan.layout.pp
+    place = placement_rule(plan.strategy, plan.layout, plan.model, plan.dtype)
+    census = _Census([_Tally() for _ in range(pp)])
+    for name, param in plan.model.named_parameters():
+        index = layer_index(name)
+        rank = 0
+        if pp > 1:
+            outside = 0 if name.startswith(_FIRST_STAGE_PREFIX) else pp - 1
+            rank = owners.get(index, 0) if index is not None else outside
+        census.tallies[rank].add(place(name), param, _size(plan, param, index))
+        if index is None:
+            continue
+        if param.dim() == 2 and "lora_" not in name and name.endswith("weight"):
+            out_features, in_features = param.shape
+            census.linear_shapes.append((max(out_features // plan.layout.tp, 1), in_features))
+        if "lora_A" in name:
+            census.adapted_inputs.setdefault(index, []).append(int(param.shape[1]))
+    return census
+
+
+def _owned_blocks(plan: PlanInput, pipeline: Any) -> list[list[int]]:
+    """The blocks of each pipeline rank (one list of all blocks without pipelining)."""
+    layers = plan.config_int("num_hidden_layers")
+    if pipeline is None:
+        return [list(range(layers))]
+    from automodel_pipelining.memory import rank_blocks, stage_layer_counts
+
+    counts = stage_layer_counts(plan.model, pipeline.config, layers, max(pipeline.stages, 1))
+    return rank_blocks(counts, plan.layout.pp)
+
+
+def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: int) -> list[RankFacts]:
+    """The facts of every pipeline rank (one entry without pipelining).
+
+    Args:
+        plan: The job.
+        pipeline: The pipeline's term (``automodel_pipelining.memory.PipelineMemory``) or None.
+        tokens: Tokens per micro-batch on a rank (from the activation profile).
+        profiled_blocks: Blocks the activation profile found (every rank's, without pipelining).
+    """
+    owned = _owned_blocks(plan, pipeline)
+    census = _census(plan, {b: rank for rank, blocks in enumerate(owned) for b in blocks})
+    freed = _freed_units(plan.model)
+    pp, hidden = plan.layout.pp, plan.config_int("hidden_size")
+    heads = plan.config_int("num_attention_heads", default=1)
+    attention = (
+        plan.config_int("num_key_value_heads", "num_attention_heads"),
+        plan.config_int("head_dim", default=hidden // max(heads, 1)),
+    )
+    n_micro = pipeline.config.n_microbatches if pipeline is not None else 1
+    facts = []
+    for rank, tally in enumerate(census.tallies):
+        blocks = owned[rank] if pp > 1 else list(range(profiled_blocks))
+        keys = sorted(tally.units)
+        facts.append(
+            RankFacts(
+                label=f"pp rank {rank}" if pp > 1 else "every rank",
+                index=rank,
+                layout=plan.layout,
+                blocks=blocks,
+                first_stage=rank == 0,
+                last_stage=rank == pp - 1,
+                pipelined=pipeline is not None,
+                n_micro=n_micro,
+                accumulation=n_micro if pipeline is not None else plan.accumulation,
+                in_flight=pipeline.in_flight(rank) if pipeline is not None else 1.0,
+                tokens=tokens,
+                element_size=plan.element_size,
+                hidden_size=hidden,
+                attention=attention,
+                top_k=plan.config_int("num_experts_per_tok", "top_k", default=1),
+                params=tally.params,
+                grads=tally.grads,
+                states=tally.states,
+                accumulated=tally.accumulated,
+                units=[int(tally.units[k]) for k in keys],
+                unit_grads=[int(tally.unit_grads.get(k, 0)) for k in keys],
+                units_freed=[k[1] in freed for k in keys],
+                linear_shapes=census.linear_shapes,
+                adapted_inputs=[w for b in blocks for w in census.adapted_inputs.get(b, [])],
+            )
+        )
+    return facts
+
+
+def _freed_units(model: nn.Module) -> set[str]:
+    from automodel_distributed.memory import always_resharded_units
+
+    return always_resharded_units(model)

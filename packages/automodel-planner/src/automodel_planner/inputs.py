@@ -1,0 +1,65 @@
+"""`PlanInput`: what the planner is given: a meta model, its config, the layout and the job's configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from automodel_distributed.config import DistributedConfig
+from automodel_mesh import MeshLayout
+
+if TYPE_CHECKING:
+    from automodel_moe.config import MoEParallelizerConfig
+    from automodel_peft import PeftConfig
+    from automodel_pipelining.config import PipelineConfig
+    from automodel_quant.fp8 import FP8Config
+
+__all__ = ["PlanInput"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInput:
+    """One training job to plan: nothing here needs a process group or a device.
+
+    Preconditions: ``model`` is on the meta device with the job's adapters applied (its parameters'
+    ``requires_grad`` say what trains) and its frozen parts frozen; ``layout`` is validated
+    (``MeshContext.resolve``).
+    """
+
+    model: nn.Module
+    model_config: Any
+    """The transformers config (real widths)."""
+    layout: MeshLayout
+    strategy: DistributedConfig
+    dtype: torch.dtype
+    """The parameters' and activations' dtype."""
+    seq_len: int
+    """Tokens per row (the whole sequence; each context-parallel rank holds ``seq_len / cp``)."""
+    micro_batch_size: int
+    """Rows per forward outside pipelining (the pipeline's ``pp_microbatch_size`` under it)."""
+    accumulation: int = 1
+    """Forward/backward passes per optimizer step outside pipelining."""
+    pipeline: PipelineConfig | None = None
+    """The pipeline config with its batch sizes filled in; None without pipeline parallelism."""
+    moe: MoEParallelizerConfig | None = None
+    peft: PeftConfig | None = None
+    fp8: FP8Config | None = None
+    base_weight_bits: int | None = None
+    """4 or 8 for a quantized frozen base (QLoRA), else None."""
+    attn_implementation: str | None = None
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per parameter and activation value."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def config_int(self, *names: str, default: int = 0) -> int:
+        """The first of ``names`` the model config sets to a positive int, else ``default``."""
+        for name in names:
+            value = getattr(self.model_config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return default

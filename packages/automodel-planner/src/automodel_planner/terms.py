@@ -1,0 +1,129 @@
+"""`PlannerTerm`: the one small protocol through which each package contributes to a rank's estimate.
+
+A term reads a rank's facts (`automodel_planner.facts.RankFacts`) and returns its lines of the peak,
+the collective buffers it holds at the peak (by mechanism) and the bytes it sends per step (by
+collective). Each term lives with the package that owns what it counts, and reads the facts
+structurally (its own small ``Protocol`` of the fields it needs), so no package imports the planner:
+
+- `automodel_distributed.memory.StrategyMemory` (the strategy): parameters, gradients, AdamW state, the
+  gathered FSDP units, the FSDP / DDP / TP / CP buffers and traffic;
+- `ActivationMemory` (here): saved activations, from the model's own forward on fake tensors;
+- ``automodel_peft.memory.LoRAMemory``: the adapters' saved activations;
+- ``automodel_quant.memory.FP8Memory``: float8 casts;
+- ``automodel_pipelining.memory.PipelineMemory``: receive buffers, point-to-point traffic;
+- ``automodel_moe.memory.ExpertMemory``: the all-to-all's buffers and traffic.
+
+`planner_terms` picks the terms a job needs, in the order their lines print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from automodel_distributed.memory import StrategyMemory
+from automodel_planner.activations import ActivationProfile, activation_bytes
+from automodel_planner.facts import RankFacts
+from automodel_planner.inputs import PlanInput
+
+__all__ = ["ActivationMemory", "PlannerTerm", "pipeline_term", "planner_terms"]
+
+
+class PlannerTerm(Protocol):
+    """One package's contribution to a rank's estimate (see the module docstring)."""
+
+    def memory(self, facts: Any) -> list[tuple[str, int, str]]:
+        """Lines of the rank's peak: (name, bytes, note; "" for none), in print order."""
+        ...
+
+    def buffers(self, facts: Any) -> dict[str, int]:
+        """Collective buffers held at the peak, by mechanism (summed into one line)."""
+        ...
+
+    def traffic(self, facts: Any) -> dict[str, int]:
+        """Bytes the rank sends per optimizer step, by collective."""
+        ...
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """What the rank's blocks, embedding and head save for backward (`activation_bytes`)."""
+
+    profile: ActivationProfile
+    strategy: StrategyMemory
+    """The strategy decides what is recomputed and how tensor parallelism shards the activations."""
+
+    def memory(self, facts: RankFacts) -> list[tuple[str, int, str]]:
+        """One line: the activations at the rank's peak in backward."""
+        tp, cp = facts.layout.tp, facts.layout.cp
+        sp = self.strategy.sequence_parallel and tp > 1
+        mode = self.strategy.checkpointing
+        size = activation_bytes(
+            self.profile,
+            checkpointing=mode,
+            blocks=[b for b in facts.blocks if b < len(self.profile.blocks)],
+            in_flight=facts.in_flight,
+            tp=tp,
+            sequence_parallel=sp,
+            first_stage=facts.first_stage,
+            last_stage=facts.last_stage,
+        )
+        note = (
+            f"{len(facts.blocks)} block(s), {mode or 'no'} checkpointing, {facts.in_flight:g} "
+            f"micro-batch(es) in flight, {facts.tokens} tokens/micro-batch, tp={tp}{' +SP' if sp else ''}, "
+            f"cp={cp}"
+        )
+        return [("activations", size, note)]
+
+    def buffers(self, facts: RankFacts) -> dict[str, int]:
+        """None: activations are not collective buffers."""
+        del facts
+        return {}
+
+    def traffic(self, facts: RankFacts) -> dict[str, int]:
+        """None."""
+        del facts
+        return {}
+
+
+def pipeline_term(plan: PlanInput) -> Any:
+    """``automodel_pipelining.memory.PipelineMemory`` of the job, or None without pipelining."""
+    if plan.pipeline is None:
+        return None
+    from automodel_pipelining.memory import PipelineMemory
+
+    layers = plan.config_int("num_hidden_layers")
+    stages = plan.pipeline.stage_count(plan.layout.pp, layers) or plan.layout.pp
+    return PipelineMemory(plan.pipeline, plan.layout.pp, stages)
+
+
+def _strategy_term(plan: PlanInput) -> StrategyMemory:
+    experts_reshard = None
+    if plan.layout.ep > 1:
+        from automodel_moe.config import MoEParallelizerConfig
+
+        experts_reshard = (plan.moe or MoEParallelizerConfig()).reshard_after_forward
+    return StrategyMemory.for_job(
+        plan.strategy, pipelined=plan.pipeline is not None, experts_reshard=experts_reshard
+    )
+
+
+def planner_terms(plan: PlanInput, profile: ActivationProfile, pipeline: Any) -> list[PlannerTerm]:
+    """The terms of ``plan``, in the order their lines print (the strategy's first)."""
+    strategy = _strategy_term(plan)
+    terms: list[PlannerTerm] = [strategy, ActivationMemory(profile, strategy)]
+    if plan.peft is not None:
+        from automodel_peft.memory import LoRAMemory
+
+        terms.append(LoRAMemory(plan.peft.dim, plan.peft.dropout))
+    if plan.fp8 is not None and plan.fp8.enabled:
+        from automodel_quant.memory import FP8Memory
+
+        terms.append(FP8Memory())
+    if pipeline is not None:
+        terms.append(pipeline)
+    if plan.layout.ep > 1:
+        from automodel_moe.memory import ExpertMemory
+
+        terms.append(ExpertMemory(plan.layout.ep))
+    return terms
