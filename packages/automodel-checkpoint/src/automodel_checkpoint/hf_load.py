@@ -173,6 +173,58 @@ def _dtype_problem(stored: torch.dtype, model: torch.dtype, allow_cast: bool) ->
     return not (allow_cast and stored.is_floating_point and model.is_floating_point)
 
 
+@dataclass
+class _Matches:
+    """The model's tensor slots against the checkpoint's sources (see `_match_slots`)."""
+
+    pairs: list[tuple[TensorSlot, Node]] = field(default_factory=list)
+    initialise: list[TensorSlot] = field(default_factory=list)
+    claimed: set[str] = field(default_factory=set)
+    missing: list[str] = field(default_factory=list)
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    dtypes: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def _match_slots(
+    slots: Sequence[TensorSlot],
+    sources_of: Mapping[str, Node],
+    reader: CheckpointReader,
+    report: LoadReport,
+    ignore_missing: Sequence[str] | None,
+    allow_dtype_cast: bool,
+) -> _Matches:
+    """Pair each slot with its source: loaded, to initialise (absent), or a shape or dtype mismatch.
+
+    Mutates ``report`` (the keys loaded and those cast on load).
+    """
+    match = _Matches()
+    for slot in slots:
+        present = [k for k in slot.keys if k in sources_of]
+        match.claimed.update(s.key for k in present for s in sources(sources_of[k]))
+        if not present:
+            if not all(_ignored(k, ignore_missing) for k in slot.keys):
+                match.missing.append(slot.keys[0])
+            match.initialise.append(slot)
+            continue
+        key = present[0]
+        node = sources_of[key]
+        stored_dtypes = {reader.tensors[s.key].dtype for s in sources(node)}
+        bad_dtype = next(
+            (d for d in stored_dtypes if _dtype_problem(d, slot.tensor.dtype, allow_dtype_cast)), None
+        )
+        if node.shape != tuple(slot.tensor.shape):
+            match.shapes[key] = (node.shape, tuple(slot.tensor.shape))
+        elif bad_dtype is not None:
+            match.dtypes[key] = (str(bad_dtype), str(slot.tensor.dtype))
+        else:
+            match.pairs.append((slot, node))
+            report.loaded.append(key)
+            cast = next((d for d in stored_dtypes if d != slot.tensor.dtype), None)
+            if cast is not None:
+                report.cast[key] = (str(cast), str(slot.tensor.dtype))
+    return match
+
+
 def _plan(
     model: nn.Module,
     path_or_repo_id: str | os.PathLike[str],
@@ -209,52 +261,23 @@ def _plan(
         }
         sources_of.update(conversions.fused)
         report = LoadReport(files.root, files.format)
-        pairs: list[tuple[TensorSlot, Node]] = []
-        initialise: list[TensorSlot] = []
-        claimed: set[str] = set()
-        missing: list[str] = []
-        shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        dtypes: dict[str, tuple[str, str]] = {}
-        for slot in slots:
-            present = [k for k in slot.keys if k in sources_of]
-            claimed.update(s.key for k in present for s in sources(sources_of[k]))
-            if not present:
-                if not all(_ignored(k, ignore_missing) for k in slot.keys):
-                    missing.append(slot.keys[0])
-                initialise.append(slot)
-                continue
-            key = present[0]
-            node = sources_of[key]
-            stored_dtypes = {reader.tensors[s.key].dtype for s in sources(node)}
-            bad_dtype = next(
-                (d for d in stored_dtypes if _dtype_problem(d, slot.tensor.dtype, allow_dtype_cast)), None
-            )
-            if node.shape != tuple(slot.tensor.shape):
-                shapes[key] = (node.shape, tuple(slot.tensor.shape))
-            elif bad_dtype is not None:
-                dtypes[key] = (str(bad_dtype), str(slot.tensor.dtype))
-            else:
-                pairs.append((slot, node))
-                report.loaded.append(key)
-                cast = next((d for d in stored_dtypes if d != slot.tensor.dtype), None)
-                if cast is not None:
-                    report.cast[key] = (str(cast), str(slot.tensor.dtype))
+        match = _match_slots(slots, sources_of, reader, report, ignore_missing, allow_dtype_cast)
         _check_buffer_initializers(model)
         unexpected = sorted(
-            k for k, f in renamed.items() if f not in claimed and not _ignored(k, ignore_unexpected)
+            k for k, f in renamed.items() if f not in match.claimed and not _ignored(k, ignore_unexpected)
         )
-        report.missing, report.unexpected = missing, unexpected
+        report.missing, report.unexpected = match.missing, unexpected
         unexpected_error = strict and not allow_unexpected and bool(unexpected)
-        if shapes or dtypes or (strict and missing) or unexpected_error:
+        if match.shapes or match.dtypes or (strict and match.missing) or unexpected_error:
             raise CheckpointMismatchError(
                 str(files.root),
-                missing if strict else [],
+                match.missing if strict else [],
                 unexpected if unexpected_error else [],
-                shapes,
-                dtypes,
+                match.shapes,
+                match.dtypes,
                 type(model).__name__,
             )
-        return _Plan(reader, pairs, report, initialise, hf)
+        return _Plan(reader, match.pairs, report, match.initialise, hf)
     except BaseException:
         reader.close()
         raise

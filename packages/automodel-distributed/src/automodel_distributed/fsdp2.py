@@ -24,7 +24,7 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -331,6 +331,74 @@ def reshard_after_no_grad_forward(root: nn.Module) -> None:
     root.register_forward_hook(hook)
 
 
+def _shard_extra_units(
+    extra_units: Sequence[FSDPUnitPlan],
+    dense: Sequence[FSDPUnitPlan],
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    offload: OffloadPolicy,
+    ignored: set[nn.Parameter] | None,
+) -> set[nn.Parameter]:
+    """``fully_shard`` each extra unit on its mesh; return the parameters of those left out of FSDP.
+
+    An extra unit on a one-rank mesh that FSDP would only copy stays out of it (see one_rank_units);
+    every unit that contains it then leaves its parameters alone.
+    """
+    unsharded: set[nn.Parameter] = set()
+    for unit in extra_units:
+        mesh = unit.mesh if unit.mesh is not None else dp_mesh
+        policy = unit.mp_policy or mp_policy
+        if runs_without_fsdp(unit.module, mesh, policy, offload):
+            install_one_rank_unit(unit.module, policy, unit.gradient_divide_factor)
+            unsharded.update(unit.module.parameters())
+            continue
+        fully_shard(
+            unit.module,
+            mesh=mesh,
+            reshard_after_forward=_enclosing_reshard(unit, dense),
+            mp_policy=policy,
+            offload_policy=offload,
+            shard_placement_fn=unit.shard_placement_fn,
+            ignored_params=ignored,
+        )
+        if unit.gradient_divide_factor is not None:
+            _divide_gradients(unit.module, unit.gradient_divide_factor, mesh)  # type: ignore[arg-type]
+    return unsharded
+
+
+def _shard_dense_units(
+    model: nn.Module,
+    units: Sequence[FSDPUnitPlan],
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    offload: OffloadPolicy,
+    ignored: set[nn.Parameter] | None,
+    lm_head_param_dtype: torch.dtype | None,
+) -> None:
+    """``fully_shard`` each dense unit over ``dp_mesh`` (the LM head in its own dtype when given)."""
+    head = _output_head(model)
+    for unit in units:
+        policy = unit.mp_policy or mp_policy
+        if lm_head_param_dtype is not None and unit.module is head:
+            policy = MixedPrecisionPolicy(
+                param_dtype=lm_head_param_dtype,
+                reduce_dtype=policy.reduce_dtype or lm_head_param_dtype,
+                output_dtype=policy.output_dtype,
+                cast_forward_inputs=True,
+            )
+        fully_shard(
+            unit.module,
+            mesh=dp_mesh,
+            reshard_after_forward=unit.reshard_after_forward,
+            mp_policy=policy,
+            offload_policy=offload,
+            ignored_params=ignored,
+        )
+        if not unit.unshard_in_backward:
+            assert isinstance(unit.module, FSDPModule), "fully_shard makes the module an FSDPModule"
+            unit.module.set_unshard_in_backward(False)
+
+
 def apply_fsdp2(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -378,50 +446,10 @@ def apply_fsdp2(
     if frozen_sharding == "replicate":
         ignored = {p for _, tower in frozen_towers(model) for p in tower.parameters()} or None
     offload = offload_policy if offload_policy is not None else OffloadPolicy()
-    # An extra unit on a one-rank mesh that FSDP would only copy stays out of it (see one_rank_units);
-    # every unit that contains it then leaves its parameters alone.
-    unsharded: set[nn.Parameter] = set()
-    for unit in extra_units:
-        mesh = unit.mesh if unit.mesh is not None else dp_mesh
-        policy = unit.mp_policy or mp_policy
-        if runs_without_fsdp(unit.module, mesh, policy, offload):
-            install_one_rank_unit(unit.module, policy, unit.gradient_divide_factor)
-            unsharded.update(unit.module.parameters())
-            continue
-        fully_shard(
-            unit.module,
-            mesh=mesh,
-            reshard_after_forward=_enclosing_reshard(unit, units),
-            mp_policy=policy,
-            offload_policy=offload,
-            shard_placement_fn=unit.shard_placement_fn,
-            ignored_params=ignored,
-        )
-        if unit.gradient_divide_factor is not None:
-            _divide_gradients(unit.module, unit.gradient_divide_factor, mesh)  # type: ignore[arg-type]
+    unsharded = _shard_extra_units(extra_units, units, dp_mesh, mp_policy, offload, ignored)
     if unsharded:
         ignored = (ignored or set()) | unsharded
-    head = _output_head(model)
-    for unit in units:
-        policy = unit.mp_policy or mp_policy
-        if lm_head_param_dtype is not None and unit.module is head:
-            policy = MixedPrecisionPolicy(
-                param_dtype=lm_head_param_dtype,
-                reduce_dtype=policy.reduce_dtype or lm_head_param_dtype,
-                output_dtype=policy.output_dtype,
-                cast_forward_inputs=True,
-            )
-        fully_shard(
-            unit.module,
-            mesh=dp_mesh,
-            reshard_after_forward=unit.reshard_after_forward,
-            mp_policy=policy,
-            offload_policy=offload,
-            ignored_params=ignored,
-        )
-        if not unit.unshard_in_backward:
-            assert isinstance(unit.module, FSDPModule), "fully_shard makes the module an FSDPModule"
-            unit.module.set_unshard_in_backward(False)
+    _shard_dense_units(model, units, dp_mesh, mp_policy, offload, ignored, lm_head_param_dtype)
     if wrap_root:
         # The root's own parameters (final norm, tied embeddings) are needed again at once by backward.
         fully_shard(
@@ -588,31 +616,11 @@ class FSDP2Manager(StrategyDefaults):
                 local, collective-free change).
         """
         cfg = self.config
-        self._warn_ignored()
-        self._warn_no_frozen_tower(model)
-        check_frozen_sharding(model, cfg.multimodal.frozen_sharding)
-        mode = resolve_checkpointing_mode(cfg.activation_checkpointing)
-        scope = cfg.activation_checkpointing_scope
-        assert isinstance(scope, tuple), "FSDP2Config normalises the scope to a tuple"
-        if mode is not None:
-            check_checkpointing_scope(model, scope)  # before TP changes anything
-        tp_size = self.mesh.tp_size
-        if cfg.enable_async_tensor_parallel and tp_size > 1 and self.mesh.device_type != "cuda":
-            raise ValueError(
-                "FSDP2Config.enable_async_tensor_parallel=True needs CUDA devices (symmetric memory); "
-                "set it to False on CPU"
-            )
-        if cfg.sequence_parallel and tp_size > 1 and self.experts is not None and self.mesh.ep_size > 1:
-            raise ValueError(
-                "FSDP2Config.sequence_parallel=True with expert parallelism (ep_size="
-                f"{self.mesh.ep_size}) is not supported yet: the routers and the token exchange take the "
-                "whole sequence of the tensor-parallel group; set sequence_parallel=False (TP with EP works)"
-            )
+        mode = self._check_before_sharding(model)
         extra = self.experts.apply(model, self.mesh) if self.experts is not None else ExpertSharding()
         if cfg.patch_is_packed_sequence:
             _patch_is_packed_sequence()
-
-        if tp_size > 1:
+        if self.mesh.tp_size > 1:
             from automodel_distributed.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(
@@ -623,31 +631,15 @@ class FSDP2Manager(StrategyDefaults):
                 exclude=extra.tensor_parallel_exclude,
             )
         if mode is not None:
+            scope = cfg.activation_checkpointing_scope
+            assert isinstance(scope, tuple), "FSDP2Config normalises the scope to a tuple"
             apply_activation_checkpointing(model, mode=mode, scope=scope, save_ops=extra.checkpoint_save_ops)
-
         mp_policy = extra.mp_policy if extra.mp_policy is not None else self.mp_policy
         reshard = cfg.reshard_after_forward
         if reshard is None:
             reshard = extra.reshard_after_forward
-        dp_size = self.mesh.dp_shard_cp_size * (self.mesh.dp_replicate_size or 1)
-        if dp_size == 1 and not extra.units:
-            ignored = [
-                name
-                for name, active in (
-                    ("mp_policy", mp_policy.param_dtype not in (None, torch.float32)),
-                    ("offload_policy", self.offload_policy is not None),
-                    ("enable_fsdp2_prefetch", cfg.enable_fsdp2_prefetch),
-                    ("reshard_after_forward", cfg.reshard_after_forward is not None),
-                    ("host_runtime", cfg.host_runtime is not None),
-                )
-                if active
-            ]
-            if ignored:
-                warnings.warn(
-                    f"FSDP2Config.{', FSDP2Config.'.join(ignored)} ignored: one data-parallel rank, so "
-                    "nothing is sharded",
-                    stacklevel=2,
-                )
+        if self.mesh.dp_shard_cp_size * (self.mesh.dp_replicate_size or 1) == 1 and not extra.units:
+            self._warn_nothing_sharded(mp_policy)
             return model
         apply_fsdp2(
             model,
@@ -669,6 +661,52 @@ class FSDP2Manager(StrategyDefaults):
         if cfg.host_runtime is not None and self.mesh.device_type == "cpu":
             cfg.host_runtime.attach_fsdp(model)  # the collectives' buffers live in host memory
         return model
+
+    def _check_before_sharding(self, model: nn.Module) -> Literal["full", "selective"] | None:
+        """Every refusal of `parallelize`, before anything changes; returns the checkpointing mode."""
+        cfg = self.config
+        self._warn_ignored()
+        self._warn_no_frozen_tower(model)
+        check_frozen_sharding(model, cfg.multimodal.frozen_sharding)
+        mode = resolve_checkpointing_mode(cfg.activation_checkpointing)
+        scope = cfg.activation_checkpointing_scope
+        assert isinstance(scope, tuple), "FSDP2Config normalises the scope to a tuple"
+        if mode is not None:
+            check_checkpointing_scope(model, scope)  # before TP changes anything
+        tp_size = self.mesh.tp_size
+        if cfg.enable_async_tensor_parallel and tp_size > 1 and self.mesh.device_type != "cuda":
+            raise ValueError(
+                "FSDP2Config.enable_async_tensor_parallel=True needs CUDA devices (symmetric memory); "
+                "set it to False on CPU"
+            )
+        if cfg.sequence_parallel and tp_size > 1 and self.experts is not None and self.mesh.ep_size > 1:
+            raise ValueError(
+                "FSDP2Config.sequence_parallel=True with expert parallelism (ep_size="
+                f"{self.mesh.ep_size}) is not supported yet: the routers and the token exchange take the "
+                "whole sequence of the tensor-parallel group; set sequence_parallel=False (TP with EP works)"
+            )
+        return mode
+
+    def _warn_nothing_sharded(self, mp_policy: MixedPrecisionPolicy) -> None:
+        """With one data-parallel rank, name the settings that then act on nothing."""
+        cfg = self.config
+        ignored = [
+            name
+            for name, active in (
+                ("mp_policy", mp_policy.param_dtype not in (None, torch.float32)),
+                ("offload_policy", self.offload_policy is not None),
+                ("enable_fsdp2_prefetch", cfg.enable_fsdp2_prefetch),
+                ("reshard_after_forward", cfg.reshard_after_forward is not None),
+                ("host_runtime", cfg.host_runtime is not None),
+            )
+            if active
+        ]
+        if ignored:
+            warnings.warn(
+                f"FSDP2Config.{', FSDP2Config.'.join(ignored)} ignored: one data-parallel rank, so "
+                "nothing is sharded",
+                stacklevel=3,
+            )
 
     def dp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: ``dp_shard_cp``, or ``(dp_replicate, dp_shard_cp)`` for HSDP."""

@@ -170,6 +170,40 @@ def _mul(values: tuple[int, ...]) -> int:
     return out
 
 
+def _ddp_layout(sizes: ParallelismSizes, dp_replicate: int, world_size: int) -> MeshLayout:
+    """DDP's layout: every rank a replica; any other degree is refused (it needs a device mesh)."""
+    for name in ("tp_size", "pp_size", "cp_size", "ep_size"):
+        if getattr(sizes, name) > 1:
+            raise ValueError(
+                f"ParallelismSizes.{name}={getattr(sizes, name)} needs a device mesh, but DDP has none: "
+                "use FSDP2Config for tensor, pipeline, context or expert parallelism"
+            )
+    if dp_replicate > 1:
+        raise ValueError(
+            f"ParallelismSizes.dp_replicate_size={dp_replicate} is HSDP, which only FSDP2Config "
+            "supports; DDP already replicates over every rank"
+        )
+    if not sizes.inferred_dp and sizes.dp_size != world_size:
+        raise ValueError(
+            f"ParallelismSizes.dp_size={sizes.dp_size} must equal world_size={world_size} for DDP"
+        )
+    return MeshLayout(kind=MeshKind.DDP, world_size=world_size, dp_replicate=world_size, ep_shard=world_size)
+
+
+def _check_megatron(sizes: ParallelismSizes, dp_replicate: int) -> None:
+    """Megatron-FSDP has no pipeline, expert or HSDP axis."""
+    for name in ("pp_size", "ep_size"):
+        if getattr(sizes, name) > 1:
+            raise ValueError(
+                f"ParallelismSizes.{name}={getattr(sizes, name)} is not supported by Megatron-FSDP; "
+                "use FSDP2Config for pipeline or expert parallelism"
+            )
+    if dp_replicate > 1:
+        raise ValueError(
+            f"ParallelismSizes.dp_replicate_size={dp_replicate} (HSDP) is only supported by FSDP2Config"
+        )
+
+
 def resolve_layout(kind: MeshKind, sizes: ParallelismSizes, world_size: int) -> MeshLayout:
     """Validate ``sizes`` against ``world_size`` for a mesh kind and return the final layout.
 
@@ -197,34 +231,9 @@ def resolve_layout(kind: MeshKind, sizes: ParallelismSizes, world_size: int) -> 
         )
 
     if kind is MeshKind.DDP:
-        for name in ("tp_size", "pp_size", "cp_size", "ep_size"):
-            if getattr(sizes, name) > 1:
-                raise ValueError(
-                    f"ParallelismSizes.{name}={getattr(sizes, name)} needs a device mesh, but DDP has none: "
-                    "use FSDP2Config for tensor, pipeline, context or expert parallelism"
-                )
-        if dp_replicate > 1:
-            raise ValueError(
-                f"ParallelismSizes.dp_replicate_size={dp_replicate} is HSDP, which only FSDP2Config "
-                "supports; DDP already replicates over every rank"
-            )
-        if not sizes.inferred_dp and sizes.dp_size != world_size:
-            raise ValueError(
-                f"ParallelismSizes.dp_size={sizes.dp_size} must equal world_size={world_size} for DDP"
-            )
-        return MeshLayout(kind=kind, world_size=world_size, dp_replicate=world_size, ep_shard=world_size)
-
+        return _ddp_layout(sizes, dp_replicate, world_size)
     if kind is MeshKind.MEGATRON_FSDP:
-        for name in ("pp_size", "ep_size"):
-            if getattr(sizes, name) > 1:
-                raise ValueError(
-                    f"ParallelismSizes.{name}={getattr(sizes, name)} is not supported by Megatron-FSDP; "
-                    "use FSDP2Config for pipeline or expert parallelism"
-                )
-        if dp_replicate > 1:
-            raise ValueError(
-                f"ParallelismSizes.dp_replicate_size={dp_replicate} (HSDP) is only supported by FSDP2Config"
-            )
+        _check_megatron(sizes, dp_replicate)
 
     pp, cp, tp, ep = sizes.pp_size, sizes.cp_size, sizes.tp_size, sizes.ep_size
     if sizes.inferred_dp:

@@ -24,8 +24,9 @@ layers, which still shows what the forward hands to each layer.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -87,6 +88,109 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return next((leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)), None)
 
 
+class _Trace:
+    """The hooks of one probing forward: they fill a `ForwardProbe` (see the module docstring)."""
+
+    def __init__(self, with_layers: bool) -> None:
+        self.probe = ForwardProbe(with_layers=with_layers)
+        self.labels = DataFlow()
+        self.previous: torch.Tensor | None = None
+        self.first_inputs: dict[str, frozenset[str]] = {}
+        self.embed_width: list[int] = []
+
+    def before_layer(
+        self, index: int, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        probe = self.probe
+        if index == 0:
+            probe.order.append(LAYERS_MARK)
+        hidden, rest = _hidden(args, kwargs)
+        if index > 0 and self.previous is not None and hidden is not self.previous:
+            probe.problems.append(
+                f"the forward changes the hidden states between layers {index - 1} and {index} (a stage "
+                "boundary there would apply that change twice)"
+            )
+        side = self.labels.labels_of(rest)
+        if side:
+            probe.problems.append(
+                f"layer {index} gets inputs computed from {', '.join(sorted(side))} besides its hidden "
+                "states (a later stage would not have them)"
+            )
+
+    def after_layer(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        self.labels.set(output, {f"layer {index}'s output"})
+        if self.probe.with_layers:
+            self.probe.output_arity.append(len(output) if isinstance(output, tuple | list) else 0)
+        self.previous = _first_tensor(output)
+
+    def before_watched(
+        self, name: str, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        order = self.probe.order
+        if name not in self.first_inputs:
+            order.append(name)
+            self.first_inputs[name] = self.labels.labels_of((args, kwargs))
+        elif LAYERS_MARK in order and order.index(name) < order.index(LAYERS_MARK):
+            problem = (
+                f"{name} runs both before and after the layers (the first and the last stage would both "
+                "need its parameters)"
+            )
+            if problem not in self.probe.problems:
+                self.probe.problems.append(problem)
+
+    def after_embed(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        self.labels.set(output, {_EMBEDDINGS})
+        if isinstance(output, torch.Tensor):
+            self.embed_width.append(output.shape[-1])
+
+    def register(
+        self, base: nn.Module, layers: list[nn.Module], embed: str | None, watched: Sequence[str]
+    ) -> list[Any]:
+        """Hook the layers, the embedding and the watched modules; returns the handles."""
+        hooks = []
+        for index, layer in enumerate(layers):
+            hooks.append(layer.register_forward_pre_hook(partial(self.before_layer, index), with_kwargs=True))
+            hooks.append(layer.register_forward_hook(partial(self.after_layer, index)))
+        if embed is not None:
+            hooks.append(base.get_submodule(embed).register_forward_hook(self.after_embed))
+        for name in watched:
+            for module in base.get_submodule(name).modules():  # a ModuleList is called through its children
+                hooks.append(
+                    module.register_forward_pre_hook(partial(self.before_watched, name), with_kwargs=True)
+                )
+        return hooks
+
+    def check_after_layers(self, num_layers: int) -> None:
+        """Modules after the layers must see nothing but the last layer's output."""
+        order, last = self.probe.order, f"layer {num_layers - 1}'s output"
+        if LAYERS_MARK not in order:
+            self.probe.problems.append("the forward did not call its first layer")
+            return
+        for name in order[order.index(LAYERS_MARK) + 1 :]:
+            extra = self.first_inputs[name] - {last}
+            if extra:
+                self.probe.problems.append(
+                    f"{name} (after the layers) gets inputs computed from {', '.join(sorted(extra))} besides "
+                    "the last layer's output"
+                )
+
+
+def _target(base: nn.Module, layers: str, with_layers: bool) -> tuple[nn.Module, list[nn.Module]]:
+    """The module whose forward runs, and its layers (pass-through stand-ins in a shallow copy)."""
+    if with_layers:
+        return base, list(base.get_submodule(layers).children())
+    target = copy.copy(base)
+    target._modules = dict(base._modules)
+    container = nn.ModuleList(_PassThrough() for _ in base.get_submodule(layers).children())
+    target._modules[layers] = container
+    return target, list(container.children())
+
+
+def _device(base: nn.Module) -> torch.device:
+    param = next(base.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
 def _run(
     base: nn.Module,
     layers: str,
@@ -94,102 +198,23 @@ def _run(
     watched: Sequence[str],
     with_layers: bool,
 ) -> ForwardProbe:
-    probe = ForwardProbe(with_layers=with_layers)
-    labels = DataFlow()
-    target = base
-    container = base.get_submodule(layers)
-    if not with_layers:
-        target = copy.copy(base)
-        target._modules = dict(base._modules)
-        container = nn.ModuleList(_PassThrough() for _ in container.children())
-        target._modules[layers] = container
-    children = list(container.children())
-    previous: list[torch.Tensor | None] = [None]
-    first_inputs: dict[str, frozenset[str]] = {}
-    hooks: list[Any] = []
-
-    def before_layer(index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if index == 0:
-                probe.order.append(LAYERS_MARK)
-            hidden, rest = _hidden(args, kwargs)
-            if index > 0 and previous[0] is not None and hidden is not previous[0]:
-                probe.problems.append(
-                    f"the forward changes the hidden states between layers {index - 1} and {index} (a stage "
-                    "boundary there would apply that change twice)"
-                )
-            side = labels.labels_of(rest)
-            if side:
-                probe.problems.append(
-                    f"layer {index} gets inputs computed from {', '.join(sorted(side))} besides its hidden "
-                    "states (a later stage would not have them)"
-                )
-
-        return hook
-
-    def after_layer(index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            labels.set(output, {f"layer {index}'s output"})
-            if with_layers:
-                probe.output_arity.append(len(output) if isinstance(output, tuple | list) else 0)
-            previous[0] = _first_tensor(output)
-
-        return hook
-
-    def before_watched(name: str) -> Callable[..., None]:
-        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if name not in first_inputs:
-                probe.order.append(name)
-                first_inputs[name] = labels.labels_of((args, kwargs))
-            elif LAYERS_MARK in probe.order and probe.order.index(name) < probe.order.index(LAYERS_MARK):
-                problem = (
-                    f"{name} runs both before and after the layers (the first and the last stage would "
-                    "both need its parameters)"
-                )
-                if problem not in probe.problems:
-                    probe.problems.append(problem)
-
-        return hook
-
-    for index, layer in enumerate(children):
-        hooks.append(layer.register_forward_pre_hook(before_layer(index), with_kwargs=True))
-        hooks.append(layer.register_forward_hook(after_layer(index)))
-    embed_width: list[int] = []
-    if embed is not None:
-
-        def after_embed(_module: nn.Module, _args: Any, output: Any) -> None:
-            labels.set(output, {_EMBEDDINGS})
-            if isinstance(output, torch.Tensor):
-                embed_width.append(output.shape[-1])
-
-        hooks.append(base.get_submodule(embed).register_forward_hook(after_embed))
-    for name in watched:
-        for module in base.get_submodule(name).modules():  # a ModuleList is called through its children
-            hooks.append(module.register_forward_pre_hook(before_watched(name), with_kwargs=True))
-    param = next(base.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
+    trace = _Trace(with_layers)
+    target, children = _target(base, layers, with_layers)
+    hooks = trace.register(base, children, embed, watched)
     try:
-        with fake_forward(labels):
-            ids = torch.zeros(1, 8, dtype=torch.long, device=device)
-            labels.set(ids, {_TOKEN_IDS})
+        with fake_forward(trace.labels):
+            ids = torch.zeros(1, 8, dtype=torch.long, device=_device(base))
+            trace.labels.set(ids, {_TOKEN_IDS})
             type(base).forward(target, input_ids=ids)
     finally:
         for hook in hooks:
             hook.remove()
-    if embed is not None and embed_width:
-        probe.embeds_given_embeds = _calls_embedding_given_embeds(base, target, embed, embed_width[0])
-    last = f"layer {len(children) - 1}'s output"
-    if LAYERS_MARK in probe.order:
-        for name in probe.order[probe.order.index(LAYERS_MARK) + 1 :]:
-            extra = first_inputs[name] - {last}
-            if extra:
-                probe.problems.append(
-                    f"{name} (after the layers) gets inputs computed from {', '.join(sorted(extra))} besides "
-                    "the last layer's output"
-                )
-    else:
-        probe.problems.append("the forward did not call its first layer")
-    return probe
+    if embed is not None and trace.embed_width:
+        trace.probe.embeds_given_embeds = _calls_embedding_given_embeds(
+            base, target, embed, trace.embed_width[0]
+        )
+    trace.check_after_layers(len(children))
+    return trace.probe
 
 
 def _calls_embedding_given_embeds(base: nn.Module, target: nn.Module, embed: str, width: int) -> bool:
@@ -199,11 +224,9 @@ def _calls_embedding_given_embeds(base: nn.Module, target: nn.Module, embed: str
     """
     called: list[bool] = []
     hook = base.get_submodule(embed).register_forward_pre_hook(lambda *_: called.append(True))
-    param = next(base.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
     try:
         with fake_forward(DataFlow()):
-            type(base).forward(target, inputs_embeds=torch.zeros(1, 8, width, device=device))
+            type(base).forward(target, inputs_embeds=torch.zeros(1, 8, width, device=_device(base)))
     except Exception:  # not this check's concern
         return False
     finally:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -136,6 +137,110 @@ def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str 
         torch.set_default_dtype(previous)
 
 
+class _Recorder:
+    """Attributes each tensor saved for backward to the block running and to boundary or interior.
+
+    Hooks on every module track where the forward is (``scope``) and which block runs (``block``);
+    `pack` is the ``saved_tensors_hooks`` pack hook. Lives only inside one fake forward.
+    """
+
+    def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]], styles: dict[str, str]) -> None:
+        self.styles = styles
+        self.names = {module: fqn for fqn, module in model.named_modules()}
+        self.parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+        prefixes = tuple(fqn + "." for fqn, _ in blocks)
+        # Modules inside a block that hold a sharded layer (attention, MLP): what they compute between
+        # their column- and row-parallel layers is sharded over tp.
+        self.plan_parents = tuple(
+            {fqn.rsplit(".", 1)[0] for fqn in styles if fqn.rsplit(".", 1)[0].startswith(prefixes)}
+        )
+        self.embed_fqn = self.names.get(model.get_input_embeddings(), "\0")  # type: ignore[operator]
+        self.scope: list[str] = []
+        self.block = -1
+        self.saved: dict[int, tuple[int, str, int]] = {}  # storage -> (block, kind, bytes)
+        self.inputs: dict[int, int] = {}
+        self.producers = _Producers(self.classify)
+
+    def classify(self, op_output: bool = False) -> tuple[int, str]:
+        """(block, kind) of a tensor made now: ``embedding``, ``boundary`` or ``interior``."""
+        where = self.scope[-1] if self.scope else ""
+        style = self.styles.get(where)
+        if self.block < 0 and (where == self.embed_fqn or where.startswith(self.embed_fqn + ".")):
+            return self.block, "embedding"
+        if style is not None:
+            # A column-parallel layer saves its full input and outputs a shard; a row-parallel layer
+            # saves its sharded input and outputs full-size partial sums.
+            return self.block, "interior" if (style == "colwise") == op_output else "boundary"
+        inside = any(where == p or where.startswith(p + ".") for p in self.plan_parents)
+        return self.block, "interior" if inside else "boundary"
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The pack hook: record a tensor saved for backward (once per storage, parameters excluded)."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata  # saved tensors stay alive until backward: their storages are unique
+        if key not in self.parameters and key not in self.saved:
+            self.saved[key] = (*self.classify(), storage.nbytes())
+        return tensor
+
+    def hooks(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[Any]:
+        """Register the tracking hooks; returns their handles."""
+        handles = []
+        for fqn, module in model.named_modules():
+            if fqn:
+                handles.append(module.register_forward_pre_hook(self._push))
+                handles.append(module.register_forward_hook(self._pop))
+        for index, (_fqn, block) in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(partial(self._enter, index), with_kwargs=True))
+            handles.append(block.register_forward_hook(self._leave))
+        return handles
+
+    def _push(self, module: nn.Module, args: Any) -> None:
+        self.scope.append(self.names[module])
+
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.scope.pop()
+
+    def _enter(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.block = index
+        self.producers.matmuls = 0
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor):
+            self.inputs[index] = hidden.numel() * hidden.element_size()
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.block = -1
+
+    def profile(self, num_blocks: int, tokens: int) -> ActivationProfile:
+        """The recorded bytes as a profile."""
+        per_block = [[0, 0] for _ in range(num_blocks)]
+        head = embedding = largest = 0
+        for index, kind, size in self.saved.values():
+            if index >= 0:
+                per_block[index][0 if kind == "boundary" else 1] += size
+            elif kind == "embedding":
+                embedding += size
+            else:
+                head += size
+                largest = max(largest, size)
+        kept = self.producers.kept
+        return ActivationProfile(
+            blocks=tuple(
+                BlockActivations(
+                    boundary=b,
+                    interior=i,
+                    selective_boundary=kept.get((n, "boundary"), 0),
+                    selective_interior=kept.get((n, "interior"), 0),
+                    input_bytes=self.inputs.get(n, 0),
+                )
+                for n, (b, i) in enumerate(per_block)
+            ),
+            head=head,
+            embedding=embedding,
+            largest_head_tensor=largest,
+            tokens=tokens,
+        )
+
+
 def profile_activations(
     model_config: Any,
     *,
@@ -176,98 +281,14 @@ def profile_activations(
     with FakeTensorMode():
         model = _fake_model(model_config, dtype, attn_implementation)
         blocks = find_transformer_blocks(model)
-        styles = linear_styles(model)
-        names = {module: fqn for fqn, module in model.named_modules()}
-        parameters = {p.untyped_storage()._cdata for p in model.parameters()}
-        block_prefixes = tuple(fqn + "." for fqn, _ in blocks)
-        # Modules inside a block that hold a sharded layer (attention, MLP): what they compute between
-        # their column- and row-parallel layers is sharded over tp.
-        plan_parents = tuple(
-            {fqn.rsplit(".", 1)[0] for fqn in styles if fqn.rsplit(".", 1)[0].startswith(block_prefixes)}
-        )
-        embedding_module = model.get_input_embeddings()  # type: ignore[operator]
-        embed_fqn = names.get(embedding_module, "\0")
-        scope: list[str] = []
-        current = [-1]
-
-        def classify(op_output: bool = False) -> tuple[int, str]:
-            where = scope[-1] if scope else ""
-            style = styles.get(where)
-            if current[0] < 0 and (where == embed_fqn or where.startswith(embed_fqn + ".")):
-                kind = "embedding"
-            elif style is not None:
-                # A column-parallel layer saves its full input and outputs a shard; a row-parallel layer
-                # saves its sharded input and outputs full-size partial sums.
-                kind = "interior" if (style == "colwise") == op_output else "boundary"
-            elif any(where == p or where.startswith(p + ".") for p in plan_parents):
-                kind = "interior"
-            else:
-                kind = "boundary"
-            return current[0], kind
-
-        producers = _Producers(classify)
-        saved: dict[int, tuple[int, str, int]] = {}  # storage -> (block, kind, bytes)
-        inputs: dict[int, int] = {}
-
-        def enter_block(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            current[0] = index
-            producers.matmuls = 0
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            if isinstance(hidden, torch.Tensor):
-                inputs[index] = hidden.numel() * hidden.element_size()
-
-        handles = []
-        for fqn, module in model.named_modules():
-            if fqn:
-                handles.append(module.register_forward_pre_hook(lambda m, _a: scope.append(names[m])))
-                handles.append(module.register_forward_hook(lambda _m, _a, _o: scope.pop() and None))
-        for index, (_fqn, block) in enumerate(blocks):
-            handles.append(
-                block.register_forward_pre_hook(
-                    lambda _m, a, k, i=index: enter_block(i, a, k), with_kwargs=True
-                )
-            )
-            handles.append(block.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, -1)))
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            key = storage._cdata  # saved tensors stay alive until backward: their storages are unique
-            if key not in parameters and key not in saved:
-                block, kind = classify()
-                saved[key] = (block, kind, storage.nbytes())
-            return tensor
-
+        recorder = _Recorder(model, blocks, linear_styles(model))
+        handles = recorder.hooks(model, blocks)
         ids = torch.zeros(micro_batch, local_seq, dtype=torch.long)
-        with producers, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with recorder.producers, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             model(input_ids=ids, labels=ids)
         for handle in handles:
             handle.remove()
-    per_block = [[0, 0] for _ in blocks]
-    head = embedding = largest = 0
-    for index, kind, size in saved.values():
-        if index >= 0:
-            per_block[index][0 if kind == "boundary" else 1] += size
-        elif kind == "embedding":
-            embedding += size
-        else:
-            head += size
-            largest = max(largest, size)
-    return ActivationProfile(
-        blocks=tuple(
-            BlockActivations(
-                boundary=b,
-                interior=i,
-                selective_boundary=producers.kept.get((n, "boundary"), 0),
-                selective_interior=producers.kept.get((n, "interior"), 0),
-                input_bytes=inputs.get(n, 0),
-            )
-            for n, (b, i) in enumerate(per_block)
-        ),
-        head=head,
-        embedding=embedding,
-        largest_head_tensor=largest,
-        tokens=micro_batch * local_seq,
-    )
+    return recorder.profile(len(blocks), micro_batch * local_seq)
 
 
 def activation_bytes(

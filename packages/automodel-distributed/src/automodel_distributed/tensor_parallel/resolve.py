@@ -300,81 +300,131 @@ def resolve_tp_plan(
     return styles
 
 
+_Found = tuple[dict[str, ParallelStyle], str]
+"""A plan's styles by FQN, and where the plan came from."""
+
+
+def _registered_plan(
+    model: nn.Module,
+    hf_model: nn.Module,
+    prefix: str,
+    sequence_parallel: bool,
+    tp_size: int,
+    notes: list[str],
+) -> tuple[_Found | None, str]:
+    """A plan registered for the model's class (or a base class), by class or by name."""
+    class_name = type(hf_model).__qualname__
+    registered = registered_plan_for(type(hf_model))
+    if registered is None:
+        return None, f"no plan is registered for {class_name} or its base classes (by class or by name)"
+    how, source_plan, sp_plan = registered
+    if _is_factory(source_plan):
+        plan = _call_factory(source_plan, hf_model, sequence_parallel, f"tp plan of {class_name}")
+    elif sequence_parallel and sp_plan is not None:
+        plan = sp_plan
+    else:
+        assert isinstance(source_plan, Mapping)
+        plan = source_plan
+    logger.info("tensor-parallel plan of %s: the %s", class_name, how)
+    return (_matching(model, _styles(plan, prefix, f"the {how}"), f"the {how}"), f"the {how}"), ""
+
+
+def _transformers_plan(
+    model: nn.Module,
+    hf_model: nn.Module,
+    prefix: str,
+    sequence_parallel: bool,
+    tp_size: int,
+    notes: list[str],
+) -> tuple[_Found | None, str]:
+    """The model's own transformers plan (``base_model_tp_plan``), when it is exact and fits ``tp_size``."""
+    hf_plan, note = translate_hf_tp_plan(hf_model)
+    mro = type(hf_model).__mro__
+    inexact = next((INEXACT_HF_TP_PLANS[c.__name__] for c in mro if c.__name__ in INEXACT_HF_TP_PLANS), None)
+    if hf_plan is not None and inexact is not None:
+        return None, f"transformers' tp plan is not exact for it: {inexact}"
+    if hf_plan is None:
+        return None, note
+    styles = _styles(hf_plan, prefix, "transformers' tp plan")
+    problem = _misfit(model, styles, tp_size)
+    if problem is not None:
+        return None, f"transformers' tp plan does not fit: {problem}"
+    logger.info("tensor-parallel plan of %s: transformers' plan (%s)", type(hf_model).__qualname__, note)
+    return (styles, "transformers' tp plan"), ""
+
+
+def _default_decoder_plan(
+    model: nn.Module,
+    hf_model: nn.Module,
+    prefix: str,
+    sequence_parallel: bool,
+    tp_size: int,
+    notes: list[str],
+) -> tuple[_Found | None, str]:
+    """The Llama-style decoder plan, with a warning naming why nothing more specific applied."""
+    default, note = _default_plan(hf_model, sequence_parallel)
+    if default is None:
+        return None, note
+    styles = _styles(default, prefix, "the default decoder plan")
+    problem = _misfit(model, styles, tp_size)
+    if problem is not None:
+        return None, f"the default Llama-style plan does not fit: {problem}"
+    class_name = type(hf_model).__qualname__
+    warnings.warn(
+        f"{class_name}: using the default Llama-style decoder tensor-parallel plan "
+        f"({'; '.join(notes)}). Register a plan for this model to make the choice explicit.",
+        stacklevel=4,
+    )
+    logger.warning("tensor-parallel plan of %s: the default Llama-style decoder plan", class_name)
+    return (styles, "the default decoder plan"), ""
+
+
+def _derived_plan(
+    model: nn.Module,
+    hf_model: nn.Module,
+    prefix: str,
+    sequence_parallel: bool,
+    tp_size: int,
+    notes: list[str],
+) -> tuple[_Found | None, str]:
+    """A plan derived from the model's structure (every linear column-parallel, outputs gathered)."""
+    derived, note = derived_tp_plan(hf_model, tp_size)
+    if derived is None or tp_size <= 1:
+        return None, note
+    styles = _styles(derived, prefix, "the derived plan")
+    problem = _misfit(model, styles, tp_size)
+    if problem is not None:
+        return None, f"the plan derived from the model's structure does not fit: {problem}"
+    class_name = type(hf_model).__qualname__
+    warnings.warn(
+        f"{class_name}: using a plan derived from the model's structure (every linear column-"
+        f"parallel with gathered outputs; {'; '.join(notes)}). Register a plan for this model for "
+        "a Megatron-style split of attention and MLP.",
+        stacklevel=4,
+    )
+    logger.warning("tensor-parallel plan of %s: %s", class_name, note)
+    return (styles, "the derived plan"), ""
+
+
+_CANDIDATES = (_registered_plan, _transformers_plan, _default_decoder_plan, _derived_plan)
+"""Where a plan comes from when the caller gives none, in order of preference."""
+
+
 def _resolve(
     model: nn.Module, tp_plan: PlanMapping | str | None, sequence_parallel: bool, tp_size: int
-) -> tuple[dict[str, ParallelStyle], str]:
+) -> _Found:
     prefix, hf_model = find_hf_model(model)
     class_name = type(hf_model).__qualname__
     if tp_plan is not None:
         user_plan, source = _user_plan(hf_model, tp_plan, sequence_parallel)
         logger.info("tensor-parallel plan of %s: %s", class_name, source)
         return _matching(model, _styles(user_plan, prefix, source), source), source
-
     notes: list[str] = []
-    registered = registered_plan_for(type(hf_model))
-    if registered is not None:
-        how, source_plan, sp_plan = registered
-        if _is_factory(source_plan):
-            plan = _call_factory(source_plan, hf_model, sequence_parallel, f"tp plan of {class_name}")
-        elif sequence_parallel and sp_plan is not None:
-            plan = sp_plan
-        else:
-            assert isinstance(source_plan, Mapping)
-            plan = source_plan
-        logger.info("tensor-parallel plan of %s: the %s", class_name, how)
-        return _matching(model, _styles(plan, prefix, f"the {how}"), f"the {how}"), f"the {how}"
-    notes.append(f"no plan is registered for {class_name} or its base classes (by class or by name)")
-
-    hf_plan, note = translate_hf_tp_plan(hf_model)
-    inexact = next(
-        (
-            INEXACT_HF_TP_PLANS[c.__name__]
-            for c in type(hf_model).__mro__
-            if c.__name__ in INEXACT_HF_TP_PLANS
-        ),
-        None,
-    )
-    if hf_plan is not None and inexact is not None:
-        hf_plan, note = None, f"transformers' tp plan is not exact for it: {inexact}"
-    if hf_plan is not None:
-        styles = _styles(hf_plan, prefix, "transformers' tp plan")
-        problem = _misfit(model, styles, tp_size)
-        if problem is None:
-            logger.info("tensor-parallel plan of %s: transformers' plan (%s)", class_name, note)
-            return styles, "transformers' tp plan"
-        note = f"transformers' tp plan does not fit: {problem}"
-    notes.append(note)
-
-    default, note = _default_plan(hf_model, sequence_parallel)
-    if default is not None:
-        styles = _styles(default, prefix, "the default decoder plan")
-        problem = _misfit(model, styles, tp_size)
-        if problem is None:
-            warnings.warn(
-                f"{class_name}: using the default Llama-style decoder tensor-parallel plan "
-                f"({'; '.join(notes)}). Register a plan for this model to make the choice explicit.",
-                stacklevel=3,
-            )
-            logger.warning("tensor-parallel plan of %s: the default Llama-style decoder plan", class_name)
-            return styles, "the default decoder plan"
-        note = f"the default Llama-style plan does not fit: {problem}"
-    notes.append(note)
-
-    derived, note = derived_tp_plan(hf_model, tp_size)
-    if derived is not None and tp_size > 1:
-        styles = _styles(derived, prefix, "the derived plan")
-        problem = _misfit(model, styles, tp_size)
-        if problem is None:
-            warnings.warn(
-                f"{class_name}: using a plan derived from the model's structure (every linear column-"
-                f"parallel with gathered outputs; {'; '.join(notes)}). Register a plan for this model for "
-                "a Megatron-style split of attention and MLP.",
-                stacklevel=3,
-            )
-            logger.warning("tensor-parallel plan of %s: %s", class_name, note)
-            return styles, "the derived plan"
-        note = f"the plan derived from the model's structure does not fit: {problem}"
-    notes.append(note)
+    for candidate in _CANDIDATES:
+        found, note = candidate(model, hf_model, prefix, sequence_parallel, tp_size, notes)
+        if found is not None:
+            return found
+        notes.append(note)
     if tp_size > 1:
         raise ValueError(
             f"no usable tensor-parallel plan for {class_name} at tp_size={tp_size}: "
