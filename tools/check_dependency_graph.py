@@ -7,6 +7,8 @@ Two kinds of check:
    extras name only allowed siblings; sibling requirements are bounded to the shared version
    (``>=0.x,<0.(x+1)``); all members share one version; the declared graph has no cycle.
 2. Static imports, from the ``ast`` of every ``.py`` under ``packages/<p>/src``:
+   - no two source files import each other, directly or through others (a file-level import cycle),
+     counting every import that runs, in a function too; ``if TYPE_CHECKING:`` imports never run;
    - importing a sibling the graph does not allow at all is an error, wherever the import is
      (inside a function or under ``if TYPE_CHECKING:`` too);
    - a module-level import (one that runs on import: not inside a function, not under
@@ -247,11 +249,74 @@ def check_imports(workspace: Mapping[str, PackageMeta], lock: LockGraph) -> list
     return sorted(set(errors))
 
 
+def _module_files(workspace: Mapping[str, PackageMeta]) -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of every package (``__init__`` as the package)."""
+    files: dict[str, Path] = {}
+    for meta in workspace.values():
+        if not meta.src.is_dir():
+            continue
+        for path in meta.src.rglob("*.py"):
+            parts = path.relative_to(meta.src.parent).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _runtime_edges(files: Mapping[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports when it runs (``TYPE_CHECKING`` blocks left out)."""
+    return {
+        name: {s.module for s in iter_imports(path) if not s.type_checking and s.module in files} - {name}
+        for name, path in files.items()
+    }
+
+
+def _strongly_connected(edges: Mapping[str, set[str]]) -> list[list[str]]:
+    """Groups of two or more modules that import each other (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = stack[stack.index(node) :]
+                    del stack[stack.index(node) :]
+                    if len(group) > 1:
+                        groups.append(sorted(group))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                work.append((child, iter(sorted(edges[child]))))
+            elif child in stack:
+                low[node] = min(low[node], index[child])
+    return groups
+
+
+def check_file_cycles(workspace: Mapping[str, PackageMeta]) -> list[str]:
+    """Every file-level import cycle among the packages' sources, one line each."""
+    edges = _runtime_edges(_module_files(workspace))
+    return [
+        "import cycle between files: "
+        + "; ".join(f"{m} imports {', '.join(sorted(edges[m] & set(group)))}" for m in group)
+        for group in _strongly_connected(edges)
+    ]
+
+
 def main() -> int:
     """Run every check and print the violations."""
     workspace = read_workspace()
     lock = read_lock()
-    errors = check_declarations(workspace) + check_imports(workspace, lock)
+    errors = check_declarations(workspace) + check_imports(workspace, lock) + check_file_cycles(workspace)
     print("allowed graph (required | optional siblings):")
     for dist, node in ALLOWED_GRAPH.items():
         required = ", ".join(sorted(node.requires)) or "-"

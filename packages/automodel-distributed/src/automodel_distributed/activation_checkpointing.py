@@ -31,8 +31,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from automodel_distributed.blocks import blockless_parts, blocks_in_scope, find_transformer_blocks
 from automodel_distributed.config import normalize_activation_checkpointing
-from automodel_distributed.layers import blockless_parts, blocks_in_scope, find_transformer_blocks
 from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, model_parts
 
 __all__ = [
@@ -237,7 +237,7 @@ def check_checkpointing_scope(model: nn.Module, scope: tuple[str, ...]) -> None:
 
     Raises:
         ValueError: A tower in ``scope`` (``vision``, ``audio``; every tower for ``multimodal``) has no
-            block of `automodel_distributed.layers.find_transformer_blocks` (names the towers).
+            block of `automodel_distributed.blocks.find_transformer_blocks` (names the towers).
     """
     if scope == ("all",):
         return
@@ -290,7 +290,7 @@ def apply_activation_checkpointing(
 
     Raises:
         ValueError: An unknown ``mode`` or scope, a model without transformer blocks, or a scope naming
-            a tower that has no blocks (`automodel_distributed.layers.blockless_parts`).
+            a tower that has no blocks (`automodel_distributed.blocks.blockless_parts`).
     """
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing mode={mode!r} is not valid; use 'full' or 'selective'")

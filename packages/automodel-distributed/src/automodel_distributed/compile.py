@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel_distributed.blocks import find_transformer_blocks
 from automodel_distributed.config import CompileConfig
-from automodel_distributed.layers import find_transformer_blocks
 
 __all__ = [
     "build_compile_config",

@@ -267,10 +267,39 @@ class FSDP2Config(ConfigDict):
         return not adapters and not layout.shards_parameters
 
     def describe_sharding(self, layout: MeshLayout, model: nn.Module) -> list[str]:
-        """What `FSDP2Manager.parallelize` will do to ``model`` on ``layout``, in order (no collective)."""
-        from automodel_distributed.fsdp2 import describe_fsdp2_sharding
+        """What `FSDP2Manager.parallelize` will do to ``model`` on ``layout``, in order (no collective).
 
-        return describe_fsdp2_sharding(self, layout, model)
+        Reads the model's blocks and frozen towers (`automodel_distributed.fsdp2_units.plan_fsdp_units`,
+        the units the applier makes); nothing is mutated. ``automodel plan`` prints it.
+        """
+        from automodel_distributed.blocks import find_transformer_blocks
+        from automodel_distributed.fsdp2_units import plan_fsdp_units
+
+        lines = []
+        if layout.tp > 1:
+            sp = " with sequence parallelism" if self.sequence_parallel else ""
+            lines.append(f"tensor-parallel plan over tp={layout.tp}{sp}")
+        if layout.ep > 1:
+            where = (
+                f"experts sharded over ep_shard={layout.ep_shard}"
+                if layout.ep_shard > 1
+                else "ep_shard=1: experts stay out of FSDP when their dtype needs no cast"
+            )
+            lines.append(f"expert parallelism over ep={layout.ep}; {where}")
+        mode = normalize_activation_checkpointing(self.activation_checkpointing)
+        if mode:
+            lines.append(f"activation checkpointing ({mode}) of each transformer block")
+        blocks = {fqn for fqn, _ in find_transformer_blocks(model)}
+        frozen = self.multimodal.frozen_sharding
+        units = sum(
+            p.fqn in blocks
+            for p in plan_fsdp_units(model, reshard_after_forward=None, frozen_sharding=frozen)
+        )
+        hsdp = (
+            f", replicated over dp_replicate={layout.dp_replicate} (HSDP)" if layout.dp_replicate > 1 else ""
+        )
+        over = f"over dp_shard_cp={layout.dp_shard_cp}{hsdp}"
+        return [*lines, f"fully_shard each of {units} transformer blocks, then the root, {over}"]
 
     def describe_compile(self, compile_config: CompileConfig | None) -> list[str]:
         """What `FSDP2Manager.compile` will do: every block in place, from either setting."""

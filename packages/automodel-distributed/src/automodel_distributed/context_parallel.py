@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from automodel_distributed.blocks import find_transformer_blocks
 from automodel_distributed.cp_document_attention import (
     CP_DOCUMENT_ATTENTION,
     attention_window,
@@ -65,7 +66,6 @@ from automodel_distributed.cp_document_attention import (
     register_cp_document_attention,
 )
 from automodel_distributed.host_runtime import HostRuntime
-from automodel_distributed.layers import find_transformer_blocks
 from automodel_mesh import MeshAxisName, MeshContext
 from automodel_modules import find_hf_model, unwrap
 

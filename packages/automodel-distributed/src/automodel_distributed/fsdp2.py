@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
@@ -51,58 +51,29 @@ from automodel_distributed.config import (
     MultimodalDistributedConfig,
     default_mp_policy,
 )
-from automodel_distributed.layers import blockless_parts, find_transformer_blocks
-from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, model_parts
+from automodel_distributed.fsdp2_units import (
+    FSDPUnitPlan,
+    check_frozen_sharding,
+    frozen_towers,
+    output_head,
+    plan_fsdp_units,
+)
 from automodel_distributed.one_rank_units import install_one_rank_unit, runs_without_fsdp
-from automodel_distributed.root_reshard import needs_no_weight_in_backward, reshard_root_after_head_backward
+from automodel_distributed.root_reshard import reshard_root_after_head_backward
 from automodel_distributed.strategy import StrategyDefaults
 from automodel_distributed.tied_embedding import accumulate_tied_embedding_rows
-from automodel_mesh import MeshAxisName, MeshContext, MeshKind, MeshLayout
-from automodel_modules import fqn_of, reshard_fsdp_units
+from automodel_mesh import MeshAxisName, MeshContext, MeshKind
+from automodel_modules import reshard_fsdp_units
 
 __all__ = [
     "ExpertParallelism",
     "ExpertSharding",
     "FSDP2Manager",
-    "FSDPUnitPlan",
     "apply_fsdp2",
-    "check_frozen_sharding",
-    "describe_fsdp2_sharding",
-    "frozen_towers",
-    "plan_fsdp_units",
     "reshard_after_no_grad_forward",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FSDPUnitPlan:
-    """One module that becomes its own FSDP unit, and how it is sharded.
-
-    Attributes:
-        fqn: Its name in the model.
-        module: The module.
-        reshard_after_forward: Free the gathered parameters after forward (an int: reshard to that
-            smaller world). ``None`` (extra units only): as the dense unit that contains it.
-        mesh: The mesh it is sharded over; ``None``: the data-parallel mesh of `apply_fsdp2`.
-        shard_placement_fn: ``fully_shard``'s per-parameter placement (e.g. ``Shard(1)``); ``None``: dim 0.
-        gradient_divide_factor: Divide the reduced gradient by this instead of the unit mesh's size (a
-            unit on its own mesh whose gradients hold other ranks' contributions, like experts).
-        mp_policy: The unit's mixed precision; ``None``: the applier's.
-        unshard_in_backward: False when backward needs none of the unit's parameters (a plain
-            ``nn.Embedding``: its gradient comes from the token ids alone), so FSDP skips its all-gather
-            in backward (``FSDPModule.set_unshard_in_backward``).
-    """
-
-    fqn: str
-    module: nn.Module
-    reshard_after_forward: bool | int | None
-    mesh: DeviceMesh | None = None
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None
-    gradient_divide_factor: float | None = None
-    mp_policy: MixedPrecisionPolicy | None = None
-    unshard_in_backward: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,150 +119,6 @@ class ExpertParallelism(Protocol):
         Raises ``ValueError`` before changing anything when the model or the mesh does not fit.
         """
         ...
-
-
-def _is_tied(model: nn.Module) -> bool:
-    get_in = getattr(model, "get_input_embeddings", None)
-    get_out = getattr(model, "get_output_embeddings", None)
-    if not callable(get_in) or not callable(get_out):
-        return False
-    inp, out = get_in(), get_out()
-    return inp is not None and out is not None and inp.weight is out.weight
-
-
-def _output_head(model: nn.Module) -> nn.Module | None:
-    get_out = getattr(model, "get_output_embeddings", None)
-    head = get_out() if callable(get_out) and not _is_tied(model) else None
-    return head if isinstance(head, nn.Module) else None
-
-
-def frozen_towers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The parts of a multimodal model outside its language model whose parameters are all frozen.
-
-    Parts come from `automodel_distributed.multimodal.model_parts` (the model's sub-configs): a frozen
-    vision tower, audio tower or projector. Reads only.
-    """
-    parts = model_parts(model)
-    return [
-        (fqn, module)
-        for role, found in parts.parts.items()
-        if role != LANGUAGE
-        for fqn, module in found
-        if any(True for _ in module.parameters()) and not any(p.requires_grad for p in module.parameters())
-    ]
-
-
-def check_frozen_sharding(model: nn.Module, frozen_sharding: FrozenSharding) -> None:
-    """Refuse ``per_layer`` for a frozen tower that has no repeated blocks to make units of.
-
-    Such a tower (no class of ``_no_split_modules`` inside it and no ``nn.ModuleList`` of blocks,
-    `automodel_distributed.layers.tower_blocks`) would otherwise silently stay in the root unit. Reads
-    only; no collective.
-
-    Raises:
-        ValueError: ``frozen_sharding="per_layer"`` and such a tower is frozen (names the towers).
-    """
-    if frozen_sharding != "per_layer":
-        return
-    frozen = {fqn for fqn, _ in frozen_towers(model)}
-    if not frozen:
-        return
-    roles = [role for role in model_parts(model).parts if role not in (LANGUAGE, PROJECTOR)]
-    bare = [fqn for _, fqn in blockless_parts(model, roles) if fqn in frozen]
-    if bare:
-        raise ValueError(
-            f"FSDP2Config.multimodal.frozen_sharding='per_layer': the frozen tower(s) {bare} of "
-            f"{type(model).__name__} have no repeated blocks to shard one by one (no class of "
-            "`_no_split_modules` inside them and no nn.ModuleList of blocks); use frozen_sharding='root' "
-            "or 'replicate', or add the tower's block class to the model's `_no_split_modules`"
-        )
-
-
-def plan_fsdp_units(
-    model: nn.Module,
-    *,
-    reshard_after_forward: bool | int | None,
-    pipelined: bool = False,
-    frozen_sharding: FrozenSharding = "per_layer",
-) -> list[FSDPUnitPlan]:
-    """Decide the dense FSDP units of a model, in forward order, without touching it.
-
-    Units: the input embedding (when untied), every transformer block, the LM head (when untied). The
-    root unit (final norm and whatever is left) is added by `apply_fsdp2`. Tied embeddings stay in the
-    root so the shared weight lives in exactly one unit. The blocks of a frozen tower (`frozen_towers`)
-    are units only with ``frozen_sharding="per_layer"``; with ``"root"`` they join the root unit and
-    with ``"replicate"`` `apply_fsdp2` keeps them out of FSDP.
-
-    ``reshard_after_forward=None`` applies the usual heuristic: reshard every unit after forward except
-    the last ones to run (the last block and the LM head), whose parameters backward needs at once; under
-    pipelining nothing reshards, since each micro-batch's backward follows soon after its forward. An
-    untied plain ``nn.Embedding`` (its backward reads the token ids, not the weight) reshards after
-    forward under any setting outside a pipeline: nothing would be saved by keeping it.
-
-    Raises:
-        ValueError: ``per_layer`` for a frozen tower without blocks (`check_frozen_sharding`).
-    """
-    check_frozen_sharding(model, frozen_sharding)
-    units: list[tuple[str, nn.Module]] = []
-    get_in = getattr(model, "get_input_embeddings", None)
-    embed = get_in() if callable(get_in) and not _is_tied(model) else None
-    head = _output_head(model)
-    if isinstance(embed, nn.Module) and (fqn := fqn_of(model, embed)):
-        units.append((fqn, embed))
-    blocks = find_transformer_blocks(model)
-    if frozen_sharding != "per_layer":
-        towers = [fqn for fqn, _ in frozen_towers(model)]
-        blocks = [(f, m) for f, m in blocks if not any(f.startswith(t + ".") for t in towers)]
-    units.extend(blocks)
-    if head is not None and (fqn := fqn_of(model, head)):
-        units.append((fqn, head))
-
-    def policy(index: int) -> bool | int:
-        if reshard_after_forward is not None:
-            return reshard_after_forward
-        if pipelined:
-            return False
-        is_last_block = index == len(units) - 1 or (head is not None and index == len(units) - 2)
-        return not is_last_block
-
-    plans = [FSDPUnitPlan(fqn, module, policy(i)) for i, (fqn, module) in enumerate(units)]
-    if plans and plans[0].module is embed and needs_no_weight_in_backward(embed):
-        # Its backward gathers nothing, and FSDP reshards every unit after its backward anyway, so
-        # outside a pipeline (whose micro-batches keep units gathered from one forward to the next)
-        # keeping it gathered after forward saves no all-gather and holds the whole table all step.
-        reshard = plans[0].reshard_after_forward if pipelined else True
-        plans[0] = replace(plans[0], unshard_in_backward=False, reshard_after_forward=reshard)
-    return plans
-
-
-def describe_fsdp2_sharding(config: FSDP2Config, layout: MeshLayout, model: nn.Module) -> list[str]:
-    """What `FSDP2Manager.parallelize` will do to ``model`` on ``layout``, one line per step, in order.
-
-    Reads the model (its blocks and frozen towers, `plan_fsdp_units`) and the config only; no collective,
-    nothing mutated. ``automodel plan`` prints it.
-    """
-    lines = []
-    if layout.tp > 1:
-        sp = " with sequence parallelism" if config.sequence_parallel else ""
-        lines.append(f"tensor-parallel plan over tp={layout.tp}{sp}")
-    if layout.ep > 1:
-        where = (
-            f"experts sharded over ep_shard={layout.ep_shard}"
-            if layout.ep_shard > 1
-            else "ep_shard=1: experts stay out of FSDP when their dtype needs no cast"
-        )
-        lines.append(f"expert parallelism over ep={layout.ep}; {where}")
-    mode = resolve_checkpointing_mode(config.activation_checkpointing)
-    if mode is not None:
-        lines.append(f"activation checkpointing ({mode}) of each transformer block")
-    blocks = {fqn for fqn, _ in find_transformer_blocks(model)}
-    frozen = config.multimodal.frozen_sharding
-    plans = plan_fsdp_units(model, reshard_after_forward=None, frozen_sharding=frozen)
-    units = sum(1 for plan in plans if plan.fqn in blocks)
-    hsdp = f", replicated over dp_replicate={layout.dp_replicate} (HSDP)" if layout.dp_replicate > 1 else ""
-    over = f"over dp_shard_cp={layout.dp_shard_cp}{hsdp}"
-    lines.append(f"fully_shard each of {units} transformer blocks, then the root, {over}")
-    return lines
 
 
 def _enclosing_reshard(unit: FSDPUnitPlan, dense: Sequence[FSDPUnitPlan]) -> bool | int:
@@ -376,7 +203,7 @@ def _shard_dense_units(
     lm_head_param_dtype: torch.dtype | None,
 ) -> None:
     """``fully_shard`` each dense unit over ``dp_mesh`` (the LM head in its own dtype when given)."""
-    head = _output_head(model)
+    head = output_head(model)
     for unit in units:
         policy = unit.mp_policy or mp_policy
         if lm_head_param_dtype is not None and unit.module is head:

@@ -26,8 +26,8 @@ from automodel_distributed.activation_checkpointing import (
     apply_activation_checkpointing,
     resolve_checkpointing_mode,
 )
+from automodel_distributed.blocks import no_split_module_names
 from automodel_distributed.config import MegatronFSDPConfig
-from automodel_distributed.layers import no_split_module_names
 from automodel_distributed.strategy import StrategyDefaults
 from automodel_mesh import MeshAxisName, MeshContext
 
@@ -71,7 +71,7 @@ def derive_megatron_fsdp_unit_modules(model: nn.Module) -> list[str]:
     """Import paths (``module.ClassName``) of the block classes Megatron-FSDP should shard as units.
 
     The classes are those of the model's sub-modules whose class name is in its ``_no_split_modules``
-    (see `automodel_distributed.layers.no_split_module_names`), in module order, without duplicates.
+    (see `automodel_distributed.blocks.no_split_module_names`), in module order, without duplicates.
 
     Raises:
         ValueError: The model declares no ``_no_split_modules``, or no sub-module has a declared class;

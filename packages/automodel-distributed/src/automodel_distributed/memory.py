@@ -71,8 +71,8 @@ def layer_index(name: str) -> int | None:
 
 def _outer_units(model: nn.Module) -> dict[str, tuple[int, bool]]:
     """FQN -> (forward order, resharded even when told not to) of the FSDP units outside the blocks."""
-    from automodel_distributed.fsdp2 import plan_fsdp_units
-    from automodel_distributed.layers import find_transformer_blocks
+    from automodel_distributed.blocks import find_transformer_blocks
+    from automodel_distributed.fsdp2_units import plan_fsdp_units
 
     try:
         blocks = {fqn for fqn, _ in find_transformer_blocks(model)}
@@ -91,7 +91,7 @@ def _replicated_prefixes(config: DistributedConfig, model: nn.Module) -> tuple[s
     """Frozen towers FSDP2 keeps whole on every rank (``frozen_sharding="replicate"``)."""
     if not isinstance(config, FSDP2Config) or config.multimodal.frozen_sharding != "replicate":
         return ()
-    from automodel_distributed.fsdp2 import frozen_towers
+    from automodel_distributed.fsdp2_units import frozen_towers
 
     return tuple(fqn + "." for fqn, _ in frozen_towers(model))
 
@@ -174,7 +174,7 @@ def fsdp_buffer_bytes(
             ``unit_bytes`` train); a frozen unit (LoRA's base) makes no gradient.
         reshard: Whether units reshard after forward (see above).
         always_resharded: Per unit, whether it reshards after forward even without ``reshard`` (an
-            untied plain embedding outside a pipeline, `automodel_distributed.fsdp2.plan_fsdp_units`):
+            untied plain embedding outside a pipeline, `automodel_distributed.fsdp2_units.plan_fsdp_units`):
             it runs first and is gathered alone, then freed.
     """
     if shard <= 1 or not unit_bytes:

@@ -29,17 +29,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["needs_no_weight_in_backward", "reshard_root_after_head_backward"]
+from automodel_distributed.fsdp2_units import needs_no_weight_in_backward
 
-
-def needs_no_weight_in_backward(module: nn.Module) -> bool:
-    """A plain ``nn.Embedding`` (its own ``forward``): backward reads the token ids, never the weight.
-
-    A subclass with its own forward (fake quantization, scaling) or a wrapper (a LoRA embedding, whose
-    adapter gradients need the adapter weights) may read them. An instance-level ``forward`` (the tied
-    embedding of `automodel_distributed.tied_embedding`) does not change the class's.
-    """
-    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+__all__ = ["reshard_root_after_head_backward"]
 
 
 def _grad_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:

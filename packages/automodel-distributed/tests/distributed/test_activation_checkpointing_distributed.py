@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from automodel_distributed.activation_checkpointing import apply_activation_checkpointing
-from automodel_distributed.layers import find_transformer_blocks
+from automodel_distributed.blocks import find_transformer_blocks
 from automodel_testing import build_tiny_model, grads_by_name, make_batch, run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from automodel_distributed import DDPConfig, FSDP2Config
-from automodel_distributed.fsdp2 import FSDP2Manager, plan_fsdp_units
+from automodel_distributed.fsdp2 import FSDP2Manager
+from automodel_distributed.fsdp2_units import plan_fsdp_units
 from automodel_mesh import MeshContext
 from automodel_testing import build_tiny_model
 

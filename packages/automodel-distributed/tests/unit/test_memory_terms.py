@@ -32,7 +32,7 @@ def test_fsdp_buffers_and_bad_sizes() -> None:
 
 
 def test_fsdp_comm_buffers_are_two_per_size_of_consecutive_units_one_per_other_size() -> None:
-    from automodel_distributed.fsdp2 import plan_fsdp_units
+    from automodel_distributed.fsdp2_units import plan_fsdp_units
 
     model = AutoModelForCausalLM.from_config(_config())
     units = [

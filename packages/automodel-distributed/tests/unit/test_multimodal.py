@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from automodel_distributed.fsdp2 import frozen_towers, plan_fsdp_units
+from automodel_distributed.fsdp2_units import frozen_towers, plan_fsdp_units
 from automodel_distributed.multimodal import FreezeConfig, apply_freeze_config, model_parts
 
 pytest.importorskip("transformers")
@@ -104,7 +104,7 @@ def test_a_trainable_tower_is_no_frozen_tower() -> None:
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_checkpointing_scopes_follow_the_parts(model_type: str) -> None:
-    from automodel_distributed.layers import blocks_in_scope
+    from automodel_distributed.blocks import blocks_in_scope
 
     model = _vlm(model_type)
     parts = model_parts(model)
@@ -116,7 +116,7 @@ def test_checkpointing_scopes_follow_the_parts(model_type: str) -> None:
 
 
 def _undeclared(tower_fqn: str, module: nn.Module) -> bool:
-    from automodel_distributed.layers import no_split_module_names
+    from automodel_distributed.blocks import no_split_module_names
 
     declared = no_split_module_names(module)
     return not any(type(m).__name__ in declared for m in module.get_submodule(tower_fqn).modules())
@@ -125,7 +125,7 @@ def _undeclared(tower_fqn: str, module: nn.Module) -> bool:
 @pytest.mark.parametrize("model_type", ["got_ocr2", "pp_chart2table"])
 def test_undeclared_tower_blocks_come_from_the_towers_structure(model_type: str) -> None:
     from automodel_distributed.activation_checkpointing import apply_activation_checkpointing
-    from automodel_distributed.layers import blocks_in_scope
+    from automodel_distributed.blocks import blocks_in_scope
 
     model = _vlm(model_type)
     (tower,) = [fqn for fqn, _ in model_parts(model).parts["vision"]]
@@ -149,7 +149,7 @@ def test_undeclared_tower_blocks_come_from_the_towers_structure(model_type: str)
 def test_declared_parts_of_tower_layers_give_way_to_the_whole_layers(model_type: str) -> None:
     """Idefics2 / Ovis2 declare their vision attention, not the encoder layer around it: the layer is
     the block (a per_layer unit or a checkpoint of the attention alone would leave the MLP out)."""
-    from automodel_distributed.layers import blocks_in_scope, no_split_module_names
+    from automodel_distributed.blocks import blocks_in_scope, no_split_module_names
 
     model = _vlm(model_type)
     (tower,) = [fqn for fqn, _ in model_parts(model).parts["vision"]]

@@ -58,7 +58,7 @@ class PlannedJob:
     compile: CompileConfig | None = None
     freeze: FreezeConfig | None = None
     frozen_towers: Sequence[str] = ()
-    """The towers ``freeze_config`` freezes (``automodel_distributed.fsdp2.frozen_towers``)."""
+    """The towers ``freeze_config`` freezes (``automodel_distributed.fsdp2_units.frozen_towers``)."""
     weights: str = "initialise the weights"
     """Where the weights come from, as a verb phrase (``load path/to/checkpoint``)."""
     loads_checkpoint: bool = False

@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from automodel_moe.registry import SHARDED_ATTR, ExpertsCall, ExpertsSite, _base_chain
+from automodel_moe.registry import SHARDED_ATTR, ExpertsCall, ExpertsSite, wrapper_chain
 
 __all__ = ["GroupedRowsEP", "install_dispatch", "local_parameters", "shard_experts", "unsupported_parts"]
 
@@ -120,7 +120,7 @@ def unsupported_parts(site: ExpertsSite) -> list[str]:
     """
     bad = [f"{name} {tuple(p.shape)}" for name, p in site.core.named_parameters() if name not in site.params]
     wrapper: Any
-    for wrapper in _base_chain(site.module)[:-1]:
+    for wrapper in wrapper_chain(site.module)[:-1]:
         if not (hasattr(wrapper, "lora_A") and hasattr(wrapper, "parameter_name")):
             bad.append(f"a {type(wrapper).__name__} wrapper")
         elif wrapper.parameter_name not in site.params:
@@ -155,7 +155,7 @@ def shard_experts(site: ExpertsSite, ep_mesh: DeviceMesh) -> None:
         )
     setattr(site.core, site.num_experts_attr, local)
     site.core.__dict__[SHARDED_ATTR] = site  # find_experts still tells the global layout
-    for wrapper in _base_chain(site.module)[:-1]:
+    for wrapper in wrapper_chain(site.module)[:-1]:
         _shard_lora_factors(wrapper, ep_mesh, site.num_experts)
 
 

@@ -31,7 +31,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from automodel_distributed.config import FSDP2Config
-from automodel_distributed.fsdp2 import ExpertSharding, FSDP2Manager, FSDPUnitPlan
+from automodel_distributed.fsdp2 import ExpertSharding, FSDP2Manager
+from automodel_distributed.fsdp2_units import FSDPUnitPlan
 from automodel_mesh import MeshAxisName, MeshContext
 from automodel_moe.config import MoEParallelizerConfig
 from automodel_moe.experts import install_dispatch, shard_experts, unsupported_parts

@@ -41,6 +41,7 @@ __all__ = [
     "find_routers",
     "has_experts",
     "register_moe_family",
+    "wrapper_chain",
 ]
 
 # The attributes `use_experts_implementation` sets on every instance of a decorated experts class.
@@ -158,7 +159,7 @@ def _ep_plan(model: nn.Module) -> Mapping[str, str]:
     return plan if isinstance(plan, Mapping) else {}
 
 
-def _base_chain(module: nn.Module) -> list[nn.Module]:
+def wrapper_chain(module: nn.Module) -> list[nn.Module]:
     """``module`` and the ``base_layer``s under it (peft's wrappers), outermost first."""
     chain = [module]
     while isinstance(inner := getattr(chain[-1], "base_layer", None), nn.Module):
@@ -188,7 +189,7 @@ before (its expert count attribute is then the local one)."""
 
 
 def _site(fqn: str, module: nn.Module, plan: Mapping[str, str]) -> ExpertsSite | None:
-    core = _base_chain(module)[-1]
+    core = wrapper_chain(module)[-1]
     sharded = core.__dict__.get(SHARDED_ATTR)
     if isinstance(sharded, ExpertsSite):
         return ExpertsSite(

@@ -15,7 +15,7 @@ from .checkpoint import (
     save_adapters,
 )
 from .config import PeftConfig
-from .layers import LinearLoRA
+from .linear_lora import LinearLoRA
 from .matching import (
     ModuleMatcher,
     resolve_target_modules,

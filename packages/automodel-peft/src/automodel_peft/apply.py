@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from automodel_modules import is_conv1d, is_dtensor
-from automodel_peft._layers import lora_layers
 from automodel_peft._names import clean_fqn, hf_checkpoint_key, is_adapter_name
 from automodel_peft.config import PeftConfig
 from automodel_peft.dropout import install_post_dropout
+from automodel_peft.lora_layers import lora_layers
 from automodel_peft.matching import is_linear_layer, resolve_target_modules
 
 if TYPE_CHECKING:

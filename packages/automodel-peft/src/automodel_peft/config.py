@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from automodel_mesh.config_dict import ConfigDict
+from automodel_peft.patterns import pattern_regex, patterns_to_regex
 
 if TYPE_CHECKING:
     import peft
@@ -125,8 +126,6 @@ class PeftConfig(ConfigDict):
         self.target_modules = _as_list(self.target_modules, "target_modules")
         self.exclude_modules = _as_list(self.exclude_modules, "exclude_modules")
         self.target_parameters = _as_list(self.target_parameters, "target_parameters")
-        from automodel_peft.matching import pattern_regex  # matching imports this module
-
         for name in ("target_modules", "exclude_modules"):
             for pattern in getattr(self, name):
                 try:
@@ -228,8 +227,6 @@ class PeftConfig(ConfigDict):
             `init_adapter_weights` (peft starts from its kaiming-uniform A).
         """
         import peft
-
-        from automodel_peft.matching import patterns_to_regex
 
         kwargs: dict[str, Any] = {
             "r": self.dim,

@@ -1,24 +1,14 @@
-"""Which linear layers a `PeftConfig` adapts: pattern rules and their resolution on a model (pure).
+"""Which linear layers a `PeftConfig` adapts: its pattern rules resolved on a model (pure).
 
-Two pattern forms, as in the reference system:
-
-- a plain name (letters, digits, ``_`` and ``.`` only) matches a module whose name is it or ends with
-  ``.`` + it: a leaf name such as ``"q_proj"`` or a dotted suffix such as ``"self_attn.q_proj"``;
-- anything else is a wildcard / regular expression that must match the whole dotted name: ``*`` and
-  ``.*`` match any characters, except that a ``.*`` right after a complete name segment (at the start of
-  the pattern, after ``.segment`` or after a numeric index) means "this module or anything below it", so
-  ``"*.layers.1.*"`` does not match ``layers.10``; the rest of the pattern is a Python regular
-  expression (``"*.(q|v)_proj"``, ``"*.layers.[0-3].*"``, ``".*"``).
-
-Precedence: ``match_all_linear`` > ``target_modules`` > everything except ``exclude_modules``. The first
-and last leave the model's output head out (a vocabulary-sized adapter is rarely wanted); name it in
-``target_modules`` to adapt it.
+The pattern forms are those of `automodel_peft.patterns`. Precedence: ``match_all_linear`` >
+``target_modules`` > everything except ``exclude_modules``. The first and last leave the model's output
+head out (a vocabulary-sized adapter is rarely wanted); name it in ``target_modules`` to adapt it.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,50 +17,15 @@ from torch import nn
 from automodel_modules import is_conv1d, maps_like_linear, output_head_fqns
 from automodel_peft._names import clean_fqn, is_adapter_name
 from automodel_peft.config import PeftConfig
+from automodel_peft.patterns import patterns_to_regex
 
 __all__ = [
     "ModuleMatcher",
     "is_causal_lm",
     "is_linear_layer",
     "output_head_names",
-    "pattern_regex",
-    "patterns_to_regex",
     "resolve_target_modules",
 ]
-
-_PLAIN = re.compile(r"[\w.]+")
-_WILDCARD = re.compile(r"\.?\*")
-_INDEX_END = re.compile(r"\.\d+$")
-
-
-def pattern_regex(pattern: str) -> str:
-    """The regular expression (for ``fullmatch`` on a full module name) of one target pattern.
-
-    Raises:
-        ValueError: The pattern is not a valid regular expression.
-    """
-    if _PLAIN.fullmatch(pattern):
-        return rf"(?:.*\.)?{re.escape(pattern)}"  # a leaf name or dotted suffix, at any depth
-    pieces: list[str] = []
-    start = 0
-    for wildcard in _WILDCARD.finditer(pattern):
-        text = pattern[start : wildcard.start()]
-        # ``.*`` after a whole segment keeps its dot as a separator: the segment itself or its children.
-        whole_segment = bool(text) and (start == 0 or text.startswith(".") or bool(_INDEX_END.search(text)))
-        pieces += [text, r"(?:\..*)?" if wildcard.group() == ".*" and whole_segment else ".*"]
-        start = wildcard.end()
-    pieces.append(pattern[start:])
-    regex = "(?:" + "".join(pieces) + ")"
-    try:
-        re.compile(regex)
-    except re.error as exc:
-        raise ValueError(f"target pattern {pattern!r} is not a valid regular expression: {exc}") from None
-    return regex
-
-
-def patterns_to_regex(patterns: Iterable[str]) -> str:
-    """One regex that full-matches exactly the names any of ``patterns`` matches (peft's string form)."""
-    return "(?:" + "|".join(pattern_regex(p) for p in patterns) + ")"
 
 
 def _compile(patterns: Sequence[str]) -> re.Pattern[str] | None:

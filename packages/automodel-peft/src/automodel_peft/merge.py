@@ -7,8 +7,8 @@ from typing import Any
 from torch import nn
 
 from automodel_modules import is_dtensor
-from automodel_peft._layers import lora_layers
 from automodel_peft.apply import ADAPTER_STATE_ATTR
+from automodel_peft.lora_layers import lora_layers
 
 __all__ = ["merge_adapters"]
 

@@ -6,7 +6,8 @@ import pytest
 from torch import nn
 
 from automodel_peft import PeftConfig, resolve_target_modules
-from automodel_peft.matching import ModuleMatcher, is_causal_lm, patterns_to_regex
+from automodel_peft.matching import ModuleMatcher, is_causal_lm
+from automodel_peft.patterns import patterns_to_regex
 from automodel_testing import build_tiny_model
 
 

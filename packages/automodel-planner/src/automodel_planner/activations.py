@@ -34,7 +34,7 @@ from automodel_distributed.activation_checkpointing import (
     SELECTIVE_AC_ALWAYS_SAVE_OPS,
     SELECTIVE_AC_MATMUL_OPS,
 )
-from automodel_distributed.layers import find_transformer_blocks
+from automodel_distributed.blocks import find_transformer_blocks
 
 __all__ = ["ActivationProfile", "BlockActivations", "activation_bytes", "profile_activations"]
 
@@ -271,7 +271,7 @@ def profile_activations(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from automodel_distributed.tensor_parallel import linear_styles
+    from automodel_distributed.tensor_parallel import sharded_layer_kinds
 
     if micro_batch < 1 or seq_len < 1 or cp < 1:
         raise ValueError(f"micro_batch, seq_len and cp must be >= 1, got {micro_batch}, {seq_len}, {cp}")
@@ -281,7 +281,7 @@ def profile_activations(
     with FakeTensorMode():
         model = _fake_model(model_config, dtype, attn_implementation)
         blocks = find_transformer_blocks(model)
-        recorder = _Recorder(model, blocks, linear_styles(model))
+        recorder = _Recorder(model, blocks, sharded_layer_kinds(model))
         handles = recorder.hooks(model, blocks)
         ids = torch.zeros(micro_batch, local_seq, dtype=torch.long)
         with recorder.producers, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):

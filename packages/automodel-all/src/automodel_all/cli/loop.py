@@ -30,6 +30,7 @@ from automodel_all.cli.metrics import MetricsWriter
 from automodel_all.cli.packing import IGNORE_INDEX
 from automodel_all.cli.progress import Progress, memory_gib, warn
 from automodel_all.cli.resume import ResumePoint, checkpoint_root, save_checkpoint
+from automodel_all.cli.run_state import TrainingRun
 from automodel_all.cli.steps import ContextParallelism, clip_gradients, lr_at, run_step
 
 __all__ = ["LoopResult", "train_loop"]
@@ -44,7 +45,7 @@ class LoopResult:
         self.signal_name = signal_name
 
 
-def _dp_coordinates(run: Any) -> tuple[int, int]:
+def _dp_coordinates(run: TrainingRun) -> tuple[int, int]:
     """This rank's data-parallel index and the data-parallel size."""
     if run.mesh.device_mesh is None:  # DDP: every rank is a data-parallel rank
         return dist.get_rank(), dist.get_world_size()
@@ -52,12 +53,12 @@ def _dp_coordinates(run: Any) -> tuple[int, int]:
     return dist.get_rank(group), run.resolved.dp_size
 
 
-def data_position(run: Any, sampler: RowSampler, step: int) -> dict[str, Any]:
+def data_position(run: TrainingRun, sampler: RowSampler, step: int) -> dict[str, Any]:
     """What a checkpoint records about the data (see `automodel_all.cli.resume`)."""
     return {**sampler.state(step), "fingerprint": fingerprint(run.rows)}
 
 
-def _expert_load(run: Any) -> Any:
+def _expert_load(run: TrainingRun) -> Any:
     """`automodel_moe.ExpertLoad` on every rank for a mixture-of-experts model, else None (collective).
 
     The ranks agree on the expert count first (one ``all_reduce``): a rank whose pipeline stages hold no
@@ -72,14 +73,13 @@ def _expert_load(run: Any) -> Any:
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     if int(agreed) == 0:
         return None
-    ep_size = int(getattr(run.mesh, "ep_size", 1) or 1)
-    return ExpertLoad.attach(run.parts, ep_size=ep_size, num_experts=int(agreed))
+    return ExpertLoad.attach(run.parts, ep_size=run.mesh.ep_size, num_experts=int(agreed))
 
 
 class _Loop:
     """State shared by the steps of one run."""
 
-    def __init__(self, run: Any, start: ResumePoint, stop: StopRequest) -> None:
+    def __init__(self, run: TrainingRun, start: ResumePoint, stop: StopRequest) -> None:
         job, layout = run.job, run.resolved.layout
         self.run, self.stop = run, stop
         self.train = job.train
@@ -254,6 +254,6 @@ class _Loop:
             self.metrics.close()
 
 
-def train_loop(run: Any, start: ResumePoint, stop: StopRequest) -> LoopResult:
+def train_loop(run: TrainingRun, start: ResumePoint, stop: StopRequest) -> LoopResult:
     """Train from ``start.step`` to ``train.steps`` (collective; see the module docstring)."""
     return _Loop(run, start, stop).run_from(start.step)

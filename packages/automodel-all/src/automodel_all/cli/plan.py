@@ -21,7 +21,7 @@ from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_
 from automodel_all.cli.launch import nproc_per_node
 from automodel_all.cli.model import build_meta_model, load_model_config, model_dtype
 from automodel_all.cli.yaml_source import ConfigError, RawJob
-from automodel_distributed.fsdp2 import frozen_towers
+from automodel_distributed.fsdp2_units import frozen_towers
 from automodel_infra.infrastructure import APPLY_STEPS
 from automodel_infra.steps import PlannedJob, describe_steps
 from automodel_planner import PeakEstimate, PlanInput, ProfileCache, device_memory_bytes, estimate_peak

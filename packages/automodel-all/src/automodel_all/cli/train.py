@@ -18,16 +18,14 @@ import logging
 import os
 import random
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
+from automodel_all.cli.config import JobConfig, build_job, resolve_job
 from automodel_all.cli.data import RowSampler, fingerprint, load_data
 from automodel_all.cli.export import export_hf, generate_sample
 from automodel_all.cli.guards import StopRequest
@@ -41,11 +39,11 @@ from automodel_all.cli.model import (
     model_dtype,
     text_tokenizer,
 )
-from automodel_all.cli.packing import TokenRows
 from automodel_all.cli.resume import ResumePoint, resume_from_checkpoint
+from automodel_all.cli.run_state import TrainingRun
 from automodel_all.cli.steps import TokenLoss
 from automodel_all.cli.yaml_source import RawJob
-from automodel_distributed.strategy import StrategyManager, as_strategy
+from automodel_distributed.strategy import as_strategy
 
 __all__ = ["JOB_ENV", "main"]
 
@@ -99,46 +97,7 @@ def _parts(model: Any) -> list[nn.Module]:
     return list(model.parts) if not isinstance(model, nn.Module) else [model]
 
 
-@dataclass
-class _Run:
-    """Everything the loop needs, built once by `_setup` on every rank."""
-
-    job: JobConfig
-    resolved: ResolvedJob
-    device: torch.device
-    mesh: Any
-    tokenizer: Any
-    """The tokenizer, or the processor of a vision-language model (saved with the export)."""
-    model_config: Any
-    rows: TokenRows
-    """The training rows (prepared by the launcher)."""
-    eval_rows: TokenRows | None
-    """The evaluation rows, if the job has evaluation data."""
-    model: Any
-    """`apply_model_infrastructure`'s result: a module, or the `AutoPipeline`."""
-    parts: list[nn.Module]
-    optimizer: torch.optim.Optimizer
-    loss_fn: TokenLoss
-    strategy: StrategyManager
-    """The strategy manager: autocast and gradient sync of every step go through it."""
-
-    @property
-    def pipeline(self) -> Any:
-        """The `AutoPipeline` under pipeline parallelism, else None."""
-        return self.model if not isinstance(self.model, nn.Module) else None
-
-    @property
-    def state_module(self) -> nn.Module:
-        """What distributed checkpoints save: the model, or this rank's pipeline stages."""
-        return self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
-
-    @property
-    def out(self) -> Path:
-        """The output folder."""
-        return Path(self.job.train.output_dir)
-
-
-def _setup(job: JobConfig) -> _Run:
+def _setup(job: JobConfig) -> TrainingRun:
     """Process group, mesh, infrastructure, data, the model and its optimizer (collective)."""
     from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
     from automodel_mesh import MeshContext
@@ -188,24 +147,24 @@ def _setup(job: JobConfig) -> _Run:
         params, lr=job.train.lr, betas=(0.9, 0.95), weight_decay=job.train.weight_decay
     )
     strategy = as_strategy(infra.model_wrapper, mesh)
-    return _Run(
-        job,
-        resolved,
-        device,
-        mesh,
-        tokenizer,
-        model_config,
-        rows,
-        eval_rows,
-        model,
-        parts,
-        optimizer,
-        loss_fn,
-        strategy,
+    return TrainingRun(
+        job=job,
+        resolved=resolved,
+        device=device,
+        mesh=mesh,
+        tokenizer=tokenizer,
+        model_config=model_config,
+        rows=rows,
+        eval_rows=eval_rows,
+        model=model,
+        parts=parts,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        strategy=strategy,
     )
 
 
-def _resume(run: _Run) -> ResumePoint:
+def _resume(run: TrainingRun) -> ResumePoint:
     """Where to start: the newest verified checkpoint when resuming, else step 0 (collective).
 
     Resumes when ``train.resume`` is set and always after a restart by the launcher (a failed worker
@@ -237,7 +196,7 @@ def _resume(run: _Run) -> ResumePoint:
     return start
 
 
-def _finish(run: _Run) -> None:
+def _finish(run: TrainingRun) -> None:
     """Export the Hugging Face model (collective) and, on rank 0, print where and a sample."""
     from automodel_checkpoint import latest_checkpoint
 
@@ -273,7 +232,7 @@ def _finish(run: _Run) -> None:
                 print(f"loss curve: {png.resolve()}", flush=True)
 
 
-def _report_preemption(run: _Run, result: LoopResult) -> None:
+def _report_preemption(run: TrainingRun, result: LoopResult) -> None:
     if dist.get_rank() == 0:
         print(
             f"stopped by {result.signal_name} after step {result.step}: saved a checkpoint under "

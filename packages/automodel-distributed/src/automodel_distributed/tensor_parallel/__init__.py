@@ -24,7 +24,7 @@ from automodel_distributed.tensor_parallel.registry import (
     register_named_tp_plan,
     register_tp_plan,
 )
-from automodel_distributed.tensor_parallel.resolve import linear_styles, resolve_tp_plan
+from automodel_distributed.tensor_parallel.resolve import resolve_tp_plan, sharded_layer_kinds
 from automodel_distributed.tensor_parallel.styles import (
     STYLE_NAMES,
     GatherSequenceInput,
@@ -52,11 +52,11 @@ __all__ = [
     "expand_lora_plan",
     "get_hf_tp_shard_plan",
     "is_lora_linear",
-    "linear_styles",
     "parallel_style",
     "register_named_tp_plan",
     "register_tp_plan",
     "resolve_tp_plan",
+    "sharded_layer_kinds",
     "translate_hf_tp_plan",
     "translate_to_lora",
     "validate_tensor_parallel",

@@ -28,8 +28,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from automodel_distributed.tensor_parallel import linear_styles
 from automodel_distributed.tensor_parallel._fqn import match_modules
+from automodel_distributed.tensor_parallel.linear_styles import ColwiseParallel as LinearColwise
+from automodel_distributed.tensor_parallel.linear_styles import RowwiseParallel as LinearRowwise
 from automodel_distributed.tensor_parallel.styles import ReplicateParallel
 from automodel_modules import join_fqn
 
@@ -94,14 +95,14 @@ def _lora_entries(fqn: str, module: nn.Module, style: ParallelStyle) -> dict[str
             entries[join_fqn(fqn, f"lora_A.{adapter}")] = ReplicateParallel(
                 input_layouts=in_layout, desired_input_layouts=Replicate(), use_local_output=False
             )
-            entries[join_fqn(fqn, f"lora_B.{adapter}")] = linear_styles.ColwiseParallel(
+            entries[join_fqn(fqn, f"lora_B.{adapter}")] = LinearColwise(
                 input_layouts=Replicate(), output_layouts=out_layout, use_local_output=style.use_local_output
             )
     else:
         assert isinstance(style, RowwiseParallel)
         in_layout, out_layout = style.input_layouts[0], style.output_layouts[0]
         for adapter in adapters:
-            entries[join_fqn(fqn, f"lora_A.{adapter}")] = linear_styles.RowwiseParallel(
+            entries[join_fqn(fqn, f"lora_A.{adapter}")] = LinearRowwise(
                 input_layouts=in_layout, output_layouts=out_layout, use_local_output=False
             )
             entries[join_fqn(fqn, f"lora_B.{adapter}")] = ReplicateParallel(

@@ -37,7 +37,7 @@ from automodel_distributed.tensor_parallel.styles import to_parallel_style
 from automodel_distributed.tensor_parallel.validate import validate_tensor_parallel
 from automodel_modules import find_hf_model, join_fqn
 
-__all__ = ["is_sequence_parallel_plan", "linear_styles", "resolve_tp_plan"]
+__all__ = ["is_sequence_parallel_plan", "resolve_tp_plan", "sharded_layer_kinds"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def _with_sequence_blocks(
     any other plan gets the derived form (each block gathers its input and cuts its output). See
     `automodel_distributed.tensor_parallel.sequence`.
     """
-    from automodel_distributed.layers import find_transformer_blocks
+    from automodel_distributed.blocks import find_transformer_blocks
 
     try:
         blocks = [fqn for fqn, _ in find_transformer_blocks(model)]
@@ -270,7 +270,7 @@ def resolve_tp_plan(
     (`validate_tensor_parallel`, e.g. key/value heads that do not divide); 1 and 2 are used as given.
 
     With ``sequence_parallel=True`` the chosen plan gets one entry per decoder block (found with
-    `automodel_distributed.layers.find_transformer_blocks`) that keeps the residual stream between the
+    `automodel_distributed.blocks.find_transformer_blocks`) that keeps the residual stream between the
     blocks sharded on the sequence: Megatron-style for a plan with sequence-parallel norms, derived (each
     block gathers its input) for any other plan. See `automodel_distributed.tensor_parallel.sequence`.
 
@@ -436,7 +436,7 @@ def _resolve(
     return {}, "no plan"
 
 
-def linear_styles(model: nn.Module) -> dict[str, str]:
+def sharded_layer_kinds(model: nn.Module) -> dict[str, str]:
     """FQN -> ``"colwise"`` / ``"rowwise"`` for every module the model's TP plan shards (reads only).
 
     What a planner needs to tell sharded activations (between a column- and a row-parallel layer) from

@@ -307,7 +307,7 @@ def blockless_parts(model: nn.Module, roles: Iterable[str]) -> list[tuple[str, s
     """The parts of ``model`` with one of ``roles`` that hold no block of `find_transformer_blocks`.
 
     A tower listed here cannot be sharded per block nor checkpointed by block: callers refuse those
-    settings for it (`automodel_distributed.fsdp2.plan_fsdp_units`,
+    settings for it (`automodel_distributed.fsdp2_units.plan_fsdp_units`,
     `automodel_distributed.activation_checkpointing.apply_activation_checkpointing`). Reads only.
 
     Returns:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from automodel_distributed.layers import (
+from automodel_distributed.blocks import (
     LAYER_GROUP_MARKERS,
     block_group,
     blocks_in_scope,
@@ -120,7 +120,7 @@ def test_declared_classes_that_are_absent_fall_back_with_a_warning(caplog: pytes
     model = nn.Module()
     model._no_split_modules = ["NotHere"]
     model.layers = nn.ModuleList([nn.Linear(2, 2)])
-    with caplog.at_level(logging.WARNING, logger="automodel_distributed.layers"):
+    with caplog.at_level(logging.WARNING, logger="automodel_distributed.blocks"):
         assert [fqn for fqn, _ in find_transformer_blocks(model)] == ["layers.0"]
     assert "NotHere" in caplog.text
 
