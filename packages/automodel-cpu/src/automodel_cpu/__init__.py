@@ -6,7 +6,7 @@ and preloads mimalloc into their workers (`automodel_cpu.mimalloc_preload`). Wit
 strategy is plain torch. The parts, each a module named for what it does:
 
 - `automodel_cpu.fsdp_buffer_pool`: FSDP2's host collective buffers kept from step to step, gloo's
-  collectives in pieces;
+  collectives in pieces (its sizes: `automodel_cpu.limits`);
 - `automodel_cpu.copy_in_kernel`: the reduce-scatter copy-in without a gradient-sized temporary;
 - `automodel_cpu.malloc_settings`: glibc's thresholds, returning free memory to the OS;
 - `automodel_cpu.mimalloc_preload`: the environment that preloads mimalloc into worker processes;

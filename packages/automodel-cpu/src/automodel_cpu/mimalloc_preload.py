@@ -32,7 +32,7 @@ wheel (a dependency of automodel-all on Linux), with two of mimalloc's options:
   on the Llama-3.2-1B shape over 4 ranks (`benchmarks/bench_scale.py`) keeping them all ran the ranks
   out of memory, above 6 GiB each. Blocks that large take seconds of compute each step, against which
   mapping them afresh is noise; the same bound decides what FSDP2's host buffer pool keeps
-  (`automodel_cpu.fsdp_buffer_pool.POOL_MAX_BYTES`).
+  (`automodel_cpu.limits.POOL_MAX_BYTES`).
 
 The cost: memory below that size that a rank freed is not returned to the OS before the rank exits
 (as with a caching allocator).
@@ -60,7 +60,7 @@ HOST_ALLOCATORS = ("auto", "glibc", "mimalloc")
 MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 """The PyPI distribution that ships ``libmimalloc.so``."""
 # See the module docstring. The object-size bound matches the host pool's
-# (`automodel_cpu.fsdp_buffer_pool.POOL_MAX_BYTES`); a bare number would mean bytes.
+# (`automodel_cpu.limits.POOL_MAX_BYTES`); a bare number would mean bytes.
 _MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "5000", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "64MiB"}
 
 

@@ -14,16 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from automodel_cpu.copy_in_kernel import register_host_copy_in
-from automodel_cpu.fsdp_buffer_pool import (
-    GLOO_CHUNK_BYTES,
-    POOL_MAX_BYTES,
-    RELEASE_ABOVE_BYTES,
-    free_all_gather_outputs_after_copy_out,
-    pool_fsdp_buffers,
-)
-from automodel_cpu.malloc_settings import configure_host_allocator
-from automodel_cpu.ring_attention_kernel import cpu_ring_attention
+from automodel_cpu.limits import GLOO_CHUNK_BYTES, POOL_MAX_BYTES, RELEASE_ABOVE_BYTES
 
 __all__ = ["CPURuntime"]
 
@@ -73,6 +64,8 @@ class CPURuntime:
     def prepare_process(self) -> None:
         """Glibc's thresholds, process-wide, when ``tune_glibc`` (see the class docstring)."""
         if self.tune_glibc:
+            from automodel_cpu.malloc_settings import configure_host_allocator
+
             configure_host_allocator()
 
     def attach_fsdp(self, model: nn.Module) -> None:
@@ -81,6 +74,10 @@ class CPURuntime:
         Preconditions: ``fully_shard`` has been applied over a CPU mesh. Mutates the units' comms and
         hooks, and registers the copy-in kernel (once per process); no collective.
         """
+        # FSDP2's comm classes are private torch API and slow to import: loaded when first attached.
+        from automodel_cpu.copy_in_kernel import register_host_copy_in
+        from automodel_cpu.fsdp_buffer_pool import free_all_gather_outputs_after_copy_out, pool_fsdp_buffers
+
         pool_fsdp_buffers(
             model,
             max_bytes=self.pool_max_bytes,
@@ -93,5 +90,7 @@ class CPURuntime:
     @contextmanager
     def ring_attention(self) -> Iterator[None]:
         """Ring attention for CPU SDPA while the context is open (`cpu_ring_attention`)."""
+        from automodel_cpu.ring_attention_kernel import cpu_ring_attention
+
         with cpu_ring_attention():
             yield

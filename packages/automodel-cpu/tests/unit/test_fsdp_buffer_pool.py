@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from automodel_cpu import CPURuntime
-from automodel_cpu.fsdp_buffer_pool import HANDBACK_WAIT_S, POOL_MAX_BYTES, HostBufferPool
+from automodel_cpu.fsdp_buffer_pool import HANDBACK_WAIT_S, HostBufferPool
+from automodel_cpu.limits import POOL_MAX_BYTES
 from automodel_cpu.malloc_settings import configure_host_allocator, release_host_memory
 
 

@@ -96,7 +96,9 @@ def test_backward_holds_one_full_size_gradient_fewer() -> None:
     ids = torch.randint(0, 65536, (1, 64))
     peaks = {}
     for name in ("autograd", "ours"):
-        model = _Tied(vocab=65536, hidden=1024).to(torch.bfloat16)  # a 128 MiB weight
+        # fp32: a bf16 head's weight gradient goes through an fp32 temporary on CPUs without native bf16
+        # matmuls (seen on AMD EPYC), as large as two such gradients, which hides the difference.
+        model = _Tied(vocab=65536, hidden=1024)  # a 256 MiB weight
         if name == "ours":
             accumulate_tied_embedding_rows(model)
         loss = model(ids)
@@ -106,5 +108,5 @@ def test_backward_holds_one_full_size_gradient_fewer() -> None:
         loss.backward()
         peaks[name] = _status_mib("VmHWM") - before
         del model, loss
-    # autograd: the head's gradient, the embedding's full-size one and their sum (3 x 128 MiB)
-    assert peaks["autograd"] - peaks["ours"] >= 128, peaks
+    # autograd: the head's gradient, the embedding's full-size one and their sum (3 x 256 MiB)
+    assert peaks["autograd"] - peaks["ours"] >= 256, peaks
