@@ -1,8 +1,9 @@
 """automodel-infra: the two orchestration functions of automodel.
 
 `instantiate_infrastructure` turns configs and a `MeshContext` into runtime objects;
-`apply_model_infrastructure` applies them to a (usually meta) model in a fixed order and loads its
-checkpoint into the shards. See `automodel_infra.infrastructure` and docs/concepts.md.
+`apply_model_infrastructure` applies them to a (usually meta) model in a fixed order, `APPLY_STEPS`
+(data: ``automodel plan`` prints it through `describe_steps`), and loads its checkpoint into the
+shards. See `automodel_infra.infrastructure`, `automodel_infra.steps` and docs/concepts.md.
 
 The functions live in `automodel_infra.infrastructure`, which imports ``torch.distributed`` and the
 strategy managers; they are loaded on first access so that ``import automodel_infra`` stays cheap.
