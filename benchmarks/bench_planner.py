@@ -160,7 +160,7 @@ def measure_layout(plain: dict[str, Any], warm: dict[str, Any]) -> dict[str, flo
 
     from automodel_all.cli import train
     from automodel_all.cli.config import build_job
-    from automodel_all.cli.steps import run_step
+    from automodel_all.cli.steps import ContextParallelism, run_step
     from automodel_all.cli.yaml_source import RawJob
 
     train._quiet()
@@ -193,7 +193,9 @@ def measure_layout(plain: dict[str, Any], warm: dict[str, Any]) -> dict[str, flo
             micro_batch_size=job.train.micro_batch_size,
             strategy=run.strategy,
             pipeline=run.pipeline,
-            cp_mesh=run.mesh if run.resolved.layout.cp > 1 else None,
+            context_parallel=ContextParallelism(run.mesh, run.job.host_runtime)
+            if run.resolved.layout.cp > 1
+            else None,
         )
         meter.mark("backward")
         run.optimizer.step()

@@ -264,19 +264,28 @@ class MeshContext:
 
     @property
     def layout(self) -> MeshLayout:
-        """The sizes of this context as the `MeshLayout` `resolve` gives a dry run of the same job.
+        """The sizes of this context as a `MeshLayout`: what `resolve` gives a dry run of the same job.
 
-        Read live from the meshes, like every size here. An empty context is a one-rank FSDP2 layout.
+        Read live from the meshes, like every size here, and not validated again (a context wrapping
+        meshes built elsewhere may have axes no strategy builds). An empty context is a one-rank layout.
         """
-        kind = self.kind or MeshKind.FSDP2
-        sizes = ParallelismSizes(
-            dp_replicate_size=self.dp_replicate_size if kind is MeshKind.FSDP2 else None,
-            tp_size=self.tp_size,
-            pp_size=self.pp_size,
-            cp_size=self.cp_size,
-            ep_size=self.ep_size,
+        kind, world = self.kind or MeshKind.FSDP2, self.world_size
+        if kind is MeshKind.DDP:  # every rank a replica, as `resolve_layout` lays DDP out
+            return MeshLayout(kind=kind, world_size=world, dp_replicate=world, ep_shard=world)
+        replicate, dp = self.dp_replicate_size or 1, self.dp_size or 1
+        # Without experts `resolve_layout` still names the ranks an expert would shard over.
+        ep_shard = self.ep_shard_size if self.ep_size > 1 else dp * self.cp_size * self.tp_size
+        return MeshLayout(
+            kind=kind,
+            world_size=world,
+            pp=self.pp_size,
+            dp_replicate=replicate,
+            dp_shard=max(dp // replicate, 1),
+            cp=self.cp_size,
+            tp=self.tp_size,
+            ep=self.ep_size,
+            ep_shard=ep_shard,
         )
-        return resolve_layout(kind, sizes, self.world_size)
 
     @property
     def device_type(self) -> str:

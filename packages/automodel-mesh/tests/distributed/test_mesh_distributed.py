@@ -96,6 +96,7 @@ def _facts(ctx: MeshContext) -> dict[str, Any]:
         "dp_axis_names": ctx.dp_axis_names(),
         "kwargs": ctx.parallelize_axis_kwargs(),
         "describe": ctx.describe(),
+        "layout": ctx.layout,
     }
 
 
@@ -194,6 +195,7 @@ def _check_world(world: int, results: list[dict[str, Any]], device: str = "cpu")
             label = f"{kind} {sizes} rank {rank}"
             assert facts["device_type"] == device, label
             assert facts["kind"] == kind, label
+            assert facts["layout"] == layout, label  # what a dry run of the same job resolves
             got = facts["sizes"]
             assert got["world_size"] == world, label
             assert (got["pp_size"], got["tp_size"], got["cp_size"]) == (layout.pp, layout.tp, layout.cp), (
