@@ -138,7 +138,7 @@ class _PhaseMeter:
 
 def _pool_bytes(parts: list[Any]) -> int:
     """Bytes the FSDP2 units' `HostBufferPool` objects keep (0 without one)."""
-    from automodel_distributed.host_memory import host_buffer_pools
+    from automodel_cpu.fsdp_buffer_pool import host_buffer_pools
 
     pools = {id(pool): pool for part in parts for pool in host_buffer_pools(part)}
     return sum(pool.nbytes for pool in pools.values())
