@@ -13,7 +13,6 @@ No timing is asserted.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import socket
 import sys
@@ -22,16 +21,14 @@ from types import ModuleType
 
 import pytest
 
+from automodel_testing.scripts import load_script
+
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 
 
 def _module(path: Path) -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.path.insert(0, str(BENCHMARKS))  # the GPU script imports nothing from here, the others do
+    return load_script(path)
 
 
 def test_every_planner_benchmark_layout_plans_and_settings_move_the_estimate(tmp_path: Path) -> None:

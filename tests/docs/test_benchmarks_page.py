@@ -9,27 +9,17 @@ the renderer's own logic (merging a partial run, rendering, the check).
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from automodel_testing.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _report() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("benchmark_report", ROOT / "tools" / "benchmark_report.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark_report"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _report()
+report = load_script(ROOT / "tools" / "benchmark_report.py")
 
 
 def _section(key: str, *rows: object, commit: str = "0123456789ab") -> object:

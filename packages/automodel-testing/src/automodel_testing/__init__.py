@@ -3,6 +3,7 @@
 - `run_distributed`: run a function on N real ``torch.distributed`` ranks and collect the results.
 - Tiny Hugging Face model factories (``[hf]`` extra; transformers is imported lazily).
 - Numeric asserts that compare results with a single-process reference.
+- `load_script`: import a repository script (``tools/``, ``benchmarks/``) by path.
 """
 
 from automodel_testing.distributed import (
@@ -28,6 +29,7 @@ from automodel_testing.numerics import (
     to_full,
 )
 from automodel_testing.parity import ParityReport, causal_lm_loss, train_parity
+from automodel_testing.scripts import load_script
 
 __all__ = [
     "TINY_FAMILIES",
@@ -39,6 +41,7 @@ __all__ = [
     "build_tiny_model",
     "causal_lm_loss",
     "grads_by_name",
+    "load_script",
     "make_batch",
     "normalize_fqn",
     "params_by_name",

@@ -206,13 +206,16 @@ def _default_plan(hf_model: nn.Module, sequence_parallel: bool) -> tuple[dict[st
     return plan, "the default Llama-style decoder plan"
 
 
-def _misfit(model: nn.Module, styles: dict[str, ParallelStyle], tp_size: int) -> str | None:
-    """Why an automatically chosen plan cannot shard ``model`` over ``tp_size`` ranks, or None if it can."""
+def _fit(
+    model: nn.Module, plan: PlanMapping, prefix: str, tp_size: int, what: str
+) -> tuple[dict[str, ParallelStyle], str | None]:
+    """An automatically chosen plan as styles, with why it cannot shard ``model`` (None when it can)."""
+    styles = _styles(plan, prefix, what)
     try:
         validate_tensor_parallel(model, tp_size, plan=expand_lora_plan(model, styles))
     except ValueError as exc:
-        return str(exc)
-    return None
+        return styles, str(exc)
+    return styles, None
 
 
 def _with_sequence_blocks(
@@ -345,8 +348,7 @@ def _transformers_plan(
         return None, f"transformers' tp plan is not exact for it: {inexact}"
     if hf_plan is None:
         return None, note
-    styles = _styles(hf_plan, prefix, "transformers' tp plan")
-    problem = _misfit(model, styles, tp_size)
+    styles, problem = _fit(model, hf_plan, prefix, tp_size, "transformers' tp plan")
     if problem is not None:
         return None, f"transformers' tp plan does not fit: {problem}"
     logger.info("tensor-parallel plan of %s: transformers' plan (%s)", type(hf_model).__qualname__, note)
@@ -365,8 +367,7 @@ def _default_decoder_plan(
     default, note = _default_plan(hf_model, sequence_parallel)
     if default is None:
         return None, note
-    styles = _styles(default, prefix, "the default decoder plan")
-    problem = _misfit(model, styles, tp_size)
+    styles, problem = _fit(model, default, prefix, tp_size, "the default decoder plan")
     if problem is not None:
         return None, f"the default Llama-style plan does not fit: {problem}"
     class_name = type(hf_model).__qualname__
@@ -391,8 +392,7 @@ def _derived_plan(
     derived, note = derived_tp_plan(hf_model, tp_size)
     if derived is None or tp_size <= 1:
         return None, note
-    styles = _styles(derived, prefix, "the derived plan")
-    problem = _misfit(model, styles, tp_size)
+    styles, problem = _fit(model, derived, prefix, tp_size, "the derived plan")
     if problem is not None:
         return None, f"the plan derived from the model's structure does not fit: {problem}"
     class_name = type(hf_model).__qualname__
