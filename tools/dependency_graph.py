@@ -69,12 +69,12 @@ _PLAN = "automodel-planner"
 #: The allowed graph. Edges point one way; a sibling not named here may not be depended on or imported.
 ALLOWED_GRAPH: Mapping[str, Node] = {
     _MESH: _node(),  # meshes, sizes, axis names (and the ConfigDict its sizes and every config share)
-    _MODS: _node(),  # module-tree tools: names across wrappers, lookups, the fake-tensor tracer
+    _MODS: _node(),  # module-tree tools: names across wrappers, lookups, the fake-tensor tracer, devices
     _CPU: _node(),  # opt-in CPU runtime (host buffers, allocator, CPU ring attention); torch only
     _CKPT: _node([_MODS]),  # HF / DCP checkpoints into and out of shards; imports no strategy
     _DIST: _node([_MESH, _MODS, _CKPT]),
     _PP: _node([_MESH, _MODS]),  # gets a parallelize_fn from its caller; never imports automodel_distributed
-    _MOE: _node([_MESH, _DIST]),
+    _MOE: _node([_MESH, _MODS, _DIST]),
     _QUANT: _node([_MESH, _MODS]),  # torchao (+ optional bitsandbytes); uses ConfigDict, no mesh
     _PEFT: _node([_MESH, _MODS], optional=[_QUANT]),  # QLoRA through the [quant] extra
     _INFRA: _node([_MESH, _CKPT, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from automodel_modules import collective_device
+
 __all__ = ["agree_on_failure", "barrier", "is_distributed", "rank_of", "world_of"]
 
 
@@ -31,13 +33,6 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
         dist.barrier(group)
 
 
-def _device_for(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a tensor for a collective on ``group`` must live (the current CUDA device under nccl)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def agree_on_failure(error: BaseException | None, what: str, group: dist.ProcessGroup | None = None) -> None:
     """Every rank reports whether its step failed; if any did, every rank raises.
 
@@ -54,7 +49,7 @@ def agree_on_failure(error: BaseException | None, what: str, group: dist.Process
         if error is not None:
             raise error
         return
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_device_for(group))
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if int(flag.item()) == 0:
         return

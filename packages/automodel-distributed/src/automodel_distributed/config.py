@@ -223,6 +223,11 @@ class FSDP2Config(ConfigDict):
                 "FSDP2Config.enable_async_tensor_parallel=True needs FSDP2Config.sequence_parallel=True "
                 "(async TP overlaps the sequence-parallel all-gathers)"
             )
+        if self.enable_async_tensor_parallel and not self.enable_compile:
+            raise ValueError(
+                "FSDP2Config.enable_async_tensor_parallel=True needs FSDP2Config.enable_compile=True: the "
+                "overlap is an inductor pass over the compiled blocks, and without compile it never runs"
+            )
         if self.tp_plan is not None and not isinstance(self.tp_plan, dict | str):
             raise ValueError(
                 "FSDP2Config.tp_plan must be a dict, a plan name or an import path, "
@@ -265,6 +270,15 @@ class FSDP2Config(ConfigDict):
     def loads_before_sharding(self, layout: MeshLayout, *, adapters: bool) -> bool:
         """Load into real tensors before sharding only when nothing is sharded and there are no adapters."""
         return not adapters and not layout.shards_parameters
+
+    def activation_dtype(self) -> torch.dtype | None:
+        """The dtype the sharded blocks compute in and hand on (to the next pipeline stage, too).
+
+        ``mp_policy.output_dtype``, else its ``param_dtype`` (the default policy: bf16); None: the
+        parameters' own dtype. `FSDP2Manager` wraps even one data-parallel rank whenever the policy casts.
+        """
+        policy = self.mp_policy if self.mp_policy is not None else default_mp_policy()
+        return policy.output_dtype or policy.param_dtype
 
     def describe_sharding(self, layout: MeshLayout, model: nn.Module) -> list[str]:
         """What `FSDP2Manager.parallelize` will do to ``model`` on ``layout``, in order (no collective).

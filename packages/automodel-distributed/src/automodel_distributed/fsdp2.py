@@ -319,6 +319,22 @@ def _offload_for_host(policy: OffloadPolicy | None) -> OffloadPolicy | None:
     return policy
 
 
+def _one_rank_work(
+    model: nn.Module, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy | None
+) -> list[str]:
+    """The settings FSDP2 carries out even on one data-parallel rank: a dtype cast, CPU offload.
+
+    With one rank FSDP2 shards and reduces nothing, but its mixed precision (compute in ``param_dtype``
+    over master weights in the parameters' dtype, gradients in ``reduce_dtype``) and its offload still
+    change the numbers and the memory; one rank must train as N ranks do. Reads only.
+    """
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    casts = any(
+        dtype is not None and dtypes - {dtype} for dtype in (mp_policy.param_dtype, mp_policy.output_dtype)
+    )
+    return [name for name, on in (("mp_policy", casts), ("offload_policy", offload_policy is not None)) if on]
+
+
 class FSDP2Manager(StrategyDefaults):
     """Applies an `FSDP2Config` to a model: expert and tensor parallelism, checkpointing, FSDP2, compile.
 
@@ -431,7 +447,8 @@ class FSDP2Manager(StrategyDefaults):
         Preconditions: ``model`` is a transformers-style decoder (blocks found from ``_no_split_modules``),
         on the meta device or on CPU/the target device; nothing is sharded yet. Mesh axes: ``ep`` and
         ``ep_shard`` for experts, ``tp`` for the TP plan, ``dp_shard_cp`` (and ``dp_replicate`` for HSDP)
-        for FSDP. With a single rank (or a data-parallel mesh of size 1 and no TP) nothing is sharded, but
+        for FSDP. With one data-parallel rank FSDP2 still wraps the model when its policy casts a dtype or
+        offloads (so one GPU trains in the mixed precision N GPUs do); otherwise nothing is wrapped, and
         activation checkpointing still applies.
 
         Raises:
@@ -448,15 +465,21 @@ class FSDP2Manager(StrategyDefaults):
         if cfg.patch_is_packed_sequence:
             _patch_is_packed_sequence()
         if self.mesh.tp_size > 1:
-            from automodel_distributed.tensor_parallel import apply_tensor_parallel
+            from automodel_distributed.tensor_parallel import (
+                apply_tensor_parallel,
+                enable_async_tensor_parallel,
+            )
 
+            tp_mesh = self.mesh.submesh(MeshAxisName.TP)
             apply_tensor_parallel(
                 model,
-                self.mesh.submesh(MeshAxisName.TP),
+                tp_mesh,
                 tp_plan=cfg.tp_plan,
                 sequence_parallel=cfg.sequence_parallel,
                 exclude=extra.tensor_parallel_exclude,
             )
+            if cfg.enable_async_tensor_parallel:  # CUDA: `_check_before_sharding` refused it elsewhere
+                enable_async_tensor_parallel(tp_mesh)
         if mode is not None:
             scope = cfg.activation_checkpointing_scope
             assert isinstance(scope, tuple), "FSDP2Config normalises the scope to a tuple"
@@ -465,8 +488,10 @@ class FSDP2Manager(StrategyDefaults):
         reshard = cfg.reshard_after_forward
         if reshard is None:
             reshard = extra.reshard_after_forward
-        if self.mesh.dp_shard_cp_size * (self.mesh.dp_replicate_size or 1) == 1 and not extra.units:
-            self._warn_nothing_sharded(mp_policy)
+        one_rank = self.mesh.dp_shard_cp_size * (self.mesh.dp_replicate_size or 1) == 1
+        work = _one_rank_work(model, mp_policy, self.offload_policy)
+        if one_rank and not extra.units and (not work or self.device_mesh is None):
+            self._warn_nothing_sharded(work)
             return model
         apply_fsdp2(
             model,
@@ -514,24 +539,32 @@ class FSDP2Manager(StrategyDefaults):
             )
         return mode
 
-    def _warn_nothing_sharded(self, mp_policy: MixedPrecisionPolicy) -> None:
-        """With one data-parallel rank, name the settings that then act on nothing."""
+    def _warn_nothing_sharded(self, work: list[str]) -> None:
+        """With one data-parallel rank left unwrapped, name the settings that then act on nothing.
+
+        ``work``: the settings only FSDP2 carries out (`_one_rank_work`); ignored only without a mesh.
+        """
         cfg = self.config
         ignored = [
             name
             for name, active in (
-                ("mp_policy", mp_policy.param_dtype not in (None, torch.float32)),
-                ("offload_policy", self.offload_policy is not None),
                 ("enable_fsdp2_prefetch", cfg.enable_fsdp2_prefetch),
                 ("reshard_after_forward", cfg.reshard_after_forward is not None),
                 ("host_runtime", cfg.host_runtime is not None),
             )
             if active
         ]
-        if ignored:
+        if work:
             warnings.warn(
-                f"FSDP2Config.{', FSDP2Config.'.join(ignored)} ignored: one data-parallel rank, so "
-                "nothing is sharded",
+                f"FSDP2Config.{', FSDP2Config.'.join(work + ignored)} ignored: a single process without a "
+                "process group has no mesh for FSDP2; start it with torchrun (or call "
+                "torch.distributed.init_process_group) to get FSDP2's mixed precision on one rank",
+                stacklevel=3,
+            )
+        elif ignored:
+            warnings.warn(
+                f"FSDP2Config.{', FSDP2Config.'.join(ignored)} ignored: one data-parallel rank, and no dtype "
+                "for FSDP2 to cast nor offload to do, so nothing is wrapped",
                 stacklevel=3,
             )
 

@@ -54,6 +54,8 @@ EXTRAS: dict[int, list[tuple[str, str, dict[str, int], dict[str, Any], float]]] 
         ("no-reshard", "mistral", {}, {"reshard_after_forward": False}, FP32_ATOL),
         ("cpu-offload", "llama", {}, {"offload_policy": "cpu"}, FP32_ATOL),
         ("bf16-mp+ac", "llama", {}, {"mp_policy": "bf16", **_AC}, BF16_ATOL),
+        # One data-parallel rank: FSDP2 wraps the TP model over it for the mixed precision alone.
+        ("tp2-bf16-mp", "qwen2", {"tp_size": 2}, {"mp_policy": "bf16"}, BF16_ATOL),
     ],
     4: [
         ("tp2xfsdp2+sp+ac", "llama_tied", {"tp_size": 2}, {"sequence_parallel": True, **_AC}, FP32_ATOL),
@@ -262,22 +264,64 @@ def _root_reshard() -> dict[str, Any]:
 
 
 def _world_one() -> dict[str, Any]:
-    """One rank: no sharding, but activation checkpointing still applies."""
+    """One rank trains in the mixed precision N ranks do; with nothing to cast, nothing is wrapped.
+
+    ``bf16``: FSDP2 over the one-rank mesh with bf16 compute and checkpointing, against a reference made
+    by hand: an fp32 master model, a copy of it with bf16 parameters for each step's forward and
+    backward, its gradients in fp32 for AdamW. ``fp32_gap`` is how far plain fp32 training (what one
+    rank did before) is from that reference, so the comparison can fail. ``fp32``: an fp32 policy leaves
+    the model as it is.
+    """
+    import copy
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
 
     from automodel_distributed import FSDP2Manager
-    from automodel_testing import build_tiny_model
+    from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
 
-    config = _config({"activation_checkpointing": True, "mp_policy": "bf16"})
-    ctx = MeshContext.build(config)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = FSDP2Manager(config, ctx.device_mesh).parallelize(build_tiny_model("llama"))
-    return {
-        "class": type(model).__name__,
-        "wrapped": [isinstance(layer, CheckpointWrapper) for layer in model.model.layers],
-        "warned": any("FSDP2Config.mp_policy ignored" in str(w.message) for w in caught),
+    def losses(model: torch.nn.Module, cast: torch.dtype | None) -> list[float]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out = []
+        for _ in range(3):
+            work = model
+            if cast is not None:  # FSDP2 casts the parameters only: buffers (rotary frequencies) stay
+                work = copy.deepcopy(model)
+                for param in work.parameters():
+                    param.data = param.data.to(cast)
+            loss = causal_lm_loss(work(input_ids=batch["input_ids"]).logits, batch["labels"])
+            loss.backward()
+            if cast is not None:
+                for master, param in zip(model.parameters(), work.parameters(), strict=True):
+                    master.grad = param.grad.float()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(float(loss.detach()))
+        return out
+
+    batch = make_batch(build_tiny_model("llama").config.vocab_size, 4, 16, seed=7)
+    reference = losses(build_tiny_model("llama"), torch.bfloat16)
+    result: dict[str, Any] = {
+        "fp32_gap": max(
+            abs(a - b) for a, b in zip(losses(build_tiny_model("llama"), None), reference, strict=True)
+        )
     }
+    for policy in ("bf16", "fp32"):
+        config = _config({"activation_checkpointing": True, "mp_policy": policy})
+        ctx = MeshContext.build(config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = FSDP2Manager(config, ctx.device_mesh).parallelize(build_tiny_model("llama"))
+        result[policy] = {
+            "fsdp": isinstance(model, FSDPModule),
+            "wrapped": [isinstance(layer, CheckpointWrapper) for layer in model.model.layers],
+            "warned": [str(w.message) for w in caught if "FSDP2Config" in str(w.message)],
+            "params": sorted({str(p.dtype) for p in model.parameters()}),
+        }
+        if policy == "bf16":
+            got = losses(model, None)
+            result[policy]["loss_gap"] = max(abs(a - b) for a, b in zip(got, reference, strict=True))
+    return result
 
 
 def _plain_torch_by_default() -> list[str]:
@@ -353,6 +397,10 @@ def test_fsdp2_manager_parity(world: int) -> None:
         assert results["fsdp2/llama"].model_class.startswith("FSDP"), "the model was not sharded"
 
 
-def test_world_size_one_only_checkpoints() -> None:
+def test_one_rank_trains_in_the_mixed_precision_of_n_ranks() -> None:
     (result,) = run_distributed(_world_one, 1)
-    assert result == {"class": "LlamaForCausalLM", "wrapped": [True, True], "warned": True}
+    bf16, fp32 = result["bf16"], result["fp32"]
+    assert result["fp32_gap"] > 1e-4, result  # bf16 compute is visibly different from fp32 training
+    assert bf16.pop("loss_gap") <= 1e-6, result
+    assert bf16 == {"fsdp": True, "wrapped": [True, True], "warned": [], "params": ["torch.float32"]}
+    assert fp32 == {"fsdp": False, "wrapped": [True, True], "warned": [], "params": ["torch.float32"]}

@@ -431,6 +431,17 @@ def _collectives_during(fn: Callable[[], Any]) -> tuple[str, list[str]]:
     return message, sorted(set(recorder.seen))
 
 
+def _async_tp_on_cpu() -> tuple[str, list[str]]:
+    """Async TP on a gloo mesh: refused before anything changes (it would act on nothing there)."""
+    from automodel_distributed import FSDP2Config, FSDP2Manager
+    from automodel_mesh import MeshContext, ParallelismSizes
+
+    config = FSDP2Config(enable_async_tensor_parallel=True, sequence_parallel=True, enable_compile=True)
+    ctx = MeshContext.build(config, ParallelismSizes(tp_size=4))  # builds groups: outside the recorder
+    model = build_tiny_model("llama", num_key_value_heads=4)
+    return _collectives_during(lambda: FSDP2Manager(config, ctx.device_mesh).parallelize(model))
+
+
 def _run_tp4_errors() -> dict[str, Any]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
@@ -446,6 +457,7 @@ def _run_tp4_errors() -> dict[str, Any]:
     out["local_head"] = _collectives_during(
         lambda: apply_tensor_parallel(local_head, mesh, tp_plan={"lm_head": "colwise"})
     )
+    out["async_tp"] = _async_tp_on_cpu()
     # The detector itself sees eager collectives and DTensor's (sharding a model scatters its weights).
     out["control"] = _collectives_during(lambda: dist.all_reduce(torch.ones(1), group=mesh.get_group()))
     out["control_tp"] = _collectives_during(lambda: apply_tensor_parallel(local_head, mesh))
@@ -567,6 +579,7 @@ def test_errors_come_before_any_collective_on_every_rank() -> None:
         "heads": "num_key_value_heads=2 is not divisible by tp_size=4",
         "tie": "tied parameters ['lm_head.weight', 'model.embed_tokens.weight'] would be sharded differently",
         "local_head": "return this rank's vocabulary slice as a plain tensor",
+        "async_tp": "enable_async_tensor_parallel=True needs CUDA devices",
     }
     for rank, out in enumerate(results):
         for key, fragment in expected.items():

@@ -47,9 +47,10 @@ def test_explicit_and_pipelined_resharding() -> None:
 def test_manager_rejects_other_configs_and_meshes() -> None:
     with pytest.raises(ValueError, match="FSDP2Manager needs an FSDP2Config, got DDPConfig"):
         FSDP2Manager(DDPConfig(), None)  # type: ignore[arg-type]
-    # No mesh in a single process without a process group: nothing to shard, the model is returned as is.
+    # No mesh in a single process without a process group: nothing to shard, the model is returned as is,
+    # and the default bf16 policy, which needs FSDP2 even on one rank, is named as ignored.
     model = torch.nn.Linear(2, 2)
-    with pytest.warns(UserWarning, match="one data-parallel rank"):
+    with pytest.warns(UserWarning, match="mp_policy ignored: a single process without a process group"):
         assert FSDP2Manager(FSDP2Config(), MeshContext().device_mesh).parallelize(model) is model
 
 
@@ -67,3 +68,14 @@ def test_only_a_plain_embedding_skips_its_backward_all_gather() -> None:
     with torch.device("meta"):
         model.set_input_embeddings(_ScaledEmbedding(old.num_embeddings, old.embedding_dim))
     assert all(u.unshard_in_backward for u in plan_fsdp_units(model, reshard_after_forward=None))
+
+
+def test_async_tensor_parallel_needs_sequence_parallel_and_compile() -> None:
+    with pytest.raises(
+        ValueError, match=r"enable_async_tensor_parallel=True needs FSDP2Config\.sequence_parallel"
+    ):
+        FSDP2Config(enable_async_tensor_parallel=True)
+    # Without compile inductor's micro-pipelined TP pass never runs: the setting would act on nothing.
+    with pytest.raises(ValueError, match=r"needs FSDP2Config\.enable_compile=True"):
+        FSDP2Config(enable_async_tensor_parallel=True, sequence_parallel=True)
+    FSDP2Config(enable_async_tensor_parallel=True, sequence_parallel=True, enable_compile=True)

@@ -347,7 +347,8 @@ def _instantiate_pipeline(
         mesh: MeshContext holding device_mesh, moe_mesh, and axis names.
         device: Target device for pipeline computation.
         strategy_config: The strategy config; its ``defer_fsdp_grad_sync`` also governs gradient
-            reduction across microbatches (one knob for both).
+            reduction across microbatches (one knob for both), and its mixed precision is the dtype the
+            stages send (`FSDP2Config.activation_dtype`).
 
     Returns:
         AutoPipeline instance, or None if pipeline parallelism is not enabled.
@@ -358,10 +359,15 @@ def _instantiate_pipeline(
     if config is None or mesh.device_mesh is None or mesh.pp_size <= 1:
         return None
     pipelining = import_component("automodel_pipelining.autopipeline", "pipeline_config")
-    # Pipeline axes exist only in the FSDP2 layout; its defer_fsdp_grad_sync governs the microbatches too.
-    defer = strategy_config.defer_fsdp_grad_sync if isinstance(strategy_config, FSDP2Config) else True
+    # Pipeline axes exist only in the FSDP2 layout; its defer_fsdp_grad_sync governs the microbatches too,
+    # and its mixed precision sets the dtype the stages send.
+    fsdp2 = strategy_config if isinstance(strategy_config, FSDP2Config) else None
     autopipeline: AutoPipeline = pipelining.AutoPipeline.from_config(
-        config, mesh, defer_fsdp_grad_sync=bool(defer), device=device
+        config,
+        mesh,
+        defer_fsdp_grad_sync=bool(fsdp2.defer_fsdp_grad_sync) if fsdp2 is not None else True,
+        device=device,
+        activation_dtype=fsdp2.activation_dtype() if fsdp2 is not None else None,
     )
     return autopipeline
 

@@ -6,11 +6,13 @@
 - `automodel_modules.kinds`: DTensors, ``Conv1D``, linear-like maps, asked without importing them;
 - `automodel_modules.fsdp_units`: reshard every FSDP2 unit of a model;
 - `automodel_modules.dataflow`: what each tensor of a fake-tensor forward is computed from (the tracer
-  that tensor, context and pipeline parallelism read a model's structure with).
+  that tensor, context and pipeline parallelism read a model's structure with);
+- `automodel_modules.devices`: `collective_device`, the device a collective's tensors are made on.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from automodel_modules.devices import collective_device
 from automodel_modules.fsdp_units import reshard_fsdp_units
 from automodel_modules.kinds import is_conv1d, is_dtensor, maps_like_linear
 from automodel_modules.lookup import find_hf_model, fqn_of, output_head_fqns, unwrap
@@ -31,6 +33,7 @@ __all__ = [
     "ADAPTER_SEGMENTS",
     "WRAPPER_SEGMENTS",
     "__version__",
+    "collective_device",
     "find_hf_model",
     "fqn_of",
     "is_adapter_fqn",

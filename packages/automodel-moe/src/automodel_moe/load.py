@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from automodel_modules import collective_device
 from automodel_moe.registry import ExpertsCall, ExpertsSite, find_experts
 
 __all__ = ["ExpertLoad"]
@@ -81,7 +82,10 @@ class ExpertLoad:
                 elif site.call is ExpertsCall.GROUPED_ROWS:
                     if len(args) < 2:
                         return
-                    picked = torch.as_tensor(args[1], dtype=torch.float64).reshape(-1)[:num_experts]
+                    sizes = args[1]  # a tensor stays where it is; a list becomes a host tensor
+                    if not isinstance(sizes, torch.Tensor):
+                        sizes = torch.tensor(sizes, device="cpu")
+                    picked = sizes.reshape(-1)[:num_experts]
                 else:
                     if len(args) < 2 or not isinstance(args[1], torch.Tensor):
                         return
@@ -119,10 +123,15 @@ class ExpertLoad:
             with ``ep_size > 1`` also ``tokens_per_ep_rank``: ``min`` / ``max`` / ``mean`` over the ep
             blocks of the tokens one rank holding that block receives per step.
         """
-        local = self.counts if self.counts is not None else torch.zeros(self.num_experts, dtype=torch.float64)
+        local = self.counts
+        if local is None:  # no expert ran here: zeros on the host (the default device may be meta)
+            local = torch.zeros(self.num_experts, dtype=torch.float64, device="cpu")
         self.counts = None
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size(group)
+            # Counts live where the routing ran (or on the CPU: a list of grouped-row counts, a rank
+            # without experts); the gather needs them on the group's device.
+            local = local.to(collective_device(group))
             # Flat: gloo wants each rank's slot of the output shaped like the input.
             flat = local.new_empty(world * self.num_experts)
             dist.all_gather_into_tensor(flat, local.contiguous(), group=group)

@@ -342,7 +342,43 @@ def _two_ranks(folder: str) -> dict[str, Any]:
         results[f"{family}/one_rank"] = _one_rank_experts_as_fsdp(family)
     results["errors"] = _errors()
     results["settings"] = _settings_under_ep()
+    results["load_with_meta_default"] = _load_summary_with_a_meta_default_device()
     return results
+
+
+class _GroupedRowsExperts(torch.nn.Module):
+    def forward(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return rows
+
+
+def _load_summary_with_a_meta_default_device() -> dict[str, Any]:
+    """`ExpertLoad.summary` makes its tensors on the group's device, whatever the default device is.
+
+    Rank 0 counted grouped rows handed over as a list (a host tensor), rank 1 ran no expert (zeros).
+    With ``meta`` as the default device, a tensor made without ``device=`` is a meta tensor, which the
+    gather cannot take (on GPUs the same defect hands a CPU tensor to NCCL).
+    """
+    from automodel_moe import ExpertLoad
+    from automodel_moe.registry import ExpertsCall, ExpertsSite
+
+    experts = _GroupedRowsExperts()
+    site = ExpertsSite(
+        fqn="experts",
+        module=experts,
+        core=experts,
+        num_experts=4,
+        params=(),
+        call=ExpertsCall.GROUPED_ROWS,
+        source="registry",
+    )
+    meter = ExpertLoad([site], num_experts=4)
+    if dist.get_rank() == 0:
+        site.module(torch.zeros(3, 2), [2, 0, 1, 0])
+    torch.set_default_device("meta")
+    try:
+        return meter.summary()
+    finally:
+        torch.set_default_device(None)
 
 
 def _sequence_parallel_refused() -> str:
@@ -487,6 +523,9 @@ def test_ep2_parity_activation_checkpointing_bf16_checkpoint_and_errors(tmp_path
             "needs a mixture-of-experts model" in errors["dense"] and "LlamaForCausalLM" in errors["dense"]
         ), errors
         assert "context parallelism" in errors["cp"] and "cp_size=1" in errors["cp"], errors
+        load = results["load_with_meta_default"]
+        assert load["tokens_per_expert"] == [1.0, 0.0, 0.5, 0.0], load
+        assert load["max_over_ranks"] == [2, 0, 1, 0], load
 
 
 def test_ep4_and_ep2_by_ep_shard2_parity() -> None:

@@ -188,6 +188,7 @@ class AutoPipeline:
                 f"world_mesh has no pipeline axis {pp_axis_name!r}; its axes are {list(mesh.axis_names())}"
             )
         self.config = config
+        self._activation_dtype: torch.dtype | None = None
         self.mesh = mesh
         self.world_mesh = mesh.device_mesh
         self.moe_mesh = mesh.moe_mesh
@@ -244,10 +245,13 @@ class AutoPipeline:
         *,
         defer_fsdp_grad_sync: bool = True,
         device: torch.device | str | None = None,
+        activation_dtype: torch.dtype | None = None,
     ) -> AutoPipeline:
         """Build from a `PipelineConfig` and a `MeshContext`, keeping both as the objects they are.
 
-        Axis names come from `MeshContext.pipeline_axis_kwargs`.
+        Axis names come from `MeshContext.pipeline_axis_kwargs`. ``activation_dtype``: the dtype the
+        stages' parallelization computes and sends in (a strategy's mixed precision: bf16 under the
+        default FSDP2 policy over fp32 parameters), for the static shapes when ``config.dtype`` is None.
 
         Raises:
             ValueError: As the constructor (a mesh without the pipeline axis, bad settings).
@@ -266,6 +270,7 @@ class AutoPipeline:
             defer_fsdp_grad_sync=defer_fsdp_grad_sync,
             device=device,
         )
+        pipeline._activation_dtype = activation_dtype
         return pipeline
 
     # ------------------------------------------------------------------ properties
@@ -409,7 +414,8 @@ class AutoPipeline:
 
     def _record_io_shapes(self, model: nn.Module, layout: DecoderLayout) -> None:
         params = [p for p in model.parameters() if p.is_floating_point()]
-        dtype = self.config.dtype or (params[0].dtype if params else torch.float32)
+        # What flows: the configured dtype, else the strategy's compute dtype, else the parameters'.
+        dtype = self.config.dtype or self._activation_dtype or (params[0].dtype if params else torch.float32)
         config = getattr(model, "config", None)
         get_text = getattr(config, "get_text_config", None)
         text = get_text() if callable(get_text) else config

@@ -103,7 +103,8 @@ class PipelineConfig(ConfigDict):
     whose root module is FSDP."""
     dtype: torch.dtype | None = None
     """dtype of the activations sent between stages, for static shapes (``pp_seq_len``); ``None``: the
-    model's parameter dtype."""
+    dtype the strategy computes in (``instantiate_infrastructure`` hands over FSDP2's mixed precision),
+    else the model's parameter dtype."""
     scale_grads_in_schedule: bool = False
     """``True``: the schedule divides gradients by the number of microbatches (right for a mean-reduced
     ``loss_fn``). ``False``: gradients are the sum over microbatches; scale them yourself, e.g. with

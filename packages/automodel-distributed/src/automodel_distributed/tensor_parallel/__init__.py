@@ -2,11 +2,13 @@
 
 - `apply_tensor_parallel(model, tp_mesh, tp_plan=None, sequence_parallel=False)` shards a model in place.
 - `resolve_tp_plan` picks the plan (user plan > registry > transformers' plan > default decoder plan).
+- `enable_async_tensor_parallel(tp_mesh)` turns on torch's micro-pipelined TP (CUDA, compiled blocks).
 - `register_tp_plan` / `register_named_tp_plan` add plans; `validate_tensor_parallel` checks head counts.
 - Style names for plans are listed in `automodel_distributed.tensor_parallel.styles`.
 """
 
 from automodel_distributed.tensor_parallel.apply import apply_tensor_parallel
+from automodel_distributed.tensor_parallel.async_tp import enable_async_tensor_parallel
 from automodel_distributed.tensor_parallel.hf_plan import get_hf_tp_shard_plan, translate_hf_tp_plan
 from automodel_distributed.tensor_parallel.lora import (
     ColwiseParallelLora,
@@ -49,6 +51,7 @@ __all__ = [
     "SequenceParallelLora",
     "SequenceParallelNorm",
     "apply_tensor_parallel",
+    "enable_async_tensor_parallel",
     "expand_lora_plan",
     "get_hf_tp_shard_plan",
     "is_lora_linear",
