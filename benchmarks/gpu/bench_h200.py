@@ -1,22 +1,31 @@
-"""Tokens/s and MFU of a Llama-3.1-8B-shaped model on one GPU: our FSDP2Manager vs hand-written fully_shard.
+"""Tokens/s, MFU and peak memory of a Llama-3.1-8B-shaped model on one GPU, against plain transformers.
 
-For a lent GPU machine with no registry access: it needs only torch, transformers, safetensors and
-the workspace packages (carried in the working tree). Real Llama-3.1-8B widths (hidden 4096, MLP
-14336, 32 heads / 8 key-value heads, vocab 128256), layers cut (``--layers``, default 8) so one H200
-holds weights, gradients, AdamW state and activations. bf16 parameters. One process, a 1-rank gloo/nccl
-process group (what ``torchrun --nproc-per-node 1`` gives).
+For a lent GPU machine with no registry access (``tools/gpu_check.sh`` runs it): it needs only torch,
+transformers, safetensors, peft and the workspace packages (carried in the working tree). Real
+Llama-3.1-8B widths (hidden 4096, MLP 14336, 32 heads / 8 key-value heads, vocab 128256), layers cut
+(``--layers``, default 8) so one H200 holds fp32 master weights, gradients, AdamW state and activations.
+One process, a 1-rank gloo/nccl process group (what ``torchrun --nproc-per-node 1`` gives).
 
-Variants, each timed over ``--steps`` after ``--warmup`` steps, in the same process:
+Variants, each timed over ``--steps`` after ``--warmup`` steps, in the same process, all with fp32
+master weights and bf16 compute and the same activation checkpointing (``--ac``):
 
-- ``hand-written``: ``fully_shard`` each block, then the root;
-- ``FSDP2Manager``: `apply_model_infrastructure` with our `FSDP2Manager`;
-- ``FSDP2Manager + compile``: the same with per-block ``torch.compile``;
-- ``FSDP2Manager + FP8``: float8 linear layers (torchao tensorwise; emulated off-GPU).
+- ``transformers + autocast``: the plain model under ``torch.autocast(bf16)`` (checkpointing through
+  transformers' ``gradient_checkpointing_enable``, full only), the baseline;
+- ``hand-written fully_shard``: ``fully_shard`` each block, then the root, bf16 mixed precision;
+- ``FSDP2Manager``: `apply_model_infrastructure` with our `FSDP2Manager` (default bf16 policy);
+- ``FSDP2Manager + compile``, ``FSDP2Manager + compile + FP8`` (torchao tensorwise float8): CUDA only;
+- ``FSDP2Manager + LoRA``: rank-16 adapters on every linear of the blocks at ``--lora-seq`` (4096, NeMo
+  AutoModel's single-GPU LoRA anchor), the base frozen in bf16.
 
-MFU = 6 x non-embedding parameters x tokens/s + attention FLOPs, over the device's dense bf16 peak
-(``--peak-tflops``, default 989 for an H200/H100 SXM). Then the load time of a real-size checkpoint
-(the cut model saved as safetensors): `apply_model_infrastructure(load_base_model=True)` against
-``AutoModelForCausalLM.from_pretrained`` onto the device.
+Off CUDA the CUDA-only variants print one "skipped: needs CUDA" line each (``--device cpu`` is the
+rehearsal). MFU = model FLOPs per token x tokens/s over the device's dense bf16 peak (``--peak-tflops``,
+default 989 for an H200/H100 SXM), FLOPs counted as torchtitan counts them (6 x parameters without the
+embedding + 12 x layers x hidden x seq for attention, recompute excluded; LoRA: the frozen base's
+forward and input-gradient work, 4 x its parameters). Then the load time of a real-size checkpoint:
+`apply_model_infrastructure(load_base_model=True)` against ``AutoModelForCausalLM.from_pretrained``.
+Printed beside: NeMo AutoModel's Llama 3 8B LoRA on one H100 (seq 4096, global batch 32): 12,473
+tokens/s, 402 TFLOP/s; torchtitan's Llama 3.1 8B FSDP on 8 H100s (local batch 2, seq 8192, selective
+AC): 5,762 tokens/s/GPU, 6,667 compiled, 8,532 compiled with float8.
 
     torchrun --nproc-per-node 1 benchmarks/gpu/bench_h200.py             # on the GPU machine
     python benchmarks/gpu/bench_h200.py --tiny --device cpu                # logic check on CPU
@@ -30,6 +39,8 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +58,11 @@ LLAMA_31_8B: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False,
 }
+ANCHORS = (
+    "anchors: NeMo AutoModel Llama 3 8B LoRA, 1 H100, seq 4096, global batch 32: 12,473 tokens/s, "
+    "402 TFLOP/s; torchtitan Llama 3.1 8B FSDP, 8 H100, local batch 2, seq 8192, selective AC: "
+    "5,762 tokens/s/GPU, 6,667 compiled, 8,532 compiled + float8"
+)
 TINY: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 176,
@@ -65,13 +81,18 @@ def model_config(widths: dict[str, Any], layers: int) -> Any:
     return LlamaConfig(**widths, num_hidden_layers=layers, use_cache=False)
 
 
-def flops_per_token(config: Any, seq: int) -> float:
-    """Training FLOPs per token: 6 x non-embedding parameters + causal attention (12 x L x h x seq / 2)."""
+def flops_per_token(config: Any, seq: int, *, lora: bool = False) -> float:
+    """Training FLOPs per token, as torchtitan counts them (recompute excluded).
+
+    Full training: 6 x parameters without the embedding + 12 x layers x hidden x seq (causal attention's
+    two matmuls, forward and backward). LoRA: the frozen base needs no weight gradients, so 4 x its
+    parameters (forward, and the input gradients), attention as before; the adapters are negligible.
+    """
     h, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     kv = config.num_key_value_heads * (h // config.num_attention_heads)
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * f
     head = h * config.vocab_size
-    return 6 * (layers * per_layer + head) + 6 * layers * h * seq
+    return (4 if lora else 6) * (layers * per_layer + head) + 12 * layers * h * seq
 
 
 def _sync(device: torch.device) -> None:
@@ -79,13 +100,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _hand_written(config: Any, device: torch.device) -> torch.nn.Module:
+def _hand_written(config: Any, device: torch.device, ac: str) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _checkpoint_blocks(model, ac)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -94,19 +116,46 @@ def _hand_written(config: Any, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def _checkpoint_blocks(model: torch.nn.Module, ac: str) -> None:
+    """The hand-written baseline's checkpointing: our applier, the mode ``--ac`` names."""
+    if ac != "none":
+        from automodel_distributed.activation_checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, mode=ac)  # type: ignore[arg-type]
+
+
+def _transformers(config: Any, device: torch.device, ac: str) -> torch.nn.Module:
+    """Plain transformers, fp32 weights; the step runs under bf16 autocast (`time_training`)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if ac == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif ac == "selective":
+        _checkpoint_blocks(model, ac)  # transformers has no selective mode: the same applier as ours
+    model.train()
+    return model
+
+
 def _ours(
-    config: Any, device: torch.device, *, compile_blocks: bool, fp8: bool, checkpoint: str | None = None
+    config: Any,
+    device: torch.device,
+    *,
+    ac: str = "none",
+    compile_blocks: bool = False,
+    fp8: bool = False,
+    lora: bool = False,
+    checkpoint: str | None = None,
 ) -> torch.nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM
 
     from automodel_distributed import CompileConfig, FSDP2Config
     from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
     from automodel_mesh import MeshContext, ParallelismSizes
 
-    distributed = FSDP2Config(
-        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    )
+    # The default policy: bf16 compute and outputs over the parameters' dtype, fp32 gradient reduction.
+    distributed = FSDP2Config(activation_checkpointing=False if ac == "none" else ac)
     mesh = MeshContext.build(distributed, ParallelismSizes())
     infra = instantiate_infrastructure(distributed_config=distributed, mesh=mesh, device=device)
     fp8_config = None
@@ -114,14 +163,20 @@ def _ours(
         from automodel_quant.fp8 import FP8Config
 
         fp8_config = FP8Config(enabled=True, emulate=device.type != "cuda")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    peft_config = None
+    if lora:
+        from automodel_peft import PeftConfig
+
+        peft_config = PeftConfig(match_all_linear=True, dim=16, alpha=32)  # every linear but the head
+    with torch.device("meta"):  # LoRA trains adapters over a frozen bf16 base; full training fp32 masters
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if lora else torch.float32)
     return apply_model_infrastructure(
         model,
         is_meta_device=True,
         device=device,
         model_wrapper=infra.model_wrapper,
         mesh=mesh,
+        peft_config=peft_config,
         fp8_config=fp8_config,
         autopipeline=infra.autopipeline,
         parallelize_fn=infra.parallelize_fn,
@@ -141,9 +196,13 @@ def time_training(
     seq: int,
     steps: int,
     warmup: int,
+    autocast: bool = False,
 ) -> dict[str, float]:
-    """Median-free simple timing: total wall time of ``steps`` steps after ``warmup``; tokens/s, loss."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    """Total wall time of ``steps`` steps after ``warmup``; tokens/s, loss, peak memory on CUDA.
+
+    ``autocast``: run the forward under bf16 autocast (the plain-transformers baseline's precision).
+    """
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator).to(device)
     loss = torch.zeros(())
@@ -152,7 +211,8 @@ def time_training(
         if step == warmup:
             _sync(device)
             start = time.perf_counter()
-        out = model(input_ids=ids[:, :-1], labels=ids[:, 1:])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            out = model(input_ids=ids[:, :-1], labels=ids[:, 1:])
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -172,7 +232,7 @@ def time_load(config: Any, device: torch.device, folder: Path) -> dict[str, floa
 
     _sync(device)
     start = time.perf_counter()
-    ours = _ours(config, device, compile_blocks=False, fp8=False, checkpoint=str(folder))
+    ours = _ours(config, device, checkpoint=str(folder))
     _sync(device)
     ours_s = time.perf_counter() - start
     del ours
@@ -193,6 +253,64 @@ def _free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One timed configuration: how to build the model and how its step runs."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    cuda_only: bool = False
+    autocast: bool = False
+    lora: bool = False
+
+
+def _variants(config: Any, device: torch.device, args: argparse.Namespace) -> list[Variant]:
+    ac = args.ac
+    return [
+        Variant("transformers + autocast", lambda: _transformers(config, device, ac), autocast=True),
+        Variant("hand-written fully_shard", lambda: _hand_written(config, device, ac)),
+        Variant("FSDP2Manager", lambda: _ours(config, device, ac=ac)),
+        # Inductor on a CPU takes minutes for nothing the rehearsal checks: the compiled variants need CUDA.
+        Variant(
+            "FSDP2Manager + compile",
+            lambda: _ours(config, device, ac=ac, compile_blocks=True),
+            cuda_only=True,
+        ),
+        Variant(
+            "FSDP2Manager + compile + FP8",
+            lambda: _ours(config, device, ac=ac, compile_blocks=True, fp8=True),
+            cuda_only=True,
+        ),
+        Variant("FSDP2Manager + LoRA", lambda: _ours(config, device, ac=ac, lora=True), lora=True),
+    ]
+
+
+def _time_variant(
+    variant: Variant, config: Any, device: torch.device, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Build and time one variant; a variant the machine cannot run is reported, the others still run."""
+    seq = args.lora_seq if variant.lora else args.seq
+    try:
+        model = variant.build()
+        row: dict[str, Any] = time_training(
+            model,
+            config,
+            device,
+            batch=args.batch,
+            seq=seq,
+            steps=args.steps,
+            warmup=args.warmup,
+            autocast=variant.autocast,
+        )
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    del model
+    row["seq"] = seq
+    row["tflops_per_s"] = row["tokens_per_s"] * flops_per_token(config, seq, lora=variant.lora) / 1e12
+    row["mfu"] = row["tflops_per_s"] / args.peak_tflops
+    return row
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every variant and the load comparison; returns the results (rank 0 prints them)."""
     device = torch.device(
@@ -208,34 +326,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     config = model_config(TINY if args.tiny else LLAMA_31_8B, args.layers)
-    per_token = flops_per_token(config, args.seq)
     results: dict[str, Any] = {
         "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "layers": args.layers,
         "seq": args.seq,
         "batch": args.batch,
+        "ac": args.ac,
     }
-    variants = {
-        "hand-written fully_shard": lambda: _hand_written(config, device),
-        "FSDP2Manager": lambda: _ours(config, device, compile_blocks=False, fp8=False),
-        "FSDP2Manager + compile": lambda: _ours(config, device, compile_blocks=True, fp8=False),
-        "FSDP2Manager + FP8": lambda: _ours(config, device, compile_blocks=False, fp8=True),
-    }
-    for name, build in variants.items():
-        if name in args.skip:
+    for variant in _variants(config, device, args):
+        if variant.name in args.skip:
             continue
-        try:
-            model = build()
-            row = time_training(
-                model, config, device, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup
-            )
-        except Exception as exc:  # a variant the machine cannot run is reported, the others still run
-            row = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-        else:
-            row["mfu"] = row["tokens_per_s"] * per_token / (args.peak_tflops * 1e12)
-            del model
+        if variant.cuda_only and device.type != "cuda":
+            print(f"{variant.name}: skipped: needs CUDA", flush=True)
+            results[variant.name] = {"skipped": "needs CUDA"}
+            continue
+        results[variant.name] = _time_variant(variant, config, device, args)
         _free(device)
-        results[name] = row
     if "load" not in args.skip:
         from transformers import AutoModelForCausalLM
 
@@ -260,6 +367,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    parser.add_argument("--lora-seq", type=int, default=4096, help="sequence length of the LoRA variant")
+    parser.add_argument("--ac", choices=["none", "full", "selective"], default="selective")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
     parser.add_argument("--tiny", action="store_true", help="tiny widths: a logic check on CPU")
     parser.add_argument("--skip", nargs="*", default=[], help="variant names (or 'load') to skip")
@@ -272,21 +381,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     results = run(args)
     if dist.get_rank() == 0:
-        shape = f"{args.layers} layers, bf16, batch {args.batch} x {args.seq}, {results['device']}"
+        shape = (
+            f"{args.layers} layers, batch {args.batch} x {args.seq}, AC {args.ac}, {results['device_name']}"
+        )
         print(f"{'tiny (logic check)' if args.tiny else 'Llama-3.1-8B'} widths, {shape}")
-        print("| variant | tokens/s | MFU | step (s) | max allocated (GiB) |")
-        print("|---|---|---|---|---|")
+        print("| variant | tokens/s | TFLOP/s | MFU | step (s) | max allocated (GiB) |")
+        print("|---|---|---|---|---|---|")
         for name, row in results.items():
             if not isinstance(row, dict) or name == "load":
                 continue
-            if "error" in row:
-                print(f"| {name} | failed: {row['error']} | | | |")
+            if "error" in row or "skipped" in row:
+                print(f"| {name} | {row.get('error') or 'skipped: ' + row['skipped']} | | | | |")
                 continue
             mem = row.get("max_allocated_gib")
             print(
-                f"| {name} | {row['tokens_per_s']:.0f} | {row['mfu']:.3f} | {row['step_s']:.3f} | "
-                f"{'' if mem is None else f'{mem:.1f}'} |"
+                f"| {name} | {row['tokens_per_s']:.0f} | {row['tflops_per_s']:.1f} | {row['mfu']:.3f} | "
+                f"{row['step_s']:.3f} | {'' if mem is None else f'{mem:.1f}'} |"
             )
+        print(ANCHORS)
         if "load" in results:
             load = results["load"]
             print(
