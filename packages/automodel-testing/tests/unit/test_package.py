@@ -28,6 +28,7 @@ def test_public_api() -> None:
         "build_tiny_model",
         "causal_lm_loss",
         "grads_by_name",
+        "load_script",
         "make_batch",
         "normalize_fqn",
         "params_by_name",
