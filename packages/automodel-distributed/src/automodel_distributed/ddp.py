@@ -193,7 +193,10 @@ class DDPManager(StrategyDefaults):
         if self.autocast_dtype is not None:
             apply_autocast(model, self.autocast_dtype, self.device.type)
         if self.world_size == 1:
-            logger.info("DDPManager: world size 1, returning the model without a DDP wrapper")
+            from automodel_distributed.config import _warn_inert
+
+            settings = ("broadcast_buffers", "find_unused_parameters", "static_graph", "bucket_cap_mb")
+            _warn_inert(self.config, (*settings, "gradient_as_bucket_view"), "world size 1, no DDP wrapper")
             return model
         from torch.nn.parallel import DistributedDataParallel
 

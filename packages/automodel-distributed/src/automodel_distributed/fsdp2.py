@@ -517,6 +517,12 @@ class FSDP2Manager(StrategyDefaults):
     def _check_before_sharding(self, model: nn.Module) -> Literal["full", "selective"] | None:
         """Every refusal of `parallelize`, before anything changes; returns the checkpointing mode."""
         cfg = self.config
+        if self.mesh.ep_size > 1 and self.experts is None:
+            raise ValueError(
+                f"FSDP2Manager.parallelize: the mesh has ep_size={self.mesh.ep_size} but the manager has no "
+                "expert step; build it with experts=automodel_moe.ExpertParallel(...) (what "
+                "instantiate_infrastructure does), or use automodel_moe.parallelize_model"
+            )
         self._warn_ignored()
         self._warn_no_frozen_tower(model)
         check_frozen_sharding(model, cfg.multimodal.frozen_sharding)
@@ -551,6 +557,7 @@ class FSDP2Manager(StrategyDefaults):
                 ("enable_fsdp2_prefetch", cfg.enable_fsdp2_prefetch),
                 ("reshard_after_forward", cfg.reshard_after_forward is not None),
                 ("host_runtime", cfg.host_runtime is not None),
+                ("multimodal", cfg.multimodal != MultimodalDistributedConfig()),
             )
             if active
         ]
@@ -625,8 +632,11 @@ class FSDP2Manager(StrategyDefaults):
         With ``defer_fsdp_grad_sync`` gradients accumulate unsharded-and-unreduced locally and are
         reduce-scattered once; otherwise every micro-batch reduces. Numerically the same either way.
         """
-        if isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(is_last_microbatch or not self.config.defer_fsdp_grad_sync)
+        sync = is_last_microbatch or not self.config.defer_fsdp_grad_sync
+        # Every unit, not only a root: the expert route may leave the outer model unwrapped.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(sync, recurse=False)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

@@ -511,9 +511,12 @@ def instantiate_infrastructure(
             "(automodel_pipelining.config) or build the mesh with pp_size=1"
         )
     if pipeline_config is not None and mesh.pp_size <= 1:
-        logger.info("pipeline_config ignored: the mesh has pp_size=1")
+        warnings.warn("pipeline_config ignored: the mesh has pp_size=1", stacklevel=2)
     if moe_config is not None and not ep_enabled:
-        logger.info("moe_config ignored: ep_size is 1 (the strategy shards the MoE model like a dense one)")
+        warnings.warn(
+            "moe_config ignored: the mesh has ep_size=1 (the strategy shards the MoE model like a dense one)",
+            stacklevel=2,
+        )
 
     # Under expert parallelism the FSDP2 manager runs the expert step first: one applier, every setting,
     # and the manager's own `shard` is the route (no parallelize_fn) unless stages need one.
@@ -663,8 +666,9 @@ def _run_freeze(state: ApplyState) -> None:
         apply_freeze_config(state.model, state.freeze_config)
     if state.peft is not None:
         state.peft.freeze_base(state.model)
-    if state.loss_fn is None:
-        state.loss_fn = MaskedCrossEntropy()
+    if state.loss_fn is None:  # a pipeline's configured loss, else the masked cross-entropy
+        configured = state.autopipeline.config.loss_fn if state.autopipeline is not None else None
+        state.loss_fn = configured if configured is not None else MaskedCrossEntropy()
 
 
 def _run_shard(state: ApplyState) -> None:

@@ -230,16 +230,32 @@ class GroupedRowsEP:
         self.takes_counts = takes_counts
 
     def __call__(self, rows: torch.Tensor, counts: Any = None) -> torch.Tensor:
-        """Send each rank its experts' rows, run the local experts, bring the results back."""
+        """Send each rank its experts' rows, run the local experts, bring the results back.
+
+        Host syncs: one per call on an accelerator, reading the table of every rank's per-expert counts
+        (`_count_table`), since ``all_to_all_single`` takes its split sizes as host integers (as in
+        transformers' ``AllToAllEP`` and torchtitan); counts given as a device tensor are gathered as
+        they are, not read first. An activation-checkpointing recompute runs the call, and its sync,
+        again.
+        """
         experts = self.num_local * self.ep_mesh.size()
         if counts is None:
-            per_expert = [rows.shape[0] // experts] * experts
-        else:
-            per_expert = [int(c) for c in (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
+            counts = [rows.shape[0] // experts] * experts
+        table = self._count_table(counts, rows.device)
+        per_expert = table[self.ep_mesh.get_local_rank()]
         assert len(per_expert) == experts and sum(per_expert) == rows.shape[0], (len(per_expert), rows.shape)
         if self.tp_mesh is None:
-            return self._exchange(rows, per_expert)
+            return self._exchange(rows, per_expert, table)
         return self._tp_exchange(rows, per_expert)
+
+    def _count_table(self, counts: torch.Tensor | list[int], device: torch.device) -> list[list[int]]:
+        """Every ``ep`` rank's per-expert row counts, ``[rank][expert]``: one all-gather, one host read."""
+        group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
+        with torch.no_grad():
+            mine = torch.as_tensor(counts, dtype=torch.int64, device=device).reshape(-1)
+            table = torch.empty(ep * mine.numel(), dtype=torch.int64, device=device)
+            dist.all_gather_into_tensor(table, mine, group=group)
+            return table.view(ep, -1).tolist()
 
     def _tp_exchange(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         assert self.tp_mesh is not None
@@ -281,14 +297,18 @@ class GroupedRowsEP:
             where[t] = torch.arange(p * widest, p * widest + len(t), device=rows.device)
         return gathered.index_select(0, where)
 
-    def _exchange(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+    def _exchange(
+        self, rows: torch.Tensor, per_expert: list[int], table: list[list[int]] | None = None
+    ) -> torch.Tensor:
+        """Send rows (``per_expert`` of each expert) to their experts' ranks, run them, bring them back.
+
+        ``table``: every rank's counts (`_count_table` of ``per_expert`` when None, as under TP, where
+        each rank sends its own piece).
+        """
         group, ep, local = self.ep_mesh.get_group(), self.ep_mesh.size(), self.num_local
         me = self.ep_mesh.get_local_rank()
-        with torch.no_grad():
-            mine = torch.tensor(per_expert, dtype=torch.int64, device=rows.device)
-            table_t = torch.empty(ep * len(per_expert), dtype=torch.int64, device=rows.device)
-            dist.all_gather_into_tensor(table_t, mine, group=group)
-            table = table_t.view(ep, -1).tolist()  # [source][expert]
+        if table is None:
+            table = self._count_table(per_expert, rows.device)  # [source][expert]
         send = [sum(per_expert[d * local : (d + 1) * local]) for d in range(ep)]
         from_source = [row[me * local : (me + 1) * local] for row in table]  # [source][local expert]
         recv = [sum(c) for c in from_source]

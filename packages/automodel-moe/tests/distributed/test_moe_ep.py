@@ -266,19 +266,34 @@ def _errors() -> dict[str, str]:
         "dense": (build_tiny_model("llama"), ctx),
         "cp": (build_tiny_model("qwen3_moe"), cp),
     }
-    messages = {}
-    for name, (model, mesh) in cases.items():
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        try:
-            parallelize_model(model, mesh.device_mesh, mesh.moe_mesh, **mesh.parallelize_axis_kwargs())
-            messages[name] = "no error"
-        except ValueError as err:
-            untouched = all(
-                torch.equal(p, before[n]) and type(p) is torch.nn.Parameter
-                for n, p in model.named_parameters()
-            )
-            messages[name] = str(err) if untouched else f"changed the model: {err}"
+    messages = {
+        name: _refusal(
+            model,
+            lambda m, mesh=mesh: parallelize_model(
+                m, mesh.device_mesh, mesh.moe_mesh, **mesh.parallelize_axis_kwargs()
+            ),
+        )
+        for name, (model, mesh) in cases.items()
+    }
+    # A manager on an expert-parallel mesh without the expert step would shard the experts as dense.
+    from automodel_distributed import FSDP2Manager
+
+    manager = FSDP2Manager(FSDP2Config(), mesh=ctx)
+    messages["no_expert_step"] = _refusal(build_tiny_model("qwen3_moe"), manager.parallelize)
     return messages
+
+
+def _refusal(model: torch.nn.Module, parallelize: Any) -> str:
+    """The ValueError ``parallelize(model)`` raises, checked to leave the model untouched."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        parallelize(model)
+        return "no error"
+    except ValueError as err:
+        untouched = all(
+            torch.equal(p, before[n]) and type(p) is torch.nn.Parameter for n, p in model.named_parameters()
+        )
+        return str(err) if untouched else f"changed the model: {err}"
 
 
 def _settings_under_ep() -> dict[str, Any]:
@@ -343,7 +358,71 @@ def _two_ranks(folder: str) -> dict[str, Any]:
     results["errors"] = _errors()
     results["settings"] = _settings_under_ep()
     results["load_with_meta_default"] = _load_summary_with_a_meta_default_device()
+    results["grouped_rows_host_reads"] = _grouped_rows_host_reads()
+    results["deferred_sync_without_a_root"] = _deferred_sync_without_a_root()
     return results
+
+
+def _deferred_sync_without_a_root() -> list[int]:
+    """Reduce-scatters in a backward with gradient sync off, then on, when the outer model is no unit.
+
+    ``wrap_outer_model=False`` leaves the model itself unwrapped: `FSDP2Manager.set_gradient_sync` must
+    reach every unit, not only a root (before, it asked the root alone and every micro-batch reduced).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from automodel_distributed import FSDP2Config, FSDP2Manager
+    from automodel_moe import ExpertParallel, MoEParallelizerConfig
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reduce_scatters = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.reduce_scatters += "reduce_scatter" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    experts = ExpertParallel(MoEParallelizerConfig(wrap_outer_model=False))
+    manager = FSDP2Manager(FSDP2Config(), mesh=_mesh(2), experts=experts)
+    model = manager.parallelize(_build("qwen3_moe"))
+    batch = make_batch(model.config.vocab_size, 2, SEQ, seed=dist.get_rank())
+    counts = []
+    for last in (False, True):
+        manager.set_gradient_sync(model, is_last_microbatch=last)
+        with Recorder() as recorder:
+            causal_lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"]).backward()
+        counts.append(recorder.reduce_scatters)
+    return counts
+
+
+def _grouped_rows_host_reads() -> dict[str, Any]:
+    """Host reads (``Tensor.tolist``) of one grouped-rows exchange given device counts: one, the table.
+
+    On a GPU each read is a host sync; the split sizes of ``all_to_all_single`` must be host integers, so
+    one per call remains (the counts are gathered as they are, not read first).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from automodel_moe.experts import GroupedRowsEP
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    exchange = GroupedRowsEP(2, mesh, lambda rows, counts: rows * (1 + dist.get_rank()), takes_counts=True)
+    rows = torch.arange(12.0).reshape(6, 2)
+    counts = torch.tensor([1, 2, 0, 3])  # experts 0, 1 on rank 0; 2, 3 on rank 1
+    original, reads = torch.Tensor.tolist, []
+
+    def counting(self: torch.Tensor) -> Any:
+        reads.append(tuple(self.shape))
+        return original(self)
+
+    torch.Tensor.tolist = counting  # type: ignore[method-assign]
+    try:
+        out = exchange(rows, counts)
+    finally:
+        torch.Tensor.tolist = original  # type: ignore[method-assign]
+    expected = torch.cat([rows[:3], rows[3:] * 2])  # each rank scales the rows of its own experts
+    return {"reads": reads, "equal": torch.equal(out, expected)}
 
 
 class _GroupedRowsExperts(torch.nn.Module):
@@ -523,6 +602,10 @@ def test_ep2_parity_activation_checkpointing_bf16_checkpoint_and_errors(tmp_path
             "needs a mixture-of-experts model" in errors["dense"] and "LlamaForCausalLM" in errors["dense"]
         ), errors
         assert "context parallelism" in errors["cp"] and "cp_size=1" in errors["cp"], errors
+        assert "ep_size=2 but the manager has no expert step" in errors["no_expert_step"], errors
+        assert results["grouped_rows_host_reads"] == {"reads": [(2, 4)], "equal": True}, results
+        deferred, synced = results["deferred_sync_without_a_root"]
+        assert deferred == 0 and synced > 0, results["deferred_sync_without_a_root"]
         load = results["load_with_meta_default"]
         assert load["tokens_per_expert"] == [1.0, 0.0, 0.5, 0.0], load
         assert load["max_over_ranks"] == [2, 0, 1, 0], load

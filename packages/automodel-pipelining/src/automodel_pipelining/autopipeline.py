@@ -454,11 +454,16 @@ class AutoPipeline:
         Raises:
             ValueError: Unsupported model (tied embeddings, encoder-decoder, multimodal, a forward whose
                 stages could not compute what it computes: `DecoderLayout.problems`), no loss
-                function, an impossible split, or too few microbatches for the schedule.
+                function or two (``loss_fn`` and ``PipelineConfig.loss_fn``), an impossible split, or too
+                few microbatches for the schedule.
             RuntimeError: `build` was already called.
         """
         if self._parts:
             raise RuntimeError("AutoPipeline.build was already called; create a new AutoPipeline per model")
+        if loss_fn is not None and self.config.loss_fn is not None and loss_fn is not self.config.loss_fn:
+            raise ValueError(
+                "AutoPipeline.build got loss_fn and PipelineConfig.loss_fn is set too; give the loss once"
+            )
         loss = loss_fn if loss_fn is not None else self.config.loss_fn
         if loss is None:
             raise ValueError("AutoPipeline.build needs loss_fn (the loss computed on the last stage)")

@@ -7,6 +7,7 @@ by the code that uses it. This module imports nothing heavy.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -171,6 +172,12 @@ class PipelineConfig(ConfigDict):
             )
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"PipelineConfig.dtype must be a torch.dtype or None, got {self.dtype!r}")
+        if self.dtype is not None and self.pp_seq_len is None:
+            warnings.warn(
+                "PipelineConfig.dtype is ignored: only static stage shapes (pp_seq_len) read it; set "
+                "pp_seq_len, or drop dtype (torch infers the shapes and dtypes from a first forward)",
+                stacklevel=3,
+            )
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise ValueError(f"PipelineConfig.loss_fn must be callable or None, got {self.loss_fn!r}")
 

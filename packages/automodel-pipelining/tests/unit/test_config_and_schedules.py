@@ -216,3 +216,16 @@ def test_csv_errors(tmp_path: Path, rows: list[str], pp: int, message: str) -> N
 def test_csv_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no such file"):
         read_csv_schedule(str(tmp_path / "missing.csv"), 2)
+
+
+def test_a_dtype_without_static_shapes_warns() -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        PipelineConfig(dtype=torch.bfloat16)
+        PipelineConfig(dtype=torch.bfloat16, pp_seq_len=16)  # static shapes read it: no warning
+    assert [str(w.message) for w in seen] == [
+        "PipelineConfig.dtype is ignored: only static stage shapes (pp_seq_len) read it; set pp_seq_len, "
+        "or drop dtype (torch infers the shapes and dtypes from a first forward)"
+    ]

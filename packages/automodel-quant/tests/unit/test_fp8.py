@@ -204,3 +204,19 @@ def test_old_gpu_without_emulate_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
     with pytest.raises(ValueError, match=r"compute capability >= 8.9.*8.0.*emulate=True"):
         fp8_apply.apply_fp8_to_model(build_tiny_model("llama"), FP8Config(enabled=True))
+
+
+def test_fp8_settings_that_act_on_nothing_warn() -> None:
+    import warnings
+
+    def caught(**fields: object) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            FP8Config(**fields)  # type: ignore[arg-type]
+        return [str(w.message) for w in seen]
+
+    assert caught(emulate=True, filter_fqns=["lm_head"]) == [
+        "FP8Config.filter_fqns, FP8Config.emulate ignored: enabled is False (set enabled=True)"
+    ]
+    assert "torchao deprecated it" in caught(enabled=True, force_recompute_fp8_weight_in_bwd=True)[0]
+    assert caught() == [] and caught(enabled=True, emulate=True, filter_fqns=["lm_head"]) == []

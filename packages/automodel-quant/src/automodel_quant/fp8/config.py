@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from automodel_mesh.config_dict import ConfigDict
@@ -42,7 +42,8 @@ class FP8Config(ConfigDict):
     the trainer calls `precompute_fp8_scales_for_fsdp(model)` then. Needs FP8 all-gather."""
 
     force_recompute_fp8_weight_in_bwd: bool = False
-    """Recompute the float8 weight in backward instead of saving it (less memory under FSDP2)."""
+    """Kept for configs written for the reference system: torchao deprecated it and no longer reads it
+    (pytorch/ao#2251), so ``True`` acts on nothing and warns."""
 
     filter_fqns: list[str] = field(default_factory=list)
     """FQN substrings of linears to keep in high precision (e.g. ``["lm_head", "router"]``)."""
@@ -79,11 +80,34 @@ class FP8Config(ConfigDict):
                 f"recipe_name={self.recipe_name!r}; set recipe_name='tensorwise' or disable the FP8 "
                 "all-gather"
             )
+        if self.force_recompute_fp8_weight_in_bwd:
+            warnings.warn(
+                "FP8Config.force_recompute_fp8_weight_in_bwd is ignored: torchao deprecated it and no longer "
+                "reads it (pytorch/ao#2251); drop it",
+                stacklevel=3,
+            )
+        if not self.enabled:
+            self._warn_settings_off()
         if self.precompute_float8_dynamic_scale_for_fsdp and not self.enable_fsdp_float8_all_gather:
             warnings.warn(
                 "FP8Config.precompute_float8_dynamic_scale_for_fsdp is ignored: it needs "
                 "enable_fsdp_float8_all_gather=True",
                 stacklevel=3,
+            )
+
+    def _warn_settings_off(self) -> None:
+        """With ``enabled=False`` every other setting acts on nothing: name those set away from default."""
+        changed = [
+            f.name
+            for f in fields(self)
+            if f.name not in ("enabled", "force_recompute_fp8_weight_in_bwd")
+            and getattr(self, f.name)
+            != (f.default_factory() if f.default_factory is not MISSING else f.default)
+        ]
+        if changed:
+            warnings.warn(
+                f"FP8Config.{', FP8Config.'.join(changed)} ignored: enabled is False (set enabled=True)",
+                stacklevel=4,
             )
 
     @property
