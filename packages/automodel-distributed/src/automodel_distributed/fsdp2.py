@@ -518,10 +518,11 @@ class FSDP2Manager(StrategyDefaults):
         """Every refusal of `parallelize`, before anything changes; returns the checkpointing mode."""
         cfg = self.config
         if self.mesh.ep_size > 1 and self.experts is None:
-            raise ValueError(
-                f"FSDP2Manager.parallelize: the mesh has ep_size={self.mesh.ep_size} but the manager has no "
-                "expert step; build it with experts=automodel_moe.ExpertParallel(...) (what "
-                "instantiate_infrastructure does), or use automodel_moe.parallelize_model"
+            warnings.warn(
+                f"FSDP2Manager: the mesh has ep_size={self.mesh.ep_size} but no expert step, so the experts "
+                "are sharded like dense weights over dp_shard_cp; for expert parallelism build it with "
+                "experts=automodel_moe.ExpertParallel(...) (what instantiate_infrastructure does)",
+                stacklevel=3,
             )
         self._warn_ignored()
         self._warn_no_frozen_tower(model)
