@@ -170,6 +170,16 @@ class PipelineConfig(ConfigDict):
                 "gives one: set balance_stages=False to keep the explicit split, or drop "
                 "module_fqns_per_model_part"
             )
+        if self.layers_per_stage is not None and self.module_fqns_per_model_part is not None:
+            warnings.warn(
+                "PipelineConfig.layers_per_stage is ignored: module_fqns_per_model_part gives the stages",
+                stacklevel=3,
+            )
+        if self.layers_per_stage is not None and self.pp_schedule_csv is not None:
+            warnings.warn(
+                "PipelineConfig.layers_per_stage is ignored: pp_schedule_csv fixes the stage count",
+                stacklevel=3,
+            )
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"PipelineConfig.dtype must be a torch.dtype or None, got {self.dtype!r}")
         if self.dtype is not None and self.pp_seq_len is None:

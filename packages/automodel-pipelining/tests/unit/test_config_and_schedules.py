@@ -229,3 +229,17 @@ def test_a_dtype_without_static_shapes_warns() -> None:
         "PipelineConfig.dtype is ignored: only static stage shapes (pp_seq_len) read it; set pp_seq_len, "
         "or drop dtype (torch infers the shapes and dtypes from a first forward)"
     ]
+
+
+def test_layers_per_stage_beside_a_fixed_split_warns() -> None:
+    import warnings
+
+    fqns = [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        PipelineConfig(layers_per_stage=1, module_fqns_per_model_part=fqns)
+        PipelineConfig(layers_per_stage=1, pp_schedule_csv="schedule.csv")
+    assert [str(w.message) for w in seen] == [
+        "PipelineConfig.layers_per_stage is ignored: module_fqns_per_model_part gives the stages",
+        "PipelineConfig.layers_per_stage is ignored: pp_schedule_csv fixes the stage count",
+    ]
