@@ -484,6 +484,7 @@ class FSDP2Manager(StrategyDefaults):
             scope = cfg.activation_checkpointing_scope
             assert isinstance(scope, tuple), "FSDP2Config normalises the scope to a tuple"
             apply_activation_checkpointing(model, mode=mode, scope=scope, save_ops=extra.checkpoint_save_ops)
+        self._warn_overridden(extra)
         mp_policy = extra.mp_policy if extra.mp_policy is not None else self.mp_policy
         reshard = cfg.reshard_after_forward
         if reshard is None:
@@ -545,6 +546,26 @@ class FSDP2Manager(StrategyDefaults):
                 "whole sequence of the tensor-parallel group; set sequence_parallel=False (TP with EP works)"
             )
         return mode
+
+    def _warn_overridden(self, extra: ExpertSharding) -> None:
+        """Name a setting given in both configs whose value loses.
+
+        The expert step's policy wins, and FSDP2Config's resharding (as in NeMo AutoModel).
+        """
+        cfg = self.config
+        if extra.mp_policy is not None and cfg.mp_policy is not None and extra.mp_policy != cfg.mp_policy:
+            warnings.warn(
+                "FSDP2Config.mp_policy ignored: the expert step's MoEParallelizerConfig.mp_policy applies to "
+                "every unit; give the policy in one config",
+                stacklevel=4,
+            )
+        moe_reshard = extra.reshard_after_forward
+        if cfg.reshard_after_forward is not None and moe_reshard and cfg.reshard_after_forward != moe_reshard:
+            warnings.warn(
+                "MoEParallelizerConfig.reshard_after_forward ignored: FSDP2Config.reshard_after_forward="
+                f"{cfg.reshard_after_forward!r} applies to every unit; give it in one config",
+                stacklevel=4,
+            )
 
     def _warn_nothing_sharded(self, work: list[str]) -> None:
         """With one data-parallel rank left unwrapped, name the settings that then act on nothing.

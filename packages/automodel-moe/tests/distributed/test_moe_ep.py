@@ -284,6 +284,19 @@ def _errors() -> dict[str, str]:
         warnings.simplefilter("always")
         FSDP2Manager(FSDP2Config(), mesh=ctx).parallelize(build_tiny_model("qwen3_moe"))
     messages["no_expert_step"] = " | ".join(str(w.message) for w in caught if "expert step" in str(w.message))
+    # The same setting in both configs: the one that loses is named.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from automodel_moe import ExpertParallel, MoEParallelizerConfig
+
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    step = ExpertParallel(MoEParallelizerConfig(mp_policy=bf16, reshard_after_forward=True))
+    config = FSDP2Config(mp_policy=fp32, reshard_after_forward=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FSDP2Manager(config, mesh=ctx, experts=step).parallelize(build_tiny_model("qwen3_moe"))
+    messages["given_twice"] = " | ".join(str(w.message) for w in caught if "in one config" in str(w.message))
     return messages
 
 
@@ -609,6 +622,8 @@ def test_ep2_parity_activation_checkpointing_bf16_checkpoint_and_errors(tmp_path
         assert (
             "ep_size=2 but no expert step, so the experts are sharded like dense" in errors["no_expert_step"]
         )
+        assert errors["given_twice"].startswith("FSDP2Config.mp_policy ignored"), errors["given_twice"]
+        assert "MoEParallelizerConfig.reshard_after_forward ignored" in errors["given_twice"], errors
         assert results["grouped_rows_host_reads"] == {"reads": [(2, 4)], "equal": True}, results
         deferred, synced = results["deferred_sync_without_a_root"]
         assert deferred == 0 and synced > 0, results["deferred_sync_without_a_root"]
