@@ -53,6 +53,7 @@ from automodel_distributed.config import (
 )
 from automodel_distributed.fsdp2_units import (
     FSDPUnitPlan,
+    _is_tied,
     check_frozen_sharding,
     frozen_towers,
     output_head,
@@ -204,6 +205,13 @@ def _shard_dense_units(
 ) -> None:
     """``fully_shard`` each dense unit over ``dp_mesh`` (the LM head in its own dtype when given)."""
     head = output_head(model)
+    if lm_head_param_dtype is not None and head is None and _is_tied(model):
+        # A pipeline stage without the head is fine: the last stage applies it.
+        warnings.warn(
+            f"MoEParallelizerConfig.lm_head_precision={lm_head_param_dtype} ignored: the output head is tied "
+            "to the input embedding, which stays in the root unit under mp_policy",
+            stacklevel=4,
+        )
     for unit in units:
         policy = unit.mp_policy or mp_policy
         if lm_head_param_dtype is not None and unit.module is head:

@@ -297,6 +297,14 @@ def _errors() -> dict[str, str]:
         warnings.simplefilter("always")
         FSDP2Manager(config, mesh=ctx, experts=step).parallelize(build_tiny_model("qwen3_moe"))
     messages["given_twice"] = " | ".join(str(w.message) for w in caught if "in one config" in str(w.message))
+    step = ExpertParallel(MoEParallelizerConfig(lm_head_precision=torch.float32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tied = build_tiny_model("qwen3_moe", tie_word_embeddings=True)
+        FSDP2Manager(FSDP2Config(), mesh=ctx, experts=step).parallelize(tied)
+    messages["tied_head"] = " | ".join(
+        str(w.message) for w in caught if "lm_head_precision" in str(w.message)
+    )
     return messages
 
 
@@ -624,6 +632,9 @@ def test_ep2_parity_activation_checkpointing_bf16_checkpoint_and_errors(tmp_path
         )
         assert errors["given_twice"].startswith("FSDP2Config.mp_policy ignored"), errors["given_twice"]
         assert "MoEParallelizerConfig.reshard_after_forward ignored" in errors["given_twice"], errors
+        assert "lm_head_precision=torch.float32 ignored: the output head is tied" in errors["tied_head"], (
+            errors
+        )
         assert results["grouped_rows_host_reads"] == {"reads": [(2, 4)], "equal": True}, results
         deferred, synced = results["deferred_sync_without_a_root"]
         assert deferred == 0 and synced > 0, results["deferred_sync_without_a_root"]
