@@ -98,3 +98,12 @@ def test_apply_autocast_twice_replaces_instead_of_nesting() -> None:
     apply_autocast(model, torch.bfloat16, "cpu")
     apply_autocast(model, torch.float16, "cpu")  # CPU autocast supports fp16 too
     assert model(**batch).logits.dtype == torch.float16
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_ddp_options_at_world_size_one_warn_that_they_are_ignored() -> None:
+    config = DDPConfig(find_unused_parameters=True, bucket_cap_mb=10)
+    with pytest.warns(
+        UserWarning, match="find_unused_parameters, DDPConfig.bucket_cap_mb ignored: world size 1"
+    ):
+        DDPManager(config).parallelize(torch.nn.Linear(2, 2))

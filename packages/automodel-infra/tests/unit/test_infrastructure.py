@@ -560,3 +560,20 @@ def test_disabled_compile_config_compiles_nothing() -> None:
         compile_config={"enabled": False},
     )
     assert all(getattr(block, "_compiled_call_impl", None) is None for block in model.model.layers)
+
+
+def test_a_pipeline_or_moe_config_the_mesh_cannot_use_warns() -> None:
+    from automodel_moe import MoEParallelizerConfig
+    from automodel_pipelining import PipelineConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        instantiate_infrastructure(
+            distributed_config=FSDP2Config(),
+            pipeline_config=PipelineConfig(),
+            moe_config=MoEParallelizerConfig(),
+            mesh=MeshContext(),
+        )
+    messages = [str(w.message) for w in caught]
+    assert "pipeline_config ignored: the mesh has pp_size=1" in messages, messages
+    assert any(m.startswith("moe_config ignored: the mesh has ep_size=1") for m in messages), messages
