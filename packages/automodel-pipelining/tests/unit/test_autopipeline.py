@@ -113,6 +113,10 @@ def test_build_rejects_unsupported_models(mesh: MeshContext) -> None:
         _pipe(mesh).build(build_tiny_model("llama_tied", meta=True), loss_fn=causal_lm_loss)
     with pytest.raises(ValueError, match="needs loss_fn"):
         _pipe(mesh).build(build_tiny_model("llama", meta=True), loss_fn=None)
+    with pytest.raises(ValueError, match=r"PipelineConfig\.loss_fn is set too; give the loss once"):
+        _pipe(mesh, loss_fn=causal_lm_loss).build(
+            build_tiny_model("llama", meta=True), loss_fn=torch.nn.MSELoss()
+        )
 
 
 def test_build_checks_the_split_against_the_schedule(mesh: MeshContext) -> None:
