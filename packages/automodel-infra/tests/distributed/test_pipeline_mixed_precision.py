@@ -4,7 +4,7 @@ Two pipeline ranks, one data-parallel rank each: FSDP2 wraps each stage over its
 bf16 compute alone (the policy casts fp32 parameters), and with static stage shapes (``pp_seq_len``) the
 stages declare the dtype that actually flows between them, bf16, not the parameters' fp32. The losses of
 three AdamW steps stay within bf16 error of single-process transformers in fp32, and the stage receives
-bf16 hidden states.
+bf16 hidden states. The loss comes from ``PipelineConfig.loss_fn`` alone.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def _two_stages() -> dict[str, Any]:
 
     strategy = FSDP2Config()  # the default policy: bf16 compute and outputs, fp32 reduction
     ctx = MeshContext.build(strategy, ParallelismSizes(pp_size=2))
-    config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=BATCH, pp_microbatch_size=1, pp_seq_len=SEQ)
+    # The loss in the pipeline's config (apply_model_infrastructure is given none): the stages use it.
+    config = PipelineConfig(
+        pp_schedule="1f1b", pp_batch_size=BATCH, pp_microbatch_size=1, pp_seq_len=SEQ, loss_fn=causal_lm_loss
+    )
     infra = instantiate_infrastructure(
         distributed_config=strategy, pipeline_config=config, device=torch.device("cpu"), mesh=ctx
     )
@@ -47,7 +50,6 @@ def _two_stages() -> dict[str, Any]:
         device=torch.device("cpu"),
         model_wrapper=infra.model_wrapper,
         mesh=ctx,
-        loss_fn=causal_lm_loss,
         autopipeline=infra.autopipeline,
         parallelize_fn=infra.parallelize_fn,
     )
