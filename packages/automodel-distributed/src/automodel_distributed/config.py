@@ -7,8 +7,6 @@ this module imports nothing heavy (the FSDP2 policy defaults are built lazily).
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
@@ -124,23 +122,12 @@ def default_mp_policy() -> MixedPrecisionPolicy:
     )
 
 
-def _warn_inert(config: Any, names: Iterable[str], why: str) -> None:
-    """Warn, naming each field of ``names`` that ``config`` sets away from its default: ``why`` it is inert.
-
-    A setting that would act on nothing is never dropped silently (the scope is compared normalised).
-    """
-    fields = {f.name: f for f in dataclasses.fields(config)}
-    changed = []
-    for name in names:
-        spec = fields[name]
-        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
-        if name == "activation_checkpointing_scope":
-            default = normalize_activation_checkpointing_scope(default, field_name=name)
-        if getattr(config, name) != default:
-            changed.append(name)
-    if changed:
-        owner = type(config).__name__
-        warnings.warn(f"{owner}.{f', {owner}.'.join(changed)} ignored: {why}", stacklevel=4)
+def _warn_scope_without_checkpointing(config: FSDP2Config | DDPConfig) -> None:
+    """A checkpointing scope other than ``all`` (normalised) acts on nothing without checkpointing."""
+    if not config.activation_checkpointing and config.activation_checkpointing_scope != ("all",):
+        config.warn_unused(
+            ["activation_checkpointing_scope"], "activation_checkpointing is off", stacklevel=5
+        )
 
 
 def _check_bool(obj: object, *names: str) -> None:
@@ -250,13 +237,9 @@ class FSDP2Config(ConfigDict):
                 "overlap is an inductor pass over the compiled blocks, and without compile it never runs"
             )
         if not self.enable_fsdp2_prefetch:
-            _warn_inert(
-                self,
-                ("fsdp2_forward_prefetch_depth", "fsdp2_backward_prefetch_depth"),
-                "enable_fsdp2_prefetch is False",
-            )
-        if not self.activation_checkpointing:
-            _warn_inert(self, ("activation_checkpointing_scope",), "activation_checkpointing is off")
+            depths = ("fsdp2_forward_prefetch_depth", "fsdp2_backward_prefetch_depth")
+            self.warn_unused(self.changed_fields(depths), "enable_fsdp2_prefetch is False")
+        _warn_scope_without_checkpointing(self)
         if self.tp_plan is not None and not isinstance(self.tp_plan, dict | str):
             raise ValueError(
                 "FSDP2Config.tp_plan must be a dict, a plan name or an import path, "
@@ -454,8 +437,7 @@ class DDPConfig(ConfigDict):
         self.activation_checkpointing_scope = normalize_activation_checkpointing_scope(
             self.activation_checkpointing_scope, field_name="DDPConfig.activation_checkpointing_scope"
         )
-        if not self.activation_checkpointing:
-            _warn_inert(self, ("activation_checkpointing_scope",), "activation_checkpointing is off")
+        _warn_scope_without_checkpointing(self)
         cap = self.bucket_cap_mb
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or cap <= 0):
             raise ValueError(f"DDPConfig.bucket_cap_mb must be a positive number or None, got {cap!r}")
@@ -517,7 +499,7 @@ class CompileConfig(ConfigDict):
             )
         if not self.enabled:
             settings = ("mode", "fullgraph", "dynamic", "backend", "options", "dynamo_cache_size_limit")
-            _warn_inert(self, settings, "enabled is False")
+            self.warn_unused(self.changed_fields(settings), "enabled is False")
 
 
 DistributedConfig: TypeAlias = FSDP2Config | MegatronFSDPConfig | DDPConfig

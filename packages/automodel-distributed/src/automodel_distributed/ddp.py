@@ -193,10 +193,9 @@ class DDPManager(StrategyDefaults):
         if self.autocast_dtype is not None:
             apply_autocast(model, self.autocast_dtype, self.device.type)
         if self.world_size == 1:
-            from automodel_distributed.config import _warn_inert
-
             settings = ("broadcast_buffers", "find_unused_parameters", "static_graph", "bucket_cap_mb")
-            _warn_inert(self.config, (*settings, "gradient_as_bucket_view"), "world size 1, no DDP wrapper")
+            changed = self.config.changed_fields((*settings, "gradient_as_bucket_view"))
+            self.config.warn_unused(changed, "world size 1, no DDP wrapper", stacklevel=3)
             return model
         from torch.nn.parallel import DistributedDataParallel
 

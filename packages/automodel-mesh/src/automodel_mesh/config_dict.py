@@ -9,7 +9,8 @@ and the known fields.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 __all__ = ["ConfigDict"]
@@ -31,6 +32,28 @@ class ConfigDict:
         """The value `to_dict` writes for field ``name`` (the value itself by default)."""
         del name
         return value
+
+    def changed_fields(self, names: Iterable[str]) -> list[str]:
+        """The fields of ``names`` whose value differs from the field's declared default."""
+        fields = {f.name: f for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        changed = []
+        for name in names:
+            spec = fields[name]
+            factory = spec.default_factory
+            default = factory() if callable(factory) else spec.default
+            if getattr(self, name) != default:
+                changed.append(name)
+        return changed
+
+    def warn_unused(self, names: list[str], why: str, *, stacklevel: int = 4) -> None:
+        """Warn that the fields ``names`` act on nothing, and ``why`` (no warning when ``names`` is empty).
+
+        A setting that would act on nothing is never dropped silently. ``stacklevel`` 4 points at the
+        caller of a dataclass constructor when called from ``__post_init__``.
+        """
+        if names:
+            owner = type(self).__name__
+            warnings.warn(f"{owner}.{f', {owner}.'.join(names)} ignored: {why}", stacklevel=stacklevel)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a shallow dict."""

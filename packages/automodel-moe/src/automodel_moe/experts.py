@@ -235,16 +235,20 @@ class GroupedRowsEP:
         Host syncs: one per call on an accelerator, reading the table of every rank's per-expert counts
         (`_count_table`), since ``all_to_all_single`` takes its split sizes as host integers (as in
         transformers' ``AllToAllEP`` and torchtitan); counts given as a device tensor are gathered as
-        they are, not read first. An activation-checkpointing recompute runs the call, and its sync,
-        again.
+        they are, not read first. Under TP two: this rank's counts, then the table of the pieces. An
+        activation-checkpointing recompute runs the call, and its syncs, again.
         """
         experts = self.num_local * self.ep_mesh.size()
         if counts is None:
             counts = [rows.shape[0] // experts] * experts
-        table = self._count_table(counts, rows.device)
-        per_expert = table[self.ep_mesh.get_local_rank()]
-        assert len(per_expert) == experts and sum(per_expert) == rows.shape[0], (len(per_expert), rows.shape)
+        table = None
         if self.tp_mesh is None:
+            table = self._count_table(counts, rows.device)
+            per_expert = table[self.ep_mesh.get_local_rank()]
+        else:  # each tp rank exchanges its own piece: `_exchange` gathers the pieces' table
+            per_expert = [int(c) for c in (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
+        assert len(per_expert) == experts and sum(per_expert) == rows.shape[0], (len(per_expert), rows.shape)
+        if table is not None:
             return self._exchange(rows, per_expert, table)
         return self._tp_exchange(rows, per_expert)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -209,10 +210,10 @@ def test_old_gpu_without_emulate_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
 def test_fp8_settings_that_act_on_nothing_warn() -> None:
     import warnings
 
-    def caught(**fields: object) -> list[str]:
+    def caught(**fields: Any) -> list[str]:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            FP8Config(**fields)  # type: ignore[arg-type]
+            FP8Config(**fields)
         return [str(w.message) for w in seen]
 
     assert caught(emulate=True, filter_fqns=["lm_head"]) == [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from automodel_mesh.config_dict import ConfigDict
@@ -86,28 +86,16 @@ class FP8Config(ConfigDict):
                 "reads it (pytorch/ao#2251); drop it",
                 stacklevel=3,
             )
-        if not self.enabled:
-            self._warn_settings_off()
+        if not self.enabled:  # every other setting then acts on nothing
+            others = [
+                f.name for f in fields(self) if f.name not in ("enabled", "force_recompute_fp8_weight_in_bwd")
+            ]
+            self.warn_unused(self.changed_fields(others), "enabled is False (set enabled=True)")
         if self.precompute_float8_dynamic_scale_for_fsdp and not self.enable_fsdp_float8_all_gather:
             warnings.warn(
                 "FP8Config.precompute_float8_dynamic_scale_for_fsdp is ignored: it needs "
                 "enable_fsdp_float8_all_gather=True",
                 stacklevel=3,
-            )
-
-    def _warn_settings_off(self) -> None:
-        """With ``enabled=False`` every other setting acts on nothing: name those set away from default."""
-        changed = [
-            f.name
-            for f in fields(self)
-            if f.name not in ("enabled", "force_recompute_fp8_weight_in_bwd")
-            and getattr(self, f.name)
-            != (f.default_factory() if f.default_factory is not MISSING else f.default)
-        ]
-        if changed:
-            warnings.warn(
-                f"FP8Config.{', FP8Config.'.join(changed)} ignored: enabled is False (set enabled=True)",
-                stacklevel=4,
             )
 
     @property
