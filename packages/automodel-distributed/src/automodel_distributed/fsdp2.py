@@ -498,7 +498,7 @@ class FSDP2Manager(StrategyDefaults):
         if reshard is None:
             reshard = extra.reshard_after_forward
         one_rank = self.mesh.dp_shard_cp_size * (self.mesh.dp_replicate_size or 1) == 1
-        work = _one_rank_work(model, mp_policy, self.offload_policy)
+        work = _one_rank_work(model, mp_policy, self.offload_policy) if one_rank else []
         if one_rank and not extra.units and (not work or self.device_mesh is None):
             self._warn_nothing_sharded(work)
             return model
