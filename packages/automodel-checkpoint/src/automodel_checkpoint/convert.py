@@ -358,7 +358,7 @@ def _describe_converter(
         # One tensor cut into equal chunks, one per target (a fused query_key_value, say).
         prefix, _, suffix = target.partition(targets[0])
         dim = ops[0].dim if ops[0].dim >= 0 else ops[0].dim + len(only[0].shape)
-        bounds = torch.arange(only[0].shape[dim]).chunk(len(targets))
+        bounds = torch.arange(only[0].shape[dim], device="cpu").chunk(len(targets))
         out: dict[str, Node] = {}
         for name, rows in zip(targets, bounds, strict=True):
             shape = (*only[0].shape[:dim], len(rows), *only[0].shape[dim + 1 :])

@@ -324,7 +324,7 @@ def _read_all(plan: _Plan) -> int:
                     whole = {}
                     for src in sources(node):
                         stored = plan.reader.tensors[src.key]
-                        whole[src.key] = torch.empty(src.shape, dtype=stored.dtype)
+                        whole[src.key] = torch.empty(src.shape, dtype=stored.dtype, device="cpu")  # host
                         zero = (0,) * len(src.shape)
                         total += plan.reader.read(src.key, Box(zero, zero, src.shape), whole[src.key])
                     computed[key] = compute(node, whole, plan.model)

@@ -250,7 +250,7 @@ def save_hf_checkpoint(
 
     def nbytes(key: str) -> int:
         t = by_model_key[disk[key].pieces[0].model_key]
-        return math.prod(disk[key].shape) * torch.empty((), dtype=cast_to(t) or t.dtype).element_size()
+        return math.prod(disk[key].shape) * (cast_to(t) or t.dtype).itemsize
 
     sizes = [(k, nbytes(k)) for k in disk]
     files = plan_shards(sizes, limit)

@@ -117,7 +117,7 @@ class TensorEntry:
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ def _check_entry(path: Path, name: str, raw: Any, data_start: int) -> TensorEntr
     numel = 1
     for size in shape:
         numel *= size
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if offsets[1] - offsets[0] != numel * itemsize:
         raise bad(
             f"spans {offsets[1] - offsets[0]} bytes, but shape {shape} of {raw['dtype']} needs "
@@ -284,7 +284,7 @@ def read_box(fd: int, path: Path, entry: TensorEntry, box: Box, out: torch.Tenso
     for offset, nbytes, lead in runs:
         dst = out[lead] if lead else out
         if dst.dim() == 0:
-            staging = torch.empty((nbytes,), dtype=torch.uint8)
+            staging = torch.empty((nbytes,), dtype=torch.uint8, device="cpu")
             _pread_into(fd, path, _byte_view(staging), offset)
             dst.copy_(staging.view(entry.dtype).reshape(()))
             continue
@@ -293,7 +293,7 @@ def read_box(fd: int, path: Path, entry: TensorEntry, box: Box, out: torch.Tenso
         step = max(1, _READ_CHUNK_BYTES // max(1, row_bytes))
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            staging = torch.empty(((r1 - r0) * row_bytes,), dtype=torch.uint8)
+            staging = torch.empty(((r1 - r0) * row_bytes,), dtype=torch.uint8, device="cpu")
             _pread_into(fd, path, _byte_view(staging), offset + r0 * row_bytes)
             dst[r0:r1].copy_(staging.view(entry.dtype).view(r1 - r0, *dst.shape[1:]))
     return total
@@ -325,7 +325,7 @@ class SafetensorsStreamWriter:
             numel = 1
             for size in shape:
                 numel *= size
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            nbytes = numel * dtype.itemsize
             header[name] = {
                 "dtype": DTYPE_TO_SAFETENSORS[dtype],
                 "shape": list(shape),

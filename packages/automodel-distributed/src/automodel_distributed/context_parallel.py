@@ -109,11 +109,12 @@ def _cp_mesh(mesh: DeviceMesh | MeshContext) -> DeviceMesh:
     return mesh[MeshAxisName.CP.value]
 
 
-def load_balance_indices(seq_len: int, cp_size: int) -> torch.Tensor:
+def load_balance_indices(seq_len: int, cp_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The head-tail order of a sequence under CP: position ``i`` of the reordered sequence is ``out[i]``.
 
     The sequence is cut into ``2 * cp_size`` chunks; rank ``r`` holds chunks ``r`` and
     ``2 * cp_size - 1 - r``, one after the other. This is the layout of torch's default CP load balancer.
+    The indices are made on ``device`` (the host unless told).
 
     Raises:
         ValueError: ``seq_len`` is not a multiple of ``2 * cp_size``.
@@ -123,7 +124,7 @@ def load_balance_indices(seq_len: int, cp_size: int) -> torch.Tensor:
             f"context parallelism needs a sequence length divisible by 2 * cp_size = {2 * cp_size}, got "
             f"{seq_len}; pad the batch to a multiple of {2 * cp_size}"
         )
-    chunks = torch.arange(seq_len).chunk(2 * cp_size)
+    chunks = torch.arange(seq_len, device=device).chunk(2 * cp_size)
     return torch.cat([torch.cat([chunks[r], chunks[2 * cp_size - 1 - r]]) for r in range(cp_size)])
 
 
@@ -434,7 +435,9 @@ def context_parallel_region(
     lengths = {k: batch[k].shape[dims.get(k, 1)] for k in keys}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"context_parallel_region: the sequence tensors disagree on their length: {lengths}")
-    order = load_balance_indices(next(iter(lengths.values())), cp_mesh.size())  # validates divisibility
+    order = load_balance_indices(  # validates divisibility
+        next(iter(lengths.values())), cp_mesh.size(), device=batch[keys[0]].device
+    )
     positions = batch.get("position_ids")
     packed = isinstance(positions, torch.Tensor) and document_ids(positions) is not None
     if _ACTIVE_CP_SIZE.get():
@@ -516,7 +519,7 @@ def context_parallel_unshard(
         moved = tensor.detach().movedim(dim, 0).contiguous()
         gathered = moved.new_empty((moved.shape[0] * size, *moved.shape[1:]))
         dist.all_gather_into_tensor(gathered, moved, group=cp_mesh.get_group())
-        order = load_balance_indices(gathered.shape[0], size).to(gathered.device)
+        order = load_balance_indices(gathered.shape[0], size, device=gathered.device)
         restored = torch.empty_like(gathered)
         restored[order] = gathered
         out.append(restored.movedim(0, dim))

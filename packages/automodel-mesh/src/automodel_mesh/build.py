@@ -105,7 +105,8 @@ def build_meshes(
 
     shape = layout.dense_shape()
     names = tuple(axis.value for axis, _ in shape)
-    rank_tensor = torch.tensor(rank_list, dtype=torch.int).reshape(tuple(size for _, size in shape))
+    # DeviceMesh takes its rank tensor on the host, whatever the mesh's device type.
+    rank_tensor = torch.tensor(rank_list, dtype=torch.int, device="cpu").reshape(tuple(n for _, n in shape))
     device_mesh = DeviceMesh(
         device_type,
         rank_tensor,

@@ -130,8 +130,13 @@ class _OtherStageModule(nn.Module):
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """A zero that broadcasts to any shape."""
-        return torch.zeros(())
+        """A zero that broadcasts to any shape, on the device of its first tensor input.
+
+        Without a tensor input, on the host: a 0-dim host tensor combines with a tensor on any device.
+        """
+        inputs = (*args, *kwargs.values())
+        device = next((a.device for a in inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        return torch.zeros((), device=device)
 
 
 @dataclass(frozen=True)

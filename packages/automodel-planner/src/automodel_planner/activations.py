@@ -283,7 +283,8 @@ def profile_activations(
         blocks = find_transformer_blocks(model)
         recorder = _Recorder(model, blocks, sharded_layer_kinds(model))
         handles = recorder.hooks(model, blocks)
-        ids = torch.zeros(micro_batch, local_seq, dtype=torch.long)
+        device = next(model.parameters()).device  # wherever transformers built the fake model
+        ids = torch.zeros(micro_batch, local_seq, dtype=torch.long, device=device)
         with recorder.producers, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             model(input_ids=ids, labels=ids)
         for handle in handles:

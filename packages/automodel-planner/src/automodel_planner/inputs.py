@@ -54,7 +54,7 @@ class PlanInput:
     @property
     def element_size(self) -> int:
         """Bytes per parameter and activation value."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def config_int(self, *names: str, default: int = 0) -> int:
         """The first of ``names`` the model config sets to a positive int, else ``default``."""

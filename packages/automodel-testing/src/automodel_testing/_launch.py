@@ -57,6 +57,7 @@ class LaunchSpec:
         env: The whole environment of every rank: the caller's at launch plus the shared rank variables
             (see `rank_environment` for the per-rank ones).
         cwd: The caller's working directory at launch; every rank runs there.
+        device_audit: Whether the function runs under `implicit_device_audit` (see `run_distributed`).
     """
 
     fn_ref: FunctionRef
@@ -69,6 +70,7 @@ class LaunchSpec:
     init_process_group: bool
     env: Mapping[str, str]
     cwd: str
+    device_audit: bool = True
 
 
 def rank_environment(spec: LaunchSpec, rank: int) -> dict[str, str]:
@@ -198,6 +200,19 @@ def _become_group_leader() -> None:
         os.setpgid(0, 0)
 
 
+def _call(fn: Callable[..., Any], args: Any, kwargs: Any, audit: bool) -> Any:
+    """``fn(*args, **kwargs)``, under `implicit_device_audit` when ``audit``; findings fail the rank."""
+    if not audit:
+        return fn(*args, **kwargs)
+    from automodel_testing.device_audit import ImplicitDeviceError, implicit_device_audit
+
+    with implicit_device_audit() as findings:
+        result = fn(*args, **kwargs)
+    if findings:  # raised where they happened; these were caught by the code under test
+        raise ImplicitDeviceError("\n".join(dict.fromkeys(findings)))
+    return result
+
+
 def worker_main(rank: int, spec: LaunchSpec, queue: Any) -> None:
     """Entry point of one rank; reports ``("ok"|"error", rank, bytes|str)`` on ``queue``.
 
@@ -231,7 +246,7 @@ def worker_main(rank: int, spec: LaunchSpec, queue: Any) -> None:
                 )
             fn = _load_function(spec.fn_ref)
             args, kwargs = pickle.loads(spec.payload)
-            result = fn(*args, **kwargs)
+            result = _call(fn, args, kwargs, spec.device_audit)
             message = ("ok", rank, pickle.dumps(result))
         except BaseException:
             message = ("error", rank, traceback.format_exc())

@@ -355,6 +355,7 @@ def run_distributed(
     env: Mapping[str, str] | None = None,
     init_process_group: bool = True,
     start_method: str = "forkserver",
+    device_audit: bool = True,
     **kwargs: Any,
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks and return their results.
@@ -386,6 +387,9 @@ def run_distributed(
         start_method: ``"forkserver"`` (fast: the ranks are forked from a server that imported
             `PRELOAD`) or ``"spawn"`` (a fresh interpreter per rank, for ``env`` that must be in place
             when the interpreter starts, such as ``LD_PRELOAD``).
+        device_audit: Run ``fn`` under `automodel_testing.device_audit.implicit_device_audit`: a
+            tensor that automodel library code creates without ``device=`` fails the rank, as it
+            would misplace the tensor on a GPU job. On by default.
         **kwargs: Keyword arguments for ``fn``.
 
     Returns:
@@ -419,6 +423,7 @@ def run_distributed(
         init_process_group=init_process_group,
         env=_shared_env(world_size, env),
         cwd=os.getcwd(),
+        device_audit=device_audit,
     )
     ctx = _context(start_method)
     queue = ctx.Queue()

@@ -188,7 +188,7 @@ class RowSampler:
     def _permutation(self, epoch: int) -> torch.Tensor:
         if self._cache is None or self._cache[0] != epoch:
             generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._cache = (epoch, torch.randperm(self.num_rows, generator=generator))
+            self._cache = (epoch, torch.randperm(self.num_rows, generator=generator, device="cpu"))
         return self._cache[1]
 
     def indices(self, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:

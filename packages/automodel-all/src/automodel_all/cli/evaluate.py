@@ -28,7 +28,7 @@ __all__ = ["evaluate"]
 
 def _round(rows: TokenRows, start: int, count: int, device: torch.device) -> dict[str, torch.Tensor]:
     """``count`` rows from ``start``; past the end, copies of row 0 with every label ignored."""
-    index = torch.arange(start, start + count)
+    index = torch.arange(start, start + count, device="cpu")  # host rows; batch() moves them
     missing = index >= len(rows)
     batch = rows.batch(torch.where(missing, torch.zeros_like(index), index), device)
     batch["labels"][missing.to(device)] = IGNORE_INDEX

@@ -11,6 +11,7 @@ step, saves a checkpoint and the worker exits 0. The launcher forwards both sign
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass
 from types import FrameType
@@ -97,7 +98,7 @@ class StepStatus:
         """
         world, rank = dist.get_world_size(), dist.get_rank()
         loss = float(local_loss)
-        finite = bool(torch.isfinite(torch.tensor(loss)))
+        finite = math.isfinite(loss)
         status = torch.zeros(2 + 2 * world, dtype=torch.float64, device=device)
         status[0] = loss if finite else 0.0
         status[1] = float(stop)

@@ -148,9 +148,9 @@ def encode_image_records(
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     count = len(records)
-    input_ids = torch.full((count, seq_len), int(pad or 0), dtype=torch.int32)
-    labels = torch.full((count, seq_len), IGNORE_INDEX, dtype=torch.int32)
-    tokens = torch.empty(count, dtype=torch.int32)
+    input_ids = torch.full((count, seq_len), int(pad or 0), dtype=torch.int32, device="cpu")
+    labels = torch.full((count, seq_len), IGNORE_INDEX, dtype=torch.int32, device="cpu")
+    tokens = torch.empty(count, dtype=torch.int32, device="cpu")
     per_token: dict[str, torch.Tensor] = {}
     media: list[dict[str, torch.Tensor]] = []
     for index, record in enumerate(records):
@@ -160,7 +160,7 @@ def encode_image_records(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt"
         )
         ids = out["input_ids"][0]
-        mask = torch.as_tensor(out["assistant_masks"]).reshape(-1).bool()
+        mask = torch.as_tensor(out["assistant_masks"], device="cpu").reshape(-1).bool()
         if len(ids) > seq_len + 1:
             raise ValueError(
                 f"{label}: {len(ids)} tokens (image tokens included) do not fit data.seq_len + 1 = "
@@ -182,12 +182,12 @@ def encode_image_records(
             ):
                 continue
             if value.dim() == 2 and value.shape == out["input_ids"].shape:  # per token (token_type_ids)
-                per_token.setdefault(name, torch.zeros((count, seq_len), dtype=torch.int32))
+                per_token.setdefault(name, torch.zeros((count, seq_len), dtype=torch.int32, device="cpu"))
                 per_token[name][index, :width] = value[0, :-1].to(torch.int32)
             else:  # per image or per patch: first dimension counts them
                 row[name] = value
         media.append(row)
-    positions = torch.arange(seq_len, dtype=torch.int32).expand(count, seq_len).contiguous()
+    positions = torch.arange(seq_len, dtype=torch.int32, device="cpu").expand(count, seq_len).contiguous()
     report = PackReport(documents=count, rows=count, fill=float(tokens.sum()) / max(1, count * seq_len))
     return TokenRows(input_ids, labels, positions, tokens, report, per_token=per_token, media=media)
 

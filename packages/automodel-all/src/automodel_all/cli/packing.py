@@ -187,12 +187,14 @@ def _concat(docs: Sequence[Document], seq_len: int, report: PackReport) -> Token
     count = len(ids) // width
     if count == 0:
         raise ValueError(f"the data has {len(ids)} tokens, fewer than one row of seq_len + 1 = {width}")
-    stream = torch.tensor(ids[: count * width], dtype=torch.int32).view(count, width)
-    keep = torch.tensor(targets[: count * width], dtype=torch.bool).view(count, width)
+    stream = torch.tensor(ids[: count * width], dtype=torch.int32, device="cpu").view(count, width)
+    keep = torch.tensor(targets[: count * width], dtype=torch.bool, device="cpu").view(count, width)
     labels = torch.where(keep[:, 1:], stream[:, 1:], torch.full_like(stream[:, 1:], IGNORE_INDEX))
-    positions = torch.arange(seq_len, dtype=torch.int32).expand(count, seq_len).contiguous()
+    positions = torch.arange(seq_len, dtype=torch.int32, device="cpu").expand(count, seq_len).contiguous()
     report.rows, report.fill = count, 1.0
-    return TokenRows(stream[:, :-1].contiguous(), labels, positions, torch.full((count,), seq_len), report)
+    return TokenRows(
+        stream[:, :-1].contiguous(), labels, positions, torch.full((count,), seq_len, device="cpu"), report
+    )
 
 
 def _best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -246,23 +248,23 @@ def pack_documents(docs: Sequence[Document], seq_len: int, packing: str, pad_id:
         else _best_fit([len(p.ids) - 1 for p in pieces], seq_len)
     )
     count = len(bins)
-    input_ids = torch.full((count, seq_len), pad_id, dtype=torch.int32)
-    labels = torch.full((count, seq_len), IGNORE_INDEX, dtype=torch.int32)
-    positions = torch.empty((count, seq_len), dtype=torch.int32)
-    tokens = torch.empty(count, dtype=torch.int32)
+    input_ids = torch.full((count, seq_len), pad_id, dtype=torch.int32, device="cpu")
+    labels = torch.full((count, seq_len), IGNORE_INDEX, dtype=torch.int32, device="cpu")
+    positions = torch.empty((count, seq_len), dtype=torch.int32, device="cpu")
+    tokens = torch.empty(count, dtype=torch.int32, device="cpu")
     for row, members in enumerate(bins):
         at = 0
         for index in members:
             inputs, targets = _slots(pieces[index])
             end = at + len(inputs)
-            input_ids[row, at:end] = torch.tensor(inputs, dtype=torch.int32)
-            labels[row, at:end] = torch.tensor(targets, dtype=torch.int32)
-            positions[row, at:end] = torch.arange(len(inputs), dtype=torch.int32)
+            input_ids[row, at:end] = torch.tensor(inputs, dtype=torch.int32, device="cpu")
+            labels[row, at:end] = torch.tensor(targets, dtype=torch.int32, device="cpu")
+            positions[row, at:end] = torch.arange(len(inputs), dtype=torch.int32, device="cpu")
             at = end
         # Padding continues the last document's positions: it follows that document, so causal attention
         # keeps the document from seeing it, and no extra segment (mask block) is needed.
         last = int(positions[row, at - 1])
-        positions[row, at:] = torch.arange(last + 1, last + 1 + seq_len - at, dtype=torch.int32)
+        positions[row, at:] = torch.arange(last + 1, last + 1 + seq_len - at, dtype=torch.int32, device="cpu")
         tokens[row] = at
     report.rows = count
     report.fill = float(tokens.sum()) / (count * seq_len)
