@@ -72,7 +72,15 @@ def mark_needs_init(t: torch.Tensor, value: bool) -> None:
 
 
 def _is_meta(t: torch.Tensor) -> bool:
-    return t.device.type == "meta"
+    """On meta, itself or (a tensor subclass such as torchao's float8 weight wrapper) any inner tensor."""
+    if t.device.type == "meta":
+        return True
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if not callable(flatten):
+        return False
+    names, _ = flatten()
+    inner = (getattr(t, name, None) for name in names)
+    return any(isinstance(i, torch.Tensor) and _is_meta(i) for i in inner)
 
 
 def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -100,13 +108,21 @@ def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _swap_param(owners: list[tuple[nn.Module, str]], old: nn.Parameter, device: torch.device) -> None:
     new = nn.Parameter(_empty_like(old, device), requires_grad=old.requires_grad)
     saved = dict(old.__dict__)
+    # Keep the old tensor's Python attributes (markers, tying) but never over the new tensor's own: a
+    # tensor subclass keeps its inner tensors there (torchao's float8 weight: ``_tensor``), and the old
+    # ones are on meta.
     try:
         torch.utils.swap_tensors(old, new)
-        old.__dict__.update(saved)
+        _add_missing(old.__dict__, saved)
     except RuntimeError:  # e.g. a weakref to the old tensor: fall back to re-registering everywhere
-        new.__dict__.update(saved)
+        _add_missing(new.__dict__, saved)
         for module, name in owners:
             module._parameters[name] = new
+
+
+def _add_missing(attributes: dict[str, Any], saved: dict[str, Any]) -> None:
+    for key, value in saved.items():
+        attributes.setdefault(key, value)
 
 
 def materialize_meta_tensors(
@@ -396,8 +412,8 @@ def verify_materialized(model: nn.Module, rules: KeyRules = DEFAULT_KEY_RULES) -
 
 
 def has_meta_tensors(model: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``model`` is still on the meta device."""
-    return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+    """Whether any parameter or buffer of ``model`` (or an inner tensor of one) is still on meta."""
+    return any(_is_meta(t) for t in [*model.parameters(), *model.buffers()])
 
 
 def default_device(model: nn.Module) -> torch.device:

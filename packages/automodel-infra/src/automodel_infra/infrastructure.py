@@ -678,6 +678,25 @@ def _run_shard(state: ApplyState) -> None:
         state.result = _shard_ep_fsdp(state.model, state.strategy, state.parallelize_fn, state.mesh)
     state.pipelined = state.autopipeline is not None and state.result is state.autopipeline
     state.parts = list(state.result.parts) if state.pipelined else [state.result]
+    _warn_fp8_gather_without_fsdp(state.fp8_config, state.parts)
+
+
+def _warn_fp8_gather_without_fsdp(fp8_config: Any, parts: list[nn.Module]) -> None:
+    """Name ``enable_fsdp_float8_all_gather`` when no FSDP2 unit gathers the converted weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def setting(name: str) -> bool:
+        value = fp8_config.get(name) if isinstance(fp8_config, Mapping) else getattr(fp8_config, name, None)
+        return bool(value)
+
+    if fp8_config is None or not (setting("enabled") and setting("enable_fsdp_float8_all_gather")):
+        return
+    if not any(isinstance(module, FSDPModule) for part in parts for module in part.modules()):
+        warnings.warn(
+            "FP8Config.enable_fsdp_float8_all_gather ignored: no FSDP2 unit gathers this model's weights "
+            "(the strategy is not FSDP2, or it had nothing to shard); set it only under FSDP2",
+            stacklevel=4,
+        )
 
 
 def _run_compile(state: ApplyState) -> None:

@@ -513,15 +513,19 @@ def test_fp8_at_world_1_converts_before_loading(checkpoint: pathlib.Path) -> Non
 
     from automodel_quant.fp8 import FP8Config, apply_fp8_to_model
 
-    config = FP8Config(enabled=True, emulate=True, filter_fqns=["lm_head"])
-    model = apply_model_infrastructure(
-        build_tiny_model("llama", meta=True),
-        is_meta_device=True,
-        device="cpu",
-        fp8_config=config,
-        load_base_model=True,
-        pretrained_model_name_or_path=str(checkpoint),
+    config = FP8Config(
+        enabled=True, emulate=True, filter_fqns=["lm_head"], enable_fsdp_float8_all_gather=True
     )
+    # No strategy: nothing gathers the float8 weights, and the setting says so instead of acting on nothing.
+    with pytest.warns(UserWarning, match="FP8Config.enable_fsdp_float8_all_gather ignored: no FSDP2 unit"):
+        model = apply_model_infrastructure(
+            build_tiny_model("llama", meta=True),
+            is_meta_device=True,
+            device="cpu",
+            fp8_config=config,
+            load_base_model=True,
+            pretrained_model_name_or_path=str(checkpoint),
+        )
     reference = apply_fp8_to_model(AutoModelForCausalLM.from_pretrained(checkpoint), config=config)
     assert type(model.model.layers[0].mlp.up_proj).__name__ == "Float8Linear"
     assert type(model.lm_head).__name__ == "Linear"
