@@ -211,3 +211,40 @@ def test_host_allocator_is_a_launch_field_checked_by_name(tmp_path: Path) -> Non
     job = build_job(job_from_args(build_parser().parse_args(["train", "--host-allocator", "glibc"])))
     assert job.launch.host_allocator == "glibc"
     assert build_job(job_from_args(build_parser().parse_args(["train"]))).launch.host_allocator == "auto"
+
+
+def test_settings_that_would_act_on_nothing_are_named_with_their_line(tmp_path: Path) -> None:
+    from automodel_all.cli.config import inert_settings
+
+    path = _write(
+        tmp_path,
+        """
+        train:
+          eval_every: 5
+          resume_fallback: true
+        launch:
+          rdzv_id: myjob
+        """,
+    )
+    lines = inert_settings(build_job(load_yaml(path)))
+    assert lines == [
+        f"{path}:5: launch.rdzv_id ignored: it acts only with launch.rdzv_endpoint (a c10d rendezvous)",
+        f"{path}:2: train.eval_every ignored: there is no evaluation data (data.eval_path, data.eval_split)",
+        f"{path}:3: train.resume_fallback ignored: nothing resumes: set train.resume (or "
+        "launch.max_restarts, whose restarted workers resume)",
+    ]
+    acting = _write(
+        tmp_path,
+        """
+        data:
+          eval_split: validation
+        train:
+          eval_every: 5
+          resume: true
+          resume_fallback: true
+        launch:
+          rdzv_endpoint: node0:29400
+          rdzv_id: myjob
+        """,
+    )
+    assert inert_settings(build_job(load_yaml(acting))) == []

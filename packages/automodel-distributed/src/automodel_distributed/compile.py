@@ -14,6 +14,7 @@ graph-capture and backend errors surface at the first forward, from dynamo. Sett
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,8 +82,19 @@ def configure_torch_dynamo(cache_size_limit: int = 256, capture_scalar_outputs: 
 def configure_dynamo(config: CompileConfig) -> None:
     """Apply the process-wide dynamo settings of ``config``: its cache size limit.
 
-    That is `configure_torch_dynamo` without scalar capture, which would change what dynamo traces.
+    That is `configure_torch_dynamo` without scalar capture, which would change what dynamo traces. A
+    limit below the process's current one is named in a warning: it never lowers a limit someone raised.
     """
+    import torch._dynamo
+
+    current = torch._dynamo.config.cache_size_limit
+    if config.dynamo_cache_size_limit < current:
+        warnings.warn(
+            f"CompileConfig.dynamo_cache_size_limit={config.dynamo_cache_size_limit} ignored: "
+            f"torch._dynamo.config.cache_size_limit is already {current} in this process, and the setting "
+            "only raises it",
+            stacklevel=3,
+        )
     configure_torch_dynamo(config.dynamo_cache_size_limit, capture_scalar_outputs=False)
 
 

@@ -101,6 +101,9 @@ class ExpertSharding:
     """Parameter dtype of the LM head's unit (an fp32 head under a bf16 policy); ``None``: the policy's."""
     wrap_root: bool = True
     """``fully_shard`` the root too; False leaves its leftover parameters replicated."""
+    checkpointing_settings: tuple[str, ...] = ()
+    """Settings the step was given that act only under activation checkpointing (``Config.field``
+    names); the applier warns, naming them, when checkpointing is off."""
 
 
 class ExpertParallelism(Protocol):
@@ -471,7 +474,7 @@ class FSDP2Manager(StrategyDefaults):
         mode = self._check_before_sharding(model)
         extra = self.experts.apply(model, self.mesh) if self.experts is not None else ExpertSharding()
         if cfg.patch_is_packed_sequence:
-            _patch_is_packed_sequence()
+            _patch_is_packed_sequence(model)
         if self.mesh.tp_size > 1:
             from automodel_distributed.tensor_parallel import (
                 apply_tensor_parallel,
@@ -488,6 +491,12 @@ class FSDP2Manager(StrategyDefaults):
             )
             if cfg.enable_async_tensor_parallel:  # CUDA: `_check_before_sharding` refused it elsewhere
                 enable_async_tensor_parallel(tp_mesh)
+        if mode is None and extra.checkpointing_settings:
+            warnings.warn(
+                f"{', '.join(extra.checkpointing_settings)} ignored: activation checkpointing is off "
+                "(FSDP2Config.activation_checkpointing)",
+                stacklevel=3,
+            )
         if mode is not None:
             scope = cfg.activation_checkpointing_scope
             assert isinstance(scope, tuple), "FSDP2Config normalises the scope to a tuple"
@@ -679,10 +688,19 @@ class FSDP2Manager(StrategyDefaults):
             yield
 
 
-def _patch_is_packed_sequence() -> None:
+def _patch_is_packed_sequence(model: nn.Module) -> None:
     # transformers inspects position_ids to detect packed sequences, which costs a device-to-host sync
-    # per forward; the user asserted batches are never packed.
+    # per forward; the user asserted batches are never packed. Only its flash-attention path asks.
     import transformers.modeling_flash_attention_utils as fa_utils
+
+    implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", None))
+    if "flash" not in implementation:
+        warnings.warn(
+            "FSDP2Config.patch_is_packed_sequence ignored: only transformers' flash-attention path looks "
+            f"for packed sequences, and this model's attention is {implementation!r}",
+            stacklevel=4,
+        )
+        return
 
     def _never_packed(*_args: Any, **_kwargs: Any) -> bool:
         return False

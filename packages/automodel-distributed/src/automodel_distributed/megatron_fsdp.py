@@ -15,6 +15,7 @@ not wired yet (``NotImplementedError``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ __all__ = [
     "derive_megatron_fsdp_unit_modules",
     "megatron_fsdp_kwargs",
     "megatron_fsdp_shard_axis",
+    "warn_transformer_engine_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,22 @@ def _warn_once(key: str, message: str, *args: object) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning(message, *args)
+
+
+def warn_transformer_engine_settings(config: MegatronFSDPConfig, model: nn.Module) -> None:
+    """Name ``keep_fp8_transpose_cache`` when ``model`` has no Transformer Engine module for it to act on.
+
+    Megatron-FSDP keeps the FP8 transpose caches of Transformer Engine's layers; a transformers model
+    built from its own classes has none.
+    """
+    if config.keep_fp8_transpose_cache and not any(
+        type(m).__module__.startswith("transformer_engine") for m in model.modules()
+    ):
+        config.warn_unused(
+            ["keep_fp8_transpose_cache"],
+            "it keeps the FP8 transpose caches of Transformer Engine layers, and this model has none",
+            stacklevel=3,
+        )
 
 
 def derive_megatron_fsdp_unit_modules(model: nn.Module) -> list[str]:
@@ -256,19 +274,13 @@ class MegatronFSDPManager(StrategyDefaults):
         device = torch.device("cuda", torch.cuda.current_device())
         shard_axis = megatron_fsdp_shard_axis(self.mesh)
         if self.mesh.submesh(shard_axis).size() == 1:
-            logger.warning(
-                "Megatron-FSDP: the %r axis has one rank; returning the model unsharded", shard_axis
-            )
-            model = model.to(device)
-            mode = resolve_checkpointing_mode(self.activation_checkpointing)
-            if mode is not None:
-                apply_activation_checkpointing(model, mode=mode)
-            return model, optimizer
+            return self._one_rank(model, device, shard_axis), optimizer
         if resolve_checkpointing_mode(self.activation_checkpointing) is not None:
             raise ValueError(
                 "MegatronFSDPConfig.activation_checkpointing is not supported while Megatron-FSDP shards the "
                 "model; set it to False, or use FSDP2Config(activation_checkpointing=...)"
             )
+        warn_transformer_engine_settings(self.config, model)
         units = self.megatron_fsdp_unit_modules or derive_megatron_fsdp_unit_modules(model)
         kwargs = megatron_fsdp_kwargs(self.config, unit_modules=units, dp_shard_dim=shard_axis)
         precision = megatron_fsdp.MixedPrecisionPolicy(**kwargs.pop("mixed_precision"))
@@ -279,6 +291,29 @@ class MegatronFSDPManager(StrategyDefaults):
         # Swap the module's parameters for the distributed ones, so an optimizer built later sees them.
         wrapped._replace_param_with_distributed_if_needed()
         return wrapped, None
+
+    def _one_rank(self, model: nn.Module, device: torch.device, shard_axis: str) -> nn.Module:
+        """The model on this GPU, unwrapped, with activation checkpointing if configured.
+
+        A meta model stays on meta (``init_fsdp_with_meta_device``): `apply_model_infrastructure`'s
+        materialise step loads it onto the device, recomputed buffers included; ``model.to`` cannot copy
+        a meta tensor. The settings that only the wrapper reads are named in a warning.
+        """
+        wrapper_only = [f.name for f in dataclasses.fields(self.config)]
+        wrapper_only = [
+            n for n in wrapper_only if n not in ("activation_checkpointing", "init_fsdp_with_meta_device")
+        ]
+        self.config.warn_unused(
+            self.config.changed_fields(wrapper_only),
+            f"the {shard_axis!r} axis has one rank, so Megatron-FSDP does not wrap the model",
+            stacklevel=5,
+        )
+        if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            model = model.to(device)
+        mode = resolve_checkpointing_mode(self.activation_checkpointing)
+        if mode is not None:
+            apply_activation_checkpointing(model, mode=mode)
+        return model
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make an optimizer built after `parallelize` (without one) drive Megatron-FSDP, in place.

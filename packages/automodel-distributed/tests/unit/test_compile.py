@@ -110,7 +110,8 @@ def test_cache_size_limit_is_applied() -> None:
     configure_dynamo(CompileConfig(dynamo_cache_size_limit=77))
     assert torch._dynamo.config.cache_size_limit == 77
     assert torch._dynamo.config.accumulated_cache_size_limit >= 77
-    configure_dynamo(CompileConfig(dynamo_cache_size_limit=20))  # never lowered
+    with pytest.warns(UserWarning, match=r"dynamo_cache_size_limit=20 ignored: .* is already 77"):
+        configure_dynamo(CompileConfig(dynamo_cache_size_limit=20))  # never lowered, and it says so
     assert torch._dynamo.config.cache_size_limit == 77
 
 

@@ -79,3 +79,14 @@ def test_async_tensor_parallel_needs_sequence_parallel_and_compile() -> None:
     with pytest.raises(ValueError, match=r"needs FSDP2Config\.enable_compile=True"):
         FSDP2Config(enable_async_tensor_parallel=True, sequence_parallel=True)
     FSDP2Config(enable_async_tensor_parallel=True, sequence_parallel=True, enable_compile=True)
+
+
+def test_packed_sequence_patch_names_itself_without_flash_attention() -> None:
+    import transformers.modeling_flash_attention_utils as fa_utils
+
+    original = fa_utils._is_packed_sequence
+    model = build_tiny_model("llama")  # sdpa: transformers never asks whether a batch is packed
+    config = FSDP2Config(patch_is_packed_sequence=True, mp_policy=None)
+    with pytest.warns(UserWarning, match=r"patch_is_packed_sequence ignored: .* attention is 'sdpa'"):
+        FSDP2Manager(config, MeshContext().device_mesh).parallelize(model)
+    assert fa_utils._is_packed_sequence is original  # nothing patched for a path that never runs

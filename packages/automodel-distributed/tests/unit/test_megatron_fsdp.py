@@ -7,6 +7,7 @@ import inspect
 import logging
 import pathlib
 import sys
+import warnings
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -185,3 +186,33 @@ def test_tensor_parallel_axis_is_refused(mesh: Any, monkeypatch: pytest.MonkeyPa
     manager.mesh = SimpleNamespace(tp_size=2, cp_size=1)  # type: ignore[assignment]
     with pytest.raises(NotImplementedError, match="tp_size=2"):
         manager.parallelize(build_tiny_model("llama"))
+
+
+def test_one_rank_keeps_a_meta_model_on_meta_and_names_the_wrapper_settings(mesh: Any) -> None:
+    config = MegatronFSDPConfig(
+        init_fsdp_with_meta_device=True, overlap_grad_reduce=False, activation_checkpointing=True
+    )
+    manager = MegatronFSDPManager(config, mesh)
+    model = build_tiny_model("llama", meta=True)
+    message = r"MegatronFSDPConfig.overlap_grad_reduce ignored: the 'dp' axis has one rank, so Megatron-FSDP"
+    with pytest.warns(UserWarning, match=message):
+        # The CPU stands for this rank's GPU: the one-rank path makes no CUDA call of its own.
+        out = manager._one_rank(model, torch.device("cpu"), "dp")
+    # `model.to(device)` cannot copy meta tensors: the model stays on meta for the materialise step.
+    assert out is model and all(p.is_meta for p in out.parameters())
+    assert "CheckpointWrapper" in type(out.model.layers[0]).__name__
+    real = build_tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults name nothing
+        assert (
+            MegatronFSDPManager(MegatronFSDPConfig(), mesh)._one_rank(real, torch.device("cpu"), "dp") is real
+        )
+
+
+def test_keep_fp8_transpose_cache_needs_transformer_engine_layers() -> None:
+    model = build_tiny_model("llama")
+    with pytest.warns(UserWarning, match="keep_fp8_transpose_cache ignored: .* Transformer Engine layers"):
+        mfsdp.warn_transformer_engine_settings(MegatronFSDPConfig(keep_fp8_transpose_cache=True), model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mfsdp.warn_transformer_engine_settings(MegatronFSDPConfig(), model)

@@ -206,6 +206,9 @@ class ExpertParallel:
             reshard_after_forward=cfg.reshard_after_forward,
             lm_head_param_dtype=cfg.lm_head_precision,
             wrap_root=cfg.wrap_outer_model,
+            checkpointing_settings=tuple(
+                f"MoEParallelizerConfig.{name}" for name in cfg.changed_fields(["ignore_router_for_ac"])
+            ),
         )
 
 

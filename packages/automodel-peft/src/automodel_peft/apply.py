@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,10 +24,10 @@ from torch import nn
 
 from automodel_modules import is_conv1d, is_dtensor
 from automodel_peft._names import clean_fqn, hf_checkpoint_key, is_adapter_name
-from automodel_peft.config import PeftConfig
+from automodel_peft.config import DEFAULT_TARGET_MODULES, PeftConfig
 from automodel_peft.dropout import install_post_dropout
 from automodel_peft.lora_layers import lora_layers
-from automodel_peft.matching import is_linear_layer, resolve_target_modules
+from automodel_peft.matching import is_linear_layer, resolve_target_modules, unmatched_patterns
 
 if TYPE_CHECKING:
     import peft
@@ -124,8 +125,25 @@ def _full(t: Any) -> torch.Tensor:
     return full
 
 
+def _warn_unmatched_patterns(model: nn.Module, cfg: PeftConfig) -> None:
+    """Name each ``target_modules`` / ``exclude_modules`` entry that matches no linear layer."""
+    given = {"target_modules": cfg.target_modules, "exclude_modules": cfg.exclude_modules}
+    if list(cfg.target_modules) == list(DEFAULT_TARGET_MODULES):
+        del given["target_modules"]  # the default, chosen (with a warning) when nothing was given
+    for field_name, patterns in given.items():
+        unmatched = unmatched_patterns(model, patterns)
+        if unmatched:
+            warnings.warn(
+                f"PeftConfig.{field_name} entries {unmatched} match no linear layer of "
+                f"{type(model).__name__} and act on nothing; check the names (fused expert weights are "
+                "parameters: see target_parameters)",
+                stacklevel=4,
+            )
+
+
 def _init_a(shape: torch.Size, method: str) -> torch.Tensor:
-    value = torch.empty(tuple(shape), dtype=torch.float32)
+    # Drawn on the host, so every device and layout starts from the same numbers for one seed.
+    value = torch.empty(tuple(shape), dtype=torch.float32, device="cpu")
     if method == "xavier":
         nn.init.xavier_uniform_(value)
     else:
@@ -340,6 +358,7 @@ def apply_lora(
                 f"{peft_cfg.exclude_modules}, match_all_linear={peft_cfg.match_all_linear}); linears include "
                 f"{linears}"
             )
+        _warn_unmatched_patterns(model, peft_cfg)
         _check_target_parameters(model, peft_cfg.target_parameters)
         lora_config: Any = peft_cfg.to_lora_config(targets, **_fan_in_fan_out(model, targets))
     else:

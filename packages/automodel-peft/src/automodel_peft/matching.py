@@ -25,6 +25,7 @@ __all__ = [
     "is_linear_layer",
     "output_head_names",
     "resolve_target_modules",
+    "unmatched_patterns",
 ]
 
 
@@ -147,3 +148,17 @@ def resolve_target_modules(model: nn.Module, config: PeftConfig) -> list[str]:
     )
     matcher = ModuleMatcher(config, frozenset(output_head_names(model)), left_out)
     return [clean_fqn(name) for name, module in model.named_modules() if matcher.match(module, name)]
+
+
+def unmatched_patterns(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The entries of ``patterns`` (``target_modules`` / ``exclude_modules`` forms) that name no linear layer.
+
+    Such an entry acts on nothing: a misspelt name, or a layer the model does not have (a fused expert
+    weight is a parameter, not a linear: see ``target_parameters``). Pure.
+    """
+    linears = [
+        clean_fqn(name)
+        for name, module in model.named_modules()
+        if is_linear_layer(module) and not is_adapter_name(clean_fqn(name))
+    ]
+    return [p for p in patterns if not any(re.fullmatch(patterns_to_regex([p]), fqn) for fqn in linears)]

@@ -133,3 +133,28 @@ def test_conv1d_and_linears_computed_their_own_way_are_matched() -> None:
     assert matcher.match(FalconLinear(4, 8), "h.0.mlp.dense_h_to_4h")  # its own forward, a linear map
     with torch.device("meta"):  # models are adapted on meta, before sharding
         assert matcher.match(FalconLinear(4, 8), "h.0.mlp.dense_h_to_4h")
+
+
+def test_an_entry_that_names_no_linear_is_reported(llama: nn.Module) -> None:
+    from automodel_peft.matching import unmatched_patterns
+
+    assert unmatched_patterns(llama, ["q_proj", "qproj", "*.mlp.*", "*.experts.*", "lm_head"]) == [
+        "qproj",
+        "*.experts.*",
+    ]
+
+
+def test_apply_lora_warns_naming_the_entries_that_adapt_nothing() -> None:
+    import warnings
+
+    from automodel_peft import apply_lora
+
+    model = build_tiny_model("llama")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        apply_lora(model, PeftConfig(target_modules=["q_proj", "gate_porj"]))
+        apply_lora(build_tiny_model("llama"), PeftConfig(target_modules=["q_proj"]))  # all match: quiet
+    assert [str(w.message) for w in seen] == [
+        "PeftConfig.target_modules entries ['gate_porj'] match no linear layer of LlamaForCausalLM and act "
+        "on nothing; check the names (fused expert weights are parameters: see target_parameters)"
+    ]

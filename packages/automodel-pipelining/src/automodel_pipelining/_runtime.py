@@ -19,6 +19,7 @@ The result is numerically the same either way (up to summation order).
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,13 +33,31 @@ from torch.distributed.pipelining._backward import stage_backward
 
 from automodel_pipelining.schedules import ScheduleSpec
 
-__all__ = ["AutoPipelineStage", "build_schedule"]
+__all__ = ["AutoPipelineStage", "build_schedule", "warn_nested_sync_without_target"]
 
 logger = logging.getLogger(__name__)
 
 
 def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def warn_nested_sync_without_target(enabled: bool, parts: Sequence[nn.Module]) -> None:
+    """Name ``patch_stage_backward_maybe_with_nosync`` when no stage has FSDP modules under a plain root.
+
+    Only such modules are its target: torch's own stage backward handles a stage whose root is FSDP.
+    """
+
+    def nested(part: nn.Module) -> bool:
+        return not isinstance(part, FSDPModule) and any(isinstance(m, FSDPModule) for m in part.modules())
+
+    if enabled and not any(nested(part) for part in parts):
+        warnings.warn(
+            "PipelineConfig.patch_stage_backward_maybe_with_nosync ignored: it acts on FSDP modules inside a "
+            "stage whose root is not FSDP, and this rank's stages have none (torch's own backward handles "
+            "an FSDP stage root)",
+            stacklevel=4,
+        )
 
 
 class AutoPipelineStage(PipelineStage):

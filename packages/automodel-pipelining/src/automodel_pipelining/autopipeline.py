@@ -501,6 +501,9 @@ class AutoPipeline:
                 part = result if isinstance(result, nn.Module) else part
             parts.append(part)
         self._fqns, self._stage_ids, self._parts, self._loss_fn = fqns, stage_ids, parts, loss
+        from automodel_pipelining._runtime import warn_nested_sync_without_target
+
+        warn_nested_sync_without_target(self.config.patch_stage_backward_maybe_with_nosync, parts)
         self._build_runtime()
         logger.info(
             "pipeline rank %d/%d: stages %s of %d, schedule %s, %d microbatches",

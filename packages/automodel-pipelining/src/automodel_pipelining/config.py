@@ -188,6 +188,13 @@ class PipelineConfig(ConfigDict):
                 "pp_seq_len, or drop dtype (torch infers the shapes and dtypes from a first forward)",
                 stacklevel=3,
             )
+        if self.patch_causal_lm_model and not self.patch_inner_model:
+            warnings.warn(
+                "PipelineConfig.patch_inner_model=False is ignored: patch_causal_lm_model=True replaces the "
+                "whole model's forward, the base model's included; set both to False to keep the model's "
+                "own forward",
+                stacklevel=3,
+            )
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise ValueError(f"PipelineConfig.loss_fn must be callable or None, got {self.loss_fn!r}")
 

@@ -243,3 +243,43 @@ def test_layers_per_stage_beside_a_fixed_split_warns() -> None:
         "PipelineConfig.layers_per_stage is ignored: module_fqns_per_model_part gives the stages",
         "PipelineConfig.layers_per_stage is ignored: pp_schedule_csv fixes the stage count",
     ]
+
+
+def test_patch_inner_model_under_the_whole_model_patch_warns() -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        PipelineConfig(patch_inner_model=False)
+        PipelineConfig(patch_inner_model=False, patch_causal_lm_model=False)  # acts: no warning
+    assert [str(w.message) for w in seen] == [
+        "PipelineConfig.patch_inner_model=False is ignored: patch_causal_lm_model=True replaces the whole "
+        "model's forward, the base model's included; set both to False to keep the model's own forward"
+    ]
+
+
+def test_nested_sync_patch_without_nested_fsdp_modules_warns(tmp_path: Path) -> None:
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from automodel_pipelining._runtime import warn_nested_sync_without_target
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        rooted = fully_shard(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh=mesh)
+        nested = torch.nn.Sequential(fully_shard(torch.nn.Linear(2, 2), mesh=mesh))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            warn_nested_sync_without_target(True, [plain, rooted])  # nothing for it to act on
+            warn_nested_sync_without_target(True, [plain, nested])  # acts on the nested unit
+            warn_nested_sync_without_target(False, [plain])  # off
+    finally:
+        dist.destroy_process_group()
+    assert len(seen) == 1 and str(seen[0].message).startswith(
+        "PipelineConfig.patch_stage_backward_maybe_with_nosync ignored: it acts on FSDP modules inside"
+    ), [str(w.message) for w in seen]

@@ -147,3 +147,17 @@ def test_real_quantization_on_cuda(bits: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     _quantize_and_check("cuda", BnBQuantizationConfig(load_in_4bit=bits == 4, load_in_8bit=bits == 8))
+
+
+def test_settings_of_the_other_bit_width_warn() -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        BnBQuantizationConfig(load_in_4bit=False, load_in_8bit=True, bnb_4bit_quant_type="fp4")
+        BnBQuantizationConfig(llm_int8_threshold=4.0)
+        BnBQuantizationConfig(llm_int8_skip_modules=["router"])  # both widths read it: quiet
+    assert [str(w.message) for w in seen] == [
+        "BnBQuantizationConfig.bnb_4bit_quant_type ignored: load_in_8bit is True",
+        "BnBQuantizationConfig.llm_int8_threshold ignored: load_in_4bit is True",
+    ]

@@ -28,6 +28,7 @@ it starts any process.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +60,9 @@ __all__ = [
     "JobConfig",
     "ResolvedJob",
     "build_job",
+    "inert_settings",
     "resolve_job",
+    "warn_inert_settings",
 ]
 
 STRATEGIES: dict[str, type[Any]] = {
@@ -212,6 +215,43 @@ def build_job(raw: RawJob) -> JobConfig:
         freeze_config=_optional(FreezeConfig, raw, "freeze_config"),
         host_runtime=host_runtime,
     )
+
+
+def inert_settings(job: JobConfig) -> list[str]:
+    """The settings the job file or the options give that would act on nothing, each with why.
+
+    Only keys that were given count (the defaults never do). One line each: ``where: section.key
+    ignored: why``. The launcher warns with them once (`warn_inert_settings`), not every worker.
+    """
+    raw, launch, train, data = job.raw, job.launch, job.train, job.data
+
+    def given(section: str, *keys: str) -> list[str]:
+        return [key for key in keys if key in raw.sections.get(section, {})]
+
+    inert: list[tuple[str, str, str]] = []
+    if launch.rdzv_endpoint:
+        why = "launch.rdzv_endpoint is set, and the nodes meet through it"
+        inert += [("launch", key, why) for key in given("launch", "master_addr", "master_port")]
+    else:
+        why = "it acts only with launch.rdzv_endpoint (a c10d rendezvous)"
+        inert += [("launch", key, why) for key in given("launch", "rdzv_backend", "rdzv_id")]
+    if given("train", "eval_every") and data.eval_path is None and data.eval_split is None:
+        inert.append(("train", "eval_every", "there is no evaluation data (data.eval_path, data.eval_split)"))
+    if (
+        given("train", "resume_fallback")
+        and train.resume_fallback
+        and not train.resume
+        and not launch.max_restarts
+    ):
+        why = "nothing resumes: set train.resume (or launch.max_restarts, whose restarted workers resume)"
+        inert.append(("train", "resume_fallback", why))
+    return [f"{raw.where(section, key)}: {section}.{key} ignored: {why}" for section, key, why in inert]
+
+
+def warn_inert_settings(job: JobConfig) -> None:
+    """Warn once per `inert_settings` line."""
+    for line in inert_settings(job):
+        warnings.warn(line, stacklevel=2)
 
 
 def _divisible(raw: RawJob, section: str, key: str, value: int, by: int, what: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
+from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job, warn_inert_settings
 from automodel_all.cli.data import prepare_data
 from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
 from automodel_all.cli.model import load_model_config, load_processor, model_dtype
@@ -101,6 +101,7 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
         ConfigError: Any problem, naming the setting and where it came from.
     """
     job = build_job(raw)
+    warn_inert_settings(job)
     raw.set("launch", "device", job.device_type, raw.where("launch", "device"))
     raw.set(
         "train", "output_dir", str(Path(job.train.output_dir).resolve()), raw.where("train", "output_dir")

@@ -90,6 +90,11 @@ class BnBQuantizationConfig(ConfigDict):
                 f"BnBQuantizationConfig.llm_int8_skip_modules must be a list of module names, got {skip!r}"
             )
         self.llm_int8_skip_modules = list(skip or [])
+        if self.load_in_8bit:
+            four = ("bnb_4bit_quant_type", "bnb_4bit_compute_dtype", "bnb_4bit_use_double_quant")
+            self.warn_unused(self.changed_fields([*four, "bnb_4bit_quant_storage"]), "load_in_8bit is True")
+        else:
+            self.warn_unused(self.changed_fields(["llm_int8_threshold"]), "load_in_4bit is True")
 
     @property
     def bits(self) -> int:
