@@ -29,7 +29,11 @@ INTRO = (
     "Every decoder-only text family of transformers x every layout, loaded from a Hugging Face "
     "checkpoint into a meta model through `instantiate_infrastructure` + `apply_model_infrastructure` "
     "and compared with single-process transformers: first logits, first loss, first gradient norm and "
-    "the losses after two SGD steps (fp32, 1e-5). A case either works, or is **refused**: every rank "
+    "the losses after two SGD steps (fp32, 1e-5). The `*_bf16` layouts train with FSDP2Config's default "
+    "mixed precision (bf16 compute, fp32 master weights and gradient reduction) and pass when their error "
+    "against fp32 is at most 4x that of transformers itself in bf16 on the same checkpoint, batch and steps "
+    "(differences within bf16's unit roundoff, 2^-8, always pass), and when they really compute in bf16 "
+    "(logits or losses off fp32 by more than 1e-5). A case either works, or is **refused**: every rank "
     "raised the same `ValueError` from automodel (the reason is listed below). A failure is any other "
     "outcome, a difference included."
 )

@@ -49,6 +49,7 @@ from automodel_testing.matrix import (
     barrier_or_stop,
     gradient_difference,
     judge,
+    judge_low_precision,
     launch_layout,
     prepare_checkpoints,
     record_families,
@@ -61,6 +62,15 @@ from automodel_testing.matrix import (
 ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.1
 ATOL = 1e-5
 """fp32 tolerance of logits, losses and the gradient norm (observed differences are ~1e-7)."""
+BF16_FACTOR, BF16_FLOOR, BF16_USED = 4.0, 2.0**-8, 1e-5
+"""bf16 layouts (`automodel_testing.matrix.judge_low_precision`): the case's error against the fp32
+reference may be at most `BF16_FACTOR` times that of transformers run in bf16 on the same checkpoint,
+batch and steps, plus `BF16_FLOOR`. Both round every matmul to bf16's 8 mantissa bits, in different
+orders (sharded reductions, fp32 gradient reduction and fp32 master weights on our side), so their
+errors have the same size and neither is the other's; one error may still cancel by chance in a single
+number (a gradient norm), so a difference within bf16's unit roundoff (2^-8, relative for norms above
+1) always passes. The case's logits must differ from fp32 by more than `BF16_USED` (fp32 runs differ by
+about 1e-7), or the bf16 policy acted on nothing."""
 REPORT_ENV = "AUTOMODEL_MODEL_MATRIX_REPORT"
 """Where the ``models`` session's run writes its JSON (default: build/models/matrix.json)."""
 FAMILIES_ENV = "AUTOMODEL_MODEL_MATRIX_FAMILIES"
@@ -97,6 +107,9 @@ class Layout:
     moe: bool = False
     """Expert parallelism (``moe_config=MoEParallelizerConfig()``): MoE families only, the others are
     skipped; with ``lora`` the fused expert weights get adapters too (``PeftConfig.target_parameters``)."""
+    bf16: bool = False
+    """FSDP2Config's default mixed precision (bf16 compute, fp32 master weights and gradient reduction)
+    instead of fp32, judged against transformers in bf16 (`BF16_FACTOR`)."""
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -119,6 +132,10 @@ LAYOUTS: dict[str, Layout] = {
         Layout("ep2_pp2", 4, {"pp_size": 2, "ep_size": 2}, pp_schedule="1f1b", moe=True),
         Layout("ep2_lora", 2, {"ep_size": 2}, lora=True, moe=True),
         Layout("ep2_ac", 2, {"ep_size": 2}, activation_checkpointing=True, moe=True),
+        Layout("fsdp2_bf16", 2, bf16=True),
+        Layout("tp_bf16", 2, {"tp_size": 2}, bf16=True),
+        Layout("pp_bf16", 2, {"pp_size": 2}, pp_schedule="1f1b", bf16=True),
+        Layout("ep2_bf16", 2, {"ep_size": 2}, moe=True, bf16=True),
     )
 }
 
@@ -129,7 +146,7 @@ EP_FAST_FAMILIES: tuple[str, ...] = (
 )
 """The MoE families of the default run's slice."""
 
-EP_FAST_LAYOUTS: tuple[str, ...] = ("ep2", "ep2_lora")
+EP_FAST_LAYOUTS: tuple[str, ...] = ("ep2", "ep2_lora", "ep2_bf16")
 """The expert-parallel layouts of the default run's slice: 2-rank launches through the public API
 (checkpoint load into a meta model, experts on ``ep`` and out of FSDP, full fine-tuning, and LoRA on
 attention and on the fused experts). The other expert-parallel layouts (the 4-rank ones and ep2_ac) run
@@ -249,10 +266,10 @@ def _world_sum(value: torch.Tensor) -> float:
     return float(value)
 
 
-def _reference(path: str, peft_config: Any) -> Any:
+def _reference(path: str, peft_config: Any, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     ref.train()
     if peft_config is not None:
         from automodel_peft import apply_lora_to_linear_modules
@@ -310,8 +327,10 @@ def _strategy(layout: Layout) -> Any:
 
     from automodel_distributed.config import FSDP2Config
 
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     return FSDP2Config(
-        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+        # bf16 layouts keep the default policy: what a user gets without choosing one.
+        **({} if layout.bf16 else {"mp_policy": fp32}),
         sequence_parallel=layout.sequence_parallel,
         activation_checkpointing=layout.activation_checkpointing,
     )
@@ -415,13 +434,24 @@ def _train(
         _copy_adapters(parts, ref)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
     opt = torch.optim.SGD([p for part in parts for p in part.parameters() if p.requires_grad], lr=LR)
+    optimizers = [ref_opt, opt]
+    # bf16 layouts: transformers in bf16 beside the fp32 reference, to size the error bf16 brings.
+    low = _reference(path, peft_config, torch.bfloat16) if layout.bf16 else None
+    if low is not None:
+        optimizers.append(torch.optim.SGD(low.parameters(), lr=LR))
     out: dict[str, Any] = {}
+    low_out: dict[str, Any] = {"losses": []}
     logits: dict[str, torch.Tensor | None] = {}
 
     def reference() -> float:
         logits["ref"] = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         loss = _token_sum(logits["ref"], batch["labels"]) / tokens
         loss.backward()
+        if low is not None:
+            logits["low"] = low(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            low_loss = _token_sum(logits["low"], batch["labels"]) / tokens
+            low_loss.backward()
+            low_out["losses"].append(float(low_loss))
         return float(loss)
 
     def ours() -> float:
@@ -434,8 +464,13 @@ def _train(
         assert expected is not None
         out["logits"] = float((mine - expected.detach()[rows]).abs().max()) if mine is not None else 0.0
         out.update(gradient_difference(_grad_square_sum(parts, axes), ref))
+        if low is not None and (low_logits := logits["low"]) is not None:
+            low_out["logits"] = float((low_logits.detach().float() - expected.detach()).abs().max())
+            low_out.update(gradient_difference(squared_grad_sum(low.parameters()), ref))
 
-    out.update(sgd_parity(STEPS, reference, ours, [ref_opt, opt], first=first))
+    out.update(sgd_parity(STEPS, reference, ours, optimizers, first=first))
+    if low is not None:
+        return judge_low_precision(out, low_out, factor=BF16_FACTOR, floor=BF16_FLOOR, used=BF16_USED)
     return judge(out, ATOL)
 
 

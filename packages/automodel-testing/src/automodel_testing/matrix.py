@@ -33,6 +33,7 @@ __all__ = [
     "barrier_or_stop",
     "gradient_difference",
     "judge",
+    "judge_low_precision",
     "launch_layout",
     "merge_ranks",
     "prepare_checkpoints",
@@ -215,19 +216,61 @@ def judge(out: dict[str, Any], atol: float, problems: Sequence[str] = ()) -> dic
     fall either and the gradients agree to 0.1% of their norm), and ``problems`` (the caller's own
     checks) is empty.
     """
-    out["loss_diff"] = max(abs(a - b) for a, b in zip(out["losses"], out["ref_losses"], strict=True))
+    out["loss_diff"] = _loss_diff(out["losses"], out["ref_losses"])
     checks = list(problems)
     if out["logits"] > atol or out["loss_diff"] > atol or out["grad_norm"] > atol * 10:
         checks.append(
             f"differs from transformers: logits {out['logits']:.2e}, losses {out['loss_diff']:.2e}, "
             f"gradient norm {out['grad_norm']:.2e}"
         )
+    return _verdict(out, checks)
+
+
+def _loss_diff(losses: Sequence[float], ref_losses: Sequence[float]) -> float:
+    return max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+
+
+def _verdict(out: dict[str, Any], checks: list[str]) -> dict[str, Any]:
+    """Add the training check (the loss falls) to ``checks``; set ``status`` and ``message``."""
     reference_flat = out["ref_losses"][-1] >= out["ref_losses"][0]
     if not (out["losses"][-1] < out["losses"][0] or (reference_flat and out["grad_rel"] <= 1e-3)):
         checks.append(f"the loss does not fall: {out['losses']}")
     out["status"] = "fails" if checks else "works"
     out["message"] = "; ".join(checks)
     return out
+
+
+def judge_low_precision(
+    out: dict[str, Any], low: dict[str, Any], *, factor: float, floor: float, used: float
+) -> dict[str, Any]:
+    """`judge` for a bf16 case: its error may be at most ``factor`` times transformers' own bf16 error.
+
+    Both are measured against the same fp32 reference (``out["ref_losses"]``, ``out["logits"]``,
+    `gradient_difference`): ``out`` for the case, ``low`` for transformers run in bf16 on the same
+    checkpoint, batch and steps (``low["losses"]``, ``low["logits"]``, ``low["grad_norm"]``). A metric
+    passes when it is at most ``factor * low + floor``. The case must also really compute in bf16: its
+    logits or losses must differ from fp32 by more than ``used`` (a policy that acted on nothing would
+    match fp32).
+    """
+    out["loss_diff"] = _loss_diff(out["losses"], out["ref_losses"])
+    low["loss_diff"] = _loss_diff(low["losses"], out["ref_losses"])
+    out["low_precision_reference"] = low
+    checks = []
+    over = [
+        f"{name} {out[key]:.2e} (transformers bf16: {low[key]:.2e})"
+        for name, key in (("logits", "logits"), ("losses", "loss_diff"), ("gradient norm", "grad_norm"))
+        if out[key] > factor * low[key] + floor
+    ]
+    if over:
+        checks.append(
+            f"differs from fp32 by more than {factor:g}x transformers' own bf16 error: " + ", ".join(over)
+        )
+    if max(out["logits"], out["loss_diff"]) <= used:  # a pipeline rank without logits has the losses
+        checks.append(
+            f"logits and losses within {used:g} of fp32: the bf16 mixed precision acted on nothing "
+            "(computed in fp32)"
+        )
+    return _verdict(out, checks)
 
 
 def barrier_or_stop(layout: str) -> Callable[[str, dict[str, Any]], None]:
