@@ -365,6 +365,61 @@ def models(session: nox.Session) -> None:
         _fail("some (family, layout) cases failed: see docs/models.md and the pytest output")
 
 
+OLDEST_PYTHON = "3.11"
+"""The oldest Python we declare (``requires-python``); the GPU image has 3.12."""
+OLDEST_SLICE = (
+    "packages/automodel-distributed/tests/distributed",
+    "packages/automodel-checkpoint/tests/distributed",
+    "tests/models/test_model_matrix.py::test_fast_slice",
+)
+"""The distributed tests `oldest` runs: FSDP2/TP/CP/DDP, distributed checkpoints, the matrix's fast slice."""
+
+
+def _editable_with_extras() -> list[str]:
+    """``-e packages/<name>[every extra]`` for every package, and every package's ``test`` group."""
+    import tomllib
+
+    args, tests = [], set()
+    for folder in sorted(ROOT.glob("packages/*/pyproject.toml")):
+        data = tomllib.loads(folder.read_text())
+        extras = ",".join(sorted(data["project"].get("optional-dependencies", {})))
+        args += ["-e", f"{folder.parent.relative_to(ROOT)}[{extras}]" if extras else str(folder.parent)]
+        tests |= {r for r in data.get("dependency-groups", {}).get("test", []) if isinstance(r, str)}
+    return args + sorted(r for r in tests if not r.startswith("automodel-"))
+
+
+@nox.session(python=OLDEST_PYTHON, default=False)
+@_timed
+def oldest(session: nox.Session) -> None:
+    """The lower bounds we declare, proven: every package at the oldest versions its pyproject allows.
+
+    uv's ``--resolution lowest-direct`` installs the lowest version each ``pyproject.toml`` admits for
+    every direct dependency (torch, transformers, peft, safetensors, torchao, ...; their own
+    dependencies at the newest that fit), on the oldest Python we support. Then every package's unit
+    tests, a distributed slice (`OLDEST_SLICE`) and the GPU check's CPU rehearsal run there. Not a
+    default session (the downloads are large); the versions it ran are printed first.
+    """
+    session.run_install(
+        "uv", "pip", "install", "--quiet", "--resolution", "lowest-direct",
+        "--python", session.virtualenv.location, *_editable_with_extras(), external=True,
+    )  # fmt: skip
+    session.run(
+        "python",
+        "-c",
+        "import torch, transformers, peft, safetensors, torchao; "
+        "print({m.__name__: m.__version__ for m in (torch, transformers, peft, safetensors, torchao)})",
+    )
+    env = {"OMP_NUM_THREADS": "1"}
+    units = sorted(ROOT.glob("packages/*/tests"))
+    _pytest(
+        session, units, "not gpu and not distributed", allow_empty=False, what="unit", why_empty="", env=env
+    )
+    slice_ = [ROOT / path for path in OLDEST_SLICE]
+    session.run("pytest", *map(str, slice_), "-m", "not gpu and not faults", *session.posargs, env=env)
+    rehearsal = {**env, "PYTHON": "python", "OUT": session.create_tmp() + "/gpu_check"}
+    session.run("bash", "tools/gpu_check.sh", "--rehearse", env=rehearsal, external=True)
+
+
 @nox.session
 @_timed
 def faults(session: nox.Session) -> None:

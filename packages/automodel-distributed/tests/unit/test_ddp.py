@@ -38,9 +38,15 @@ def test_rejects_other_configs() -> None:
 def test_ddp_kwargs_cpu_and_cuda() -> None:
     config = DDPConfig(broadcast_buffers=True, find_unused_parameters=True, static_graph=True)
     kwargs = ddp_kwargs(config, torch.device("cpu"))
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    # torch >= 2.13 deprecated broadcast_buffers for forward_sync_buffers; older torch has only the former.
+    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
     assert kwargs == {
         "device_ids": None,
-        "forward_sync_buffers": True,  # torch >= 2.13 deprecated broadcast_buffers
+        "forward_sync_buffers" if renamed else "broadcast_buffers": True,
         "find_unused_parameters": True,
         "static_graph": True,
         "gradient_as_bucket_view": False,

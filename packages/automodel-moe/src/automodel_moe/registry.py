@@ -44,9 +44,10 @@ __all__ = [
     "wrapper_chain",
 ]
 
-# The attributes `use_experts_implementation` sets on every instance of a decorated experts class.
-_CONVENTION_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "_is_expert_parallel")
-_DISPATCH_STYLE = "ep_dispatch_experts"
+# The attributes `use_experts_implementation` sets on every instance of a decorated experts class (since
+# transformers 5.17; later versions add ``_is_expert_parallel``, which the convention does not need).
+_CONVENTION_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+_DISPATCH_STYLES = ("ep_dispatch_experts", "moe_tp_experts")  # the second: transformers 5.17's ep plans
 _PARAM_STYLE = "grouped_gemm"
 
 
@@ -207,7 +208,7 @@ def _site(fqn: str, module: nn.Module, plan: Mapping[str, str]) -> ExpertsSite |
             fqn, module, core, count, params or _stacked_params(core, count), family.call, "registry",
             family.num_experts_attr,
         )  # fmt: skip
-    if plan.get(key) == _DISPATCH_STYLE:
+    if plan.get(key) in _DISPATCH_STYLES:
         named = tuple(
             name
             for name in core._parameters

@@ -35,4 +35,5 @@ def test_the_one_adapter_rule_is_what_peft_declares() -> None:
 
     from automodel_modules import ADAPTER_SEGMENTS
 
-    assert set(ADAPTER_SEGMENTS) == set(LoraLayer.adapter_layer_names)
+    # peft before 0.19 declared DoRA's magnitude vector apart from the other adapter layers.
+    assert set(ADAPTER_SEGMENTS) == {*LoraLayer.adapter_layer_names, "lora_magnitude_vector"}

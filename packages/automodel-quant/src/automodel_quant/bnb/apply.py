@@ -113,7 +113,7 @@ def check_bnb_device(config: BnBQuantizationConfig, device: torch.device) -> Non
             raise RuntimeError(
                 "bitsandbytes quantization needs CUDA: this host has no CUDA device (quantizing on cpu). Run "
                 "on a GPU, or set BnBQuantizationConfig(allow_cpu=True) to use bitsandbytes' slow CPU "
-                "backend (bitsandbytes >= 0.46)"
+                "backend (bitsandbytes >= 0.47)"
             )
         return
     raise RuntimeError(f"bitsandbytes quantization runs on cuda (or cpu with allow_cpu=True), not {device}")

@@ -52,7 +52,7 @@ class BnBQuantizationConfig(ConfigDict):
     output head is always kept, as transformers does."""
 
     allow_cpu: bool = False
-    """bitsandbytes >= 0.46 also runs on CPU (slowly); by default quantizing on a CPU device raises."""
+    """bitsandbytes >= 0.47 also runs on CPU (slowly); by default quantizing on a CPU device raises."""
 
     def __post_init__(self) -> None:
         for name in ("load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "allow_cpu"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Mapping
@@ -23,9 +24,35 @@ logger = logging.getLogger(__name__)
 PRECOMPUTE_ATTR = "precompute_float8_dynamic_scale_for_fsdp"
 
 
+@functools.cache
+def cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (older ones take per-tensor only)."""
+    a = torch.zeros(16, 16, device="cpu").to(torch.float8_e4m3fn)
+    b = torch.zeros(16, 16, device="cpu").to(torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(
+            a,
+            b,
+            scale_a=torch.ones(16, 1, device="cpu"),
+            scale_b=torch.ones(1, 16, device="cpu"),
+            out_dtype=torch.bfloat16,
+        )
+    except RuntimeError:
+        return False
+    return True
+
+
 def _check_hardware(config: FP8Config) -> None:
-    if config.emulate or not torch.cuda.is_available():
-        return  # CPU: torch runs float8 matmuls (_scaled_mm) on CPU, emulated or not
+    if config.emulate:
+        return
+    if not torch.cuda.is_available():  # CPU: torch runs float8 matmuls (_scaled_mm) on CPU
+        if config.recipe_name not in (None, "tensorwise") and not cpu_rowwise_scaled_mm():
+            raise ValueError(
+                f"FP8Config.recipe_name={config.recipe_name!r} on CPU: this torch {torch.__version__}'s CPU "
+                "float8 matmul takes per-tensor scales only; set emulate=True, use the tensorwise recipe, "
+                "or run on a GPU"
+            )
+        return
     capability = torch.cuda.get_device_capability()
     if capability < (8, 9):
         raise ValueError(
