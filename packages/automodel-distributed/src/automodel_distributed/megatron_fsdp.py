@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from automodel_checkpoint.materialize import has_meta_tensors
 from automodel_distributed.activation_checkpointing import (
     apply_activation_checkpointing,
     resolve_checkpointing_mode,
@@ -299,16 +300,14 @@ class MegatronFSDPManager(StrategyDefaults):
         materialise step loads it onto the device, recomputed buffers included; ``model.to`` cannot copy
         a meta tensor. The settings that only the wrapper reads are named in a warning.
         """
-        wrapper_only = [f.name for f in dataclasses.fields(self.config)]
-        wrapper_only = [
-            n for n in wrapper_only if n not in ("activation_checkpointing", "init_fsdp_with_meta_device")
-        ]
+        acting = ("activation_checkpointing", "init_fsdp_with_meta_device")
+        wrapper_only = [f.name for f in dataclasses.fields(self.config) if f.name not in acting]
         self.config.warn_unused(
             self.config.changed_fields(wrapper_only),
             f"the {shard_axis!r} axis has one rank, so Megatron-FSDP does not wrap the model",
             stacklevel=5,
         )
-        if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        if not has_meta_tensors(model):
             model = model.to(device)
         mode = resolve_checkpointing_mode(self.activation_checkpointing)
         if mode is not None:
