@@ -510,9 +510,12 @@ def test_inexact_transformers_plans_are_skipped() -> None:
 
 
 def _meta_family(model_type: str) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from automodel_testing.tiny import derive_tiny_config
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type} (an older one)")
 
     with torch.device("meta"), warnings.catch_warnings(action="ignore"):
         return AutoModelForCausalLM.from_config(derive_tiny_config(model_type))
