@@ -67,6 +67,11 @@ def module():
 
 def explicit():
     return torch.zeros(2, device="cpu")
+
+
+class Forwarding(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 """
 
 
@@ -87,5 +92,7 @@ def test_the_runtime_audit_refuses_library_calls_and_records_caught_ones(
         probe.swallowed()  # caught by the code under test, still recorded
         with pytest.raises(ImplicitDeviceError, match=r"__init__\.py:18: torch\.empty without device="):
             probe.module()  # nn.Linear's own torch.empty, charged to the library line that built it
+        with probe.Forwarding():  # a library mode passing on the test's own call: the test's
+            torch.arange(3)
     where = [re.search(r":(\d+): (torch\.\w+) ", finding).groups() for finding in findings]  # type: ignore[union-attr]
     assert where == [("7", "torch.zeros"), ("12", "torch.arange"), ("18", "torch.empty")]

@@ -74,6 +74,11 @@ _MODULE_CONSTRUCTORS = os.path.join(_TORCH_FOLDER, "nn", "modules") + os.sep
 default one), so a call from there is charged to the code that built the module."""
 
 
+_FORWARDERS = frozenset({"__torch_function__", "__torch_dispatch__"})
+"""A torch-function mode or tensor subclass (the library's fake-tensor tracer, say) re-issues the calls it
+intercepts from these methods: the call belongs to whoever made it, one frame further out."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _real(path: str) -> str:
     return os.path.realpath(path)
@@ -86,6 +91,9 @@ def _library_caller(frame: FrameType | None, library: tuple[str, ...]) -> str | 
     A call torch makes for its own purposes (DCP's bookkeeping, say) is torch's, not the caller's.
     """
     while frame is not None:
+        if frame.f_code.co_name in _FORWARDERS:  # another mode passing on a call someone else made
+            frame = frame.f_back
+            continue
         path = _real(frame.f_code.co_filename)
         if path.startswith(library):
             return f"{path}:{frame.f_lineno}"

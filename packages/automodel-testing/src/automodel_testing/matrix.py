@@ -265,7 +265,7 @@ def judge_low_precision(
         checks.append(
             f"differs from fp32 by more than {factor:g}x transformers' own bf16 error: " + ", ".join(over)
         )
-    if max(out["logits"], out["loss_diff"]) <= used:  # a pipeline rank without logits has the losses
+    if max(out["logits"], out["loss_diff"]) <= used:
         checks.append(
             f"logits and losses within {used:g} of fp32: the bf16 mixed precision acted on nothing "
             "(computed in fp32)"
