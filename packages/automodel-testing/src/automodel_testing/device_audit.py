@@ -12,7 +12,9 @@ torch's own list) called without ``device=`` *from a file of an automodel librar
 `ImplicitDeviceError` naming the file and line, exactly where a meta default device would have put
 the tensor on ``meta``: the calls library code makes itself, and those torch's module constructors
 (``nn.Linear(...)``) make for it. What torch, transformers or peft create for their own purposes is
-theirs, and so are the test's own calls; ``automodel_testing`` is test tooling and exempt. Every
+theirs, and so are the test's own calls (a call that a torch-function mode of the library passes on,
+such as the fake-tensor tracer's, belongs to whoever made it); ``automodel_testing`` is test tooling
+and exempt. Every
 finding is also recorded, so one that a library ``try`` swallowed still fails the run
 (`run_distributed` reports the findings of each rank).
 
