@@ -80,7 +80,10 @@ def _ddp_knobs() -> dict[str, Any]:
         "static_graph": model.static_graph,
         "gradient_as_bucket_view": model.gradient_as_bucket_view,
         "bucket_bytes_cap": model.bucket_bytes_cap,
-        "forward_sync_buffers": model.forward_sync_buffers,
+        # torch >= 2.13 names it forward_sync_buffers, older torch broadcast_buffers.
+        "forward_sync_buffers": (
+            model.forward_sync_buffers if hasattr(model, "forward_sync_buffers") else model.broadcast_buffers
+        ),
         "wrapped": type(model.module).__name__,
     }
 
