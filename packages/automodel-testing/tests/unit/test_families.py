@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 pytest.importorskip("transformers")
 
@@ -49,14 +50,21 @@ def _meta(config: object) -> torch.nn.Module:
     return model
 
 
+OLDER_TRANSFORMERS = tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 24)
+"""Older than the locked transformers (the `oldest` session): some families' own configs and models
+fail there, which the locked version's run must never excuse."""
+
+
 @pytest.mark.parametrize("family", [f.model_type for f in decoder_families()])
 def test_every_tiny_config_is_tiny_and_keeps_the_family_structure(family: str) -> None:
     from transformers import CONFIG_MAPPING
 
     try:
         config = derive_tiny_config(family)
-    except ValueError as exc:  # an older transformers' config of the family refuses its own fields
-        pytest.skip(f"transformers cannot configure {family}: {exc}")
+    except ValueError as exc:
+        if not OLDER_TRANSFORMERS:
+            raise
+        pytest.skip(f"this older transformers cannot configure {family}: {exc}")
     assert config.to_dict().get("use_cache", False) is False
     assert _random_fields(config.to_dict()) == {}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -78,6 +86,8 @@ def test_every_tiny_config_is_tiny_and_keeps_the_family_structure(family: str) -
     try:
         model = _meta(config)
     except (AttributeError, RuntimeError) as exc:  # transformers itself cannot build it (the matrix says so)
+        if isinstance(exc, RuntimeError) and not OLDER_TRANSFORMERS:
+            raise
         pytest.skip(f"transformers cannot build {family}: {exc}")
     assert 0 < sum(p.numel() for p in model.parameters()) <= MAX_PARAMS
 
