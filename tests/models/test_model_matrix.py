@@ -17,10 +17,12 @@ each family:
   reference within `ATOL` (fp32).
 
 A case either **works** (every check passes), is **refused** (every rank raised the same `ValueError`
-from the public API: a clear error before any collective), or **fails** (anything else: another
+from the public API: a clear error before any collective), is **upstream** (plain transformers itself
+fails the reference run that way: in bf16 for a bf16 layout), or **fails** (anything else: another
 exception, a difference, a refusal on some ranks only). A failure fails the test: there is no silent
 difference. The default run (``distributed`` marker) runs `FAST_FAMILIES` under every layout without
-experts and `EP_FAST_FAMILIES` under `EP_FAST_LAYOUTS`, one launch per layout; ``uvx nox -s models``
+experts (and `BF16_FAST_FAMILIES` too under the bf16 ones) and `EP_FAST_FAMILIES` under
+`EP_FAST_LAYOUTS`, one launch per layout; ``uvx nox -s models``
 runs every family (``models`` marker; the expert-parallel layouts over the MoE families) and writes the
 JSON that ``tools/models_doc.py`` turns into docs/models.md and the table of docs/moe.md. A run in chunks
 selects families with `FAMILIES_ENV` and layouts with ``-k``, each chunk into its own report.
@@ -57,6 +59,7 @@ from automodel_testing.matrix import (
     select_families,
     sgd_parity,
     squared_grad_sum,
+    upstream_failure,
 )
 
 ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.1
@@ -90,6 +93,13 @@ FAST_FAMILIES: tuple[str, ...] = (
     "granite",  # embedding, residual and logit multipliers
 )
 """Families of the default run's slice: one of each mechanism the fixes of the matrix are about."""
+
+BF16_FAST_FAMILIES: tuple[str, ...] = (
+    "minimax",  # buffers transformers computes in the compute dtype (decay tables)
+    "ctrl",  # tied embeddings: a pipeline stage's stand-in for the other side under FSDP2's bf16 policy
+)
+"""Added to `FAST_FAMILIES` under the bf16 layouts (`automodel_distributed.kept_precision`; deepseek_v3's
+fp32 routers are in `FAST_FAMILIES`)."""
 
 
 @dataclass(frozen=True)
@@ -443,6 +453,8 @@ def _train(
     optimizers = [ref_opt, opt]
     # bf16 layouts: transformers in bf16 beside the fp32 reference, to size the error bf16 brings.
     low = _reference(path, peft_config, torch.bfloat16) if layout.bf16 else None
+    if low is not None and (why := _fails_to_train(low, batch)) is not None:
+        return upstream_failure(why, "in bf16")
     if low is not None:
         optimizers.append(torch.optim.SGD(low.parameters(), lr=LR))
     out: dict[str, Any] = {}
@@ -480,6 +492,18 @@ def _train(
     if low is not None:
         return judge_low_precision(out, low_out, factor=BF16_FACTOR, floor=BF16_FLOOR, used=BF16_USED)
     return judge(out, ATOL)
+
+
+def _fails_to_train(model: Any, batch: dict[str, torch.Tensor]) -> Exception | None:
+    """The exception one forward and backward of ``model`` raises on ``batch``, if any (grads cleared)."""
+    try:
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        _token_sum(logits, batch["labels"]).backward()
+    except Exception as exc:  # any error of transformers' own: the case has no reference
+        return exc
+    finally:
+        model.zero_grad(set_to_none=True)
+    return None
 
 
 def _forward_backward(
@@ -577,7 +601,7 @@ def _has_experts(model_type: str, overrides: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="module")
 def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    families = tuple(dict.fromkeys(FAST_FAMILIES + EP_FAST_FAMILIES))
+    families = tuple(dict.fromkeys(FAST_FAMILIES + BF16_FAST_FAMILIES + EP_FAST_FAMILIES))
     return prepare_checkpoints(prepare_family, families, tmp_path_factory.mktemp("matrix_fast"))
 
 
@@ -592,7 +616,8 @@ def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
     ring, why = cpu_ring_attention_available()
     if LAYOUTS[layout_name].sizes.get("cp_size", 1) > 1 and not ring:  # an older torch (`oldest`)
         pytest.skip(f"CP on CPU needs the ring kernel's torch internals: {why}")
-    families = EP_FAST_FAMILIES if LAYOUTS[layout_name].moe else FAST_FAMILIES
+    layout = LAYOUTS[layout_name]
+    families = EP_FAST_FAMILIES if layout.moe else FAST_FAMILIES + (BF16_FAST_FAMILIES if layout.bf16 else ())
     assert_no_failure(run_matrix(layout_name, {f: fast_checkpoints[f] for f in families}))
 
 

@@ -59,6 +59,11 @@ from automodel_distributed.fsdp2_units import (
     output_head,
     plan_fsdp_units,
 )
+from automodel_distributed.kept_precision import (
+    cast_buffers_to_reference,
+    kept_precision_units,
+    reference_dtypes,
+)
 from automodel_distributed.one_rank_units import install_one_rank_unit, runs_without_fsdp
 from automodel_distributed.root_reshard import reshard_root_after_head_backward
 from automodel_distributed.strategy import StrategyDefaults
@@ -263,7 +268,10 @@ def apply_fsdp2(
     Extra units (experts, on their own mesh) are sharded first, so the dense units that contain them skip
     their parameters. An extra unit on a one-rank mesh whose parameters already have the policy's compute
     dtype is not sharded at all (`automodel_distributed.one_rank_units`: hooks cast and divide as FSDP
-    would, and the enclosing units ignore its parameters). Preconditions: tensor and expert parallelism
+    would, and the enclosing units ignore its parameters). Under a policy that casts, the tensors that
+    transformers keeps out of the compute dtype stay out (`automodel_distributed.kept_precision`): the
+    modules owning fp32-kept parameters (routers) become extra units that compute in fp32, and buffers
+    transformers holds in the compute dtype are cast to it. Preconditions: tensor and expert parallelism
     and activation checkpointing are already applied (the model may be on the meta device). Mesh axes:
     ``dp_mesh`` is the 1-D ``dp_shard_cp`` mesh, or the 2-D ``(dp_replicate, dp_shard_cp)`` mesh for HSDP;
     an extra unit uses its own (``ep_shard`` for experts). Collectives: none at wrap time; all-gathers
@@ -284,6 +292,7 @@ def apply_fsdp2(
     if frozen_sharding == "replicate":
         ignored = {p for _, tower in frozen_towers(model) for p in tower.parameters()} or None
     offload = offload_policy if offload_policy is not None else OffloadPolicy()
+    extra_units = [*extra_units, *_keep_reference_precision(model, mp_policy, units)]
     unsharded = _shard_extra_units(extra_units, units, dp_mesh, mp_policy, offload, ignored)
     if unsharded:
         ignored = (ignored or set()) | unsharded
@@ -305,6 +314,23 @@ def apply_fsdp2(
     if prefetch:
         _set_prefetch([u.module for u in units], forward_prefetch_depth, backward_prefetch_depth)
     return model
+
+
+def _keep_reference_precision(
+    model: nn.Module, mp_policy: MixedPrecisionPolicy, dense: Sequence[FSDPUnitPlan]
+) -> list[FSDPUnitPlan]:
+    """Hold each tensor in the dtype transformers holds it in for the policy's compute dtype.
+
+    `automodel_distributed.kept_precision`: casts the buffers transformers computes in that dtype, and
+    returns the modules whose parameters it keeps wider as extra units that do not cast. Mutates buffers
+    only; nothing when the policy casts no parameter.
+    """
+    compute = mp_policy.param_dtype
+    if compute is None or all(p.dtype == compute for p in model.parameters() if p.is_floating_point()):
+        return []
+    reference = reference_dtypes(model, compute)
+    cast_buffers_to_reference(model, reference, compute)
+    return kept_precision_units(model, mp_policy, reference, dense)
 
 
 def _set_prefetch(modules: Sequence[nn.Module], forward_depth: int, backward_depth: int) -> None:

@@ -78,15 +78,21 @@ def _is_tied(model: nn.Module) -> bool:
     get_out = getattr(model, "get_output_embeddings", None)
     if not callable(get_in) or not callable(get_out):
         return False
-    inp, out = get_in(), get_out()
-    return inp is not None and out is not None and inp.weight is out.weight
+    # A pipeline stage holds a parameterless stand-in for the side another stage runs.
+    weight = getattr(get_in(), "weight", None)
+    return weight is not None and weight is getattr(get_out(), "weight", None)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    """A module with parameters (not a pipeline stage's stand-in for another stage's module)."""
+    return any(True for _ in module.parameters())
 
 
 def output_head(model: nn.Module) -> nn.Module | None:
-    """The model's untied output head (``get_output_embeddings()``), or None."""
+    """The model's untied output head (``get_output_embeddings()``) when it holds parameters, or None."""
     get_out = getattr(model, "get_output_embeddings", None)
     head = get_out() if callable(get_out) and not _is_tied(model) else None
-    return head if isinstance(head, nn.Module) else None
+    return head if isinstance(head, nn.Module) and _holds_parameters(head) else None
 
 
 def frozen_towers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -160,7 +166,7 @@ def plan_fsdp_units(
     get_in = getattr(model, "get_input_embeddings", None)
     embed = get_in() if callable(get_in) and not _is_tied(model) else None
     head = output_head(model)
-    if isinstance(embed, nn.Module) and (fqn := fqn_of(model, embed)):
+    if isinstance(embed, nn.Module) and _holds_parameters(embed) and (fqn := fqn_of(model, embed)):
         units.append((fqn, embed))
     blocks = find_transformer_blocks(model)
     if frozen_sharding != "per_layer":

@@ -90,3 +90,22 @@ def test_packed_sequence_patch_names_itself_without_flash_attention() -> None:
     with pytest.warns(UserWarning, match=r"patch_is_packed_sequence ignored: .* attention is 'sdpa'"):
         FSDP2Manager(config, MeshContext().device_mesh).parallelize(model)
     assert fa_utils._is_packed_sequence is original  # nothing patched for a path that never runs
+
+
+def test_a_pipeline_stand_in_is_neither_tied_nor_a_unit() -> None:
+    # A tied model's pipeline stages: each holds a parameterless stand-in for the side another stage runs.
+    first = build_tiny_model("llama_tied", meta=True, num_hidden_layers=2)
+    first.lm_head = torch.nn.Identity()
+    assert [u.fqn for u in plan_fsdp_units(first, reshard_after_forward=None)] == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+    ]
+    last = build_tiny_model("llama_tied", meta=True, num_hidden_layers=2)
+    last.model.embed_tokens = torch.nn.Identity()
+    units = plan_fsdp_units(last, reshard_after_forward=None)
+    assert [(u.fqn, u.reshard_after_forward) for u in units] == [
+        ("model.layers.0", True),
+        ("model.layers.1", False),
+        ("lm_head", False),
+    ]

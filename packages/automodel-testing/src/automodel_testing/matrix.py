@@ -1,9 +1,11 @@
 """The model matrices' results: one row per (family, layout) case, merged from every rank's record.
 
 Each rank of a matrix launch appends one JSON line per family to ``rank<r>.jsonl`` in a progress
-folder (``{"family": ..., "status": "works" | "refused" | "fails", "message": ..., "seconds": ...}``
-plus the measured differences); `read_progress` reads them back and `merge_ranks` turns the ranks'
-records of one case into a `Row`. Ranks must agree: a refusal on some ranks only is a failure.
+folder (``{"family": ..., "status": "works" | "refused" | "fails" | "upstream", "message": ...,
+"seconds": ...}`` plus the measured differences; ``upstream``: transformers itself fails the case's
+reference, so there is nothing to compare with); `read_progress` reads them back and `merge_ranks`
+turns the ranks' records of one case into a `Row`. Ranks must agree: a refusal on some ranks only is
+a failure.
 
 The rank side of a case shares `sgd_parity` (the reference and the model trained side by side) and
 `judge` (the tolerances and the training check); the parent side shares `launch_layout` (one launch per
@@ -43,6 +45,7 @@ __all__ = [
     "select_families",
     "sgd_parity",
     "squared_grad_sum",
+    "upstream_failure",
 ]
 
 
@@ -97,6 +100,15 @@ def refusal(exc: ValueError) -> dict[str, Any]:
     if not frames or "automodel_" not in frames[-1].filename:
         raise exc
     return {"status": "refused", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def upstream_failure(exc: Exception, what: str) -> dict[str, Any]:
+    """The record of a case whose reference (``what``: plain transformers run that way) raises ``exc``."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return {
+        "status": "upstream",
+        "message": f"transformers itself fails {what}: {type(exc).__name__}: {first}",
+    }
 
 
 def record_families(

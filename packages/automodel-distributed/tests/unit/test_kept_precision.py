@@ -1,0 +1,95 @@
+"""The tensors transformers keeps out of the compute dtype (`automodel_distributed.kept_precision`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from transformers import AutoModelForCausalLM
+
+from automodel_distributed.fsdp2_units import plan_fsdp_units
+from automodel_distributed.kept_precision import (
+    cast_buffers_to_reference,
+    kept_precision_units,
+    reference_dtypes,
+)
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _meta(model_type: str) -> torch.nn.Module:
+    from automodel_testing.tiny import derive_tiny_config
+
+    try:
+        config = derive_tiny_config(model_type)
+    except ValueError as exc:  # a transformers older than the lock may not ship the family
+        pytest.skip(f"{model_type}: {exc}")
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_reference_reads_what_transformers_keeps_in_fp32() -> None:
+    model = _meta("deepseek_v3")  # routers in `_keep_in_fp32_modules_strict`; rotary inv_freq in fp32
+    dtypes = reference_dtypes(model, torch.bfloat16)
+    routers = {k for k, v in dtypes.items() if k.endswith("mlp.gate.weight")}
+    assert routers and all(dtypes[k] == torch.float32 for k in routers)
+    assert dtypes["model.layers.0.self_attn.q_a_proj.weight"] == torch.bfloat16
+    assert dtypes["model.rotary_emb.inv_freq"] == torch.float32
+    assert reference_dtypes(model, torch.float32)["model.rotary_emb.inv_freq"] == torch.float32
+    assert reference_dtypes(torch.nn.Linear(2, 2), torch.bfloat16) == {}  # not a transformers model
+
+
+def test_routers_become_units_that_compute_in_fp32() -> None:
+    model = _meta("deepseek_v3")
+    dense = plan_fsdp_units(model, reshard_after_forward=None)
+    units = kept_precision_units(model, BF16, reference_dtypes(model, torch.bfloat16), dense)
+    moe_layers = [
+        f"model.layers.{i}" for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")
+    ]
+    assert moe_layers and [u.fqn for u in units] == [f"{layer}.mlp.gate" for layer in moe_layers]
+    for unit in units:
+        assert unit.mp_policy is not None and unit.mp_policy.param_dtype is None
+        assert not unit.mp_policy.cast_forward_inputs and unit.mp_policy.reduce_dtype == torch.float32
+        assert unit.reshard_after_forward is None  # as the block that contains it
+    assert (
+        kept_precision_units(model, MixedPrecisionPolicy(), reference_dtypes(model, torch.bfloat16), dense)
+        == []
+    )
+
+
+def test_a_parent_reading_its_childs_weight_is_the_unit() -> None:
+    # The short convolution passes `self.conv1d.weight` to a kernel without calling `conv1d`: FSDP must
+    # gather it around the convolution module's forward, so the unit is the largest all-kept module.
+    parent = torch.nn.Module()
+    parent.conv = torch.nn.Module()
+    parent.conv.conv1d = torch.nn.Conv1d(4, 4, 3, groups=4, bias=False)
+    parent.proj = torch.nn.Linear(4, 4)
+    reference = {
+        "conv.conv1d.weight": torch.float32,
+        "proj.weight": torch.bfloat16,
+        "proj.bias": torch.bfloat16,
+    }
+    units = kept_precision_units(parent, BF16, reference, [])
+    assert [u.fqn for u in units] == ["conv"]
+
+
+def test_a_kept_parameter_beside_others_is_named() -> None:
+    attention = torch.nn.Module()
+    attention.q_proj = torch.nn.Linear(4, 4, bias=False)
+    attention.sinks = torch.nn.Parameter(torch.zeros(2))
+    root = torch.nn.Module()
+    root.attn = attention
+    reference = {"attn.q_proj.weight": torch.bfloat16, "attn.sinks": torch.float32}
+    with pytest.warns(UserWarning, match=r"attn\.sinks compute in torch\.bfloat16 .*mp_policy\.param_dtype"):
+        assert kept_precision_units(root, BF16, reference, []) == []
+
+
+def test_buffers_take_the_dtype_transformers_computes_them_in() -> None:
+    model = _meta("minimax")  # decay tables in the default dtype; inv_freq in fp32
+    reference = reference_dtypes(model, torch.bfloat16)
+    cast = cast_buffers_to_reference(model, reference, torch.bfloat16)
+    buffers = dict(model.named_buffers())
+    assert cast and all(buffers[name].dtype == torch.bfloat16 for name in cast)
+    assert any(name.endswith("diagonal_decay") for name in cast)
+    assert buffers["model.rotary_emb.inv_freq"].dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # parameters are FSDP's to cast
