@@ -259,8 +259,10 @@ def test_soft_capped_attention_is_refused() -> None:
     assert config.attn_logit_softcapping
     with torch.device("meta"):  # transformers has no SDPA for soft-capped Gemma-2: it loads eager
         model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ValueError, match="attn_implementation='eager'"):
-        apply_context_parallel(model)
+    # (transformers before 5.2x loads SDPA and drops the cap itself; CP then computes what it does.)
+    if model.config._attn_implementation == "eager":
+        with pytest.raises(ValueError, match="attn_implementation='eager'"):
+            apply_context_parallel(model)
     # A soft-capping model reaching the document path is refused there, before any collective.
     order = load_balance_indices(8, 2)
     layout = _DocumentLayout(None, order, 0, 2, torch.zeros(1, 8, dtype=torch.long))  # type: ignore[arg-type]

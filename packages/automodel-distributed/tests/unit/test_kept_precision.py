@@ -29,18 +29,18 @@ def _meta(model_type: str) -> torch.nn.Module:
 
 
 def test_reference_reads_what_transformers_keeps_in_fp32() -> None:
-    model = _meta("deepseek_v3")  # routers in `_keep_in_fp32_modules_strict`; rotary inv_freq in fp32
+    model = _meta("ernie4_5_moe")  # routers in `_keep_in_fp32_modules_strict`; rotary inv_freq in fp32
     dtypes = reference_dtypes(model, torch.bfloat16)
     routers = {k for k, v in dtypes.items() if k.endswith("mlp.gate.weight")}
     assert routers and all(dtypes[k] == torch.float32 for k in routers)
-    assert dtypes["model.layers.0.self_attn.q_a_proj.weight"] == torch.bfloat16
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
     assert dtypes["model.rotary_emb.inv_freq"] == torch.float32
     assert reference_dtypes(model, torch.float32)["model.rotary_emb.inv_freq"] == torch.float32
     assert reference_dtypes(torch.nn.Linear(2, 2), torch.bfloat16) == {}  # not a transformers model
 
 
 def test_routers_become_units_that_compute_in_fp32() -> None:
-    model = _meta("deepseek_v3")
+    model = _meta("ernie4_5_moe")
     dense = plan_fsdp_units(model, reshard_after_forward=None)
     units = kept_precision_units(model, BF16, reference_dtypes(model, torch.bfloat16), dense)
     moe_layers = [

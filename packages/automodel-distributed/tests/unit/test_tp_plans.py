@@ -32,6 +32,7 @@ from automodel_distributed.tensor_parallel import registry as tp_registry
 from automodel_distributed.tensor_parallel.derived import derived_tp_plan
 from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock
 from automodel_testing import build_tiny_model
+from automodel_testing.versions import older_transformers
 
 # ----------------------------------------------------------------------------- toy models
 
@@ -535,6 +536,10 @@ def test_derived_sequence_parallel_checks_the_stream_between_blocks(
     model_type: str, refused: str | None
 ) -> None:
     model = _meta_family(model_type)
+    if refused is None and model_type == "opt" and older_transformers():
+        # Older transformers' OPT draws a layer-drop coin in training even at layerdrop 0 and branches
+        # on it: no fake-tensor forward, so sequence parallelism is refused (clearly) there.
+        refused = "does not run on fake tensors"
     if refused is None:
         plan = resolve_tp_plan(model, sequence_parallel=True, tp_size=2)
         assert any(isinstance(v, SequenceShardedBlock) for v in plan.values())

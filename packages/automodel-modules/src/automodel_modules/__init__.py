@@ -7,6 +7,8 @@
 - `automodel_modules.fsdp_units`: reshard every FSDP2 unit of a model;
 - `automodel_modules.dataflow`: what each tensor of a fake-tensor forward is computed from (the tracer
   that tensor, context and pipeline parallelism read a model's structure with);
+- `automodel_modules.fake_mode`: ``FakeTensorMode`` with the meta kernels an older torch lacks (every
+  fake-tensor forward of the packages runs under it);
 - `automodel_modules.devices`: `collective_device`, the device a collective's tensors are made on.
 """
 

@@ -23,6 +23,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from automodel_modules.fake_mode import fake_mode
+
 __all__ = ["DataFlow", "OpCallback", "fake_forward"]
 
 OpCallback = Callable[[str, tuple[Any, ...], dict[str, Any], Callable[[Any], frozenset[str]]], None]
@@ -115,9 +117,8 @@ def fake_forward(flow: DataFlow, *, data_dependent_shapes: bool = False) -> Iter
             on values (``nonzero`` in an MoE dispatch, ``item``) produce unbacked sizes instead of
             raising; Python control flow on such a value still raises.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if data_dependent_shapes else None)
-    with mode, flow, torch.no_grad():
+    shape_env = ShapeEnv() if data_dependent_shapes else None
+    with fake_mode(allow_non_fake_inputs=True, shape_env=shape_env), flow, torch.no_grad():
         yield

@@ -48,12 +48,12 @@ def maps_like_linear(module: nn.Module, in_features: int, out_features: int) -> 
     fails; a router returns a tuple. Either way it is not a linear map that sharding or a low-rank delta
     of the weight's shape could treat as one.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from automodel_modules.fake_mode import fake_mode
 
     weight = getattr(module, "weight", None)
     device = weight.device if isinstance(weight, torch.Tensor) else None
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with fake_mode(allow_non_fake_inputs=True):
             out = module(torch.empty(2, 3, in_features, device=device))
     except Exception:  # it cannot take (..., in): not a plain linear map
         return False

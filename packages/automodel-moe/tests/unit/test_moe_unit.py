@@ -20,6 +20,7 @@ from automodel_moe import (
     has_experts,
     register_moe_family,
 )
+from automodel_testing.versions import older_transformers
 
 
 def test_config_defaults_round_trip_and_validation() -> None:
@@ -57,8 +58,10 @@ def test_experts_are_found_from_the_models_own_metadata() -> None:
 
     sites = find_experts(build_tiny_model("qwen3_moe"))
     assert [s.fqn for s in sites] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    # transformers 5.17 marks them with its experts-implementation flag, before the ep plan style.
+    source = "experts_implementation" if older_transformers() else "ep_plan"
     assert {(s.source, s.num_experts, s.params, s.call) for s in sites} == {
-        ("ep_plan", 8, ("gate_up_proj", "down_proj"), ExpertsCall.ROUTED)
+        (source, 8, ("gate_up_proj", "down_proj"), ExpertsCall.ROUTED)
     }
     gpt_oss = find_experts(build_tiny_model("gpt_oss"))[0]  # biases are cut by expert too
     assert gpt_oss.params == ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -88,7 +91,7 @@ def test_experts_are_found_from_the_models_own_metadata() -> None:
 
     # Gemma 4 keeps its ep plan when its config switches the experts off: that model is dense.
     gemma4 = _tiny("gemma4_text")
-    assert gemma4.ep_plan and not has_experts(gemma4)
+    assert (older_transformers() or gemma4.ep_plan) and not has_experts(gemma4)  # 5.17 has no ep_plan
     assert {s.num_experts for s in find_experts(_tiny("gemma4_text", **MOE_OVERRIDES["gemma4_text"]))} == {8}
 
 
@@ -100,7 +103,8 @@ def test_routers_are_found_from_the_models_output_capture_metadata() -> None:
         "model.layers.1.mlp.gate",
     ]
     assert find_routers(build_tiny_model("gpt_oss"))[0] == "model.layers.0.mlp.router"
-    assert find_routers(_tiny("deepseek_v3")) == [f"model.layers.{i}.mlp.gate" for i in (1, 2, 3)]
+    if not older_transformers():  # transformers 5.17's deepseek_v3 records no router_logits
+        assert find_routers(_tiny("deepseek_v3")) == [f"model.layers.{i}.mlp.gate" for i in (1, 2, 3)]
     assert find_routers(build_tiny_model("llama")) == []
 
 
@@ -110,6 +114,8 @@ def test_tensor_parallel_plan_leaves_the_experts_and_routers_alone() -> None:
 
     from automodel_distributed.tensor_parallel.apply import _leave_out
 
+    if older_transformers():
+        pytest.skip("transformers 5.17's deepseek_v3 records no router_logits: its routers are not found")
     model = _tiny("deepseek_v3")
     plan = {
         "model.layers.*.mlp.gate_proj": ColwiseParallel(),  # the dense layer 0 only

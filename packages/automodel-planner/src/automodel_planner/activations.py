@@ -269,16 +269,15 @@ def profile_activations(
     Raises:
         ValueError: ``seq_len`` not divisible by ``cp``, or a size below 1.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from automodel_distributed.tensor_parallel import sharded_layer_kinds
+    from automodel_modules.fake_mode import fake_mode
 
     if micro_batch < 1 or seq_len < 1 or cp < 1:
         raise ValueError(f"micro_batch, seq_len and cp must be >= 1, got {micro_batch}, {seq_len}, {cp}")
     if seq_len % cp:
         raise ValueError(f"seq_len={seq_len} must be divisible by cp={cp} (each CP rank holds a shard)")
     local_seq = seq_len // cp
-    with FakeTensorMode():
+    with fake_mode():
         model = _fake_model(model_config, dtype, attn_implementation)
         blocks = find_transformer_blocks(model)
         recorder = _Recorder(model, blocks, sharded_layer_kinds(model))

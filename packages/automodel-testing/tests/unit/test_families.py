@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 pytest.importorskip("transformers")
 
 from automodel_testing.families import EXCLUDED, decoder_families, excluded_families
 from automodel_testing.tiny import FAMILY_OVERRIDES, NUM_LAYERS, VOCAB_SIZE, derive_tiny_config
+from automodel_testing.versions import older_transformers
 
 MAX_PARAMS = 3_000_000
 
@@ -50,7 +50,7 @@ def _meta(config: object) -> torch.nn.Module:
     return model
 
 
-OLDER_TRANSFORMERS = tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 24)
+OLDER_TRANSFORMERS = older_transformers()
 """Older than the locked transformers (the `oldest` session): some families' own configs and models
 fail there, which the locked version's run must never excuse."""
 
