@@ -50,8 +50,9 @@ def _kept_patterns(hf: nn.Module, dtype: torch.dtype) -> list[re.Pattern[str]]:
 
 def _construct(hf: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
     config: Any = hf.config
+    model_class: Any = built_class(hf)  # a transformers PreTrainedModel subclass
     with torch.device("meta"):
-        built = built_class(hf)._from_config(copy.deepcopy(config), dtype=dtype)
+        built = model_class._from_config(copy.deepcopy(config), dtype=dtype)
     patterns = _kept_patterns(built, dtype)
     dtypes: dict[str, torch.dtype] = {}
     for name, param in built.named_parameters():
