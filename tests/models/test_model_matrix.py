@@ -61,6 +61,7 @@ from automodel_testing.matrix import (
     squared_grad_sum,
     upstream_failure,
 )
+from automodel_testing.tp_reference import split_like_tensor_parallel
 
 ROWS, SEQ, STEPS, LR = 4, 16, 2, 0.1
 ATOL = 1e-5
@@ -72,8 +73,11 @@ batch and steps, plus `BF16_FLOOR`. Both round every matmul to bf16's 8 mantissa
 orders (sharded reductions, fp32 gradient reduction and fp32 master weights on our side), so their
 errors have the same size and neither is the other's; one error may still cancel by chance in a single
 number (a gradient norm), so a difference within bf16's unit roundoff (2^-8, relative for norms above
-1) always passes. The case's logits must differ from fp32 by more than `BF16_USED` (fp32 runs differ by
-about 1e-7), or the bf16 policy acted on nothing."""
+1) always passes. Under tensor parallelism the transformers bf16 run splits each tp-sharded linear as
+TP does (`automodel_testing.tp_reference`): a row-parallel layer's partial products are rounded before
+they are added, an error of the sharding itself that a whole-matmul reference does not have. The case's
+logits must differ from fp32 by more than `BF16_USED` (fp32 runs differ by about 1e-7), or the bf16
+policy acted on nothing."""
 REPORT_ENV = "AUTOMODEL_MODEL_MATRIX_REPORT"
 """Where the ``models`` session's run writes its JSON (default: build/models/matrix.json)."""
 FAMILIES_ENV = "AUTOMODEL_MODEL_MATRIX_FAMILIES"
@@ -455,6 +459,10 @@ def _train(
     low = _reference(path, peft_config, torch.bfloat16) if layout.bf16 else None
     if low is not None and (why := _fails_to_train(low, batch)) is not None:
         return upstream_failure(why, "in bf16")
+    if (
+        low is not None and layout.sizes.get("tp_size", 1) > 1
+    ):  # round the partial sums as TP does (`tp_reference`)
+        assert split_like_tensor_parallel(low, parts), "tp layout without a tp-sharded linear"
     if low is not None:
         optimizers.append(torch.optim.SGD(low.parameters(), lr=LR))
     out: dict[str, Any] = {}
