@@ -194,6 +194,11 @@ def test_checkpoint_recompute_keeps_routing_decisions(ignore_router: bool) -> No
     from automodel_moe.parallelizer import ROUTER_SAVE_OPS
     from automodel_testing import build_tiny_model, make_batch
 
+    if ignore_router and older_transformers():
+        pytest.skip(
+            "transformers 5.17's grouped experts clamp the sorted expert ids in place, a saved output "
+            "that torch's selective checkpointing refuses to see mutated"
+        )
     model = build_tiny_model("mixtral", seed=0)  # Mixtral normalises its top-k values in place
     apply_activation_checkpointing(model, mode="full", save_ops=ROUTER_SAVE_OPS if ignore_router else ())
     block = model.model.layers[0]._checkpoint_wrapped_module.mlp

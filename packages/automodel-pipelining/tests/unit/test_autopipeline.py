@@ -21,6 +21,7 @@ from torch import nn
 from automodel_mesh import MeshContext
 from automodel_pipelining import AutoPipeline, PipelineConfig
 from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
+from automodel_testing.versions import older_torch
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,8 @@ def test_parallelize_fn_gets_every_stage_and_the_mesh_kwargs(mesh: MeshContext) 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zbv"])
 def test_one_rank_pipeline_matches_the_model(mesh: MeshContext, schedule: str) -> None:
+    if schedule != "1f1b" and older_torch():
+        pytest.skip("torch 2.11's multi-stage schedules send to their own rank at start, which gloo refuses")
     reference = build_tiny_model("qwen2", num_hidden_layers=4)
     pipe = _pipe(mesh, pp_schedule=schedule, pp_batch_size=4, pp_microbatch_size=2)
     pipe.build(build_tiny_model("qwen2", num_hidden_layers=4), loss_fn=causal_lm_loss)
