@@ -47,7 +47,21 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from automodel_moe.registry import SHARDED_ATTR, ExpertsCall, ExpertsSite, wrapper_chain
 
-__all__ = ["GroupedRowsEP", "install_dispatch", "local_parameters", "shard_experts", "unsupported_parts"]
+__all__ = [
+    "GroupedRowsEP",
+    "install_dispatch",
+    "local_parameters",
+    "routed_exchange_available",
+    "shard_experts",
+    "unsupported_parts",
+]
+
+
+def routed_exchange_available() -> bool:
+    """Whether the installed transformers has the routed experts' token exchange (``AllToAllEP``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
 
 
 @contextlib.contextmanager

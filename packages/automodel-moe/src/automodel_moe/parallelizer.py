@@ -35,8 +35,13 @@ from automodel_distributed.fsdp2 import ExpertSharding, FSDP2Manager
 from automodel_distributed.fsdp2_units import FSDPUnitPlan
 from automodel_mesh import MeshAxisName, MeshContext
 from automodel_moe.config import MoEParallelizerConfig
-from automodel_moe.experts import install_dispatch, shard_experts, unsupported_parts
-from automodel_moe.registry import ExpertsSite, find_experts, find_routers, has_experts
+from automodel_moe.experts import (
+    install_dispatch,
+    routed_exchange_available,
+    shard_experts,
+    unsupported_parts,
+)
+from automodel_moe.registry import ExpertsCall, ExpertsSite, find_experts, find_routers, has_experts
 
 __all__ = [
     "ROUTER_SAVE_OPS",
@@ -108,6 +113,14 @@ def check_expert_parallel(model: nn.Module, mesh: MeshContext) -> list[ExpertsSi
                 f"expert parallelism: {site.fqn} ({type(site.core).__name__}) holds parameters that are "
                 f"not cut by expert: {bad}; not supported yet (use ep_size=1)"
             )
+    if any(site.call is ExpertsCall.ROUTED for site in sites) and not routed_exchange_available():
+        import transformers
+
+        raise ValueError(
+            f"expert parallelism of {name}'s routed experts runs transformers' own token exchange "
+            f"(transformers.distributed.expert_parallel.AllToAllEP), which transformers "
+            f"{transformers.__version__} does not have; upgrade transformers (5.24 has it) or use ep_size=1"
+        )
     return sites
 
 
