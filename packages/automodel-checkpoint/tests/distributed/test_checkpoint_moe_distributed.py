@@ -127,6 +127,10 @@ def _data_bytes(folder: Path) -> int:
 
 @pytest.fixture(scope="module")
 def moe_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, Path]]:
+    from automodel_moe.experts import routed_exchange_available
+
+    if not routed_exchange_available():  # refused there (the matrix's EP fast slice shows it)
+        pytest.skip("this transformers has no AllToAllEP: expert parallelism of routed experts is refused")
     root = tmp_path_factory.mktemp("moe")
     checkpoints: dict[str, Path] = {}
     for family in FAMILIES:
