@@ -9,7 +9,8 @@ the base output:
   the base's output layout. ``lora_A``'s gradient is the sum over the ranks' ``lora_B`` slices, which
   DTensor computes from the ``Partial`` gradient ``lora_B`` hands back.
 - row-parallel base (input sharded on the last dim): ``base_layer`` row-parallel, ``lora_A`` row-parallel
-  (input dim sharded, its partial output reduced to the base's output layout), ``lora_B`` replicated.
+  (input dim sharded, its partial output reduced to the base's output layout), ``lora_B`` replicated
+  (under sequence parallelism applied to this rank's tokens, its weight gradient summed over the ranks).
 
 The wrapper is recognised by its structure (a ``base_layer`` and ``lora_A`` / ``lora_B`` ``ModuleDict``s),
 not by model family, and every adapter in the dicts is covered.
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -31,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.linear_styles import ColwiseParallel as LinearColwise
 from automodel_distributed.tensor_parallel.linear_styles import RowwiseParallel as LinearRowwise
-from automodel_distributed.tensor_parallel.styles import ReplicateParallel
+from automodel_distributed.tensor_parallel.styles import ReplicatedWithGradAllReduce, ReplicateParallel
 from automodel_modules import join_fqn
 
 __all__ = [
@@ -101,12 +102,23 @@ def _lora_entries(fqn: str, module: nn.Module, style: ParallelStyle) -> dict[str
     else:
         assert isinstance(style, RowwiseParallel)
         in_layout, out_layout = style.input_layouts[0], style.output_layouts[0]
+        # Under sequence parallelism (output Shard(seq)) lora_B acts token by token on this rank's slice:
+        # it runs on the local tensor, its replicated weight's gradient summed over the ranks
+        # (`ReplicatedWithGradAllReduce`). As a Shard(seq) DTensor, F.linear would flatten a sharded
+        # dim, which torch before 2.15 cannot propagate.
+        tokenwise = isinstance(out_layout, Shard) and style.use_local_output
         for adapter in adapters:
             entries[join_fqn(fqn, f"lora_A.{adapter}")] = LinearRowwise(
-                input_layouts=in_layout, output_layouts=out_layout, use_local_output=False
+                input_layouts=in_layout, output_layouts=out_layout, use_local_output=tokenwise
             )
-            entries[join_fqn(fqn, f"lora_B.{adapter}")] = ReplicateParallel(
-                input_layouts=out_layout, desired_input_layouts=None, use_local_output=style.use_local_output
+            entries[join_fqn(fqn, f"lora_B.{adapter}")] = (
+                ReplicatedWithGradAllReduce()
+                if tokenwise
+                else ReplicateParallel(
+                    input_layouts=out_layout,
+                    desired_input_layouts=None,
+                    use_local_output=style.use_local_output,
+                )
             )
     return entries
 
