@@ -156,22 +156,55 @@ def kept_precision_units(
     return sorted(units, key=lambda unit: unit.fqn.count("."), reverse=True)
 
 
+def _cast_during_forward(module: nn.Module, names: list[str], dtype: torch.dtype) -> None:
+    """Hooks that hold ``module``'s buffers ``names`` in ``dtype`` only while its forward runs.
+
+    The stored buffers (what ``state_dict``, a checkpoint and an export see) keep their dtype.
+    """
+    stored: dict[str, torch.Tensor] = {}
+
+    def swap_in(mod: nn.Module, _args: Any) -> None:
+        if stored:  # a recursive or re-entered call: already swapped
+            return
+        for name in names:
+            buf = mod._buffers[name]
+            assert buf is not None, "a registered floating buffer"
+            stored[name] = buf
+            mod._buffers[name] = buf.to(dtype)
+
+    def restore(mod: nn.Module, _args: Any, _output: Any) -> None:
+        for name, buf in stored.items():
+            mod._buffers[name] = buf
+        stored.clear()
+
+    module.register_forward_pre_hook(swap_in)
+    module.register_forward_hook(restore, always_call=True)
+
+
 def cast_buffers_to_reference(
     model: nn.Module, reference: Mapping[str, torch.dtype], compute: torch.dtype
 ) -> list[str]:
-    """Give each floating buffer of ``model`` that transformers holds in ``compute`` that dtype.
+    """Give each floating buffer of ``model`` that transformers holds in ``compute`` that dtype in forward.
 
     Only casts to ``compute`` (the policy's ``param_dtype``): a buffer transformers keeps wider (rotary
-    ``inv_freq``) keeps its dtype. Works on meta buffers (materialisation keeps a buffer's dtype). Mutates
-    ``model``'s buffers in place; no collective. Returns the cast buffers' names.
+    ``inv_freq``) keeps its dtype. A non-persistent buffer is cast in place (materialisation keeps a
+    buffer's dtype, so meta buffers work); a persistent one is saved and exported, and its stored dtype
+    must not change, so hooks of its module cast it for the duration of each forward (recompute
+    included). Mutates ``model``'s buffers and hooks; no collective. Returns the buffers' names.
     """
     cast: list[str] = []
     for fqn, module in model.named_modules():
+        persistent: list[str] = []
         for name, buf in module._buffers.items():
             if buf is None or not buf.is_floating_point() or buf.dtype == compute:
                 continue
-            full = join_fqn(fqn, name)
-            if reference.get(checkpoint_key(full)) == compute:
+            if reference.get(checkpoint_key(join_fqn(fqn, name))) != compute:
+                continue
+            cast.append(join_fqn(fqn, name))
+            if name in module._non_persistent_buffers_set:
                 module._buffers[name] = buf.to(compute)
-                cast.append(full)
+            else:
+                persistent.append(name)
+        if persistent:
+            _cast_during_forward(module, persistent, compute)
     return cast

@@ -88,8 +88,34 @@ def test_buffers_take_the_dtype_transformers_computes_them_in() -> None:
     model = _meta("minimax")  # decay tables in the default dtype; inv_freq in fp32
     reference = reference_dtypes(model, torch.bfloat16)
     cast = cast_buffers_to_reference(model, reference, torch.bfloat16)
-    buffers = dict(model.named_buffers())
-    assert cast and all(buffers[name].dtype == torch.bfloat16 for name in cast)
     assert any(name.endswith("diagonal_decay") for name in cast)
+    buffers = dict(model.named_buffers())
     assert buffers["model.rotary_emb.inv_freq"].dtype == torch.float32
+    # The decay tables are persistent (saved, exported): stored in fp32, bf16 only inside forward.
+    assert all(buffers[name].dtype == torch.float32 for name in cast)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # parameters are FSDP's to cast
+
+
+class _Tables(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved = torch.nn.Buffer(torch.full((2,), 1 / 3))
+        self.scratch = torch.nn.Buffer(torch.full((2,), 1 / 3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.saved.dtype == self.scratch.dtype == x.dtype, (self.saved.dtype, x.dtype)
+        return x * self.saved + self.scratch
+
+
+def test_a_persistent_buffer_is_cast_only_while_forward_runs() -> None:
+    tables = _Tables()
+    reference = {"saved": torch.bfloat16, "scratch": torch.bfloat16}
+    assert cast_buffers_to_reference(tables, reference, torch.bfloat16) == ["saved", "scratch"]
+    assert tables.scratch.dtype == torch.bfloat16  # never saved: cast once
+    out = tables(torch.ones(2, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    assert tables.saved.dtype == torch.float32 and torch.equal(tables.saved, torch.full((2,), 1 / 3))
+    assert tables.state_dict()["saved"].dtype == torch.float32
+    with pytest.raises(AssertionError):  # a failed forward still restores the stored buffer
+        tables(torch.ones(2))
+    assert tables.saved.dtype == torch.float32
