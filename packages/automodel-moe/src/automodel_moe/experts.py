@@ -350,8 +350,6 @@ def install_dispatch(site: ExpertsSite, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh
     ``tp`` axis, size 1 without TP). Collectives per call: see `GroupedRowsEP` and transformers'
     ``AllToAllEP``.
     """
-    from transformers.distributed.expert_parallel import AllToAllEP
-
     module = site.module
     original = module.forward
     exchange: Callable[..., torch.Tensor]
@@ -364,6 +362,8 @@ def install_dispatch(site: ExpertsSite, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh
             takes_counts=site.call is ExpertsCall.GROUPED_ROWS,
         )
     else:
+        from transformers.distributed.expert_parallel import AllToAllEP  # `check_expert_parallel` checked
+
         # AllToAllEP reads the module's forward and its (now local) expert count at construction.
         exchange = AllToAllEP(module, ep_mesh, tp_mesh)
 
