@@ -127,6 +127,21 @@ def _resolve_ops(names: tuple[str, ...]) -> frozenset[Any]:
     return frozenset(ops)
 
 
+def _reads_to_host(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``op`` reads an accelerator tensor back to the host (``.tolist()``, ``.item()``, ``.cpu()``).
+
+    Each is a host sync (the CPU waits for the device's queue to drain); saved, recompute gets the host
+    copy back instead of waiting again. The values are tiny (counts, sizes), so saving costs nothing.
+    """
+    source = args[0] if args else None
+    if not isinstance(source, torch.Tensor) or source.device.type == "cpu":
+        return False
+    if op is torch.ops.aten._local_scalar_dense.default:
+        return True
+    target = kwargs.get("device")
+    return op is torch.ops.aten._to_copy.default and target is not None and torch.device(target).type == "cpu"
+
+
 def selective_checkpoint_policy(
     save_ops: Sequence[str] = (), *, save_matmuls: bool = True
 ) -> Callable[..., CheckpointPolicy]:
@@ -140,15 +155,16 @@ def selective_checkpoint_policy(
     Returns:
         A ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`` for
         ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: ``MUST_SAVE`` for ``save_ops``,
-        the ops in `SELECTIVE_AC_ALWAYS_SAVE_OPS` and every other matmul of `SELECTIVE_AC_MATMUL_OPS` (the
-        1st, 3rd, ...), ``PREFER_RECOMPUTE`` for everything else.
+        the ops in `SELECTIVE_AC_ALWAYS_SAVE_OPS`, every other matmul of `SELECTIVE_AC_MATMUL_OPS` (the
+        1st, 3rd, ...) and every read of an accelerator tensor back to the host (so recompute repeats
+        no host sync: expert parallelism's split sizes), ``PREFER_RECOMPUTE`` for everything else.
     """
     matmuls = _resolve_ops(SELECTIVE_AC_MATMUL_OPS) if save_matmuls else frozenset()
     always = _resolve_ops((*SELECTIVE_AC_ALWAYS_SAVE_OPS, *save_ops) if save_matmuls else tuple(save_ops))
     counts = {"forward": 0, "recompute": 0}
 
     def policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op in always:
+        if op in always or _reads_to_host(op, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         if op in matmuls:
             # torch >= 2.12 only calls the policy in forward; older ones also call it on recompute.

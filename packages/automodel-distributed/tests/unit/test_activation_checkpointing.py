@@ -151,6 +151,26 @@ def test_selective_policy_saves_every_other_matmul_attention_and_collectives() -
     assert selective_checkpoint_policy()(ctx, aten.mm.default) is save
 
 
+def test_host_reads_of_accelerator_tensors_are_saved_so_recompute_syncs_nothing() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    host = torch.zeros(2, dtype=torch.long)
+    with FakeTensorMode():  # CUDA tensors without a GPU: the policy reads devices only
+        counts = torch.zeros(2, dtype=torch.long, device="cuda")
+    for policy in (selective_checkpoint_policy(), selective_checkpoint_policy(save_matmuls=False)):
+        # `.tolist()` / `.cpu()` of a device tensor, and `.item()`: each waits for the device.
+        assert policy(ctx, aten._to_copy.default, counts, device=torch.device("cpu")) is save
+        assert policy(ctx, aten._to_copy.default, counts, device="cpu") is save
+        assert policy(ctx, aten._local_scalar_dense.default, counts) is save
+        # A dtype cast on the device, or a host tensor read on the host, is no sync.
+        assert policy(ctx, aten._to_copy.default, counts, dtype=torch.float32) is recompute
+        assert policy(ctx, aten._local_scalar_dense.default, host) is recompute
+        assert policy(ctx, aten._to_copy.default, host, device="cpu") is recompute
+
+
 def test_selective_mode_uses_the_policy_in_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, CheckpointPolicy]] = []
 
