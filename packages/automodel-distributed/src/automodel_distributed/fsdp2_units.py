@@ -16,7 +16,7 @@ from torch import nn
 
 from automodel_distributed.blocks import blockless_parts, find_transformer_blocks
 from automodel_distributed.multimodal import LANGUAGE, PROJECTOR, model_parts
-from automodel_modules import fqn_of
+from automodel_modules import embedding_module, fqn_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -74,13 +74,8 @@ def needs_no_weight_in_backward(module: nn.Module) -> bool:
 
 
 def _is_tied(model: nn.Module) -> bool:
-    get_in = getattr(model, "get_input_embeddings", None)
-    get_out = getattr(model, "get_output_embeddings", None)
-    if not callable(get_in) or not callable(get_out):
-        return False
-    # A pipeline stage holds a parameterless stand-in for the side another stage runs.
-    weight = getattr(get_in(), "weight", None)
-    return weight is not None and weight is getattr(get_out(), "weight", None)
+    weight = getattr(embedding_module(model, "input"), "weight", None)
+    return weight is not None and weight is getattr(embedding_module(model, "output"), "weight", None)
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -90,9 +85,8 @@ def _holds_parameters(module: nn.Module) -> bool:
 
 def output_head(model: nn.Module) -> nn.Module | None:
     """The model's untied output head (``get_output_embeddings()``) when it holds parameters, or None."""
-    get_out = getattr(model, "get_output_embeddings", None)
-    head = get_out() if callable(get_out) and not _is_tied(model) else None
-    return head if isinstance(head, nn.Module) and _holds_parameters(head) else None
+    head = embedding_module(model, "output")
+    return head if head is not None and _holds_parameters(head) and not _is_tied(model) else None
 
 
 def frozen_towers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -163,10 +157,9 @@ def plan_fsdp_units(
     """
     check_frozen_sharding(model, frozen_sharding)
     units: list[tuple[str, nn.Module]] = []
-    get_in = getattr(model, "get_input_embeddings", None)
-    embed = get_in() if callable(get_in) and not _is_tied(model) else None
+    embed = None if _is_tied(model) else embedding_module(model, "input")
     head = output_head(model)
-    if isinstance(embed, nn.Module) and _holds_parameters(embed) and (fqn := fqn_of(model, embed)):
+    if embed is not None and _holds_parameters(embed) and (fqn := fqn_of(model, embed)):
         units.append((fqn, embed))
     blocks = find_transformer_blocks(model)
     if frozen_sharding != "per_layer":

@@ -20,6 +20,7 @@ buffer the reference's dtype.
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -96,6 +97,26 @@ def _is_kept(
     return wanted is not None and wanted != compute and wanted == param.dtype
 
 
+def _children_read_directly(module: nn.Module) -> set[str]:
+    """Child names whose weights ``module``'s forward reads without calling the child.
+
+    transformers marks such a forward with ``force_accelerate_hooks(child_names)`` (a short convolution
+    handing ``self.conv1d.weight`` to a kernel) so that offloading hooks fire: the decorator's argument,
+    read from the forward's closures (each ``functools.wraps`` layer), is that list.
+    """
+    names: set[str] = set()
+    forward: Any = type(module).forward
+    while callable(forward):
+        try:
+            found = inspect.getclosurevars(forward).nonlocals.get("child_module_names")
+        except (TypeError, ValueError):  # a builtin or C function: no closure to read
+            found = None
+        if isinstance(found, list | tuple):
+            names.update(n for n in found if isinstance(n, str))
+        forward = getattr(forward, "__wrapped__", None)
+    return names
+
+
 def _kept_modules(
     model: nn.Module, reference: Mapping[str, torch.dtype], compute: torch.dtype, taken: set[str]
 ) -> tuple[dict[str, nn.Module], list[str]]:
@@ -103,7 +124,8 @@ def _kept_modules(
 
     Largest, not the parameter's owner: a parent may read a child's weight without calling the child
     (a short convolution passing ``self.conv1d.weight`` to a kernel), and FSDP gathers a unit's
-    parameters only around the unit's own forward. A module in ``taken`` (a dense unit, the root) is
+    parameters only around the unit's own forward; a module whose parent reads it so
+    (`_children_read_directly`) cannot be one either. A module in ``taken`` (a dense unit, the root) is
     not one: its unit holds other parameters too. Returns (FQN -> module, names of the kept parameters
     no such module holds).
     """
@@ -112,15 +134,24 @@ def _kept_modules(
         for fqn, param in model.named_parameters()
         if param.is_floating_point() and _is_kept(param, fqn, reference, compute)
     }
+    # A child its parent reads directly would never be gathered by a unit of its own.
+    unreachable = {
+        join_fqn(fqn, child) for fqn, m in model.named_modules() for child in _children_read_directly(m)
+    }
     found: dict[str, nn.Module] = {}
     for fqn, module in model.named_modules():
         names = [join_fqn(fqn, n) for n, p in module.named_parameters() if p.is_floating_point()]
-        if fqn in taken or not names or not kept.issuperset(names):
+        if fqn in taken or fqn in unreachable or not names or not kept.issuperset(names):
             continue
         if not any(fqn.startswith(outer + ".") for outer in found):
             found[fqn] = module
     held = {join_fqn(fqn, n) for fqn, module in found.items() for n, _ in module.named_parameters()}
     return found, sorted(kept - held)
+
+
+def _listed(names: list[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def kept_precision_units(
@@ -135,7 +166,9 @@ def kept_precision_units(
     a reference dtype (`reference_dtypes`) that is their own and not the compute dtype; its unit computes
     in the parameters' dtype (``param_dtype=None``) and casts no input, reducing gradients in the
     policy's ``reduce_dtype``. A kept parameter that shares its module with others (attention sinks
-    beside the projections) cannot get a dtype of its own in FSDP2: a warning names it. Reads only;
+    beside the projections), or whose module its parent reads without calling it (a convolution beside
+    the projections whose weight the attention hands to a kernel), cannot get a dtype of its own in
+    FSDP2: a warning names it. Reads only;
     deepest first, so `apply_fsdp2` shards a nested unit before the one containing it.
     """
     compute = mp_policy.param_dtype
@@ -147,9 +180,9 @@ def kept_precision_units(
     found, left = _kept_modules(model, reference, compute, {"", *(unit.fqn for unit in dense)})
     if left:
         warnings.warn(
-            f"{', '.join(left)} compute in {compute} (FSDP2Config.mp_policy.param_dtype), although "
+            f"{_listed(left)} compute in {compute} (FSDP2Config.mp_policy.param_dtype), although "
             "transformers keeps them wider: an FSDP unit has one compute dtype, and their module holds "
-            "other parameters too",
+            "other parameters too or is read by its parent without being called",
             stacklevel=3,
         )
     units = [FSDPUnitPlan(fqn, module, None, mp_policy=policy) for fqn, module in found.items()]

@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from automodel_modules import embedding_module
+
 __all__ = ["accumulate_tied_embedding_rows", "tied_input_embedding"]
 
 
@@ -35,15 +37,8 @@ def tied_input_embedding(model: nn.Module) -> nn.Embedding | None:
     untied weights, a subclass with its own forward (a scaled embedding), or a model without both (a
     pipeline stage holds None for the parts it does not run).
     """
-    get_in = getattr(model, "get_input_embeddings", None)
-    get_out = getattr(model, "get_output_embeddings", None)
-    if not callable(get_in) or not callable(get_out):
-        return None
-    try:
-        embedding, head = get_in(), get_out()
-    except NotImplementedError:  # transformers' default where the model names no base model
-        return None
-    # A pipeline stage without the embedding or the head has None in its place.
+    embedding, head = embedding_module(model, "input"), embedding_module(model, "output")
+    # A pipeline stage without the embedding or the head has None (or a stand-in) in its place.
     if not isinstance(embedding, nn.Embedding) or type(embedding).forward is not nn.Embedding.forward:
         return None
     if head is None or getattr(head, "weight", None) is not embedding.weight:

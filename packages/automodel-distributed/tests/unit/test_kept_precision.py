@@ -119,3 +119,29 @@ def test_a_persistent_buffer_is_cast_only_while_forward_runs() -> None:
     with pytest.raises(AssertionError):  # a failed forward still restores the stored buffer
         tables(torch.ones(2))
     assert tables.saved.dtype == torch.float32
+
+
+def test_a_child_its_parent_reads_directly_is_not_a_unit() -> None:
+    # transformers marks such a forward (`force_accelerate_hooks`): FSDP would never gather the child.
+    force_accelerate_hooks = pytest.importorskip(
+        "transformers.integrations.accelerate"
+    ).force_accelerate_hooks
+
+    class Mixer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.conv1d = torch.nn.Conv1d(4, 4, 3, groups=4, bias=False)
+
+        @force_accelerate_hooks("conv1d")
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x) * self.conv1d.weight.sum()
+
+    root = torch.nn.Module()
+    root.mixer = Mixer()
+    reference = {"mixer.proj.weight": torch.bfloat16, "mixer.proj.bias": torch.bfloat16}
+    reference["mixer.conv1d.weight"] = torch.float32
+    with pytest.warns(
+        UserWarning, match=r"mixer\.conv1d\.weight compute in torch\.bfloat16 .*read by its parent"
+    ):
+        assert kept_precision_units(root, BF16, reference, []) == []

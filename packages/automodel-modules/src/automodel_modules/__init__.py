@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from automodel_modules.devices import collective_device
 from automodel_modules.fsdp_units import reshard_fsdp_units
 from automodel_modules.kinds import is_conv1d, is_dtensor, maps_like_linear
-from automodel_modules.lookup import find_hf_model, fqn_of, output_head_fqns, unwrap
+from automodel_modules.lookup import embedding_module, find_hf_model, fqn_of, output_head_fqns, unwrap
 from automodel_modules.names import (
     ADAPTER_SEGMENTS,
     WRAPPER_SEGMENTS,
@@ -36,6 +36,7 @@ __all__ = [
     "WRAPPER_SEGMENTS",
     "__version__",
     "collective_device",
+    "embedding_module",
     "find_hf_model",
     "fqn_of",
     "is_adapter_fqn",

@@ -6,11 +6,13 @@ peft wraps a transformers model behind ``get_base_model()`` (`find_hf_model`); a
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import nn
 
 from automodel_modules.names import WRAPPER_SEGMENTS, join_fqn
 
-__all__ = ["find_hf_model", "fqn_of", "output_head_fqns", "unwrap"]
+__all__ = ["embedding_module", "find_hf_model", "fqn_of", "output_head_fqns", "unwrap"]
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -56,14 +58,25 @@ def find_hf_model(model: nn.Module) -> tuple[str, nn.Module]:
         prefix, current = join_fqn(prefix, path), inner
 
 
+def embedding_module(model: nn.Module, side: Literal["input", "output"]) -> nn.Module | None:
+    """``model.get_input_embeddings()`` / ``get_output_embeddings()`` when it names a module, else None.
+
+    None too where the lookup fails: a model without a head, or a pipeline stage holding a stand-in for
+    the side another stage runs, which transformers' automatic lookup does not recognise (it raises
+    ``AttributeError`` or ``NotImplementedError`` for some families).
+    """
+    get = getattr(model, f"get_{side}_embeddings", None)
+    if not callable(get):
+        return None
+    try:
+        found = get()
+    except (AttributeError, NotImplementedError):
+        return None
+    return found if isinstance(found, nn.Module) else None
+
+
 def output_head_fqns(model: nn.Module) -> set[str]:
     """Every name of the output head: ``get_output_embeddings()``, else the modules named ``lm_head``."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = None
-    if callable(get_head):
-        try:
-            head = get_head()
-        except (AttributeError, NotImplementedError):  # models without a head
-            head = None
+    head = embedding_module(model, "output")
     found = {fqn for fqn, m in model.named_modules() if head is not None and m is head}
     return found or {fqn for fqn, _ in model.named_modules() if fqn.rpartition(".")[2] == "lm_head"}
