@@ -78,7 +78,7 @@ ALLOWED_GRAPH: Mapping[str, Node] = {
     _QUANT: _node([_MESH, _MODS]),  # torchao (+ optional bitsandbytes); uses ConfigDict, no mesh
     _PEFT: _node([_MESH, _MODS], optional=[_QUANT]),  # QLoRA through the [quant] extra
     _INFRA: _node([_MESH, _CKPT, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),
-    _PLAN: _node([_MESH, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),  # each feature's term lazily
+    _PLAN: _node([_MESH, _MODS, _DIST], optional=[_PP, _MOE, _QUANT, _PEFT]),  # each feature's term lazily
     "automodel-all": _node([_MESH, _MODS, _CKPT, _CPU, _DIST, _PP, _MOE, _QUANT, _PEFT, _INFRA, _PLAN]),
     "automodel-testing": _node([_MESH, _MODS], published=False),
 }
