@@ -56,13 +56,18 @@ def _construct(hf: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
         built = model_class._from_config(copy.deepcopy(config), dtype=dtype)
     patterns = _kept_patterns(built, dtype)
     dtypes: dict[str, torch.dtype] = {}
-    for name, param in built.named_parameters():
-        if param.is_floating_point():
-            kept = any(p.search(name) for p in patterns)
-            dtypes[checkpoint_key(name)] = torch.float32 if kept else param.dtype
-    for name, buf in built.named_buffers():
-        if buf.is_floating_point():
-            dtypes[checkpoint_key(name)] = buf.dtype
+    for prefix, module in built.named_modules():
+        # The lists apply to what a checkpoint loads: parameters and persistent buffers.
+        loaded = [(n, p) for n, p in module._parameters.items()]
+        loaded += [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
+        for name, tensor in loaded:
+            if tensor is not None and tensor.is_floating_point():
+                full = join_fqn(prefix, name)
+                kept = any(p.search(full) for p in patterns)
+                dtypes[checkpoint_key(full)] = torch.float32 if kept else tensor.dtype
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point() and name in module._non_persistent_buffers_set:
+                dtypes[checkpoint_key(join_fqn(prefix, name))] = buf.dtype
     return dtypes
 
 

@@ -145,3 +145,24 @@ def test_a_child_its_parent_reads_directly_is_not_a_unit() -> None:
         UserWarning, match=r"mixer\.conv1d\.weight compute in torch\.bfloat16 .*read by its parent"
     ):
         assert kept_precision_units(root, BF16, reference, []) == []
+
+
+def test_the_keep_lists_apply_to_what_a_checkpoint_loads() -> None:
+    from transformers import LlamaForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    class Scaled(LlamaForCausalLM):
+        _keep_in_fp32_modules_strict = ["saved_scale", "scratch_scale"]
+
+        def __init__(self, config: object) -> None:
+            super().__init__(config)  # type: ignore[arg-type]
+            self.saved_scale = torch.nn.Buffer(torch.ones(2))  # in the default dtype, as built
+            self.scratch_scale = torch.nn.Buffer(torch.ones(2), persistent=False)
+
+    with torch.device("meta"):
+        model = Scaled(derive_tiny_config("llama"))
+    dtypes = reference_dtypes(model, torch.bfloat16)
+    assert dtypes["saved_scale"] == torch.float32  # loaded from the checkpoint: kept in fp32
+    assert dtypes["scratch_scale"] == torch.bfloat16  # never loaded: as built
+    assert dtypes["lm_head.weight"] == torch.bfloat16
