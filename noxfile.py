@@ -1,8 +1,12 @@
 """The automodel test matrix. Run everything with ``uvx nox``; list the sessions with ``uvx nox -l``.
 
-Every session builds its environment with ``uv sync --frozen`` into the session's own virtual
-environment, so what runs is exactly the committed uv.lock; uv's cache makes that a matter of seconds
-(hard links), so nothing is shared between sessions and a fresh clone behaves like a warm one.
+Every session builds its environment with ``uv sync --frozen``, so what runs is exactly the committed
+uv.lock; uv's cache makes that a matter of seconds (hard links), and a fresh clone behaves like a warm
+one. Each ``unit`` session gets a virtual environment of its own holding one package and what it
+declares. The sessions that need the whole workspace (typecheck, lean_import, distributed, e2e, faults,
+models, benchmarks, gpu) share one, `WORKSPACE_ENV`, synced at the start of each (a no-op when it is
+current): Python compiles the bytecode of torch, transformers and the rest on first import, about 12 s
+of a 2-core machine per environment, so one shared environment pays it once per run.
 
 Test tiers, disjoint so that each test runs once in the default run:
 
@@ -76,6 +80,15 @@ GPU_COUNTS = [1, 2, 4, 8]
 WORKSPACE_SYNC = ("--all-packages", "--all-extras", "--group", "dev", "--group", "test")
 
 
+SINGLE_PROCESS_WORKERS = min(4, os.cpu_count() or 1)
+"""pytest-xdist workers of the single-process tiers (``unit``, ``e2e``): their tests run one Python
+thread each, so on the 2-core CI machine two workers halve them. The multi-process tiers run serially:
+their ranks already fill the cores."""
+
+WORKSPACE_ENV = ROOT / ".nox" / "workspace"
+"""The environment of the whole-workspace sessions (``WORKSPACE_SYNC``), shared by all of them."""
+
+
 def _timed(func: Callable[..., None]) -> Callable[..., None]:
     """Log the session's own wall time when it ends, however it ends (nox's summary rounds to minutes)."""
 
@@ -110,6 +123,24 @@ def _uv_sync(session: nox.Session, *args: str) -> None:
     )
 
 
+def _workspace(session: nox.Session) -> dict[str, str]:
+    """Sync `WORKSPACE_ENV` for a ``venv_backend="none"`` session; return the environment to run in it.
+
+    Commands in it are run as ``session.run(_bin(name), ..., env=..., external=True)``: nox resolves a
+    bare program name on its own ``PATH``, not on the ``env`` it is given.
+    """
+    session.run(
+        "uv", "sync", "--frozen", "--quiet", "--no-default-groups", "--python", sys.executable,
+        *WORKSPACE_SYNC, env={"UV_PROJECT_ENVIRONMENT": str(WORKSPACE_ENV)}, external=True,
+    )  # fmt: skip
+    return {"VIRTUAL_ENV": str(WORKSPACE_ENV), "PATH": f"{_bin('')}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _bin(program: str) -> str:
+    """``program`` in `WORKSPACE_ENV`'s ``bin`` folder (the folder itself for ``""``)."""
+    return str(WORKSPACE_ENV / "bin" / program) if program else str(WORKSPACE_ENV / "bin")
+
+
 def _has_test_files(*folders: Path) -> bool:
     return any(any(f.rglob("test_*.py")) or any(f.rglob("*_test.py")) for f in folders if f.is_dir())
 
@@ -123,11 +154,14 @@ def _pytest(
     what: str,
     why_empty: str,
     env: dict[str, str] | None = None,
+    workspace: dict[str, str] | None = None,
+    parallel: bool = False,
 ) -> None:
-    """Run pytest over ``paths``.
+    """Run pytest over ``paths``; in `WORKSPACE_ENV` when ``workspace`` (`_workspace`'s result) is given.
 
     Exit code 5 (no test selected) is accepted only when ``allow_empty``; then a line starting with
-    "NO TESTS COLLECTED" names ``what`` and gives ``why_empty``.
+    "NO TESTS COLLECTED" names ``what`` and gives ``why_empty``. ``parallel`` spreads the test files over
+    `SINGLE_PROCESS_WORKERS` (``--dist loadfile``: a file's tests and module fixtures stay together).
     """
     existing = [str(p.relative_to(ROOT)) for p in paths if p.is_dir()]
     if not existing and not allow_empty:
@@ -139,13 +173,15 @@ def _pytest(
     junit.unlink(missing_ok=True)
     try:
         session.run(
-            "pytest",
+            _bin("pytest") if workspace else "pytest",
             *existing,
             "-m",
             marker,
             f"--junit-xml={junit}",
+            *(["-n", str(SINGLE_PROCESS_WORKERS), "--dist", "loadfile"] if parallel else []),
             *session.posargs,
-            env=env,
+            env={**(workspace or {}), **(env or {})},
+            external=bool(workspace),
             success_codes=[0, 5] if allow_empty else [0],
         )
     except CommandFailed as exc:
@@ -187,21 +223,21 @@ def lint(session: nox.Session) -> None:
         _fail("failed: " + "; ".join(failed))
 
 
-@nox.session
+@nox.session(venv_backend="none")
 @_timed
 def typecheck(session: nox.Session) -> None:
     """Mypy (strict, configured in the root pyproject.toml) over every package's sources and tools/."""
-    _uv_sync(session, *WORKSPACE_SYNC)
+    env = _workspace(session)
     sources = [str(p.relative_to(ROOT)) for p in sorted(ROOT.glob("packages/*/src"))]
-    session.run("mypy", *sources, "tools")
+    session.run(_bin("mypy"), *sources, "tools", env=env, external=True)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 @_timed
 def lean_import(session: nox.Session) -> None:
     """``import <package>``: no CUDA initialised, no heavy module, <= 1.2x the time of ``import torch``."""
-    _uv_sync(session, *WORKSPACE_SYNC)
-    session.run("python", "tools/check_lean_import.py", *session.posargs)
+    env = _workspace(session)
+    session.run(_bin("python"), "tools/check_lean_import.py", *session.posargs, env=env, external=True)
 
 
 @nox.session
@@ -217,7 +253,7 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", "--site-dir", str(site), env={"NO_MKDOCS_2_WARNING": "1"})
 
 
-@nox.session(default=False)
+@nox.session(default=False, venv_backend="none")
 @_timed
 def benchmarks(session: nox.Session) -> None:
     """Every benchmark, one table of ratios against baselines measured in the same run (not a default).
@@ -226,8 +262,8 @@ def benchmarks(session: nox.Session) -> None:
     writes the rows. The NeMo AutoModel rows install ``nemo-automodel`` from PyPI into a scratch venv
     (a network is needed; without one those rows say why).
     """
-    _uv_sync(session, *WORKSPACE_SYNC)
-    session.run("python", "benchmarks/run_all.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    env = {**_workspace(session), "OMP_NUM_THREADS": "1"}
+    session.run(_bin("python"), "benchmarks/run_all.py", *session.posargs, env=env, external=True)
 
 
 # --- tests ---------------------------------------------------------------------------------------------
@@ -249,6 +285,7 @@ def unit(session: nox.Session, package: str) -> None:
         allow_empty=not has_tests,
         what=package,
         why_empty="the package has no test files yet",
+        parallel=True,
     )
 
 
@@ -274,11 +311,11 @@ def _check_slim_environment(session: nox.Session, package: str) -> None:
     session.log(f"  absent, as its dependencies say: {', '.join(sorted(watched - installed)) or '-'}")
 
 
-@nox.session
+@nox.session(venv_backend="none")
 @_timed
 def distributed(session: nox.Session) -> None:
     """Multi-process tests: real gloo process groups of 2 to 8 ranks, launched by run_distributed."""
-    _uv_sync(session, *WORKSPACE_SYNC)
+    workspace = _workspace(session)
     folders = [*sorted(ROOT.glob("packages/*/tests")), ROOT / "tests"]
     _pytest(
         session,
@@ -287,14 +324,15 @@ def distributed(session: nox.Session) -> None:
         allow_empty=True,
         what="the distributed tier",
         why_empty="no test is marked `distributed` yet",
+        workspace=workspace,
     )
 
 
-@nox.session
+@nox.session(venv_backend="none")
 @_timed
 def e2e(session: nox.Session) -> None:
     """Cross-package tests in ``tests/`` (the wheel-install checks are the ``wheels`` session)."""
-    _uv_sync(session, *WORKSPACE_SYNC)
+    workspace = _workspace(session)
     tests = ROOT / "tests"
     _pytest(
         session,
@@ -303,11 +341,13 @@ def e2e(session: nox.Session) -> None:
         allow_empty=not _has_test_files(tests),
         what="tests/",
         why_empty="there are no cross-package test files yet",
+        workspace=workspace,
+        parallel=True,
     )
 
 
 def _faults(session: nox.Session, marker: str) -> None:
-    _uv_sync(session, *WORKSPACE_SYNC)
+    workspace = _workspace(session)
     report = Path(session.create_tmp()) / "faults-report.json"
     report.unlink(missing_ok=True)
     _pytest(
@@ -318,6 +358,7 @@ def _faults(session: nox.Session, marker: str) -> None:
         what="the faults tier",
         why_empty="",
         env={"AUTOMODEL_FAULTS_REPORT": str(report)},
+        workspace=workspace,
     )
     if not report.is_file():
         _fail(f"the faults run wrote no ledger at {report}")
@@ -325,7 +366,7 @@ def _faults(session: nox.Session, marker: str) -> None:
     session.log(f"faults ledger ({report}): {totals}")
 
 
-@nox.session(default=False)
+@nox.session(default=False, venv_backend="none")
 @_timed
 def models(session: nox.Session) -> None:
     """The whole model matrix: every transformers decoder and VLM family x every layout (not default).
@@ -334,7 +375,7 @@ def models(session: nox.Session) -> None:
     The default ``distributed`` session runs a fast slice of the same matrix. ``-- -k fsdp2`` runs some
     layouts.
     """
-    _uv_sync(session, *WORKSPACE_SYNC)
+    workspace = _workspace(session)
     report = ROOT / "build" / "models" / "matrix.json"
     vlm_report = ROOT / "build" / "models" / "vlm.json"
     report.unlink(missing_ok=True)
@@ -353,14 +394,16 @@ def models(session: nox.Session) -> None:
                 "AUTOMODEL_VLM_MATRIX_REPORT": str(vlm_report),
                 "OMP_NUM_THREADS": "1",
             },
+            workspace=workspace,
         )
     except CommandFailed:
         failed = True  # the table is written either way: it shows what failed
     if not report.is_file():
         _fail(f"the model matrix wrote no report at {report}")
-    session.run("python", "tools/models_doc.py", str(report), "docs/models.md", "docs/moe.md")
+    doc = (_bin("python"), "tools/models_doc.py")
+    session.run(*doc, str(report), "docs/models.md", "docs/moe.md", env=workspace, external=True)
     if vlm_report.is_file():  # absent when ``-k`` selected decoder layouts only
-        session.run("python", "tools/models_doc.py", str(vlm_report), "docs/vlm.md")
+        session.run(*doc, str(vlm_report), "docs/vlm.md", env=workspace, external=True)
     if failed:
         _fail("some (family, layout) cases failed: see docs/models.md and the pytest output")
 
@@ -455,14 +498,15 @@ def faults_slow(session: nox.Session) -> None:
     _faults(session, "slow_faults and not gpu")
 
 
-@nox.session
+@nox.session(venv_backend="none")
 @nox.parametrize("gpus", GPU_COUNTS)
 @_timed
 def gpu(session: nox.Session, gpus: int) -> None:
     """GPU tests (``-m gpu``) with exactly ``gpus`` visible CUDA devices; skips on smaller machines."""
-    _uv_sync(session, *WORKSPACE_SYNC)
+    workspace = _workspace(session)
     probe = "import torch; print(torch.cuda.device_count())"
-    found = int(str(session.run("python", "-c", probe, silent=True)).strip().splitlines()[-1])
+    output = session.run(_bin("python"), "-c", probe, silent=True, env=workspace, external=True)
+    found = int(str(output).strip().splitlines()[-1])
     if found < gpus:
         session.skip(f"needs {gpus} CUDA devices, found {found}")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -477,6 +521,7 @@ def gpu(session: nox.Session, gpus: int) -> None:
         what=f"the gpu tier on {gpus} GPUs",
         why_empty="no test is marked `gpu` yet",
         env=env,
+        workspace=workspace,
     )
 
 

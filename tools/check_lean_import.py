@@ -4,21 +4,20 @@ For every published package of `dependency_graph.ALLOWED_GRAPH`, in fresh interp
 current environment (run it in an environment where every package and every optional dependency is
 installed, so that an eager import has something to import):
 
-1. One process imports torch, wraps ``torch.cuda._lazy_init`` (the function every CUDA-initialising
-   call goes through), imports the package, and fails if CUDA was initialised or asked to be, or if
-   any module of `dependency_graph.HEAVY_MODULES` (torchao, peft, bitsandbytes, megatron_fsdp,
-   ``transformers.models.*``) is in ``sys.modules``. The wrapper makes the check meaningful on
-   machines without GPUs too.
-2. Import time: up to ``--repeats`` fresh processes per package (default 5), each of which times
-   ``import torch`` and then ``import <package>`` in the same interpreter; the probes of step 1 are
-   the warm-up that fills the bytecode caches. A run's ratio is ``(torch + package) / torch``, the
-   time ``import <package>`` takes in a fresh interpreter over the time of ``import torch`` alone.
-   Both parts are timed in one process, back to back, so the load of the machine moves them together
-   (two separate processes' ``import torch`` differ by 20% on a busy 2-core host, the whole budget).
-   A package fails when its best ratio exceeds ``--budget`` (default 1.2). Since the verdict rests on
-   the best run, a package stops being timed at its first run within the budget: repeats are spent
-   only where load may have hidden a lean import (one run each on a quiet machine, about 3 s a
-   package). The table is printed either way, with the largest top-level modules a slow package added.
+1. Lean: a process imports torch, wraps ``torch.cuda._lazy_init`` (the function every
+   CUDA-initialising call goes through), imports the package, and fails if CUDA was initialised or
+   asked to be, or if any module of `dependency_graph.HEAVY_MODULES` (torchao, peft, bitsandbytes,
+   megatron_fsdp, ``transformers.models.*``) is in ``sys.modules``. The wrapper makes the check
+   meaningful on machines without GPUs too.
+2. Fast: the same process times ``import torch`` and then ``import <package>``, back to back, so the
+   load of the machine moves both parts together (two separate processes' ``import torch`` differ by
+   20% on a busy 2-core host, the whole budget). A run's ratio is ``(torch + package) / torch``; a
+   package fails when its best ratio over up to ``--repeats`` fresh processes (default 5) exceeds
+   ``--budget`` (default 1.2). One process first imports every package, the warm-up that fills the
+   bytecode caches. Since the verdict rests on the best run, a package stops being run at its first
+   run within the budget: repeats are spent only where load may have hidden a lean import (one run
+   each on a quiet machine, about 2.5 s a package). The table is printed either way, with the
+   top-level modules a slow package adds.
 
 Usage: ``python tools/check_lean_import.py [--repeats N] [--budget R] [package ...]``
 """
@@ -30,15 +29,18 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dependency_graph import ALLOWED_GRAPH, HEAVY_MODULES, import_name
 
 _PROBE = r"""
-import json, sys, traceback
+import json, sys, time, traceback
+start = time.perf_counter()
 import torch
 import torch.cuda
+middle = time.perf_counter()
 calls = []
 _original = torch.cuda._lazy_init
 def _recording_lazy_init(*args, **kwargs):
@@ -47,13 +49,17 @@ def _recording_lazy_init(*args, **kwargs):
 torch.cuda._lazy_init = _recording_lazy_init
 before = set(sys.modules)
 import importlib
+module_start = time.perf_counter()
 try:
     importlib.import_module(sys.argv[1])
     error = None
 except BaseException:
     error = traceback.format_exc()
+end = time.perf_counter()
 heavy = tuple(sys.argv[2:])
 print(json.dumps({
+    "torch_s": middle - start,
+    "module_s": end - module_start,
     "error": error,
     "cuda_initialized": torch.cuda.is_initialized(),
     "lazy_init_calls": calls,
@@ -62,14 +68,7 @@ print(json.dumps({
 }))
 """
 
-_TIMER = r"""
-import sys, time
-start = time.perf_counter()
-import torch
-middle = time.perf_counter()
-__import__(sys.argv[1])
-print(middle - start, time.perf_counter() - middle)
-"""
+_WARM_UP = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('warm')"
 
 
 def _python(code: str, *args: str) -> str:
@@ -77,13 +76,18 @@ def _python(code: str, *args: str) -> str:
         [sys.executable, "-c", code, *args], capture_output=True, text=True, check=False, timeout=600
     )
     if result.returncode != 0:
-        raise RuntimeError(f"`import {args[0]}` failed in a fresh interpreter:\n{result.stderr.strip()}")
+        raise RuntimeError(f"a fresh interpreter failed ({args}):\n{result.stderr.strip()}")
     return result.stdout.strip().splitlines()[-1]
 
 
-def probe(module: str) -> list[str]:
-    """Import ``module`` after torch in a fresh process; return the lean-import violations."""
-    report = json.loads(_python(_PROBE, module, *HEAVY_MODULES))
+def probe(module: str) -> dict[str, Any]:
+    """Import torch, then ``module``, in a fresh process; return its report (times, CUDA, modules)."""
+    report: dict[str, Any] = json.loads(_python(_PROBE, module, *HEAVY_MODULES))
+    return report
+
+
+def violations(module: str, report: dict[str, Any]) -> list[str]:
+    """The lean-import violations in one `probe` report of ``module``."""
     problems = []
     if report["error"]:
         problems.append(f"`import {module}` raised:\n{report['error']}")
@@ -95,22 +99,25 @@ def probe(module: str) -> list[str]:
     return problems
 
 
-def time_imports(modules: list[str], repeats: int, budget: float) -> dict[str, list[tuple[float, float]]]:
-    """Time ``import torch`` and then ``import <m>`` in one fresh process, up to ``repeats`` times per module.
+def run_probes(modules: list[str], repeats: int, budget: float) -> dict[str, list[dict[str, Any]]]:
+    """Probe every module up to ``repeats`` times; return each module's reports.
 
-    Returns, per module, ``(torch seconds, module seconds beyond torch)`` of each run; the rounds are
-    interleaved over the modules, and a module leaves the rounds after its first run within ``budget``
-    (the verdict is its best run). Precondition: every module was imported once already (`probe`, the
-    warm-up that fills the bytecode caches).
+    One process first imports every module (the warm-up that fills the bytecode caches, so no probe
+    pays for compiling). The rounds are interleaved over the modules, and a module leaves the rounds
+    after its first run within ``budget`` (the verdict is its best run).
     """
-    samples: dict[str, list[tuple[float, float]]] = {m: [] for m in modules}
+    _python(_WARM_UP, *modules)
+    reports: dict[str, list[dict[str, Any]]] = {m: [] for m in modules}
     pending = list(modules)
     for _ in range(repeats):
         for module in pending:
-            torch_s, module_s = (float(x) for x in _python(_TIMER, module).split())
-            samples[module].append((torch_s, module_s))
-        pending = [m for m in pending if min((t + m_s) / t for t, m_s in samples[m]) > budget]
-    return samples
+            reports[module].append(probe(module))
+        pending = [m for m in pending if min(_ratio(r) for r in reports[m]) > budget]
+    return reports
+
+
+def _ratio(report: dict[str, Any]) -> float:
+    return float(report["torch_s"] + report["module_s"]) / float(report["torch_s"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,24 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     modules = args.packages or [import_name(d) for d, node in ALLOWED_GRAPH.items() if node.published]
 
+    reports = run_probes(modules, args.repeats, args.budget)
     failures: list[str] = []
-    for module in modules:
-        failures.extend(probe(module))
-
-    samples = time_imports(modules, args.repeats, args.budget)
     print(f"\nimport time, best of up to {args.repeats} fresh processes (budget {args.budget:.2f}x torch):")
     print(f"  {'module':<24}{'torch s':>10}{'+ module s':>12}{'ratio':>8}  verdict")
     for module in modules:
+        failures.extend(violations(module, reports[module][0]))
         # The run with the smallest ratio: the import's own cost, least disturbed by other load.
-        torch_s, module_s = min(samples[module], key=lambda run: run[1] / run[0])
-        ratio = (torch_s + module_s) / torch_s
+        best = min(reports[module], key=_ratio)
+        ratio = _ratio(best)
         verdict = "ok" if ratio <= args.budget else "TOO SLOW"
-        print(f"  {module:<24}{torch_s:>10.3f}{module_s:>12.3f}{ratio:>8.2f}  {verdict}")
+        print(f"  {module:<24}{best['torch_s']:>10.3f}{best['module_s']:>12.3f}{ratio:>8.2f}  {verdict}")
         if ratio > args.budget:
-            extra = json.loads(_python(_PROBE, module, *HEAVY_MODULES))["new_top_level"]
             failures.append(
                 f"`import {module}` takes {ratio:.2f}x `import torch` (budget {args.budget:.2f}x); top-level "
-                f"modules it adds beyond torch: {', '.join(extra[:20]) or '(none)'}"
+                f"modules it adds beyond torch: {', '.join(best['new_top_level'][:20]) or '(none)'}"
             )
 
     if failures:
