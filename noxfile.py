@@ -29,15 +29,18 @@ a line starting with "NO TESTS".
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 from xml.etree import ElementTree
@@ -575,7 +578,13 @@ def wheels(session: nox.Session) -> None:
             external=True,
         )  # fmt: skip
         built = _check_wheel_metadata(session, dist, workspace)
-        rows = [_install_alone(session, tmp, dist, constraints, d, built, workspace, lock) for d in PUBLISHED]
+        installed = [
+            _install_alone(session, tmp, dist, constraints, d, built, workspace, lock) for d in PUBLISHED
+        ]
+        # The checks import torch in fresh venvs (single-threaded, seconds each): run them side by side.
+        with concurrent.futures.ThreadPoolExecutor(SINGLE_PROCESS_WORKERS) as pool:
+            checked = list(pool.map(lambda one: _run_installed_check(one, tmp), installed))
+        rows = [_check_installed(session, tmp, one, built) for one in checked]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     session.log("each published wheel installed alone (seconds):")
@@ -623,6 +632,24 @@ def _check_wheel_metadata(
     return built
 
 
+@dataclass
+class _Installed:
+    """One published wheel installed alone in a fresh venv, with what its check must see."""
+
+    distribution: str
+    venv: Path
+    import_name: str
+    absent: list[str]
+    seconds: list[float]
+    """venv creation, install, check."""
+    dists: int = 0
+    report: dict[str, Any] | None = None
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+
 def _install_alone(
     session: nox.Session,
     tmp: Path,
@@ -632,43 +659,71 @@ def _install_alone(
     built: dict[str, tuple[Path, str, list[str]]],
     workspace: dict[str, graph.PackageMeta],
     lock: graph.LockGraph,
-) -> tuple[str, float, float, float, int, str]:
-    """Install one wheel alone in a fresh venv outside the workspace and check what it brought."""
+) -> _Installed:
+    """Install one wheel alone in a fresh venv outside the workspace (checked by `_check_installed`)."""
     venv = tmp / f"venv-{distribution}"
-    python = venv / "bin" / "python"
     uv = ("uv", "--no-config")
     with session.chdir(tmp):  # so that uv sees no project configuration
         t0 = time.perf_counter()
         session.run(*uv, "venv", "--quiet", "--python", f"{session.bin}/python", str(venv), external=True)
         t1 = time.perf_counter()
         session.run(
-            *uv, "pip", "install", "--quiet", "--python", str(python), "--find-links", str(dist),
-            "--constraint", str(constraints), str(built[distribution][0]),
+            *uv, "pip", "install", "--quiet", "--python", str(venv / "bin" / "python"), "--find-links",
+            str(dist), "--constraint", str(constraints), str(built[distribution][0]),
             external=True,
         )  # fmt: skip
         t2 = time.perf_counter()
-        absent = graph.expected_absent(distribution, workspace, lock)
-        import_name = workspace[distribution].import_name
-        session.log(f"{python} -I -c <installed check> {import_name} ({len(absent)} modules must be absent)")
-        output = session.run(
-            str(python), "-I", "-c", _INSTALLED_CHECK, import_name, *absent,
-            silent=True, external=True, log=False, env={"PYTHONPATH": None},
-        )  # fmt: skip
-        t3 = time.perf_counter()
         freeze = session.run(
-            *uv, "pip", "freeze", "--python", str(python), silent=True, external=True, log=False
+            *uv,
+            "pip",
+            "freeze",
+            "--python",
+            str(venv / "bin" / "python"),
+            silent=True,
+            external=True,
+            log=False,
         )
-    report = json.loads(str(output).strip().splitlines()[-1])
-    errors = []
+    absent = graph.expected_absent(distribution, workspace, lock)
+    installed = _Installed(
+        distribution, venv, workspace[distribution].import_name, absent, [t1 - t0, t2 - t1]
+    )
+    installed.dists = len(str(freeze).strip().splitlines())
+    return installed
+
+
+def _run_installed_check(installed: _Installed, tmp: Path) -> _Installed:
+    """Import the package in its venv, isolated (``-I``), and read what it brought (thread-safe: no nox)."""
+    start = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [str(installed.python), "-I", "-c", _INSTALLED_CHECK, installed.import_name, *installed.absent],
+        cwd=tmp, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    installed.seconds.append(time.perf_counter() - start)
+    if result.returncode != 0:
+        name = installed.import_name
+        _fail(f"{installed.distribution} installed alone: `import {name}` failed:\n{result.stderr}")
+    installed.report = json.loads(result.stdout.strip().splitlines()[-1])
+    return installed
+
+
+def _check_installed(
+    session: nox.Session, tmp: Path, installed: _Installed, built: dict[str, tuple[Path, str, list[str]]]
+) -> tuple[str, float, float, float, int, str]:
+    """Judge an installed wheel's check (and run its README example alone); return its table row."""
+    report, distribution, import_name = installed.report, installed.distribution, installed.import_name
+    assert report is not None, "the installed check ran first"
     example = _RUN_ALONE.get(distribution)
     if example is not None:
         # What the package's README promises of it alone, run from the fresh venv (gloo, 2 ranks).
         with session.chdir(tmp):
             session.run(
-                str(python), "-I", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                str(ROOT / example), external=True, env={"PYTHONPATH": None, "OMP_NUM_THREADS": "1"},
+                str(installed.python), "-I", "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=2", str(ROOT / example), external=True,
+                env={"PYTHONPATH": None, "OMP_NUM_THREADS": "1"},
             )  # fmt: skip
-    if not str(report["file"]).startswith(str(venv)):
+    errors = []
+    if not str(report["file"]).startswith(str(installed.venv)):
         errors.append(f"{import_name} imported from {report['file']}, not from the fresh venv")
     version = built[distribution][1]
     if report["version"] is not None and report["version"] != version:
@@ -684,5 +739,5 @@ def _install_alone(
             errors.append(f"{name} was not installed from the wheel built by this session")
     if errors:
         _fail(f"{distribution} installed alone:\n  " + "\n  ".join(errors))
-    count = len(str(freeze).strip().splitlines())
-    return (distribution, t1 - t0, t2 - t1, t3 - t2, count, ", ".join(sorted(absent)))
+    venv_s, install_s, check_s = installed.seconds
+    return (distribution, venv_s, install_s, check_s, installed.dists, ", ".join(sorted(installed.absent)))

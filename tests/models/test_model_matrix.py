@@ -21,7 +21,7 @@ from the public API: a clear error before any collective), is **upstream** (plai
 fails the reference run that way: in bf16 for a bf16 layout), or **fails** (anything else: another
 exception, a difference, a refusal on some ranks only). A failure fails the test: there is no silent
 difference. The default run (``distributed`` marker) runs `FAST_FAMILIES` under every layout without
-experts (and `BF16_FAST_FAMILIES` too under the bf16 ones) and `EP_FAST_FAMILIES` under
+experts (`BF16_FAST_FAMILIES` under the bf16 ones) and `EP_FAST_FAMILIES` under
 `EP_FAST_LAYOUTS`, one launch per layout; ``uvx nox -s models``
 runs every family (``models`` marker; the expert-parallel layouts over the MoE families) and writes the
 JSON that ``tools/models_doc.py`` turns into docs/models.md and the table of docs/moe.md. A run in chunks
@@ -45,6 +45,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from automodel_testing.ep_reference import combine_like_expert_parallel
 from automodel_testing.matrix import (
     Row,
     assert_no_failure,
@@ -75,7 +76,9 @@ errors have the same size and neither is the other's; one error may still cancel
 number (a gradient norm), so a difference within bf16's unit roundoff (2^-8, relative for norms above
 1) always passes. Under tensor parallelism the transformers bf16 run splits each tp-sharded linear as
 TP does (`automodel_testing.tp_reference`): a row-parallel layer's partial products are rounded before
-they are added, an error of the sharding itself that a whole-matmul reference does not have. The case's
+they are added, an error of the sharding itself that a whole-matmul reference does not have; under
+expert parallelism its routed experts combine their outputs as transformers' ``AllToAllEP`` does
+(`automodel_testing.ep_reference`). The case's
 logits must differ from fp32 by more than `BF16_USED` (fp32 runs differ by about 1e-7), or the bf16
 policy acted on nothing."""
 REPORT_ENV = "AUTOMODEL_MODEL_MATRIX_REPORT"
@@ -99,11 +102,15 @@ FAST_FAMILIES: tuple[str, ...] = (
 """Families of the default run's slice: one of each mechanism the fixes of the matrix are about."""
 
 BF16_FAST_FAMILIES: tuple[str, ...] = (
+    "llama",  # the plain decoder
+    "gemma2",  # a buffer transformers computes in the compute dtype (the embedding scale)
+    "deepseek_v3",  # routers transformers keeps in fp32 beside bf16 experts
+    "qwen3_next",  # linear-attention parameters kept in fp32
     "minimax",  # buffers transformers computes in the compute dtype (decay tables)
     "ctrl",  # tied embeddings: a pipeline stage's stand-in for the other side under FSDP2's bf16 policy
 )
-"""Added to `FAST_FAMILIES` under the bf16 layouts (`automodel_distributed.kept_precision`; deepseek_v3's
-fp32 routers are in `FAST_FAMILIES`)."""
+"""The default run's families under the bf16 layouts: one of each precision mechanism
+(`automodel_distributed.kept_precision`); the fp32 layouts cover the sharding mechanisms of the others."""
 
 
 @dataclass(frozen=True)
@@ -431,6 +438,14 @@ def _check_experts_sharded(parts: list[Any], ep_size: int, pipelined: bool) -> N
             assert "ep" in mesh_dims, f"{site.fqn}.{name} is not sharded over ep (mesh dims {mesh_dims})"
 
 
+def _routed_experts(parts: list[Any]) -> list[str]:
+    """Names of the experts modules the parts run through transformers' ``AllToAllEP``."""
+    from automodel_moe import find_experts
+    from automodel_moe.registry import ExpertsCall
+
+    return [site.fqn for part in parts for site in find_experts(part) if site.call is ExpertsCall.ROUTED]
+
+
 def _train(
     layout: Layout,
     ctx: Any,
@@ -463,6 +478,8 @@ def _train(
         low is not None and layout.sizes.get("tp_size", 1) > 1
     ):  # round the partial sums as TP does (`tp_reference`)
         assert split_like_tensor_parallel(low, parts), "tp layout without a tp-sharded linear"
+    if low is not None and layout.moe:  # combine routed experts as AllToAllEP does (`ep_reference`)
+        combine_like_expert_parallel(low, _routed_experts(parts))
     if low is not None:
         optimizers.append(torch.optim.SGD(low.parameters(), lr=LR))
     out: dict[str, Any] = {}
@@ -625,7 +642,7 @@ def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
     if LAYOUTS[layout_name].sizes.get("cp_size", 1) > 1 and not ring:  # an older torch (`oldest`)
         pytest.skip(f"CP on CPU needs the ring kernel's torch internals: {why}")
     layout = LAYOUTS[layout_name]
-    families = EP_FAST_FAMILIES if layout.moe else FAST_FAMILIES + (BF16_FAST_FAMILIES if layout.bf16 else ())
+    families = EP_FAST_FAMILIES if layout.moe else BF16_FAST_FAMILIES if layout.bf16 else FAST_FAMILIES
     assert_no_failure(run_matrix(layout_name, {f: fast_checkpoints[f] for f in families}))
 
 
