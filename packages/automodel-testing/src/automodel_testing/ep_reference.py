@@ -53,6 +53,6 @@ def combine_like_expert_parallel(reference: nn.Module, routed: Iterable[str]) ->
     for name in dict.fromkeys(normalize_fqn(n) for n in routed):
         module = by_name.get(name)
         if module is not None:
-            module.forward = _slotwise(module.forward)  # type: ignore[method-assign]
+            module.forward = _slotwise(module.forward)
             changed.append(name)
     return changed
