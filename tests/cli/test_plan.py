@@ -297,3 +297,38 @@ def test_a_balanced_pipeline_split_is_planned_as_autopipeline_splits(tmp_path: P
     head = size(model.lm_head) + size(model.model.norm)
     assert even["estimate"].lines["parameters"] == max(embed, head) + 3 * block
     assert balanced["estimate"].lines["parameters"] == embed + 5 * block
+
+
+def test_a_cluster_gives_the_step_time_and_suggestions_by_throughput(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import json
+
+    assert main(["plan", "--cluster", "8xH100", "--tp", "2", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["world_size"] == 8 and document["cluster"] == "8 x H100 (1 node of 8)"
+    throughput = document["throughput"]
+    assert throughput["step_seconds"] > 0 and 0 < throughput["mfu"] < 1
+    assert throughput["tokens_per_s_per_gpu"] > 0
+    assert "exposed TP all-reduce (or AG+RS)" in throughput["breakdown_seconds"]
+    assert document["device_memory_bytes"] == 81_559 * 2**20, "the cluster's device memory is the default"
+
+    assert main(["plan", "--cluster", "16xH100", "--suggest"]) == 0
+    text = capsys.readouterr().out
+    assert "predicted step on 16 x H100 (2 nodes of 8)" in text
+    assert "fitting first, fastest first" in text and "tokens/s/GPU" in text
+
+    own = tmp_path / "cluster.yaml"
+    own.write_text("gpus: 4\ndevice: A100\ngpus_per_node: 4\ninter_node_gbps: 200\n")
+    assert main(["plan", "--cluster", str(own)]) == 0
+    assert "predicted step on 4 x A100 (1 node of 4)" in capsys.readouterr().out
+
+    for argv, fragment in (
+        (["--cluster", "8xV100"], "--cluster unknown device 'V100'"),
+        (["--cluster", "8 GPUs"], "expected GPUs x device"),
+        (["--cluster", "8xH100", "--world-size", "4"], "--world-size 4 contradicts --cluster (8 GPUs)"),
+        (["--cluster", "8xA100", "--fp8"], "A100 has no float8 tensor cores"),
+        (["--cluster", str(tmp_path / "missing.yaml")], "cannot read it"),
+    ):
+        assert main(["plan", *argv]) == 2
+        assert fragment in capsys.readouterr().err

@@ -29,7 +29,7 @@ from automodel_distributed.config import (
     MegatronFSDPConfig,
     default_mp_policy,
 )
-from automodel_mesh import MeshLayout
+from automodel_mesh import Collective, MeshLayout, Overlap
 
 __all__ = [
     "Placement",
@@ -361,35 +361,45 @@ class StrategyMemory:
             out["CP ring K/V send + receive"] = 2 * 2 * facts.tokens * kv * head_dim * facts.element_size
         return out
 
-    def traffic(self, facts: StrategyFacts) -> dict[str, int]:
-        """Bytes one rank sends per step, per collective, with ring-algorithm factors."""
+    def collectives(self, facts: StrategyFacts) -> list[Collective]:
+        """What the strategy sends per step, collective by collective, with ring-algorithm factors.
+
+        FSDP gathers every unit in each forward (and again in backward when units reshard after
+        forward, as they do for every micro-batch of gradient accumulation); gradients are reduced
+        once per step (the last micro-batch's backward). TP reduces or gathers each block's activations
+        twice in forward and twice in backward; CP passes K/V around the ring in forward and K/V and
+        their gradients in backward.
+        """
         layout = facts.layout
         if isinstance(self.config, DDPConfig):
             world = layout.world_size
-            return (
-                {"all-reduce gradients (DDP)": int(2 * (world - 1) / world * facts.grads)}
-                if world > 1
-                else {}
-            )
-        out, shard = {}, layout.dp_shard * layout.cp
+            if world == 1:
+                return []
+            reduced = 2 * (world - 1) / world * facts.grads
+            return [Collective("all-reduce gradients (DDP)", "world", reduced, 1, Overlap.BACKWARD)]
+        out, shard = [], layout.dp_shard * layout.cp
+        passes = facts.accumulation
         if shard > 1:
-            gathers = 2 if self.reshard else 1  # again in backward when units reshard after forward
-            out[f"FSDP all-gather x{gathers}"] = int(gathers * (shard - 1) / shard * sum(facts.units))
-            trainable_full = facts.grads * shard
-            out["FSDP reduce-scatter"] = int((shard - 1) / shard * trainable_full)
+            gathers = 2 if self.reshard else 1
+            name, gathered = f"FSDP all-gather x{gathers}", (shard - 1) / shard * sum(facts.units)
+            forward_calls = passes if self.reshard else 1
+            out.append(Collective(name, "dp_shard_cp", gathered, forward_calls, Overlap.FORWARD))
+            if self.reshard:
+                out.append(Collective(name, "dp_shard_cp", gathered, passes, Overlap.BACKWARD))
+            reduced = (shard - 1) / shard * facts.grads * shard
+            out.append(Collective("FSDP reduce-scatter", "dp_shard_cp", reduced, 1, Overlap.BACKWARD))
         if layout.dp_replicate > 1:
             r = layout.dp_replicate
-            out["HSDP all-reduce"] = int(2 * (r - 1) / r * facts.grads)
+            reduced = 2 * (r - 1) / r * facts.grads
+            out.append(Collective("HSDP all-reduce", "dp_replicate", reduced, 1, Overlap.BACKWARD))
         tokens, hidden, element = facts.tokens, facts.hidden_size, facts.element_size
-        blocks, n_micro = len(facts.blocks), facts.n_micro
+        calls = len(facts.blocks) * passes
         if layout.tp > 1:
             tp = layout.tp
-            out["TP all-reduce (or AG+RS)"] = int(
-                4 * 2 * (tp - 1) / tp * tokens * hidden * element * blocks * n_micro
-            )
+            per_block = 4 * 2 * (tp - 1) / tp * tokens * hidden * element
+            out.append(Collective("TP all-reduce (or AG+RS)", "tp", per_block, calls, Overlap.EXPOSED))
         if layout.cp > 1:
             kv, head_dim = facts.attention
-            out["CP ring K/V"] = int(
-                3 * (layout.cp - 1) * 2 * tokens * kv * head_dim * element * blocks * n_micro
-            )
+            per_block = 3 * (layout.cp - 1) * 2 * tokens * kv * head_dim * element
+            out.append(Collective("CP ring K/V", "cp", per_block, calls, Overlap.ATTENTION))
         return out

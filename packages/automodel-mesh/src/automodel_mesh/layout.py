@@ -6,6 +6,7 @@ a bad configuration raises the same `ValueError` on every rank instead of hangin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -137,6 +138,31 @@ class MeshLayout:
         if not self.has_moe_mesh:
             return ()
         return tuple(zip(MOE_AXES, (self.pp, self.ep_shard, self.ep), strict=True))
+
+    def span(self, axis: MeshAxisName | str) -> int:
+        """How many consecutive global ranks one group of ``axis`` covers (first to last member).
+
+        Ranks are laid out row-major over `dense_shape` (`moe_shape` for ``ep`` / ``ep_shard``), so
+        an axis's group covers ``stride x (size - 1) + 1`` ranks; a flattened axis spans its
+        innermost part's stride times its size. ``pp`` gives the distance between neighbouring stages
+        plus one (their send/receive pair). Under DDP (no mesh) every axis is the whole world.
+        A group whose span is at most the GPUs of one node stays inside a node.
+        """
+        name = MeshAxisName(axis)
+        shape = self.moe_shape() if name in (MeshAxisName.EP, MeshAxisName.EP_SHARD) else self.dense_shape()
+        if not shape:
+            return self.world_size
+        axes = self.flattened_axes().get(name, (name,))
+        sizes = dict(shape)
+        if any(a not in sizes for a in axes):
+            raise ValueError(f"axis {name.value!r} is not an axis of this {self.kind.value} layout")
+        order = [a for a, _ in shape]
+        innermost = max(axes, key=order.index)
+        stride = math.prod(size for a, size in shape[order.index(innermost) + 1 :])
+        size = math.prod(sizes[a] for a in axes)
+        if name is MeshAxisName.PP:
+            return stride + 1 if size > 1 else 1
+        return stride * (size - 1) + 1
 
     def describe(self) -> str:
         """One line per mesh, e.g. ``dense (pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)``."""

@@ -235,3 +235,23 @@ def test_any_sizes_give_a_layout_or_a_value_error(
         assert layout.tp == sizes.tp_size
         return
     assert "size" in message, message  # every message names the offending size field
+
+
+def test_span_is_the_consecutive_ranks_one_group_covers() -> None:
+    """tp innermost (stride 1), then cp, dp_shard, dp_replicate; pp's neighbours are world/pp apart."""
+    layout = resolve_layout(
+        MeshKind.FSDP2, ParallelismSizes(dp_replicate_size=2, tp_size=4, cp_size=2, pp_size=2), 64
+    )
+    assert (layout.dp_replicate, layout.dp_shard) == (2, 2)
+    assert layout.span("tp") == 4
+    assert layout.span("cp") == 4 * 1 + 1  # ranks 0 and 4
+    assert layout.span("dp_shard") == 8 * 1 + 1
+    assert layout.span("dp_shard_cp") == 4 * 3 + 1  # cp is dp_shard_cp's inner part: stride 4, 4 members
+    assert layout.span("dp_replicate") == 16 + 1
+    assert layout.span("pp") == 32 + 1
+    moe = resolve_layout(MeshKind.FSDP2, ParallelismSizes(ep_size=4), 16)
+    assert moe.span("ep") == 4 and moe.span("ep_shard") == 4 * 3 + 1
+    ddp = resolve_layout(MeshKind.DDP, ParallelismSizes(), 8)
+    assert ddp.span("dp") == 8
+    with pytest.raises(ValueError, match="not an axis"):
+        resolve_layout(MeshKind.MEGATRON_FSDP, ParallelismSizes(), 8).span("pp")

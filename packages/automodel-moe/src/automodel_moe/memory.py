@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from automodel_mesh import Collective, Overlap
+
 __all__ = ["ExpertFacts", "ExpertMemory"]
 
 
@@ -23,7 +25,8 @@ class ExpertFacts(Protocol):
     top_k: int
     """Experts each token is routed to."""
     blocks: Sequence[int]
-    n_micro: int
+    accumulation: int
+    """Forward/backward passes per optimizer step."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,9 @@ class ExpertMemory:
             * facts.element_size
         }
 
-    def traffic(self, facts: ExpertFacts) -> dict[str, int]:
-        """Dispatch and combine, forward and backward, in every MoE layer of the rank."""
+    def collectives(self, facts: ExpertFacts) -> list[Collective]:
+        """Dispatch and combine, forward and backward, in every MoE layer of the rank, per pass."""
         ep, tokens = self.ep_size, facts.tokens
         exchanged = 4 * (ep - 1) / ep * tokens * facts.top_k * facts.hidden_size * facts.element_size
-        return {"EP all-to-all": int(exchanged * len(facts.blocks) * facts.n_micro)}
+        calls = len(facts.blocks) * facts.accumulation
+        return [Collective("EP all-to-all", "ep", exchanged, calls, Overlap.EXPOSED)]

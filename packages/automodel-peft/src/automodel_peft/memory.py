@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["LoRAFacts", "LoRAMemory", "lora_activation_bytes"]
 
@@ -69,7 +69,7 @@ class LoRAMemory:
         del facts
         return {}
 
-    def traffic(self, facts: LoRAFacts) -> dict[str, int]:
+    def collectives(self, facts: LoRAFacts) -> list[Any]:
         """No collectives of their own."""
         del facts
-        return {}
+        return []

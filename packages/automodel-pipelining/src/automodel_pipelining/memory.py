@@ -14,6 +14,7 @@ from typing import Protocol
 
 from torch import nn
 
+from automodel_mesh import Collective, Overlap
 from automodel_pipelining.config import PipelineConfig
 from automodel_pipelining.costs import read_stage_costs
 from automodel_pipelining.layout import resolve_decoder_layout
@@ -99,7 +100,7 @@ class PipelineMemory:
         size = kinds * self.config.n_microbatches * facts.tokens * facts.hidden_size * facts.element_size
         return {"PP receive buffers": size}
 
-    def traffic(self, facts: PipelineFacts) -> dict[str, int]:
+    def collectives(self, facts: PipelineFacts) -> list[Collective]:
         """Activations sent forward and gradients sent back, per micro-batch."""
-        size = 2 * facts.tokens * facts.hidden_size * facts.element_size * self.config.n_microbatches
-        return {"PP send/recv": size}
+        size = 2 * facts.tokens * facts.hidden_size * facts.element_size
+        return [Collective("PP send/recv", "pp", size, self.config.n_microbatches, Overlap.EXPOSED)]

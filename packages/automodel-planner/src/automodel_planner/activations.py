@@ -35,8 +35,16 @@ from automodel_distributed.activation_checkpointing import (
     SELECTIVE_AC_MATMUL_OPS,
 )
 from automodel_distributed.blocks import find_transformer_blocks
+from automodel_planner.compute import ComputeProfile, ComputeRecorder
 
-__all__ = ["ActivationProfile", "BlockActivations", "activation_bytes", "profile_activations"]
+__all__ = [
+    "ActivationProfile",
+    "BlockActivations",
+    "StepProfile",
+    "activation_bytes",
+    "profile_activations",
+    "profile_step",
+]
 
 Checkpointing = Literal[False, "full", "selective"]
 
@@ -241,7 +249,24 @@ class _Recorder:
         )
 
 
-def profile_activations(
+def _where(recorder: _Recorder, blocks: list[tuple[str, nn.Module]]) -> tuple[int, str]:
+    """(block running or -1, the innermost module's name: inside its block, else in the model)."""
+    fqn = recorder.scope[-1] if recorder.scope else ""
+    if recorder.block >= 0:
+        prefix = blocks[recorder.block][0]
+        return recorder.block, fqn[len(prefix) + 1 :] if fqn.startswith(prefix + ".") else ""
+    return -1, fqn
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """What one micro-batch's forward saves (`ActivationProfile`) and computes (`ComputeProfile`)."""
+
+    activations: ActivationProfile
+    compute: ComputeProfile
+
+
+def profile_step(
     model_config: Any,
     *,
     micro_batch: int,
@@ -249,8 +274,8 @@ def profile_activations(
     dtype: torch.dtype,
     cp: int = 1,
     attn_implementation: str | None = None,
-) -> ActivationProfile:
-    """Profile the activations one micro-batch saves, from the model's own forward on fake tensors.
+) -> StepProfile:
+    """Profile one micro-batch's forward on fake tensors: what it saves for backward and what it computes.
 
     Preconditions: ``model_config`` builds a causal LM with ``AutoModelForCausalLM.from_config``.
     Nothing is allocated and ``model_config`` is not mutated (a copy is built).
@@ -264,7 +289,7 @@ def profile_activations(
         attn_implementation: The attention implementation (default: the config's, else ``sdpa``).
 
     Returns:
-        Per-block and outside-the-blocks saved bytes on one rank, before tensor parallelism.
+        Per-block and outside-the-blocks saved bytes and work on one rank, before tensor parallelism.
 
     Raises:
         ValueError: ``seq_len`` not divisible by ``cp``, or a size below 1.
@@ -281,14 +306,37 @@ def profile_activations(
         model = _fake_model(model_config, dtype, attn_implementation)
         blocks = find_transformer_blocks(model)
         recorder = _Recorder(model, blocks, sharded_layer_kinds(model))
+        compute = ComputeRecorder(len(blocks), partial(_where, recorder, blocks), recorder.parameters)
         handles = recorder.hooks(model, blocks)
         device = next(model.parameters()).device  # wherever transformers built the fake model
         ids = torch.zeros(micro_batch, local_seq, dtype=torch.long, device=device)
-        with recorder.producers, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        saved = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
+        with compute, recorder.producers, saved:
             model(input_ids=ids, labels=ids)
         for handle in handles:
             handle.remove()
-    return recorder.profile(len(blocks), micro_batch * local_seq)
+    tokens = micro_batch * local_seq
+    return StepProfile(recorder.profile(len(blocks), tokens), compute.profile(tokens))
+
+
+def profile_activations(
+    model_config: Any,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    cp: int = 1,
+    attn_implementation: str | None = None,
+) -> ActivationProfile:
+    """Profile the activations one micro-batch saves (`profile_step`'s ``activations``; same arguments)."""
+    return profile_step(
+        model_config,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        dtype=dtype,
+        cp=cp,
+        attn_implementation=attn_implementation,
+    ).activations
 
 
 def activation_bytes(

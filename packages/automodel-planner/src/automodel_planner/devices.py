@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import re
 
+from automodel_planner.hardware import DEVICES
+
 __all__ = ["DEVICE_PRESETS", "device_memory_bytes"]
 
 DEVICE_PRESETS: dict[str, int] = {
-    # Total memory as torch.cuda.get_device_properties reports it (MiB), not the marketing figure.
-    "h100": 81_559 * 2**20,
-    "h100-80g": 81_559 * 2**20,
-    "h200": 143_771 * 2**20,
+    **{name: device.memory_bytes for name, device in DEVICES.items()},  # the time model's devices
+    "h100-80g": DEVICES["h100"].memory_bytes,
+    "a100-80g": DEVICES["a100"].memory_bytes,
+    # Memory-only presets: total memory as torch.cuda.get_device_properties reports it (MiB).
     "a100-40g": 40_536 * 2**20,
-    "a100-80g": 81_251 * 2**20,
     "l40s": 46_068 * 2**20,
     "a10g": 22_731 * 2**20,
     "rtx4090": 24_217 * 2**20,

@@ -10,15 +10,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from automodel_planner.activations import ActivationProfile, profile_activations
+from automodel_mesh import traffic_of
+from automodel_planner.activations import StepProfile, profile_step
 from automodel_planner.facts import RankFacts, rank_facts
+from automodel_planner.hardware import Cluster
 from automodel_planner.inputs import PlanInput
+from automodel_planner.step_time import (
+    DEFAULT_EFFICIENCY,
+    Efficiency,
+    StepOptions,
+    StepTime,
+    estimate_step_time,
+    weight_kinds,
+)
 from automodel_planner.terms import PlannerTerm, pipeline_term, planner_terms
 
-__all__ = ["PeakEstimate", "ProfileCache", "estimate_peak"]
+__all__ = ["PeakEstimate", "ProfileCache", "estimate_peak", "estimate_throughput", "step_profile"]
 
-ProfileCache = dict[tuple[int, int, int], ActivationProfile]
-"""Activation profiles reused across layouts, by (micro-batch, sequence length, cp)."""
+ProfileCache = dict[tuple[int, int, int], StepProfile]
+"""Profiles of the fake forward reused across layouts, by (micro-batch, sequence length, cp)."""
 
 
 @dataclass
@@ -58,11 +68,13 @@ class PeakEstimate:
         }
 
 
-def _profile(plan: PlanInput, cache: ProfileCache) -> ActivationProfile:
+def step_profile(plan: PlanInput, cache: ProfileCache | None = None) -> StepProfile:
+    """The fake forward's profile of ``plan``'s micro-batch on one rank (from ``cache`` when it holds it)."""
+    cache = cache if cache is not None else {}
     micro_batch = plan.pipeline.pp_microbatch_size if plan.pipeline is not None else plan.micro_batch_size
     key = (micro_batch, plan.seq_len, plan.layout.cp)
     if key not in cache:
-        cache[key] = profile_activations(
+        cache[key] = profile_step(
             plan.model_config,
             micro_batch=micro_batch,
             seq_len=plan.seq_len,
@@ -81,7 +93,7 @@ def _rank_estimate(facts: RankFacts, terms: list[PlannerTerm]) -> PeakEstimate:
             if note:
                 estimate.notes[name] = note
         estimate.buffers.update(term.buffers(facts))
-        estimate.communication.update(term.traffic(facts))
+        estimate.communication.update(traffic_of(term.collectives(facts)))
     if estimate.buffers:
         estimate.lines["communication buffers"] = sum(estimate.buffers.values())
         estimate.notes["communication buffers"] = ", ".join(estimate.buffers)
@@ -98,9 +110,68 @@ def estimate_peak(plan: PlanInput, *, profile_cache: ProfileCache | None = None)
     Returns:
         The itemised estimate of the largest rank (the first of equals).
     """
-    profile = _profile(plan, profile_cache if profile_cache is not None else {})
+    profile = step_profile(plan, profile_cache).activations
     pipeline = pipeline_term(plan)
     terms = planner_terms(plan, profile, pipeline)
     ranks = rank_facts(plan, pipeline=pipeline, tokens=profile.tokens, profiled_blocks=len(profile.blocks))
     estimates = [_rank_estimate(facts, terms) for facts in ranks]
     return max(estimates, key=lambda e: e.total)
+
+
+def estimate_throughput(
+    plan: PlanInput,
+    cluster: Cluster,
+    *,
+    efficiency: Efficiency = DEFAULT_EFFICIENCY,
+    profile_cache: ProfileCache | None = None,
+) -> StepTime:
+    """One optimizer step's time on ``cluster``, part by part, with tokens/s per GPU and MFU.
+
+    Args:
+        plan: The job (its layout's world size must be the cluster's GPU count).
+        cluster: The hardware (`automodel_planner.hardware`).
+        efficiency: The achievable fractions of the hardware's peaks (default: fitted on published runs).
+        profile_cache: Profiles of the fake forward to reuse (and fill).
+
+    Raises:
+        ValueError: The cluster's GPU count is not the layout's world size, or float8 on a device
+            without float8 tensor cores.
+    """
+    from automodel_distributed.activation_checkpointing import resolve_checkpointing_mode
+    from automodel_distributed.blocks import find_transformer_blocks
+
+    if cluster.count != plan.layout.world_size:
+        raise ValueError(
+            f"the cluster has {cluster.count} GPUs but the layout spans {plan.layout.world_size} ranks: "
+            "plan for the cluster's GPU count (--cluster sets the world size)"
+        )
+    fp8 = plan.fp8 is not None and plan.fp8.enabled
+    if fp8 and cluster.device.fp8_flops is None:
+        raise ValueError(
+            f"fp8.enabled: {cluster.device.name} has no float8 tensor cores (torchao's float8 training needs "
+            "compute capability 8.9 or later: H100, H200, B200); plan it without fp8"
+        )
+    profile = step_profile(plan, profile_cache)
+    pipeline = pipeline_term(plan)
+    terms = planner_terms(plan, profile.activations, pipeline)
+    activations = profile.activations
+    ranks = rank_facts(
+        plan, pipeline=pipeline, tokens=activations.tokens, profiled_blocks=len(activations.blocks)
+    )
+    options = StepOptions(
+        compile=plan.compile or bool(getattr(plan.strategy, "enable_compile", False)),
+        fp8=fp8,
+        async_tp=bool(getattr(plan.strategy, "enable_async_tensor_parallel", False)),
+        checkpointing=resolve_checkpointing_mode(plan.strategy.activation_checkpointing) or False,
+    )
+    return estimate_step_time(
+        ranks=ranks,
+        terms=terms,
+        compute=profile.compute,
+        kinds=weight_kinds(plan.model, find_transformer_blocks(plan.model)),
+        cluster=cluster,
+        tokens_per_step=plan.tokens_per_step,
+        options=options,
+        stages_per_rank=pipeline.stages_per_rank if pipeline is not None else 1,
+        efficiency=efficiency,
+    )

@@ -50,11 +50,23 @@ class PlanInput:
     base_weight_bits: int | None = None
     """4 or 8 for a quantized frozen base (QLoRA), else None."""
     attn_implementation: str | None = None
+    compile: bool = False
+    """Whether the blocks are compiled (``torch.compile``): the time model fuses their elementwise ops."""
 
     @property
     def element_size(self) -> int:
         """Bytes per parameter and activation value."""
         return self.dtype.itemsize
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of the global batch: every data-parallel replica's rows times the sequence length."""
+        rows = (
+            self.pipeline.pp_batch_size
+            if self.pipeline is not None
+            else self.micro_batch_size * self.accumulation
+        )
+        return rows * self.layout.dp * self.seq_len
 
     def config_int(self, *names: str, default: int = 0) -> int:
         """The first of ``names`` the model config sets to a positive int, else ``default``."""

@@ -1,9 +1,10 @@
 """`PlannerTerm`: the one small protocol through which each package contributes to a rank's estimate.
 
 A term reads a rank's facts (`automodel_planner.facts.RankFacts`) and returns its lines of the peak,
-the collective buffers it holds at the peak (by mechanism) and the bytes it sends per step (by
-collective). Each term lives with the package that owns what it counts, and reads the facts
-structurally (its own small ``Protocol`` of the fields it needs), so no package imports the planner:
+the collective buffers it holds at the peak (by mechanism) and the collectives it issues per step
+(`automodel_mesh.Collective`: bytes, calls, axis and what each hides behind). Each term lives with the
+package that owns what it counts, and reads the facts structurally (its own small ``Protocol`` of the
+fields it needs), so no package imports the planner:
 
 - `automodel_distributed.memory.StrategyMemory` (the strategy): parameters, gradients, AdamW state, the
   gathered FSDP units, the FSDP / DDP / TP / CP buffers and traffic;
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from automodel_distributed.memory import StrategyMemory
+from automodel_mesh import Collective
 from automodel_planner.activations import ActivationProfile, activation_bytes
 from automodel_planner.facts import RankFacts
 from automodel_planner.inputs import PlanInput
@@ -40,8 +42,8 @@ class PlannerTerm(Protocol):
         """Collective buffers held at the peak, by mechanism (summed into one line)."""
         ...
 
-    def traffic(self, facts: Any) -> dict[str, int]:
-        """Bytes the rank sends per optimizer step, by collective."""
+    def collectives(self, facts: Any) -> list[Collective]:
+        """The collectives the rank issues per optimizer step (`automodel_mesh.Collective`)."""
         ...
 
 
@@ -80,10 +82,10 @@ class ActivationMemory:
         del facts
         return {}
 
-    def traffic(self, facts: RankFacts) -> dict[str, int]:
+    def collectives(self, facts: RankFacts) -> list[Collective]:
         """None."""
         del facts
-        return {}
+        return []
 
 
 def pipeline_term(plan: PlanInput) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["FP8Facts", "FP8Memory", "fp8_transient_bytes", "quantized_weight_bytes"]
 
@@ -65,7 +65,7 @@ class FP8Memory:
         del facts
         return {}
 
-    def traffic(self, facts: FP8Facts) -> dict[str, int]:
+    def collectives(self, facts: FP8Facts) -> list[Any]:
         """No collectives of their own."""
         del facts
-        return {}
+        return []

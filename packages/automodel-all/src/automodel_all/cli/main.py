@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="memory per device (80GiB, 40GB, or h100, h200, a100-40g, a100-80g, ...): fits or not",
     )
+    plan.add_argument(
+        "--cluster",
+        default=None,
+        metavar="NxDEVICE",
+        help="the hardware (8xH100, 128xH200, 16xB200, or a YAML file): step time, tokens/s per GPU, MFU",
+    )
     plan.add_argument("--suggest", action="store_true", help="rank every valid layout of the world size")
     plan.add_argument("--json", dest="as_json", action="store_true", help="print the plan as JSON")
     plan.add_argument(
@@ -221,9 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         raw = job_from_args(args)
         if args.command == "plan":
-            from automodel_all.cli.plan import device_memory, plan
+            from automodel_all.cli.plan import cluster, device_memory, plan
 
             device = device_memory(args.device_memory) if args.device_memory else None
+            hardware = cluster(args.cluster) if args.cluster else None
             print(
                 plan(
                     raw,
@@ -232,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     suggest=args.suggest,
                     as_json=args.as_json,
                     base_weight_bits=args.qlora_bits,
+                    hardware=hardware,
                 )
             )
             return 0

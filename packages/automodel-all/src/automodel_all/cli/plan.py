@@ -5,7 +5,9 @@ order (`automodel_infra.infrastructure.APPLY_STEPS`), and the estimated peak mem
 rank, line by line (`automodel_planner.estimate_peak`):
 parameters, gradients, AdamW state, FSDP's gathered units, activations (profiled from the model's own
 forward on fake tensors), LoRA / FP8 extras and communication buffers; with a device size, whether it
-fits; with ``suggest``, every valid layout of the world size ranked by peak memory, then traffic.
+fits; with a cluster (``--cluster 8xH100``), the step time part by part, tokens/s per GPU and MFU
+(`automodel_planner.estimate_throughput`); with ``suggest``, every valid layout of the world size
+ranked by peak memory, then traffic, or, with a cluster, the layouts that fit ranked by throughput.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ from automodel_distributed.fsdp2_units import frozen_towers
 from automodel_infra.infrastructure import APPLY_STEPS
 from automodel_infra.steps import PlannedJob, describe_steps
 from automodel_planner import PeakEstimate, PlanInput, ProfileCache, device_memory_bytes, estimate_peak
+from automodel_planner.estimate import estimate_throughput
+from automodel_planner.hardware import Cluster, cluster_from_mapping, parse_cluster
+from automodel_planner.step_time import StepTime
 
 __all__ = [
+    "cluster",
     "device_memory",
     "plan",
     "plan_input",
@@ -51,6 +57,32 @@ def device_memory(text: str) -> int:
         raise ConfigError(f"--device-memory {exc}") from None
 
 
+def cluster(text: str) -> Cluster:
+    """The hardware of ``--cluster``: ``NxDEVICE`` (``128xH100``) or a YAML file describing one's own.
+
+    Raises:
+        ConfigError: Neither, or a bad file, naming the option.
+    """
+    if text.endswith((".yaml", ".yml")):
+        import yaml
+
+        try:
+            with open(text, encoding="utf-8") as handle:
+                data = yaml.safe_load(handle)
+        except OSError as exc:
+            raise ConfigError(f"--cluster {text}: cannot read it ({exc.strerror})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"--cluster {text}: expected a mapping (gpus, device, ...)")
+        try:
+            return cluster_from_mapping(data)
+        except ValueError as exc:
+            raise ConfigError(f"--cluster {text}: {exc}") from None
+    try:
+        return parse_cluster(text)
+    except ValueError as exc:
+        raise ConfigError(f"--cluster {exc}") from None
+
+
 def plan_input(
     resolved: ResolvedJob, model: nn.Module, model_config: Any, base_weight_bits: int | None = None
 ) -> PlanInput:
@@ -72,6 +104,7 @@ def plan_input(
         fp8=job.fp8,
         base_weight_bits=base_weight_bits,
         attn_implementation=job.model.attn_implementation,
+        compile=job.compile is not None and job.compile.enabled,
     )
 
 
@@ -166,15 +199,18 @@ def suggest_layouts(
     *,
     limit: int = 5,
     base_weight_bits: int | None = None,
+    hardware: Cluster | None = None,
 ) -> list[dict[str, Any]]:
-    """Every valid layout of ``world`` ranks for the job, best first: lowest peak, then least traffic.
+    """Every valid layout of ``world`` ranks for the job, best first.
 
-    A layout is valid when `resolve_job` accepts it (sizes divide, heads and layers suffice, batch
-    splits). The job's own layout settings are replaced; everything else is kept.
+    Without ``hardware``: lowest peak, then least traffic. With it: the layouts whose peak fits the
+    device first, fastest (predicted tokens/s per GPU) first, then those that do not fit. A layout is
+    valid when `resolve_job` accepts it (sizes divide, heads and layers suffice, batch splits). The
+    job's own layout settings are replaced; everything else is kept.
     """
     moe = _config_has_experts(model_config)
     cache: ProfileCache = {}
-    ranked: list[tuple[int, int, dict[str, Any]]] = []
+    ranked: list[tuple[Any, dict[str, Any]]] = []
     for sizes in _candidates(world, moe):
         trial = copy.deepcopy(raw)
         for key in _LAYOUT_KEYS:
@@ -185,13 +221,19 @@ def suggest_layouts(
             resolved = resolve_job(job, world, model_config)
         except (ConfigError, ValueError):
             continue
-        estimate = estimate_peak(
-            plan_input(resolved, model, model_config, base_weight_bits), profile_cache=cache
-        )
+        planned = plan_input(resolved, model, model_config, base_weight_bits)
+        estimate = estimate_peak(planned, profile_cache=cache)
         entry = {"layout": _layout_name(sizes), "sizes": sizes, **estimate.as_dict()}
-        ranked.append((estimate.total, estimate.communication_total, entry))
-    ranked.sort(key=lambda item: (item[0], item[1]))
-    return [entry for _, _, entry in ranked[:limit]]
+        order: tuple[float, ...] = (estimate.total, estimate.communication_total)
+        if hardware is not None:
+            speed = estimate_throughput(planned, hardware, profile_cache=cache)
+            entry["throughput"] = speed.as_dict()
+            fits = estimate.total <= hardware.device.memory_bytes
+            entry["fits"] = fits
+            order = (0 if fits else 1, -speed.tokens_per_s_per_gpu if fits else estimate.total)
+        ranked.append((order, entry))
+    ranked.sort(key=lambda item: item[0])
+    return [entry for _, entry in ranked[:limit]]
 
 
 def _config_has_experts(config: Any) -> bool:
@@ -221,6 +263,19 @@ def _memory_lines(estimate: PeakEstimate, device_memory: int | None) -> list[str
     return lines
 
 
+def _throughput_lines(step: StepTime, hardware: Cluster) -> list[str]:
+    lines = [f"predicted step on {hardware.describe()} (automodel_planner.estimate_throughput):"]
+    for name, seconds in step.parts.items():
+        lines.append(f"  {name:<34}{seconds * 1e3:12.1f} ms")
+    lines.append(f"  {'step':<34}{step.step_seconds * 1e3:12.1f} ms")
+    lines.append(
+        f"  {step.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {step.mfu:.1%} of "
+        f"{hardware.device.name}'s dense bf16 peak ({step.model_flops_per_token / 1e9:.1f} GFLOP per "
+        "token, counted as torchtitan does)"
+    )
+    return lines
+
+
 def plan_report(
     raw: RawJob,
     *,
@@ -228,13 +283,25 @@ def plan_report(
     device_memory: int | None = None,
     suggest: bool = False,
     base_weight_bits: int | None = None,
+    hardware: Cluster | None = None,
 ) -> dict[str, Any]:
-    """The dry run as data: layout, steps, model, the itemised peak per rank, fit and suggestions.
+    """The dry run as data: layout, steps, model, the itemised peak per rank, fit, time and suggestions.
+
+    With ``hardware``, the world size is its GPU count and the device memory its device's (unless
+    given), and the report holds the step time (``throughput``, `automodel_planner.StepTime`).
 
     Raises:
-        ConfigError: A bad job or a layout that cannot work, naming the setting.
+        ConfigError: A bad job or a layout that cannot work, or a world size the cluster contradicts,
+            naming the setting.
     """
     job = build_job(raw)
+    if hardware is not None:
+        if world_size is not None and world_size != hardware.count:
+            raise ConfigError(
+                f"--world-size {world_size} contradicts --cluster ({hardware.count} GPUs): give one of them"
+            )
+        world_size = hardware.count
+        device_memory = device_memory if device_memory is not None else hardware.device.memory_bytes
     world = world_size if world_size is not None else job.launch.nnodes * nproc_per_node(job)
     model_config = load_model_config(job)
     resolved = resolve_job(job, world, model_config)
@@ -250,7 +317,15 @@ def plan_report(
         adapted = apply_lora_to_linear_modules(model, job.peft)  # on meta: free; freezes the base
     elif base_weight_bits is not None:
         raise ConfigError("--qlora-bits needs LoRA adapters (--lora): only a frozen base is quantized")
-    estimate = estimate_peak(plan_input(resolved, model, model_config, base_weight_bits))
+    planned = plan_input(resolved, model, model_config, base_weight_bits)
+    cache: ProfileCache = {}
+    estimate = estimate_peak(planned, profile_cache=cache)
+    throughput = None
+    if hardware is not None:
+        try:
+            throughput = estimate_throughput(planned, hardware, profile_cache=cache)
+        except ValueError as exc:
+            raise ConfigError(f"--cluster {hardware.describe()}: {exc}") from None
     report: dict[str, Any] = {
         "job": job,
         "resolved": resolved,
@@ -261,10 +336,12 @@ def plan_report(
         "estimate": estimate,
         "device_memory": device_memory,
         "fits": None if device_memory is None else estimate.total <= device_memory,
+        "cluster": hardware,
+        "throughput": throughput,
     }
     if suggest:
         report["suggestions"] = suggest_layouts(
-            raw, world, model, model_config, base_weight_bits=base_weight_bits
+            raw, world, model, model_config, base_weight_bits=base_weight_bits, hardware=hardware
         )
     return report
 
@@ -277,6 +354,7 @@ def plan(
     suggest: bool = False,
     as_json: bool = False,
     base_weight_bits: int | None = None,
+    hardware: Cluster | None = None,
 ) -> str:
     """The dry-run report for the job in ``raw`` on ``world_size`` ranks (default: nnodes x nproc).
 
@@ -287,6 +365,7 @@ def plan(
         suggest: Also rank every valid layout of the world size (`suggest_layouts`).
         as_json: Return a JSON document instead of text.
         base_weight_bits: Quantize the frozen base to 4 or 8 bits (QLoRA; needs LoRA adapters).
+        hardware: The cluster (``--cluster``): the step time, tokens/s per GPU and MFU on it.
 
     Raises:
         ConfigError: A bad job or a layout that cannot work, naming the setting.
@@ -297,7 +376,9 @@ def plan(
         device_memory=device_memory,
         suggest=suggest,
         base_weight_bits=base_weight_bits,
+        hardware=hardware,
     )
+    throughput: StepTime | None = report["throughput"]
     job, resolved, model = report["job"], report["resolved"], report["model"]
     estimate: PeakEstimate = report["estimate"]
     total = sum(p.numel() for p in _params(model))
@@ -313,6 +394,8 @@ def plan(
             "peak": estimate.as_dict(),
             "device_memory_bytes": report["device_memory"],
             "fits": report["fits"],
+            "cluster": hardware.describe() if hardware is not None else None,
+            "throughput": throughput.as_dict() if throughput is not None else None,
             "suggestions": report.get("suggestions"),
         }
         return json.dumps(document, indent=2)
@@ -334,16 +417,18 @@ def plan(
         "",
         *_memory_lines(estimate, report["device_memory"]),
     ]
+    if throughput is not None and hardware is not None:
+        lines += ["", *_throughput_lines(throughput, hardware)]
     suggestions = report.get("suggestions")
     if suggestions is not None:
-        lines += [
-            "",
-            f"suggested layouts for {report['world_size']} rank(s) (lowest peak, then least traffic):",
-        ]
+        order = "fitting first, fastest first" if hardware is not None else "lowest peak, then least traffic"
+        lines += ["", f"suggested layouts for {report['world_size']} rank(s) ({order}):"]
         for i, entry in enumerate(suggestions, start=1):
             biggest = max(entry["lines"], key=entry["lines"].get)
+            speed = entry.get("throughput")
+            rate = f"{speed['tokens_per_s_per_gpu']:10.0f} tokens/s/GPU, " if speed is not None else ""
             lines.append(
-                f"  {i}. {entry['layout']:<28} peak {entry['peak_bytes'] / _MIB:10.2f} MiB, "
+                f"  {i}. {entry['layout']:<28} {rate}peak {entry['peak_bytes'] / _MIB:10.2f} MiB, "
                 f"traffic {entry['communication_total_bytes'] / _MIB:10.2f} MiB/step "
                 f"(largest line: {biggest})"
             )

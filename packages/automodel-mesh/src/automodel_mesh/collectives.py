@@ -1,0 +1,57 @@
+"""`Collective`: one kind of collective a layout issues per optimizer step, as the planner's terms state it.
+
+Each package that issues collectives states them through its planner term (``collectives(facts)``): the
+axis whose groups carry it (`MeshLayout.span` says whether a group stays inside a node), the bytes one
+rank sends per call with the ring algorithm's factor applied, the calls per optimizer step and what it
+hides behind (`Overlap`). A term's traffic is the sum of its collectives (`traffic_of`); the planner's
+time model applies the overlap rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import StrEnum
+from typing import NamedTuple
+
+__all__ = ["Collective", "Overlap", "traffic_of"]
+
+
+class Overlap(StrEnum):
+    """What a collective can run beside, on its own stream, in torch's implementation."""
+
+    FORWARD = "forward"
+    """Prefetched while the previous unit computes its forward (FSDP2's all-gathers)."""
+    BACKWARD = "backward"
+    """Issued as backward produces gradients and hidden behind the backward still to run (FSDP2's
+    reduce-scatter and HSDP's all-reduce per unit, DDP's buckets); the last unit's is exposed."""
+    ATTENTION = "attention"
+    """Hidden behind the attention of the chunk already received (ring attention's K/V passing)."""
+    EXPOSED = "exposed"
+    """On the critical path: the next op needs its result (TP's all-reduces or all-gather/reduce-
+    scatter pairs, EP's dispatch and combine, a pipeline stage's send/receive)."""
+
+
+class Collective(NamedTuple):
+    """One collective of a layout: ``calls`` per optimizer step of ``bytes_per_call`` each over ``axis``."""
+
+    name: str
+    axis: str
+    """The mesh axis whose groups carry it (``"world"`` for DDP's single group)."""
+    bytes_per_call: float
+    """Bytes one rank sends per call (ring factors applied)."""
+    calls: float
+    """Calls per optimizer step on the rank."""
+    overlap: Overlap
+
+    @property
+    def total(self) -> float:
+        """Bytes per step."""
+        return self.bytes_per_call * self.calls
+
+
+def traffic_of(collectives: Iterable[Collective]) -> dict[str, int]:
+    """Bytes per step by collective name (entries of one name summed)."""
+    totals: dict[str, float] = {}
+    for collective in collectives:
+        totals[collective.name] = totals.get(collective.name, 0.0) + collective.total
+    return {name: int(total) for name, total in totals.items()}

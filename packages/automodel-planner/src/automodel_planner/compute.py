@@ -1,0 +1,115 @@
+"""The work of one forward, op by op, from the model's own forward on fake tensors.
+
+`ComputeRecorder` is a dispatch mode that runs beside the activation recorder in the same fake forward
+(`automodel_planner.activations.profile_step`). For every op it sees it adds, to the block running (or
+to the rest of the model, block ``-1``):
+
+- matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, ...): ``2 x output elements x the
+  contracted size`` FLOPs, under the module that ran them (so that the time model can tell a trainable
+  weight's matmul, whose backward is twice its forward, from a frozen one's, whose backward computes the
+  input gradient only);
+- attention kernels (the ``scaled_dot_product`` family): their FLOPs as torch's flop counter counts them
+  (the whole ``s x s`` score matrix; the time model halves it for a causal mask);
+- everything else that moves data (not views): the bytes of its tensor inputs and outputs, the traffic
+  an eager kernel sends through HBM.
+
+No process group, no mesh axes; the counts are one micro-batch on one rank before tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["BlockCompute", "ComputeProfile", "ComputeRecorder"]
+
+_MATMULS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "matmul", "_scaled_mm", "_scaled_grouped_mm"}
+)
+_FREE = frozenset({"detach", "lift_fresh", "alias", "empty", "empty_like", "empty_strided", "device"})
+
+
+@dataclass
+class BlockCompute:
+    """What one transformer block (or the rest of the model) computes in one forward."""
+
+    matmul_flops: dict[str, float] = field(default_factory=dict)
+    """Module FQN (in the profiled model) -> forward matmul FLOPs of that module."""
+    attention_flops: float = 0.0
+    """Forward FLOPs of the attention kernels, the whole score matrix counted."""
+    memory_bytes: float = 0.0
+    """Bytes every other (non-view) op reads and writes."""
+
+    @property
+    def matmul_total(self) -> float:
+        """All matmul FLOPs of the block."""
+        return sum(self.matmul_flops.values())
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """One micro-batch's forward on one rank: per block, and outside the blocks (embedding, head, loss)."""
+
+    blocks: tuple[BlockCompute, ...]
+    outside: BlockCompute
+    tokens: int
+    """Tokens per micro-batch on one rank."""
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _matmul_flops(args: tuple[Any, ...], out: Any) -> float:
+    """``2 x output elements x contracted size``: the contracted size is the last dim of the first matrix."""
+    outputs = _tensors(out)
+    first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2), None)
+    if not outputs or first is None:
+        return 0.0
+    return 2.0 * outputs[0].numel() * first.shape[-1]
+
+
+class ComputeRecorder(TorchDispatchMode):
+    """Counts FLOPs and bytes per block; ``where()`` says (block index or -1, innermost module FQN)."""
+
+    def __init__(self, num_blocks: int, where: Callable[[], tuple[int, str]], parameters: set[int]) -> None:
+        super().__init__()
+        self.where = where
+        self.parameters = parameters
+        """Storages of the model's parameters: a weight an op reads by index (the embedding's table) or
+        scales with (a norm's) is not activation traffic."""
+        self.blocks = [BlockCompute() for _ in range(num_blocks)]
+        self.outside = BlockCompute()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in _FREE or getattr(func, "is_view", False):
+            return out
+        block, fqn = self.where()
+        target = self.blocks[block] if block >= 0 else self.outside
+        if name in _MATMULS:
+            target.matmul_flops[fqn] = target.matmul_flops.get(fqn, 0.0) + _matmul_flops(args, out)
+        elif "scaled_dot_product" in name or "flash_attention" in name:
+            from torch.utils.flop_counter import flop_registry
+
+            formula = flop_registry.get(func.overloadpacket)
+            if formula is not None:
+                target.attention_flops += float(formula(*args, **kwargs, out_val=out))
+        else:
+            target.memory_bytes += sum(
+                t.numel() * t.element_size()
+                for t in _tensors((args, kwargs, out))
+                if t.untyped_storage()._cdata not in self.parameters
+            )
+        return out
+
+    def profile(self, tokens: int) -> ComputeProfile:
+        """The counts as a profile."""
+        return ComputeProfile(blocks=tuple(self.blocks), outside=self.outside, tokens=tokens)

@@ -1,0 +1,211 @@
+"""Hardware as data: accelerators, their links, and clusters of them (``--cluster 128xH100``).
+
+`DEVICES` holds each accelerator's datasheet figures: dense bf16 and fp8 peak FLOP/s (without
+sparsity), HBM bandwidth, the memory torch reports, and the node it usually ships in (GPUs per node,
+NVLink or PCIe bandwidth per GPU and direction, the scale-out network per GPU). A `Cluster` is a count
+of one device; `parse_cluster` reads ``NxDEVICE``, `cluster_from_mapping` a user's own description
+(the keys of `Device` and `Cluster`, e.g. from a small YAML file). Nothing here measures anything:
+what fraction of these peaks a job reaches is `automodel_planner.step_time.Efficiency`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DEVICES", "Cluster", "Device", "cluster_from_mapping", "parse_cluster"]
+
+_GB = 1e9
+_MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator and the node it ships in (datasheet figures, per GPU)."""
+
+    name: str
+    bf16_flops: float
+    """Dense bf16 tensor-core peak, FLOP/s."""
+    fp8_flops: float | None
+    """Dense fp8 tensor-core peak, FLOP/s (None: no fp8 tensor cores)."""
+    hbm_bytes_per_s: float
+    memory_bytes: int
+    """Total memory as ``torch.cuda.get_device_properties`` reports it."""
+    intra_node_bytes_per_s: float
+    """NVLink (or PCIe) bandwidth per GPU and direction inside a node."""
+    gpus_per_node: int = 8
+    inter_node_bytes_per_s: float = 50 * _GB
+    """Scale-out network per GPU and direction (400 Gb/s InfiniBand or RoCE)."""
+    source: str = ""
+
+
+DEVICES: dict[str, Device] = {
+    d.name.lower(): d
+    for d in (
+        Device(
+            "H100",  # H100 SXM5 80 GB (HBM3), 700 W, 8 per HGX node on NVLink 4
+            989.4e12,
+            1978.9e12,
+            3.35e12,
+            81_559 * _MIB,
+            450 * _GB,
+            source="NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOPS bf16, 1,979 fp8 (dense), "
+            "3.35 TB/s, NVLink 900 GB/s",
+        ),
+        Device(
+            "H100-PCIe",  # 80 GB HBM2e, 350 W, PCIe Gen5 x16 between GPUs
+            756.5e12,
+            1513e12,
+            2.0e12,
+            81_559 * _MIB,
+            64 * _GB,
+            source="NVIDIA H100 datasheet (PCIe): 756 TFLOPS bf16, 1,513 fp8 (dense), 2 TB/s, "
+            "PCIe Gen5 128 GB/s",
+        ),
+        Device(
+            "H100-HBM2e-96G",  # the H100s of Meta's Grand Teton hosts that torchtitan benchmarks on
+            # Its peak at the 500 W limit lies between the SXM and NVL parts (torchtitan does not know
+            # it either); the NVL part's 835 TFLOPS is the one taken.
+            835e12,
+            1671e12,
+            2.4e12,
+            95_830 * _MIB,
+            450 * _GB,
+            source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e, 2.4 TB/s, 500 W, "
+            "8 per host on NVLink, 400 Gb/s RDMA per GPU; peak: H100 NVL datasheet (835 TFLOPS bf16)",
+        ),
+        Device(
+            "H200",  # H200 SXM 141 GB (HBM3e), same compute as the H100 SXM
+            989.4e12,
+            1978.9e12,
+            4.8e12,
+            143_771 * _MIB,
+            450 * _GB,
+            source="NVIDIA H200 datasheet (SXM): 989 TFLOPS bf16, 1,979 fp8 (dense), 4.8 TB/s, "
+            "NVLink 900 GB/s",
+        ),
+        Device(
+            "B200",  # HGX B200, 180 GB HBM3e per GPU, NVLink 5
+            2.25e15,
+            4.5e15,
+            8.0e12,
+            183_359 * _MIB,
+            900 * _GB,
+            source="NVIDIA HGX B200 datasheet: 2.25 PFLOPS bf16, 4.5 fp8 (dense) per GPU, 8 TB/s, "
+            "NVLink 1.8 TB/s",
+        ),
+        Device(
+            "A100",  # A100 SXM4 80 GB, NVLink 3; no fp8 tensor cores
+            312e12,
+            None,
+            2.039e12,
+            81_251 * _MIB,
+            300 * _GB,
+            source="NVIDIA A100 datasheet (80 GB SXM): 312 TFLOPS bf16 (dense), 2,039 GB/s, NVLink 600 GB/s",
+        ),
+    )
+}
+"""Lower-cased name -> device. ``H100`` is the SXM part."""
+
+_ALIASES = {"h100-sxm": "h100", "h100-80g": "h100", "a100-80g": "a100", "h200-sxm": "h200"}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``count`` GPUs of one `Device`, ``gpus_per_node`` to a node."""
+
+    device: Device
+    count: int
+    gpus_per_node: int
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the GPUs fill (the last one may be partly used)."""
+        return -(-self.count // self.gpus_per_node)
+
+    def bandwidth(self, span: int) -> float:
+        """Bytes/s per GPU and direction of a group whose ranks lie ``span`` consecutive GPUs apart.
+
+        A group whose ranks all sit in one node (its ``span``, the distance between its first and last
+        rank plus one, at most ``gpus_per_node``) uses NVLink; any other crosses the network.
+        """
+        if span <= self.gpus_per_node:
+            return self.device.intra_node_bytes_per_s
+        return self.device.inter_node_bytes_per_s
+
+    def describe(self) -> str:
+        """``8 x H100 (1 node of 8)``."""
+        nodes = f"{self.nodes} node{'s' if self.nodes > 1 else ''}"
+        return f"{self.count} x {self.device.name} ({nodes} of {self.gpus_per_node})"
+
+
+def _device(name: str) -> Device:
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in DEVICES:
+        known = ", ".join(d.name for d in DEVICES.values())
+        raise ValueError(f"unknown device {name!r}: expected one of {known}, or describe it in a cluster")
+    return DEVICES[key]
+
+
+def parse_cluster(text: str) -> Cluster:
+    """``128xH100`` (or ``128 x h100``): that many GPUs of a `DEVICES` entry, in its usual nodes.
+
+    Raises:
+        ValueError: Not ``NxDEVICE``, a count below 1, or an unknown device (the message lists them).
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*([\w.-]+)\s*", text)
+    if match is None:
+        raise ValueError(f"{text!r}: expected GPUs x device, such as 8xH100 or 128xH200")
+    count = int(match.group(1))
+    if count < 1:
+        raise ValueError(f"{text!r}: the GPU count must be at least 1")
+    device = _device(match.group(2))
+    return Cluster(device, count, device.gpus_per_node)
+
+
+_DEVICE_FIELDS = {f.name for f in dataclasses.fields(Device)}
+_CLUSTER_KEYS = {"gpus", "device", "gpus_per_node", "intra_node_bytes_per_s", "inter_node_bytes_per_s"}
+_CLUSTER_KEYS |= {"inter_node_gbps"}
+
+
+def cluster_from_mapping(data: Mapping[str, Any]) -> Cluster:
+    """A cluster of one's own: ``{gpus: 64, device: H100, gpus_per_node: 8, inter_node_gbps: 200}``.
+
+    ``device`` names a `DEVICES` entry or is a mapping of `Device` fields (``name``, ``bf16_flops``, ...);
+    the top-level keys ``gpus_per_node``, ``intra_node_bytes_per_s`` and ``inter_node_bytes_per_s`` (or
+    ``inter_node_gbps``, in gigabits per second) override the device's node.
+
+    Raises:
+        ValueError: A missing or unknown key, or a value of the wrong kind, named.
+    """
+    unknown = set(data) - _CLUSTER_KEYS
+    if unknown:
+        raise ValueError(f"cluster: unknown key(s) {sorted(unknown)}")
+    if not isinstance(data.get("gpus"), int) or data["gpus"] < 1:
+        raise ValueError("cluster.gpus: expected the number of GPUs (an int >= 1)")
+    spec = data.get("device")
+    if isinstance(spec, str):
+        device = _device(spec)
+    elif isinstance(spec, Mapping):
+        bad = set(spec) - _DEVICE_FIELDS
+        if bad:
+            fields = sorted(_DEVICE_FIELDS)
+            raise ValueError(f"cluster.device: unknown field(s) {sorted(bad)}; known fields: {fields}")
+        try:
+            device = Device(**spec)
+        except TypeError as exc:
+            raise ValueError(f"cluster.device: {exc}") from None
+    else:
+        raise ValueError("cluster.device: expected a device name (H100, ...) or a mapping of Device fields")
+    overrides: dict[str, Any] = {}
+    if "inter_node_gbps" in data:
+        overrides["inter_node_bytes_per_s"] = float(data["inter_node_gbps"]) * 1e9 / 8
+    for key in ("gpus_per_node", "intra_node_bytes_per_s", "inter_node_bytes_per_s"):
+        if key in data:
+            overrides[key] = data[key]
+    device = dataclasses.replace(device, **overrides)
+    return Cluster(device, data["gpus"], device.gpus_per_node)

@@ -1,0 +1,182 @@
+"""Published training runs as data (``published_runs.toml``), planned and predicted like any job.
+
+`published_runs` reads the rows; `run_plan` builds each row's `PlanInput` (the model's published widths
+on the meta device, its layout, adapters, pipeline, float8 and compile settings); `predict` gives the
+time model's `StepTime` for it on the row's cluster. `fit_efficiency` fits the time model's achievable
+fractions (`automodel_planner.step_time.Efficiency`) on the calibration rows only, by a coordinate
+search on the squared log error of tokens/s; the evaluation rows never move them. No process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Literal
+
+import torch
+
+from automodel_planner.estimate import ProfileCache, estimate_throughput
+from automodel_planner.hardware import parse_cluster
+from automodel_planner.inputs import PlanInput
+from automodel_planner.step_time import DEFAULT_EFFICIENCY, Efficiency, StepTime
+
+__all__ = ["PublishedRun", "fit_efficiency", "predict", "published_runs", "run_plan"]
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One row of a published benchmark (see ``published_runs.toml`` for the fields' meaning)."""
+
+    id: str
+    source: str
+    role: str
+    """``calibration`` (the efficiencies are fitted on it) or ``evaluation``."""
+    shape: str
+    cluster: str
+    seq_len: int
+    local_batch: int
+    micro_batch: int
+    tokens_per_s_per_gpu: float
+    sizes: Mapping[str, int] = field(default_factory=dict)
+    sequence_parallel: bool = False
+    async_tp: bool = False
+    pp_schedule: str | None = None
+    layers_per_stage: int | None = None
+    checkpointing: Literal[False, "full", "selective"] = False
+    compile: bool = False
+    fp8: bool = False
+    lora_dim: int | None = None
+    memory_gib: float | None = None
+
+
+@functools.cache
+def _data() -> dict[str, Any]:
+    text = resources.files("automodel_planner").joinpath("published_runs.toml").read_text(encoding="utf-8")
+    return tomllib.loads(text)
+
+
+def published_runs(role: str | None = None) -> list[PublishedRun]:
+    """The rows of ``published_runs.toml`` (those of ``role`` when given), in file order."""
+    rows = [PublishedRun(**row) for row in _data()["run"]]
+    return [r for r in rows if role is None or r.role == role]
+
+
+def _build(shape: str) -> tuple[torch.nn.Module, Any]:
+    """The published widths of ``shape`` as a bf16 causal LM on the meta device, and its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(_data()["shapes"][shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model, config
+
+
+_meta_model = functools.cache(_build)
+"""`_build`, shared by the runs that do not change the model (no adapters)."""
+
+
+def run_plan(run: PublishedRun) -> PlanInput:
+    """The job of ``run`` as the planner sees it (a fresh meta model when the run adapts it)."""
+    from automodel_distributed.config import FSDP2Config
+    from automodel_mesh import MeshKind, ParallelismSizes, resolve_layout
+
+    model, config = _meta_model(run.shape)
+    peft = None
+    if run.lora_dim is not None:
+        from automodel_peft import PeftConfig, apply_lora_to_linear_modules
+
+        model, _ = _build(run.shape)
+        peft = PeftConfig(target_modules=["*_proj"], dim=run.lora_dim, alpha=2 * run.lora_dim)
+        apply_lora_to_linear_modules(model, peft)
+    world = parse_cluster(run.cluster).count
+    # dp_shard is what the other sizes leave of the world (resolve_layout infers it).
+    sizes = {f"{k}_size": v for k, v in run.sizes.items() if k != "dp_shard"}
+    layout = resolve_layout(MeshKind.FSDP2, ParallelismSizes(**sizes), world)
+    strategy = FSDP2Config(
+        activation_checkpointing=run.checkpointing,
+        sequence_parallel=run.sequence_parallel,
+        enable_async_tensor_parallel=run.async_tp,
+        enable_compile=run.compile,
+    )
+    pipeline = None
+    if run.pp_schedule is not None:
+        from automodel_pipelining.config import PipelineConfig
+
+        pipeline = PipelineConfig(
+            pp_schedule=run.pp_schedule,
+            pp_batch_size=run.local_batch,
+            pp_microbatch_size=run.micro_batch,
+            layers_per_stage=run.layers_per_stage,
+        )
+    fp8 = None
+    if run.fp8:
+        from automodel_quant.fp8 import FP8Config
+
+        fp8 = FP8Config(enabled=True)
+    return PlanInput(
+        model=model,
+        model_config=config,
+        layout=layout,
+        strategy=strategy,
+        dtype=torch.bfloat16,
+        seq_len=run.seq_len,
+        micro_batch_size=run.micro_batch,
+        accumulation=max(run.local_batch // run.micro_batch, 1),
+        pipeline=pipeline,
+        peft=peft,
+        fp8=fp8,
+        attn_implementation="sdpa",
+        compile=run.compile,
+    )
+
+
+def predict(
+    run: PublishedRun, efficiency: Efficiency = DEFAULT_EFFICIENCY, profile_cache: ProfileCache | None = None
+) -> StepTime:
+    """The time model's step for ``run`` on its cluster."""
+    return estimate_throughput(
+        run_plan(run), parse_cluster(run.cluster), efficiency=efficiency, profile_cache=profile_cache
+    )
+
+
+_FITTED = ("matmul", "fp8_matmul", "attention", "memory", "compiled_traffic")
+
+
+def fit_efficiency(
+    runs: Sequence[PublishedRun], start: Efficiency = DEFAULT_EFFICIENCY, rounds: int = 6
+) -> tuple[Efficiency, float]:
+    """Fit the achievable fractions on ``runs`` (the calibration rows); return them and the RMS log error.
+
+    A coordinate search: each round tries every fitted field at a few multiples of its value (kept in
+    (0, 1]) and keeps the best; the step shrinks each round. ``network`` stays at its default: the
+    calibration rows are single-node and cannot see it.
+    """
+    plans = [(run_plan(r), parse_cluster(r.cluster), r.tokens_per_s_per_gpu) for r in runs]
+    caches: list[ProfileCache] = [{} for _ in plans]
+
+    def error(eff: Efficiency) -> float:
+        total = 0.0
+        for (plan, cluster, published), cache in zip(plans, caches, strict=True):
+            predicted = estimate_throughput(
+                plan, cluster, efficiency=eff, profile_cache=cache
+            ).tokens_per_s_per_gpu
+            total += math.log(predicted / published) ** 2
+        return math.sqrt(total / len(plans))
+
+    best, best_error, step = start, error(start), 0.25
+    for _ in range(rounds):
+        for name in _FITTED:
+            for factor in (1 - step, 1 + step):
+                value = min(getattr(best, name) * factor, 1.0)
+                trial = dataclasses.replace(best, **{name: value})
+                trial_error = error(trial)
+                if trial_error < best_error:
+                    best, best_error = trial, trial_error
+        step /= 2
+    return best, best_error

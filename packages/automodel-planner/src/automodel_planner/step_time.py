@@ -1,0 +1,361 @@
+"""`estimate_step_time`: one optimizer step's time on a cluster, part by part, and the throughput it gives.
+
+The work comes from the fake forward (`automodel_planner.compute`), the collectives from each package's
+planner term (`automodel_mesh.Collective`), the hardware from `automodel_planner.hardware`; what
+fraction of the hardware's peaks each kind of op reaches is `Efficiency`, the model's only free
+parameters (fitted on published runs: `automodel_planner.published`). Per rank:
+
+- **compute** per micro-batch pass: each matmul's FLOPs at the matmul rate (float8's for the blocks'
+  linear layers under ``fp8``), the attention kernels' FLOPs (halved for the causal mask) at the
+  attention rate, every other op's bytes at the HBM rate (times the fused share under ``compile``).
+  Backward is twice a trainable matmul's forward (input and weight gradients) and once a frozen one's
+  (input gradient only), 2.5 times attention's (flash attention's backward runs five matmuls to the
+  forward's two) and twice the memory-bound ops'. Recompute adds the blocks' forward (full
+  checkpointing) or the half of their matmuls and the memory-bound ops selective checkpointing drops.
+  Tensor parallelism divides a block's work by ``tp``.
+- **collectives**, by what they hide behind (`automodel_mesh.Overlap`), as torch runs them: FSDP2's
+  all-gathers are prefetched one unit ahead, so only the first unit's and whatever exceeds the
+  forward compute is exposed; backward's all-gathers, reduce-scatters and HSDP all-reduces run behind
+  the backward still to come, exposing the last unit's and any excess (a reduction made once per step,
+  under gradient accumulation or a pipeline, has only the last pass's backward); ring attention hides K/V
+  passing behind the attention; TP's and EP's collectives and a stage's send/receive are exposed (TP's
+  hide behind the block's matmuls under async TP). A collective's rate is the link its group uses: NVLink
+  when the group's ranks sit in one node (`MeshLayout.span`), the network otherwise.
+- **pipeline**: the slowest stage's pass times the schedule's length, ``n_micro + (pp - 1) / v`` passes
+  for ``v`` stages per rank (1F1B, GPipe and interleaved schedules alike; the ``(pp - 1) / v`` is the
+  bubble).
+- **optimizer**: AdamW reads and writes its fp32 state, parameters and gradients once (HBM rate).
+
+Model FLOPs (for MFU) are counted as torchtitan counts them: three times the forward's matmul FLOPs of
+trainable weights (``6 N`` per token for ``N`` non-embedding parameters, experts at their active share)
+plus the attention's whole score matrix (``12 L h d s``); a frozen weight counts its forward and input
+gradient only. No process group, no device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from automodel_mesh import Collective, Overlap
+from automodel_planner.compute import BlockCompute, ComputeProfile
+from automodel_planner.hardware import Cluster
+
+__all__ = [
+    "DEFAULT_EFFICIENCY",
+    "Efficiency",
+    "StepOptions",
+    "StepTime",
+    "estimate_step_time",
+    "model_flops_per_token",
+    "weight_kinds",
+]
+
+_ATTENTION_BACKWARD = 2.5
+_MEMORY_BACKWARD = 2.0
+_ADAMW_TRAFFIC = 3.5
+"""AdamW's bytes moved per byte of its state: it reads and writes both moments (2x), and reads and
+writes the fp32 parameter and reads the gradient (12 bytes per 8 of state)."""
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achievable fractions of the hardware's peaks, per kind of op (the time model's free parameters).
+
+    The defaults are `automodel_planner.published.fit_efficiency` on the calibration rows of
+    ``published_runs.toml`` (``python tools/throughput_doc.py --fit`` prints them), rounded; ``network``
+    is not fitted (the calibration rows run inside one node).
+    """
+
+    matmul: float = 0.656
+    """Of the dense bf16 peak, by a transformer's large matmuls."""
+    fp8_matmul: float = 0.550
+    """Of the dense fp8 peak, by float8 matmuls (with their scaling)."""
+    attention: float = 0.356
+    """Of the dense bf16 peak, by flash attention (on the causal half of the score matrix)."""
+    memory: float = 0.785
+    """Of the HBM bandwidth, by eager elementwise kernels (norms, activations, rotary, casts, loss)."""
+    compiled_traffic: float = 0.505
+    """The share of eager's memory-bound bytes a compiled block still moves (fusion)."""
+    network: float = 0.8
+    """Of a link's bandwidth, by NCCL's collectives (its bus bandwidth)."""
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The job's settings that change time but not the model: compile, float8, async TP."""
+
+    compile: bool = False
+    fp8: bool = False
+    async_tp: bool = False
+    checkpointing: Any = False
+    """``False``, ``"full"`` or ``"selective"``."""
+
+
+@dataclass
+class StepTime:
+    """One optimizer step: seconds by part (the slowest rank's), tokens and FLOPs."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+    """Part -> seconds: compute, recompute, each exposed collective, the pipeline bubble, optimizer."""
+    tokens_per_step: int = 0
+    world_size: int = 1
+    model_flops_per_token: float = 0.0
+    peak_flops: float = 0.0
+    """The device's dense bf16 peak (MFU's denominator)."""
+    rank: str = ""
+
+    @property
+    def step_seconds(self) -> float:
+        """The sum of the parts."""
+        return sum(self.parts.values())
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Tokens per second per GPU."""
+        return self.tokens_per_step / self.step_seconds / self.world_size
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second per GPU over the device's dense bf16 peak."""
+        return self.tokens_per_s_per_gpu * self.model_flops_per_token / self.peak_flops
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``automodel plan --json``'s ``throughput``)."""
+        return {
+            "step_seconds": self.step_seconds,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "model_flops_per_token": self.model_flops_per_token,
+            "tokens_per_step": self.tokens_per_step,
+            "slowest_rank": self.rank,
+            "breakdown_seconds": dict(self.parts),
+        }
+
+
+WeightKinds = Callable[[int, str], tuple[bool, bool]]
+"""``(block or -1, module name in it) -> (trainable, a linear layer)``."""
+
+
+def weight_kinds(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> WeightKinds:
+    """What the time model needs of each matmul's module in ``model`` (the job's, adapters applied).
+
+    Returns a lookup by block index and the module's name inside the block (``self_attn.q_proj``), or
+    by the whole name for modules outside the blocks (block ``-1``). A module wrapped by an adapter
+    (peft's ``base_layer``) is judged by the wrapped layer. Unknown names count as trainable linears.
+    """
+    kinds: dict[tuple[int, str], tuple[bool, bool]] = {}
+    for index, (_, block) in enumerate(blocks):
+        for name, module in block.named_modules():
+            kinds[(index, name)] = _kind(module)
+    for name, module in model.named_modules():
+        kinds.setdefault((-1, name), _kind(module))
+
+    def lookup(block: int, name: str) -> tuple[bool, bool]:
+        return kinds.get((block, name), (True, True))
+
+    return lookup
+
+
+def _kind(module: nn.Module) -> tuple[bool, bool]:
+    layer = getattr(module, "base_layer", module)
+    own = list(layer.parameters(recurse=False))
+    trainable = any(p.requires_grad for p in own) if own else True
+    return trainable, isinstance(layer, nn.Linear)
+
+
+@dataclass(frozen=True)
+class _Rates:
+    matmul: float
+    fp8: float
+    attention: float
+    memory: float
+
+    @classmethod
+    def of(cls, cluster: Cluster, efficiency: Efficiency, options: StepOptions) -> _Rates:
+        device = cluster.device
+        fp8_peak = device.fp8_flops if device.fp8_flops is not None else device.bf16_flops
+        traffic = efficiency.compiled_traffic if options.compile else 1.0
+        return cls(
+            matmul=device.bf16_flops * efficiency.matmul,
+            fp8=fp8_peak * efficiency.fp8_matmul if options.fp8 else device.bf16_flops * efficiency.matmul,
+            attention=device.bf16_flops * efficiency.attention,
+            memory=device.hbm_bytes_per_s * efficiency.memory / traffic,
+        )
+
+
+@dataclass
+class _Pass:
+    """Seconds of one micro-batch pass on one rank, by phase."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+    attention: float = 0.0
+    """Of forward + backward: the attention kernels (what ring attention hides behind)."""
+    matmul: float = 0.0
+    """Of forward + backward: the matmuls (what async TP hides behind)."""
+
+
+def _block_pass(
+    block: BlockCompute, index: int, kinds: WeightKinds, rates: _Rates, tp: int, checkpointing: Any
+) -> _Pass:
+    out = _Pass()
+    for name, flops in block.matmul_flops.items():
+        trainable, linear = kinds(index, name)
+        seconds = flops / tp / (rates.fp8 if linear and index >= 0 else rates.matmul)
+        out.forward += seconds
+        out.backward += seconds * (2.0 if trainable else 1.0)
+        out.matmul += seconds * (3.0 if trainable else 2.0)
+        if checkpointing == "full":
+            out.recompute += seconds
+        elif checkpointing == "selective":
+            out.recompute += seconds / 2  # every other matmul's output is saved
+    attention = block.attention_flops / 2 / tp / rates.attention  # causal: half the score matrix
+    memory = block.memory_bytes / tp / rates.memory
+    out.forward += attention + memory
+    out.backward += _ATTENTION_BACKWARD * attention + _MEMORY_BACKWARD * memory
+    out.attention += (1 + _ATTENTION_BACKWARD) * attention
+    if checkpointing == "full":
+        out.recompute += attention + memory
+    elif checkpointing == "selective":
+        out.recompute += memory
+    return out
+
+
+def _rank_pass(
+    facts: Any, compute: ComputeProfile, kinds: WeightKinds, rates: _Rates, options: StepOptions
+) -> _Pass:
+    tp, cp = facts.layout.tp, facts.layout.cp
+    total = _Pass()
+    count = len(compute.blocks)
+    parts: list[tuple[BlockCompute, int]] = [(compute.blocks[b], b) for b in facts.blocks if b < count]
+    if facts.last_stage:
+        parts.append((compute.outside, -1))
+    for block, index in parts:
+        scaled = BlockCompute(block.matmul_flops, block.attention_flops * cp, block.memory_bytes)
+        one = _block_pass(scaled, index, kinds, rates, tp, options.checkpointing if index >= 0 else False)
+        for name in vars(total):
+            setattr(total, name, getattr(total, name) + getattr(one, name))
+    return total
+
+
+def _exposed(
+    collectives: list[Collective],
+    facts: Any,
+    cluster: Cluster,
+    efficiency: Efficiency,
+    one: _Pass,
+    async_tp: bool,
+) -> dict[str, float]:
+    """Seconds each collective adds to the step beyond what hides behind compute (see the module doc).
+
+    A collective issued in every pass hides behind that pass's compute; one issued once per step (the
+    gradient reduction under accumulation or a pipeline) only behind the last pass's.
+    """
+    passes, layout = facts.accumulation, facts.layout
+    per_pass = {
+        Overlap.FORWARD: one.forward,
+        Overlap.BACKWARD: one.backward + one.recompute,
+        Overlap.ATTENTION: one.attention,
+    }
+    out: dict[str, float] = {}
+    pooled: dict[Overlap, list[tuple[str, float, bool]]] = {}
+    for c in collectives:
+        span = layout.world_size if c.axis == "world" else layout.span(c.axis)
+        seconds = c.total / (cluster.bandwidth(span) * efficiency.network)
+        if c.overlap is Overlap.EXPOSED:
+            if async_tp and c.axis == "tp":  # micro-pipelined with the block's matmuls
+                seconds = max(seconds - passes * one.matmul, 0.0)
+            out[c.name] = out.get(c.name, 0.0) + seconds
+        else:
+            pooled.setdefault(c.overlap, []).append((c.name, seconds, c.calls >= passes))
+    for overlap, entries in pooled.items():
+        every = sum(seconds for _, seconds, each in entries if each) / passes
+        once = sum(seconds for _, seconds, each in entries if not each)
+        total = every * passes + once
+        # FSDP's first all-gather and last reduction have nothing to hide behind: one unit's share.
+        edge = (every + once) / max(len(facts.units), 1) if overlap is not Overlap.ATTENTION else 0.0
+        window = per_pass[overlap]
+        exposed = (passes - 1) * max(every - window, 0.0) + max(every + once - window, 0.0) + edge
+        for name, seconds, _ in entries:
+            out[name] = out.get(name, 0.0) + (exposed * seconds / total if total else 0.0)
+    return {f"exposed {name}": seconds for name, seconds in out.items()}
+
+
+def estimate_step_time(
+    *,
+    ranks: Sequence[Any],
+    terms: Sequence[Any],
+    compute: ComputeProfile,
+    kinds: WeightKinds,
+    cluster: Cluster,
+    tokens_per_step: int,
+    options: StepOptions,
+    stages_per_rank: int = 1,
+    efficiency: Efficiency = DEFAULT_EFFICIENCY,
+) -> StepTime:
+    """The step time of the slowest rank, by part, and the throughput it gives.
+
+    Args:
+        ranks: Every pipeline rank's facts (`automodel_planner.facts.RankFacts`; one without pipelining).
+        terms: The job's planner terms (their ``collectives``).
+        compute: The fake forward's work for one micro-batch on one rank (before TP).
+        kinds: `weight_kinds` of the job's model.
+        cluster: The hardware.
+        tokens_per_step: Tokens of the global batch.
+        options: Compile, float8, async TP, checkpointing.
+        stages_per_rank: ``v`` of a looped pipeline schedule.
+        efficiency: The achievable fractions.
+    """
+    rates = _Rates.of(cluster, efficiency, options)
+    slowest: tuple[float, StepTime] | None = None
+    pipelined = ranks[0].pipelined
+    passes_by_rank = [_rank_pass(f, compute, kinds, rates, options) for f in ranks]
+    stage_pass = max(p.forward + p.backward + p.recompute for p in passes_by_rank)
+    for facts, one in zip(ranks, passes_by_rank, strict=True):
+        collectives = [c for term in terms for c in term.collectives(facts)]
+        passes = facts.accumulation
+        step = StepTime(rank=facts.label)
+        step.parts["compute"] = passes * (one.forward + one.backward)
+        step.parts["recompute"] = passes * one.recompute
+        if pipelined:
+            bubble = (facts.layout.pp - 1) / stages_per_rank * stage_pass
+            # Every rank waits for the slowest stage: its passes set the pace.
+            step.parts["pipeline bubble"] = (
+                bubble + passes * stage_pass - passes * (one.forward + one.backward + one.recompute)
+            )
+        step.parts.update(_exposed(collectives, facts, cluster, efficiency, one, options.async_tp))
+        memory_rate = cluster.device.hbm_bytes_per_s * efficiency.memory
+        step.parts["optimizer"] = _ADAMW_TRAFFIC * facts.states / memory_rate
+        if slowest is None or step.step_seconds > slowest[0]:
+            slowest = (step.step_seconds, step)
+    assert slowest is not None, "no rank"
+    result = slowest[1]
+    result.tokens_per_step = tokens_per_step
+    result.world_size = ranks[0].layout.world_size
+    result.model_flops_per_token = model_flops_per_token(compute, kinds, cp=ranks[0].layout.cp)
+    result.peak_flops = cluster.device.bf16_flops
+    return result
+
+
+def model_flops_per_token(compute: ComputeProfile, kinds: WeightKinds, *, cp: int = 1) -> float:
+    """Training FLOPs per token as torchtitan counts them (see the module doc), from the fake forward.
+
+    Under context parallelism the profile is one rank's shard of the sequence, whose attention saw
+    only its own keys: each query meets ``cp`` times as many in the real step.
+    """
+    flops = 0.0
+    parts = [(b, i) for i, b in enumerate(compute.blocks)] + [(compute.outside, -1)]
+    for block, index in parts:
+        for name, value in block.matmul_flops.items():
+            trainable, _ = kinds(index, name)
+            flops += value * (3.0 if trainable else 2.0)
+        flops += 3.0 * block.attention_flops * cp
+    return flops / compute.tokens

@@ -1,0 +1,155 @@
+"""The time model: FLOPs from the fake forward, torchtitan's count, hardware, and what each setting moves."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from automodel_distributed.config import FSDP2Config
+from automodel_mesh import MeshKind, ParallelismSizes, resolve_layout
+from automodel_planner import PlanInput
+from automodel_planner.activations import profile_step
+from automodel_planner.estimate import estimate_throughput
+from automodel_planner.hardware import DEVICES, cluster_from_mapping, parse_cluster
+from automodel_planner.step_time import model_flops_per_token, weight_kinds
+
+H, FFN, LAYERS, HEADS, KV, VOCAB = 256, 704, 8, 8, 2, 1000
+
+
+def _config() -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV, vocab_size=VOCAB, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def _meta_model(config: LlamaConfig) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def _plan(world: int = 8, seq: int = 512, **changes: object) -> PlanInput:
+    config = _config()
+    sizes = changes.pop("sizes", {})
+    plan = PlanInput(
+        model=_meta_model(config),
+        model_config=config,
+        layout=resolve_layout(MeshKind.FSDP2, ParallelismSizes(**sizes), world),  # type: ignore[arg-type]
+        strategy=FSDP2Config(),
+        dtype=torch.bfloat16,
+        seq_len=seq,
+        micro_batch_size=2,
+    )
+    return dataclasses.replace(plan, **changes)  # type: ignore[arg-type]
+
+
+def _non_embedding_params(config: LlamaConfig) -> int:
+    head_dim = H // HEADS
+    attention = H * HEADS * head_dim * 2 + H * KV * head_dim * 2
+    mlp = 3 * H * FFN
+    return LAYERS * (attention + mlp) + H * VOCAB  # the LM head counts; the embedding does not
+
+
+def test_the_fake_forward_counts_every_matmul_and_the_attention_exactly() -> None:
+    config, batch, seq = _config(), 2, 128
+    compute = profile_step(config, micro_batch=batch, seq_len=seq, dtype=torch.bfloat16).compute
+    tokens = batch * seq
+    matmuls = sum(b.matmul_total for b in compute.blocks) + compute.outside.matmul_total
+    assert matmuls == 2 * _non_embedding_params(config) * tokens
+    assert compute.blocks[0].matmul_flops["self_attn.q_proj"] == 2 * tokens * H * H
+    assert all(b.attention_flops == 4 * batch * HEADS * seq * seq * (H // HEADS) for b in compute.blocks)
+    assert all(b.memory_bytes > 0 for b in compute.blocks) and compute.outside.memory_bytes > 0
+
+
+def test_model_flops_are_torchtitans_count_and_a_frozen_weight_drops_its_weight_gradient() -> None:
+    config, seq = _config(), 256
+    model = _meta_model(config)
+    from automodel_distributed.blocks import find_transformer_blocks
+
+    compute = profile_step(config, micro_batch=1, seq_len=seq, dtype=torch.bfloat16).compute
+    kinds = weight_kinds(model, find_transformer_blocks(model))
+    torchtitan = 6 * _non_embedding_params(config) + 12 * LAYERS * HEADS * (H // HEADS) * seq
+    assert model_flops_per_token(compute, kinds) == torchtitan
+    for param in model.model.layers.parameters():
+        param.requires_grad_(False)
+    frozen = model_flops_per_token(compute, weight_kinds(model, find_transformer_blocks(model)))
+    block_matmuls = 2 * (_non_embedding_params(config) - H * VOCAB)
+    assert frozen == torchtitan - block_matmuls  # 3x -> 2x forward for every block weight
+
+
+def test_clusters_parse_and_groups_inside_a_node_use_nvlink() -> None:
+    cluster = parse_cluster("16 x h100")
+    assert cluster.device is DEVICES["h100"] and cluster.nodes == 2
+    assert cluster.bandwidth(8) == DEVICES["h100"].intra_node_bytes_per_s
+    assert cluster.bandwidth(9) == DEVICES["h100"].inter_node_bytes_per_s
+    own = cluster_from_mapping({"gpus": 4, "device": "A100", "gpus_per_node": 4, "inter_node_gbps": 200})
+    assert own.device.inter_node_bytes_per_s == 25e9 and own.gpus_per_node == 4
+    for bad, fragment in (
+        ("8H100", "expected GPUs x device"),
+        ("0xH100", "at least 1"),
+        ("8xV100", "unknown"),
+    ):
+        with pytest.raises(ValueError, match=fragment):
+            parse_cluster(bad)
+    with pytest.raises(ValueError, match=r"cluster\.gpus"):
+        cluster_from_mapping({"device": "H100"})
+    with pytest.raises(ValueError, match="unknown key"):
+        cluster_from_mapping({"gpus": 8, "device": "H100", "nvlink": 1})
+
+
+def test_each_setting_moves_the_step_the_way_the_hardware_says() -> None:
+    h100 = parse_cluster("8xH100")
+    base = estimate_throughput(_plan(), h100)
+    assert base.step_seconds > 0 and 0 < base.mfu < 1
+    assert base.tokens_per_step == 2 * 8 * 512
+    compiled = estimate_throughput(_plan(compile=True), h100)
+    assert compiled.step_seconds < base.step_seconds
+    full = estimate_throughput(_plan(strategy=FSDP2Config(activation_checkpointing="full")), h100)
+    selective = estimate_throughput(_plan(strategy=FSDP2Config(activation_checkpointing="selective")), h100)
+    assert base.parts["recompute"] == 0 < selective.parts["recompute"] < full.parts["recompute"]
+    assert full.model_flops_per_token == base.model_flops_per_token, "recompute is not model FLOPs"
+    from automodel_quant.fp8 import FP8Config
+
+    fp8 = FP8Config(enabled=True)
+    assert estimate_throughput(_plan(fp8=fp8), h100).step_seconds < base.step_seconds
+    a100 = parse_cluster("8xA100")
+    assert estimate_throughput(_plan(), a100).step_seconds > base.step_seconds
+    with pytest.raises(ValueError, match="float8 tensor cores"):  # torchao's float8 cannot run there
+        estimate_throughput(_plan(fp8=fp8), a100)
+    with pytest.raises(ValueError, match="the cluster has 16 GPUs"):
+        estimate_throughput(_plan(), parse_cluster("16xH100"))
+
+
+def test_collectives_are_exposed_where_they_cannot_hide_and_across_nodes_more() -> None:
+    inside = estimate_throughput(_plan(world=8), parse_cluster("8xH100"))
+    across = estimate_throughput(_plan(world=16), parse_cluster("16xH100"))
+    fsdp = [k for k in inside.parts if k.startswith("exposed FSDP")]
+    assert fsdp and all(across.parts[k] > inside.parts[k] for k in fsdp)
+    tp = estimate_throughput(_plan(sizes={"tp_size": 2}), parse_cluster("8xH100"))
+    assert tp.parts["exposed TP all-reduce (or AG+RS)"] > 0
+    async_tp = estimate_throughput(
+        _plan(
+            sizes={"tp_size": 2},
+            strategy=FSDP2Config(
+                sequence_parallel=True, enable_async_tensor_parallel=True, enable_compile=True
+            ),
+        ),
+        parse_cluster("8xH100"),
+    )
+    assert async_tp.parts["exposed TP all-reduce (or AG+RS)"] < tp.parts["exposed TP all-reduce (or AG+RS)"]
+
+
+def test_a_pipeline_pays_its_bubble_and_interleaving_shrinks_it() -> None:
+    from automodel_pipelining.config import PipelineConfig
+
+    def piped(schedule: str, **extra: object) -> float:
+        config = PipelineConfig(pp_schedule=schedule, pp_batch_size=8, pp_microbatch_size=1, **extra)  # type: ignore[arg-type]
+        plan = _plan(world=4, sizes={"pp_size": 4}, pipeline=config, micro_batch_size=1)
+        return estimate_throughput(plan, parse_cluster("4xH100")).parts["pipeline bubble"]
+
+    one_f_one_b = piped("1f1b")
+    interleaved = piped("interleaved_1f1b", layers_per_stage=1)  # 8 stages: 2 per rank
+    assert one_f_one_b > 0 and interleaved == pytest.approx(one_f_one_b / 2)
