@@ -401,5 +401,5 @@ class StrategyMemory:
         if layout.cp > 1:
             kv, head_dim = facts.attention
             per_block = 3 * (layout.cp - 1) * 2 * tokens * kv * head_dim * element
-            out.append(Collective("CP ring K/V", "cp", per_block, calls, Overlap.ATTENTION))
+            out.append(Collective("CP ring K/V", "cp", per_block, calls, Overlap.ATTENTION, "p2p"))
         return out

@@ -42,6 +42,9 @@ class Collective(NamedTuple):
     calls: float
     """Calls per optimizer step on the rank."""
     overlap: Overlap
+    pattern: str = "ring"
+    """How the bytes move: ``ring`` (all-gather, reduce-scatter, all-reduce: every byte passes every
+    rank), ``all_to_all`` (each rank sends to each other one directly) or ``p2p`` (to a neighbour)."""
 
     @property
     def total(self) -> float:

@@ -139,29 +139,36 @@ class MeshLayout:
             return ()
         return tuple(zip(MOE_AXES, (self.pp, self.ep_shard, self.ep), strict=True))
 
-    def span(self, axis: MeshAxisName | str) -> int:
-        """How many consecutive global ranks one group of ``axis`` covers (first to last member).
+    def group(self, axis: MeshAxisName | str) -> tuple[int, int]:
+        """``(size, stride)`` of one group of ``axis``: its ranks are ``stride`` global ranks apart.
 
-        Ranks are laid out row-major over `dense_shape` (`moe_shape` for ``ep`` / ``ep_shard``), so
-        an axis's group covers ``stride x (size - 1) + 1`` ranks; a flattened axis spans its
-        innermost part's stride times its size. ``pp`` gives the distance between neighbouring stages
-        plus one (their send/receive pair). Under DDP (no mesh) every axis is the whole world.
-        A group whose span is at most the GPUs of one node stays inside a node.
+        Ranks are laid out row-major over `dense_shape` (`moe_shape` for ``ep`` / ``ep_shard``); a
+        flattened axis has its innermost part's stride. ``pp``'s group is a pair of neighbouring stages.
+        Under DDP (no mesh) every axis is the whole world, stride 1.
+
+        Raises:
+            ValueError: ``axis`` is not an axis of this layout.
         """
         name = MeshAxisName(axis)
         shape = self.moe_shape() if name in (MeshAxisName.EP, MeshAxisName.EP_SHARD) else self.dense_shape()
         if not shape:
-            return self.world_size
+            return self.world_size, 1
         axes = self.flattened_axes().get(name, (name,))
         sizes = dict(shape)
         if any(a not in sizes for a in axes):
             raise ValueError(f"axis {name.value!r} is not an axis of this {self.kind.value} layout")
         order = [a for a, _ in shape]
         innermost = max(axes, key=order.index)
-        stride = math.prod(size for a, size in shape[order.index(innermost) + 1 :])
+        stride = math.prod(size for _, size in shape[order.index(innermost) + 1 :])
         size = math.prod(sizes[a] for a in axes)
-        if name is MeshAxisName.PP:
-            return stride + 1 if size > 1 else 1
+        return (min(size, 2), stride) if name is MeshAxisName.PP else (size, stride)
+
+    def span(self, axis: MeshAxisName | str) -> int:
+        """How many consecutive global ranks one group of ``axis`` covers, first to last (`group`).
+
+        A group whose span is at most the GPUs of one node stays inside a node.
+        """
+        size, stride = self.group(axis)
         return stride * (size - 1) + 1
 
     def describe(self) -> str:

@@ -55,4 +55,4 @@ class ExpertMemory:
         ep, tokens = self.ep_size, facts.tokens
         exchanged = 4 * (ep - 1) / ep * tokens * facts.top_k * facts.hidden_size * facts.element_size
         calls = len(facts.blocks) * facts.accumulation
-        return [Collective("EP all-to-all", "ep", exchanged, calls, Overlap.EXPOSED)]
+        return [Collective("EP all-to-all", "ep", exchanged, calls, Overlap.EXPOSED, "all_to_all")]

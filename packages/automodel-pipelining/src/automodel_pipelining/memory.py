@@ -103,4 +103,4 @@ class PipelineMemory:
     def collectives(self, facts: PipelineFacts) -> list[Collective]:
         """Activations sent forward and gradients sent back, per micro-batch."""
         size = 2 * facts.tokens * facts.hidden_size * facts.element_size
-        return [Collective("PP send/recv", "pp", size, self.config.n_microbatches, Overlap.EXPOSED)]
+        return [Collective("PP send/recv", "pp", size, self.config.n_microbatches, Overlap.EXPOSED, "p2p")]

@@ -126,15 +126,29 @@ class Cluster:
         """Nodes the GPUs fill (the last one may be partly used)."""
         return -(-self.count // self.gpus_per_node)
 
-    def bandwidth(self, span: int) -> float:
-        """Bytes/s per GPU and direction of a group whose ranks lie ``span`` consecutive GPUs apart.
+    def seconds(self, sent: float, pattern: str, size: int, stride: int) -> float:
+        """Seconds one rank takes to send ``sent`` bytes in a collective of ``size`` ranks ``stride`` apart.
 
-        A group whose ranks all sit in one node (its ``span``, the distance between its first and last
-        rank plus one, at most ``gpus_per_node``) uses NVLink; any other crosses the network.
+        At full link speed (the caller applies NCCL's efficiency). A group inside one node runs on
+        NVLink. Across nodes, with ``m`` of its ranks in each node: a ring collective (``sent`` is a
+        rank's ``(n - 1) / n`` share of the whole) moves ``(nodes - 1) / nodes`` of the whole into each
+        node over its ``m`` network links, and the rest over NVLink, whichever is slower; an all-to-all
+        sends the share bound off-node over the rank's own link; a send to a neighbour uses the network
+        when the group leaves the node. Groups are taken to start at a node boundary.
         """
-        if span <= self.gpus_per_node:
-            return self.device.intra_node_bytes_per_s
-        return self.device.inter_node_bytes_per_s
+        intra, inter = self.device.intra_node_bytes_per_s, self.device.inter_node_bytes_per_s
+        per_node = max(1, min(size, self.gpus_per_node // stride)) if stride <= self.gpus_per_node else 1
+        nodes = -(-size // per_node)
+        if nodes == 1 or size < 2:
+            return sent / intra
+        if pattern == "p2p":
+            return sent / inter
+        if pattern == "all_to_all":
+            off_node = sent * (size - per_node) / (size - 1)
+            return max(off_node / inter, (sent - off_node) / intra)
+        whole = sent * size / (size - 1)
+        across = whole * (nodes - 1) / nodes / (per_node * inter)
+        return max(across, sent / intra if per_node > 1 else 0.0)
 
     def describe(self) -> str:
         """``8 x H100 (1 node of 8)``."""

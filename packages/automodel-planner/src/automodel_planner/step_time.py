@@ -19,8 +19,9 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   the backward still to come, exposing the last unit's and any excess (a reduction made once per step,
   under gradient accumulation or a pipeline, has only the last pass's backward); ring attention hides K/V
   passing behind the attention; TP's and EP's collectives and a stage's send/receive are exposed (TP's
-  hide behind the block's matmuls under async TP). A collective's rate is the link its group uses: NVLink
-  when the group's ranks sit in one node (`MeshLayout.span`), the network otherwise.
+  hide behind the block's matmuls under async TP). A collective's time is its group's links'
+  (`Cluster.seconds`, from `MeshLayout.group`): NVLink inside a node; across nodes a ring's share
+  that must enter each node, over as many network links as the group has ranks in the node.
 - **pipeline**: the slowest stage's pass times the schedule's length, ``n_micro + (pp - 1) / v`` passes
   for ``v`` stages per rank (1F1B, GPipe and interleaved schedules alike; the ``(pp - 1) / v`` is the
   bubble).
@@ -268,8 +269,8 @@ def _exposed(
     out: dict[str, float] = {}
     pooled: dict[Overlap, list[tuple[str, float, bool]]] = {}
     for c in collectives:
-        span = layout.world_size if c.axis == "world" else layout.span(c.axis)
-        seconds = c.total / (cluster.bandwidth(span) * efficiency.network)
+        size, stride = (layout.world_size, 1) if c.axis == "world" else layout.group(c.axis)
+        seconds = c.calls * cluster.seconds(c.bytes_per_call, c.pattern, size, stride) / efficiency.network
         if c.overlap is Overlap.EXPOSED:
             if async_tp and c.axis == "tp":  # micro-pipelined with the block's matmuls
                 seconds = max(seconds - passes * one.matmul, 0.0)

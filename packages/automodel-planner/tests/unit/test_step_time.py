@@ -83,8 +83,20 @@ def test_model_flops_are_torchtitans_count_and_a_frozen_weight_drops_its_weight_
 def test_clusters_parse_and_groups_inside_a_node_use_nvlink() -> None:
     cluster = parse_cluster("16 x h100")
     assert cluster.device is DEVICES["h100"] and cluster.nodes == 2
-    assert cluster.bandwidth(8) == DEVICES["h100"].intra_node_bytes_per_s
-    assert cluster.bandwidth(9) == DEVICES["h100"].inter_node_bytes_per_s
+    nvlink, network, sent = (
+        DEVICES["h100"].intra_node_bytes_per_s,
+        DEVICES["h100"].inter_node_bytes_per_s,
+        1e9,
+    )
+    assert cluster.seconds(sent, "ring", 8, 1) == sent / nvlink  # one node
+    # One rank per node: the whole ring runs over each rank's network link.
+    assert cluster.seconds(sent, "ring", 2, 8) == pytest.approx(sent / network)
+    # Eight ranks per node: half of the whole enters each node over its eight links, while the ring
+    # inside the node carries a rank's share over NVLink; the slower one counts (here NVLink).
+    across = sent * 16 / 15 / 2 / (8 * network)
+    assert across < sent / nvlink == cluster.seconds(sent, "ring", 16, 1)
+    assert cluster.seconds(sent, "all_to_all", 16, 1) == pytest.approx(sent * 8 / 15 / network)
+    assert cluster.seconds(sent, "p2p", 2, 8) == sent / network
     own = cluster_from_mapping({"gpus": 4, "device": "A100", "gpus_per_node": 4, "inter_node_gbps": 200})
     assert own.device.inter_node_bytes_per_s == 25e9 and own.gpus_per_node == 4
     for bad, fragment in (
