@@ -9,7 +9,7 @@ from automodel_planner.published import predict
 
 CALIBRATION_BOUND = 0.10
 """The goal of the planner issue: within 10% of published tokens/s. The calibration rows are fitted."""
-EVALUATION_BOUND = 0.80
+EVALUATION_BOUND = 0.65
 """The evaluation rows (never fitted on): the largest error the committed model makes on them, rounded
 up (docs/throughput.md lists each row's; long-context CP and the 405B pipeline are the worst). A change
 to the model that makes any of them worse than that fails here."""
