@@ -10,7 +10,7 @@ of a 2-core machine per environment, so one shared environment pays it once per 
 
 Test tiers, disjoint so that each test runs once in the default run:
 
-- ``unit(package=...)``: ``-m "not gpu and not distributed"`` over one package's tests, in an
+- ``unit(package=...)``: ``-m "not gpu and not distributed and not models"`` over one package's tests, in an
   environment holding only that package, its declared dependencies and its ``test`` group;
 - ``distributed``: ``-m "distributed and not gpu and not faults"`` over every package's tests and
   ``tests/``, in the whole workspace;
@@ -284,7 +284,7 @@ def unit(session: nox.Session, package: str) -> None:
     _pytest(
         session,
         [tests],
-        "not gpu and not distributed",
+        "not gpu and not distributed and not models",
         allow_empty=not has_tests,
         what=package,
         why_empty="the package has no test files yet",
@@ -376,7 +376,8 @@ def models(session: nox.Session) -> None:
 
     Writes the JSON reports and regenerates docs/models.md and docs/vlm.md (``tools/models_doc.py``).
     The default ``distributed`` session runs a fast slice of the same matrix. ``-- -k fsdp2`` runs some
-    layouts.
+    layouts. Also every published run the planner predicts (``models``-marked planner tests: the
+    default ``unit`` session runs the calibration rows and the small models' rows).
     """
     workspace = _workspace(session)
     report = ROOT / "build" / "models" / "matrix.json"
@@ -387,7 +388,7 @@ def models(session: nox.Session) -> None:
     try:
         _pytest(
             session,
-            [ROOT / "tests" / "models"],
+            [ROOT / "tests" / "models", ROOT / "packages" / "automodel-planner" / "tests"],
             "models",
             allow_empty=False,
             what="the model matrix",
@@ -464,7 +465,7 @@ def oldest(session: nox.Session) -> None:
         "unit tests": lambda: _pytest(
             session,
             units,
-            "not gpu and not distributed",
+            "not gpu and not distributed and not models",
             allow_empty=False,
             what="unit",
             why_empty="",

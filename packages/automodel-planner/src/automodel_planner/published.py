@@ -136,12 +136,15 @@ def run_plan(run: PublishedRun) -> PlanInput:
     )
 
 
-def predict(
-    run: PublishedRun, efficiency: Efficiency = DEFAULT_EFFICIENCY, profile_cache: ProfileCache | None = None
-) -> StepTime:
+_PROFILES: dict[str, ProfileCache] = {}
+"""Fake-forward profiles per shape: rows of one model at the same batch, length and cp share one."""
+
+
+def predict(run: PublishedRun, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
     """The time model's step for ``run`` on its cluster."""
+    cache = _PROFILES.setdefault(run.shape, {})
     return estimate_throughput(
-        run_plan(run), parse_cluster(run.cluster), efficiency=efficiency, profile_cache=profile_cache
+        run_plan(run), parse_cluster(run.cluster), efficiency=efficiency, profile_cache=cache
     )
 
 
@@ -158,7 +161,7 @@ def fit_efficiency(
     calibration rows are single-node and cannot see it.
     """
     plans = [(run_plan(r), parse_cluster(r.cluster), r.tokens_per_s_per_gpu) for r in runs]
-    caches: list[ProfileCache] = [{} for _ in plans]
+    caches = [_PROFILES.setdefault(r.shape, {}) for r in runs]
 
     def error(eff: Efficiency) -> float:
         total = 0.0
