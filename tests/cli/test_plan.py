@@ -332,3 +332,33 @@ def test_a_cluster_gives_the_step_time_and_suggestions_by_throughput(
     ):
         assert main(["plan", *argv]) == 2
         assert fragment in capsys.readouterr().err
+
+
+def test_calibrating_on_a_measured_log_reproduces_its_step_time(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import json
+
+    assert main(["plan", "--cluster", "8xH100", "--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)["throughput"]["step_seconds"]
+    log = tmp_path / "train_log.jsonl"
+    # Two warm-up steps (left out), then a run twice as slow as predicted, with one slow outlier.
+    times = [30.0, 5.0] + [2 * predicted] * 5 + [9 * predicted]
+    log.write_text(
+        "".join(json.dumps({"step": i + 1, "loss": 1.0, "seconds": t}) + "\n" for i, t in enumerate(times))
+    )
+    assert main(["plan", "--cluster", "8xH100", "--calibrate", str(log), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["calibration"]["measured_step_seconds"] == pytest.approx(2 * predicted)
+    assert document["throughput"]["step_seconds"] == pytest.approx(2 * predicted, rel=1e-6)
+    assert 0.3 < document["calibration"]["factor"] < 0.6  # the compute slows; the collectives do not
+
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"step": 1, "seconds": 1.0}) + "\n")
+    for argv, fragment in (
+        (["--calibrate", str(log)], "--calibrate needs --cluster"),
+        (["--cluster", "8xH100", "--calibrate", str(short)], "1 step(s) with a time"),
+        (["--cluster", "8xH100", "--calibrate", str(tmp_path / "none.jsonl")], "cannot read it"),
+    ):
+        assert main(["plan", *argv]) == 2
+        assert fragment in capsys.readouterr().err

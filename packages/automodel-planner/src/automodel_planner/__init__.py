@@ -23,7 +23,13 @@ from automodel_planner.activations import (
 )
 from automodel_planner.compute import BlockCompute, ComputeProfile
 from automodel_planner.devices import DEVICE_PRESETS, device_memory_bytes
-from automodel_planner.estimate import PeakEstimate, ProfileCache, estimate_peak, estimate_throughput
+from automodel_planner.estimate import (
+    PeakEstimate,
+    ProfileCache,
+    calibrate_efficiency,
+    estimate_peak,
+    estimate_throughput,
+)
 from automodel_planner.facts import RankFacts, rank_facts
 from automodel_planner.hardware import DEVICES, Cluster, Device, cluster_from_mapping, parse_cluster
 from automodel_planner.inputs import PlanInput
@@ -59,6 +65,7 @@ __all__ = [
     "StepTime",
     "__version__",
     "activation_bytes",
+    "calibrate_efficiency",
     "cluster_from_mapping",
     "device_memory_bytes",
     "estimate_peak",

@@ -7,6 +7,7 @@ tensors (`automodel_planner.activations`). No process group, no memory allocated
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,14 @@ from automodel_planner.step_time import (
 )
 from automodel_planner.terms import PlannerTerm, pipeline_term, planner_terms
 
-__all__ = ["PeakEstimate", "ProfileCache", "estimate_peak", "estimate_throughput", "step_profile"]
+__all__ = [
+    "PeakEstimate",
+    "ProfileCache",
+    "calibrate_efficiency",
+    "estimate_peak",
+    "estimate_throughput",
+    "step_profile",
+]
 
 ProfileCache = dict[tuple[int, int, int], StepProfile]
 """Profiles of the fake forward reused across layouts, by (micro-batch, sequence length, cp)."""
@@ -175,3 +183,51 @@ def estimate_throughput(
         stages_per_rank=pipeline.stages_per_rank if pipeline is not None else 1,
         efficiency=efficiency,
     )
+
+
+def calibrate_efficiency(
+    plan: PlanInput,
+    cluster: Cluster,
+    measured_step_seconds: float,
+    *,
+    start: Efficiency = DEFAULT_EFFICIENCY,
+    profile_cache: ProfileCache | None = None,
+) -> tuple[Efficiency, float]:
+    """Scale the compute fractions of ``start`` so that ``plan``'s predicted step takes the measured time.
+
+    One measured run determines one number: the matmul, float8, attention and memory fractions are
+    scaled together by one factor (none above 1), found by bisection (the step time falls as the
+    factor grows); ``network`` is kept. Returns the calibrated efficiency and the factor.
+
+    Raises:
+        ValueError: A measured time that is not positive, or one that no factor reaches (faster than
+            every fraction at 1, or slower than a hundredth of the start), naming the bound.
+    """
+    if not measured_step_seconds > 0:
+        raise ValueError(f"the measured step time must be positive, got {measured_step_seconds!r}")
+    fields = ("matmul", "fp8_matmul", "attention", "memory")
+    cache = profile_cache if profile_cache is not None else {}
+
+    def scaled(factor: float) -> Efficiency:
+        return dataclasses.replace(start, **{f: getattr(start, f) * factor for f in fields})
+
+    def seconds(factor: float) -> float:
+        return estimate_throughput(plan, cluster, efficiency=scaled(factor), profile_cache=cache).step_seconds
+
+    low, high = 0.01, 1.0 / max(getattr(start, f) for f in fields)
+    if seconds(high) > measured_step_seconds:
+        raise ValueError(
+            f"the measured step ({measured_step_seconds:.3f} s) is faster than the model allows on "
+            f"{cluster.describe()} with every fraction of peak at 1 ({seconds(high):.3f} s): is the "
+            "cluster the one that was measured?"
+        )
+    if seconds(low) < measured_step_seconds:
+        raise ValueError(
+            f"the measured step ({measured_step_seconds:.3f} s) is slower than the model predicts at a "
+            f"hundredth of the fitted fractions ({seconds(low):.3f} s): is the job the one that was measured?"
+        )
+    for _ in range(30):  # the factor to a billionth
+        middle = (low + high) / 2
+        low, high = (middle, high) if seconds(middle) > measured_step_seconds else (low, middle)
+    factor = (low + high) / 2
+    return scaled(factor), factor

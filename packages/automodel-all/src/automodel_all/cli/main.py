@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NxDEVICE",
         help="the hardware (8xH100, 128xH200, 16xB200, or a YAML file): step time, tokens/s per GPU, MFU",
     )
+    plan.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="TRAIN_LOG",
+        help="a measured run's train_log.jsonl (same job, same --cluster): fit the fractions of peak to it",
+    )
     plan.add_argument("--suggest", action="store_true", help="rank every valid layout of the world size")
     plan.add_argument("--json", dest="as_json", action="store_true", help="print the plan as JSON")
     plan.add_argument(
@@ -240,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     as_json=args.as_json,
                     base_weight_bits=args.qlora_bits,
                     hardware=hardware,
+                    calibrate=args.calibrate,
                 )
             )
             return 0

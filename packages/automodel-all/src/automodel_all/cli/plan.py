@@ -13,8 +13,10 @@ ranked by peak memory, then traffic, or, with a cluster, the layouts that fit ra
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -27,13 +29,14 @@ from automodel_distributed.fsdp2_units import frozen_towers
 from automodel_infra.infrastructure import APPLY_STEPS
 from automodel_infra.steps import PlannedJob, describe_steps
 from automodel_planner import PeakEstimate, PlanInput, ProfileCache, device_memory_bytes, estimate_peak
-from automodel_planner.estimate import estimate_throughput
+from automodel_planner.estimate import calibrate_efficiency, estimate_throughput
 from automodel_planner.hardware import Cluster, cluster_from_mapping, parse_cluster
-from automodel_planner.step_time import StepTime
+from automodel_planner.step_time import DEFAULT_EFFICIENCY, StepTime
 
 __all__ = [
     "cluster",
     "device_memory",
+    "measured_step_seconds",
     "plan",
     "plan_input",
     "plan_report",
@@ -81,6 +84,35 @@ def cluster(text: str) -> Cluster:
         return parse_cluster(text)
     except ValueError as exc:
         raise ConfigError(f"--cluster {exc}") from None
+
+
+def measured_step_seconds(path: str) -> float:
+    """The median step time of a run's ``train_log.jsonl`` (``--calibrate``), its first two steps left out.
+
+    The first steps pay for compilation and the allocator's warm-up; the median is robust to the odd
+    slow step (a checkpoint, an evaluation).
+
+    Raises:
+        ConfigError: Unreadable, or fewer than three steps with a time, naming the option.
+    """
+    import statistics
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"--calibrate {path}: cannot read it ({exc.strerror})") from None
+    try:
+        times = [
+            float(record["seconds"]) for record in map(json.loads, filter(None, lines)) if "seconds" in record
+        ]
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"--calibrate {path}: not a train_log.jsonl of automodel train ({exc})") from None
+    if len(times) < 3:
+        raise ConfigError(
+            f"--calibrate {path}: {len(times)} step(s) with a time; calibrating needs at least 3 (the first "
+            "two are left out as warm-up)"
+        )
+    return statistics.median(times[2:])
 
 
 def plan_input(
@@ -284,17 +316,22 @@ def plan_report(
     suggest: bool = False,
     base_weight_bits: int | None = None,
     hardware: Cluster | None = None,
+    calibrate: str | None = None,
 ) -> dict[str, Any]:
     """The dry run as data: layout, steps, model, the itemised peak per rank, fit, time and suggestions.
 
     With ``hardware``, the world size is its GPU count and the device memory its device's (unless
-    given), and the report holds the step time (``throughput``, `automodel_planner.StepTime`).
+    given), and the report holds the step time (``throughput``, `automodel_planner.StepTime`); with
+    ``calibrate`` (a measured run's ``train_log.jsonl`` of the same job on the same hardware), the
+    fractions of peak are scaled to reproduce its step time first (``calibration``).
 
     Raises:
         ConfigError: A bad job or a layout that cannot work, or a world size the cluster contradicts,
             naming the setting.
     """
     job = build_job(raw)
+    if calibrate is not None and hardware is None:
+        raise ConfigError("--calibrate needs --cluster: the hardware the log was measured on")
     if hardware is not None:
         if world_size is not None and world_size != hardware.count:
             raise ConfigError(
@@ -320,12 +357,19 @@ def plan_report(
     planned = plan_input(resolved, model, model_config, base_weight_bits)
     cache: ProfileCache = {}
     estimate = estimate_peak(planned, profile_cache=cache)
-    throughput = None
+    throughput, calibration = None, None
     if hardware is not None:
         try:
-            throughput = estimate_throughput(planned, hardware, profile_cache=cache)
+            efficiency = DEFAULT_EFFICIENCY
+            if calibrate is not None:
+                measured = measured_step_seconds(calibrate)
+                efficiency, factor = calibrate_efficiency(planned, hardware, measured, profile_cache=cache)
+                calibration = {"log": calibrate, "measured_step_seconds": measured, "factor": factor}
+                calibration["efficiency"] = dataclasses.asdict(efficiency)
+            throughput = estimate_throughput(planned, hardware, efficiency=efficiency, profile_cache=cache)
         except ValueError as exc:
-            raise ConfigError(f"--cluster {hardware.describe()}: {exc}") from None
+            option = "--calibrate" if calibrate is not None else "--cluster"
+            raise ConfigError(f"{option} ({hardware.describe()}): {exc}") from None
     report: dict[str, Any] = {
         "job": job,
         "resolved": resolved,
@@ -338,6 +382,7 @@ def plan_report(
         "fits": None if device_memory is None else estimate.total <= device_memory,
         "cluster": hardware,
         "throughput": throughput,
+        "calibration": calibration,
     }
     if suggest:
         report["suggestions"] = suggest_layouts(
@@ -355,6 +400,7 @@ def plan(
     as_json: bool = False,
     base_weight_bits: int | None = None,
     hardware: Cluster | None = None,
+    calibrate: str | None = None,
 ) -> str:
     """The dry-run report for the job in ``raw`` on ``world_size`` ranks (default: nnodes x nproc).
 
@@ -366,6 +412,7 @@ def plan(
         as_json: Return a JSON document instead of text.
         base_weight_bits: Quantize the frozen base to 4 or 8 bits (QLoRA; needs LoRA adapters).
         hardware: The cluster (``--cluster``): the step time, tokens/s per GPU and MFU on it.
+        calibrate: A measured run's ``train_log.jsonl`` (``--calibrate``) to scale the fractions of peak.
 
     Raises:
         ConfigError: A bad job or a layout that cannot work, naming the setting.
@@ -377,6 +424,7 @@ def plan(
         suggest=suggest,
         base_weight_bits=base_weight_bits,
         hardware=hardware,
+        calibrate=calibrate,
     )
     throughput: StepTime | None = report["throughput"]
     job, resolved, model = report["job"], report["resolved"], report["model"]
@@ -396,6 +444,7 @@ def plan(
             "fits": report["fits"],
             "cluster": hardware.describe() if hardware is not None else None,
             "throughput": throughput.as_dict() if throughput is not None else None,
+            "calibration": report["calibration"],
             "suggestions": report.get("suggestions"),
         }
         return json.dumps(document, indent=2)
@@ -419,6 +468,12 @@ def plan(
     ]
     if throughput is not None and hardware is not None:
         lines += ["", *_throughput_lines(throughput, hardware)]
+        if report["calibration"] is not None:
+            c = report["calibration"]
+            lines.append(
+                f"  calibrated on {c['log']}: measured step {c['measured_step_seconds'] * 1e3:.1f} ms, "
+                f"fractions of peak scaled by {c['factor']:.3f}"
+            )
     suggestions = report.get("suggestions")
     if suggestions is not None:
         order = "fitting first, fastest first" if hardware is not None else "lowest peak, then least traffic"
