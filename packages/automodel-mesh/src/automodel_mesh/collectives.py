@@ -1,7 +1,7 @@
 """`Collective`: one kind of collective a layout issues per optimizer step, as the planner's terms state it.
 
 Each package that issues collectives states them through its planner term (``collectives(facts)``): the
-axis whose groups carry it (`MeshLayout.span` says whether a group stays inside a node), the bytes one
+axis whose groups carry it (`MeshLayout.group` says how its ranks lie on the nodes), the bytes one
 rank sends per call with the ring algorithm's factor applied, the calls per optimizer step and what it
 hides behind (`Overlap`). A term's traffic is the sum of its collectives (`traffic_of`); the planner's
 time model applies the overlap rules.

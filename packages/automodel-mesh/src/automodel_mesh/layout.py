@@ -144,7 +144,8 @@ class MeshLayout:
 
         Ranks are laid out row-major over `dense_shape` (`moe_shape` for ``ep`` / ``ep_shard``); a
         flattened axis has its innermost part's stride. ``pp``'s group is a pair of neighbouring stages.
-        Under DDP (no mesh) every axis is the whole world, stride 1.
+        Under DDP (no mesh) every axis is the whole world, stride 1. A planner places the group on
+        nodes from these two numbers (``automodel_planner.Cluster.seconds``).
 
         Raises:
             ValueError: ``axis`` is not an axis of this layout.
@@ -162,14 +163,6 @@ class MeshLayout:
         stride = math.prod(size for _, size in shape[order.index(innermost) + 1 :])
         size = math.prod(sizes[a] for a in axes)
         return (min(size, 2), stride) if name is MeshAxisName.PP else (size, stride)
-
-    def span(self, axis: MeshAxisName | str) -> int:
-        """How many consecutive global ranks one group of ``axis`` covers, first to last (`group`).
-
-        A group whose span is at most the GPUs of one node stays inside a node.
-        """
-        size, stride = self.group(axis)
-        return stride * (size - 1) + 1
 
     def describe(self) -> str:
         """One line per mesh, e.g. ``dense (pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)``."""

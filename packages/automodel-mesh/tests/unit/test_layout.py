@@ -237,21 +237,20 @@ def test_any_sizes_give_a_layout_or_a_value_error(
     assert "size" in message, message  # every message names the offending size field
 
 
-def test_span_is_the_consecutive_ranks_one_group_covers() -> None:
+def test_a_group_is_its_size_and_the_stride_between_its_ranks() -> None:
     """tp innermost (stride 1), then cp, dp_shard, dp_replicate; pp's neighbours are world/pp apart."""
     layout = resolve_layout(
         MeshKind.FSDP2, ParallelismSizes(dp_replicate_size=2, tp_size=4, cp_size=2, pp_size=2), 64
     )
     assert (layout.dp_replicate, layout.dp_shard) == (2, 2)
-    assert layout.span("tp") == 4
-    assert layout.span("cp") == 4 * 1 + 1  # ranks 0 and 4
-    assert layout.span("dp_shard") == 8 * 1 + 1
-    assert layout.span("dp_shard_cp") == 4 * 3 + 1  # cp is dp_shard_cp's inner part: stride 4, 4 members
-    assert layout.span("dp_replicate") == 16 + 1
-    assert layout.span("pp") == 32 + 1
+    assert layout.group("tp") == (4, 1)
+    assert layout.group("cp") == (2, 4)  # ranks 0 and 4
+    assert layout.group("dp_shard") == (2, 8)
+    assert layout.group("dp_shard_cp") == (4, 4)  # cp is dp_shard_cp's inner part: ranks 0, 4, 8, 12
+    assert layout.group("dp_replicate") == (2, 16)
+    assert layout.group("pp") == (2, 32)
     moe = resolve_layout(MeshKind.FSDP2, ParallelismSizes(ep_size=4), 16)
-    assert moe.span("ep") == 4 and moe.span("ep_shard") == 4 * 3 + 1
-    ddp = resolve_layout(MeshKind.DDP, ParallelismSizes(), 8)
-    assert ddp.span("dp") == 8
+    assert moe.group("ep") == (4, 1) and moe.group("ep_shard") == (4, 4)
+    assert resolve_layout(MeshKind.DDP, ParallelismSizes(), 8).group("dp") == (8, 1)
     with pytest.raises(ValueError, match="not an axis"):
-        resolve_layout(MeshKind.MEGATRON_FSDP, ParallelismSizes(), 8).span("pp")
+        resolve_layout(MeshKind.MEGATRON_FSDP, ParallelismSizes(), 8).group("pp")
