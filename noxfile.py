@@ -84,9 +84,9 @@ WORKSPACE_SYNC = ("--all-packages", "--all-extras", "--group", "dev", "--group",
 
 
 SINGLE_PROCESS_WORKERS = min(4, os.cpu_count() or 1)
-"""pytest-xdist workers of the single-process tiers (``unit``, ``e2e``): their tests run one Python
-thread each, so on the 2-core CI machine two workers halve them. The multi-process tiers run serially:
-their ranks already fill the cores."""
+"""pytest-xdist workers of the single-process tiers (``unit``, ``e2e``), and the wheel checks run at
+once: each runs one Python thread, so on the 2-core CI machine two workers halve them. The
+multi-process tiers run serially: their ranks already fill the cores."""
 
 WORKSPACE_ENV = ROOT / ".nox" / "workspace"
 """The environment of the whole-workspace sessions (``WORKSPACE_SYNC``), shared by all of them."""
