@@ -81,7 +81,8 @@ def reference_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dt
 
     Returns:
         Checkpoint key (`automodel_checkpoint.checkpoint_key`) -> dtype; ``{}`` when ``model`` holds no
-        transformers model (then nothing is known beyond the policy).
+        transformers model, or one its config alone cannot build again (warned): then nothing is known
+        beyond the policy.
     """
     _, hf = find_hf_model(unwrap(model))
     config: Any = getattr(hf, "config", None)
@@ -91,7 +92,16 @@ def reference_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dt
     if key not in _CACHE:
         while len(_CACHE) >= _CACHE_KEPT:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _construct(hf, dtype)
+        try:
+            _CACHE[key] = _construct(hf, dtype)
+        except Exception as exc:  # a custom class that its config alone cannot build (extra arguments)
+            warnings.warn(
+                f"{type(hf).__name__} cannot be built again from its config on the meta device ({exc!r}): "
+                "which of its tensors transformers keeps in fp32 is unknown, so every parameter follows the "
+                "mixed-precision policy (pass mp_policy=None to train in the model's own dtypes)",
+                stacklevel=2,
+            )
+            _CACHE[key] = {}
     return _CACHE[key]
 
 

@@ -166,3 +166,19 @@ def test_the_keep_lists_apply_to_what_a_checkpoint_loads() -> None:
     assert dtypes["saved_scale"] == torch.float32  # loaded from the checkpoint: kept in fp32
     assert dtypes["scratch_scale"] == torch.bfloat16  # never loaded: as built
     assert dtypes["lm_head.weight"] == torch.bfloat16
+
+
+def test_a_model_its_config_cannot_build_again_is_warned_and_follows_the_policy() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class NeedsMore(LlamaForCausalLM):  # a custom class whose constructor wants more than the config
+        def __init__(self, config: LlamaConfig, vocab_file: str) -> None:
+            super().__init__(config)
+            self.vocab_file = vocab_file
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config.vocab_size = 64
+    with torch.device("meta"):
+        model = NeedsMore(config, "vocab.txt")
+    with pytest.warns(UserWarning, match="NeedsMore cannot be built again from its config"):
+        assert reference_dtypes(model, torch.bfloat16) == {}
