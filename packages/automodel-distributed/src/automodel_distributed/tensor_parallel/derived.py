@@ -27,9 +27,10 @@ from collections import Counter
 
 from torch import nn
 
-from automodel_distributed.tensor_parallel.hf_plan import call_or_none, is_plain_embedding, module_fqn
+from automodel_distributed.tensor_parallel.hf_plan import is_plain_embedding, module_fqn
 from automodel_distributed.tensor_parallel.linear_styles import linear_features
 from automodel_distributed.tensor_parallel.lora import is_lora_linear
+from automodel_modules import embedding_module
 
 __all__ = ["derived_tp_plan"]
 
@@ -71,8 +72,8 @@ def derived_tp_plan(hf_model: nn.Module, tp_size: int) -> tuple[dict[str, str] |
         when the model has no linear to shard.
     """
     holders = Counter(id(p) for _, m in hf_model.named_modules() for p in m.parameters(recurse=False))
-    head = module_fqn(hf_model, call_or_none(hf_model, "get_output_embeddings"))
-    embeddings = module_fqn(hf_model, call_or_none(hf_model, "get_input_embeddings"))
+    head = module_fqn(hf_model, embedding_module(hf_model, "output"))
+    embeddings = module_fqn(hf_model, embedding_module(hf_model, "input"))
     plan: dict[str, str] = {}
     if embeddings is not None and is_plain_embedding(embeddings[1]):
         plan[embeddings[0]] = "rowwise_rep"

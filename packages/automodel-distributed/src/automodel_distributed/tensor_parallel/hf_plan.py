@@ -34,27 +34,15 @@ from automodel_distributed.tensor_parallel.styles import (
     hf_style_is_skipped,
     parallel_style,
 )
-from automodel_modules import join_fqn
+from automodel_modules import embedding_module, join_fqn
 
 __all__ = [
-    "call_or_none",
     "get_hf_tp_shard_plan",
     "is_plain_embedding",
     "module_fqn",
     "raw_hf_tp_plan",
     "translate_hf_tp_plan",
 ]
-
-
-def call_or_none(model: nn.Module, method: str) -> Any:
-    """``model.method()``, or None when it is missing or not implemented."""
-    fn = getattr(model, method, None)
-    if not callable(fn):
-        return None
-    try:
-        return fn()
-    except (NotImplementedError, AttributeError):
-        return None
 
 
 def module_fqn(root: nn.Module, module: object) -> tuple[str, nn.Module] | None:
@@ -145,13 +133,13 @@ def translate_hf_tp_plan(
     bare = [k for k in plan if not match_modules(hf_model, k) and _names_a_parameter(hf_model, k)]
     if bare:
         return None, f"transformers' tp plan shards bare parameters that no style here can shard: {bare}"
-    embeddings = module_fqn(hf_model, call_or_none(hf_model, "get_input_embeddings"))
+    embeddings = module_fqn(hf_model, embedding_module(hf_model, "input"))
     if embeddings is not None and embeddings[0] not in skipped:
         if is_plain_embedding(embeddings[1]):
             plan = {embeddings[0]: "rowwise_rep", **{k: v for k, v in plan.items() if k != embeddings[0]}}
         else:
             plan.pop(embeddings[0], None)
-    head = module_fqn(hf_model, call_or_none(hf_model, "get_output_embeddings"))
+    head = module_fqn(hf_model, embedding_module(hf_model, "output"))
     if head is not None and isinstance(head[1], nn.Linear):
         plan[head[0]] = "colwise_vocab"
     plan = {k: v for k, v in plan.items() if match_modules(hf_model, k)}

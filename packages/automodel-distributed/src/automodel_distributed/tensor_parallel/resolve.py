@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.derived import derived_tp_plan
-from automodel_distributed.tensor_parallel.hf_plan import call_or_none, module_fqn, translate_hf_tp_plan
+from automodel_distributed.tensor_parallel.hf_plan import module_fqn, translate_hf_tp_plan
 from automodel_distributed.tensor_parallel.lora import expand_lora_plan, is_lora_linear
 from automodel_distributed.tensor_parallel.plans import (
     DEFAULT_DECODER_PLAN,
@@ -35,7 +35,7 @@ from automodel_distributed.tensor_parallel.sequence import (
 )
 from automodel_distributed.tensor_parallel.styles import to_parallel_style
 from automodel_distributed.tensor_parallel.validate import validate_tensor_parallel
-from automodel_modules import find_hf_model, join_fqn
+from automodel_modules import embedding_module, find_hf_model, join_fqn
 
 __all__ = ["is_sequence_parallel_plan", "resolve_tp_plan", "sharded_layer_kinds"]
 
@@ -194,7 +194,7 @@ def _default_plan(hf_model: nn.Module, sequence_parallel: bool) -> tuple[dict[st
             "the default Llama-style plan needs `embed_tokens` (nn.Embedding) and at most a final `norm` "
             f"around the decoder blocks, found parameterised modules {sorted(outside)}"
         )
-    head = module_fqn(hf_model, call_or_none(hf_model, "get_output_embeddings"))
+    head = module_fqn(hf_model, embedding_module(hf_model, "output"))
     has_head = head is not None and _is_linear(head[1])
     megatron = sequence_parallel and "norm" in outside and has_head
     template = DEFAULT_DECODER_SP_PLAN if megatron else DEFAULT_DECODER_PLAN
