@@ -67,7 +67,7 @@ from automodel_distributed.cp_document_attention import (
 )
 from automodel_distributed.host_runtime import HostRuntime
 from automodel_mesh import MeshAxisName, MeshContext
-from automodel_modules import find_hf_model, unwrap
+from automodel_modules import embedding_module, find_hf_model, unwrap
 
 __all__ = [
     "ATTENTION_MODULE_NAMES",
@@ -246,9 +246,8 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
             f"{name} uses chunked attention (attention_chunk_size={chunk}), whose "
             "mask context parallelism cannot apply (ring attention is plainly causal); use cp_size=1"
         )
-    get_embeddings = getattr(hf, "get_input_embeddings", None)
-    embeddings = get_embeddings() if callable(get_embeddings) else None
-    if not isinstance(embeddings, nn.Module):
+    embeddings = embedding_module(hf, "input")
+    if embeddings is None:
         raise ValueError(f"context parallelism cannot check {name}: it has no input embedding to trace from")
     mixing: set[str] = set()
 

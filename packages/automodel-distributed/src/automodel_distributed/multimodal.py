@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from automodel_mesh.config_dict import ConfigDict
+from automodel_modules import embedding_module
 
 __all__ = [
     "LANGUAGE",
@@ -103,10 +104,9 @@ def model_parts(model: nn.Module) -> ModelParts:
 def _add_head_and_projectors(
     model: nn.Module, found: dict[str, list[tuple[str, nn.Module]]], claimed: list[str]
 ) -> None:
-    get_out = getattr(model, "get_output_embeddings", None)
-    head = get_out() if callable(get_out) else None
+    head = embedding_module(model, "output")
     names = {id(module): fqn for fqn, module in model.named_modules()}
-    if isinstance(head, nn.Module) and id(head) in names and LANGUAGE in found:
+    if head is not None and id(head) in names and LANGUAGE in found:
         found[LANGUAGE].append((names[id(head)], head))
         claimed.append(names[id(head)])
     # The projectors: children of a module that holds a part, which hold no part themselves.

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from automodel_modules import find_hf_model, fqn_of, join_fqn
+from automodel_modules import embedding_module, find_hf_model, fqn_of, join_fqn
 from automodel_pipelining.probe import LAYERS_MARK, ForwardProbe, probe_forward
 
 __all__ = [
@@ -233,9 +233,8 @@ def resolve_decoder_layout(model: nn.Module) -> DecoderLayout:
             "split it explicitly with module_fqns_per_model_part"
         )
     if "head" not in roles:
-        get_out = getattr(hf_model, "get_output_embeddings", None)
-        head = get_out() if callable(get_out) else None
-        if isinstance(head, nn.Module) and (fqn := fqn_of(hf_model, head)):
+        head = embedding_module(hf_model, "output")
+        if head is not None and (fqn := fqn_of(hf_model, head)):
             roles["head"] = fqn
         else:
             name = next(

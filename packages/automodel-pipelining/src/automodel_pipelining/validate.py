@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from automodel_modules import find_hf_model
+from automodel_modules import embedding_module, find_hf_model
 
 __all__ = ["MULTIMODAL_CONFIG_FIELDS", "validate_hf_model_for_pipeline_support"]
 
@@ -15,11 +15,7 @@ MULTIMODAL_CONFIG_FIELDS: tuple[str, ...] = ("vision_config", "audio_config", "s
 
 
 def _tied(model: nn.Module) -> bool:
-    get_in = getattr(model, "get_input_embeddings", None)
-    get_out = getattr(model, "get_output_embeddings", None)
-    if not callable(get_in) or not callable(get_out):
-        return False
-    inp, out = get_in(), get_out()
+    inp, out = embedding_module(model, "input"), embedding_module(model, "output")
     weight_in = getattr(inp, "weight", None)
     weight_out = getattr(out, "weight", None)
     return weight_in is not None and weight_in is weight_out
