@@ -35,6 +35,7 @@ from automodel_distributed.activation_checkpointing import (
     SELECTIVE_AC_MATMUL_OPS,
 )
 from automodel_distributed.blocks import find_transformer_blocks
+from automodel_modules import embedding_module
 from automodel_planner.compute import ComputeProfile, ComputeRecorder
 
 __all__ = [
@@ -162,7 +163,8 @@ class _Recorder:
         self.plan_parents = tuple(
             {fqn.rsplit(".", 1)[0] for fqn in styles if fqn.rsplit(".", 1)[0].startswith(prefixes)}
         )
-        self.embed_fqn = self.names.get(model.get_input_embeddings(), "\0")  # type: ignore[operator]
+        embeddings = embedding_module(model, "input")
+        self.embed_fqn = self.names.get(embeddings, "\0") if embeddings is not None else "\0"
         self.scope: list[str] = []
         self.block = -1
         self.saved: dict[int, tuple[int, str, int]] = {}  # storage -> (block, kind, bytes)
