@@ -391,6 +391,36 @@ def plan_report(
     return report
 
 
+def _time_and_suggestion_lines(report: dict[str, Any], hardware: Cluster | None) -> list[str]:
+    """The report's predicted step (with its calibration) and its suggested layouts, as text lines."""
+    lines: list[str] = []
+    throughput: StepTime | None = report["throughput"]
+    if throughput is not None and hardware is not None:
+        lines += ["", *_throughput_lines(throughput, hardware)]
+        if report["calibration"] is not None:
+            c = report["calibration"]
+            lines.append(
+                f"  calibrated on {c['log']}: measured step {c['measured_step_seconds'] * 1e3:.1f} ms, "
+                f"fractions of peak scaled by {c['factor']:.3f}"
+            )
+    suggestions = report.get("suggestions")
+    if suggestions is not None:
+        order = "fitting first, fastest first" if hardware is not None else "lowest peak, then least traffic"
+        lines += ["", f"suggested layouts for {report['world_size']} rank(s) ({order}):"]
+        for i, entry in enumerate(suggestions, start=1):
+            biggest = max(entry["lines"], key=entry["lines"].get)
+            speed = entry.get("throughput")
+            rate = f"{speed['tokens_per_s_per_gpu']:10.0f} tokens/s/GPU, " if speed is not None else ""
+            lines.append(
+                f"  {i}. {entry['layout']:<28} {rate}peak {entry['peak_bytes'] / _MIB:10.2f} MiB, "
+                f"traffic {entry['communication_total_bytes'] / _MIB:10.2f} MiB/step "
+                f"(largest line: {biggest})"
+            )
+        if not suggestions:
+            lines.append("  none: no layout of this world size is valid for the job")
+    return lines
+
+
 def plan(
     raw: RawJob,
     *,
@@ -466,27 +496,5 @@ def plan(
         "",
         *_memory_lines(estimate, report["device_memory"]),
     ]
-    if throughput is not None and hardware is not None:
-        lines += ["", *_throughput_lines(throughput, hardware)]
-        if report["calibration"] is not None:
-            c = report["calibration"]
-            lines.append(
-                f"  calibrated on {c['log']}: measured step {c['measured_step_seconds'] * 1e3:.1f} ms, "
-                f"fractions of peak scaled by {c['factor']:.3f}"
-            )
-    suggestions = report.get("suggestions")
-    if suggestions is not None:
-        order = "fitting first, fastest first" if hardware is not None else "lowest peak, then least traffic"
-        lines += ["", f"suggested layouts for {report['world_size']} rank(s) ({order}):"]
-        for i, entry in enumerate(suggestions, start=1):
-            biggest = max(entry["lines"], key=entry["lines"].get)
-            speed = entry.get("throughput")
-            rate = f"{speed['tokens_per_s_per_gpu']:10.0f} tokens/s/GPU, " if speed is not None else ""
-            lines.append(
-                f"  {i}. {entry['layout']:<28} {rate}peak {entry['peak_bytes'] / _MIB:10.2f} MiB, "
-                f"traffic {entry['communication_total_bytes'] / _MIB:10.2f} MiB/step "
-                f"(largest line: {biggest})"
-            )
-        if not suggestions:
-            lines.append("  none: no layout of this world size is valid for the job")
+    lines += _time_and_suggestion_lines(report, hardware)
     return "\n".join(lines)
