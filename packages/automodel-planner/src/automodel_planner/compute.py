@@ -8,8 +8,8 @@ to the rest of the model, block ``-1``):
   contracted size`` FLOPs, under the module that ran them (so that the time model can tell a trainable
   weight's matmul, whose backward is twice its forward, from a frozen one's, whose backward computes the
   input gradient only);
-- attention kernels (the ``scaled_dot_product`` family): their FLOPs as torch's flop counter counts them
-  (the whole ``s x s`` score matrix; the time model halves it for a causal mask);
+- attention kernels (the ``scaled_dot_product`` family): ``4 b h s_q s_k d`` FLOPs, as torch's flop
+  counter counts them (the whole score matrix; the time model halves it for a causal mask);
 - everything else that moves data (not views): the bytes of its tensor inputs and outputs, the traffic
   an eager kernel sends through HBM.
 
@@ -74,6 +74,18 @@ def _matmul_flops(args: tuple[Any, ...], out: Any) -> float:
     return 2.0 * outputs[0].numel() * first.shape[-1]
 
 
+def _attention_flops(args: tuple[Any, ...]) -> float:
+    """``4 b h s_q s_k d``: attention's two matmuls over the whole score matrix.
+
+    Query ``[b, h, s_q, d]`` and key ``[b, h_kv, s_k, d]`` are the op's first two tensors. torch's flop
+    counter counts ``scaled_dot_product_attention`` so; counted here so that every torch version and
+    every attention kernel's op count the same (older flop counters miss the CPU kernels).
+    """
+    query, key = [a for a in args if isinstance(a, torch.Tensor)][:2]
+    batch, heads, s_q, head_dim = query.shape
+    return 4.0 * batch * heads * s_q * key.shape[-2] * head_dim
+
+
 class ComputeRecorder(TorchDispatchMode):
     """Counts FLOPs and bytes per block; ``where()`` says (block index or -1, innermost module FQN)."""
 
@@ -96,12 +108,8 @@ class ComputeRecorder(TorchDispatchMode):
         target = self.blocks[block] if block >= 0 else self.outside
         if name in _MATMULS:
             target.matmul_flops[fqn] = target.matmul_flops.get(fqn, 0.0) + _matmul_flops(args, out)
-        elif "scaled_dot_product" in name or "flash_attention" in name:
-            from torch.utils.flop_counter import flop_registry
-
-            formula = flop_registry.get(func.overloadpacket)
-            if formula is not None:
-                target.attention_flops += float(formula(*args, **kwargs, out_val=out))
+        elif "scaled_dot_product" in name:
+            target.attention_flops += _attention_flops(args)
         else:
             target.memory_bytes += sum(
                 t.numel() * t.element_size()

@@ -140,8 +140,8 @@ class StepTime:
         }
 
 
-WeightKinds = Callable[[int, str], tuple[bool, bool]]
-"""``(block or -1, module name in it) -> (trainable, a linear layer)``."""
+WeightKinds = Callable[[int, str], tuple[bool, bool, bool]]
+"""``(block or -1, module name in it) -> (trainable, a linear layer, holds weights)``."""
 
 
 def weight_kinds(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> WeightKinds:
@@ -149,26 +149,28 @@ def weight_kinds(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> W
 
     Returns a lookup by block index and the module's name inside the block (``self_attn.q_proj``), or
     by the whole name for modules outside the blocks (block ``-1``). A module wrapped by an adapter
-    (peft's ``base_layer``) is judged by the wrapped layer. Unknown names count as trainable linears.
+    (peft's ``base_layer``) is judged by the wrapped layer. Unknown names count as trainable linears. A
+    module without parameters (a rotary embedding multiplying positions) holds no weights: its matmuls
+    are work but not model FLOPs.
     """
-    kinds: dict[tuple[int, str], tuple[bool, bool]] = {}
+    kinds: dict[tuple[int, str], tuple[bool, bool, bool]] = {}
     for index, (_, block) in enumerate(blocks):
         for name, module in block.named_modules():
             kinds[(index, name)] = _kind(module)
     for name, module in model.named_modules():
         kinds.setdefault((-1, name), _kind(module))
 
-    def lookup(block: int, name: str) -> tuple[bool, bool]:
-        return kinds.get((block, name), (True, True))
+    def lookup(block: int, name: str) -> tuple[bool, bool, bool]:
+        return kinds.get((block, name), (True, True, True))
 
     return lookup
 
 
-def _kind(module: nn.Module) -> tuple[bool, bool]:
+def _kind(module: nn.Module) -> tuple[bool, bool, bool]:
     layer = getattr(module, "base_layer", module)
     own = list(layer.parameters(recurse=False))
     trainable = any(p.requires_grad for p in own) if own else True
-    return trainable, isinstance(layer, nn.Linear)
+    return trainable, isinstance(layer, nn.Linear), bool(own)
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,7 @@ def _block_pass(
 ) -> _Pass:
     out = _Pass()
     for name, flops in block.matmul_flops.items():
-        trainable, linear = kinds(index, name)
+        trainable, linear, _ = kinds(index, name)
         seconds = flops / tp / (rates.fp8 if linear and index >= 0 else rates.matmul)
         out.forward += seconds
         out.backward += seconds * (2.0 if trainable else 1.0)
@@ -356,7 +358,7 @@ def model_flops_per_token(compute: ComputeProfile, kinds: WeightKinds, *, cp: in
     parts = [(b, i) for i, b in enumerate(compute.blocks)] + [(compute.outside, -1)]
     for block, index in parts:
         for name, value in block.matmul_flops.items():
-            trainable, _ = kinds(index, name)
-            flops += value * (3.0 if trainable else 2.0)
+            trainable, _, weighted = kinds(index, name)
+            flops += value * (3.0 if trainable else 2.0) if weighted else 0.0
         flops += 3.0 * block.attention_flops * cp
     return flops / compute.tokens
