@@ -148,15 +148,15 @@ def test_a_child_its_parent_reads_directly_is_not_a_unit() -> None:
 
 
 def test_the_keep_lists_apply_to_what_a_checkpoint_loads() -> None:
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from automodel_testing.tiny import derive_tiny_config
 
     class Scaled(LlamaForCausalLM):
         _keep_in_fp32_modules_strict = ["saved_scale", "scratch_scale"]
 
-        def __init__(self, config: object) -> None:
-            super().__init__(config)  # type: ignore[arg-type]
+        def __init__(self, config: LlamaConfig) -> None:
+            super().__init__(config)
             self.saved_scale = torch.nn.Buffer(torch.ones(2))  # in the default dtype, as built
             self.scratch_scale = torch.nn.Buffer(torch.ones(2), persistent=False)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from automodel_planner import published_runs
+from automodel_planner import PublishedRun, published_runs
 from automodel_planner.published import predict
 
 CALIBRATION_BOUND = 0.10
@@ -30,7 +30,7 @@ def _rows() -> list[object]:
 
 
 @pytest.mark.parametrize("run", _rows(), ids=lambda run: getattr(run, "id", None))
-def test_every_published_run_is_predicted_within_its_bound(run) -> None:  # type: ignore[no-untyped-def]
+def test_every_published_run_is_predicted_within_its_bound(run: PublishedRun) -> None:
     step = predict(run)
     error = step.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu - 1
     bound = CALIBRATION_BOUND if run.role == "calibration" else EVALUATION_BOUND
