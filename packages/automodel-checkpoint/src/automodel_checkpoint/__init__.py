@@ -4,10 +4,12 @@
 - `load_hf_checkpoint` / `load_base_model`: read a Hugging Face checkpoint into a sharded model, each rank
   reading only the byte ranges of its own slices (also tensors transformers fuses on load, such as MoE
   experts: `convert`).
-- `save_hf_checkpoint`: consolidated safetensors (LoRA adapters: ``automodel_peft.save_adapters``).
+- `save_hf_checkpoint`: consolidated safetensors, every rank writing a share of the files (LoRA
+  adapters: ``automodel_peft.save_adapters``).
 - `save_distributed_checkpoint` / `load_distributed_checkpoint` / `latest_checkpoint` /
   `complete_checkpoints`: resumable torch.distributed.checkpoint snapshots of model and optimizer, on
-  any world size.
+  any world size; `AsyncCheckpointer` writes them in the background (training waits for the copy to
+  host memory only).
 
 The model may be sharded any way torch shards it (``fully_shard``, ``parallelize_module``, DTensor
 parameters of any placement); nothing here imports a strategy.
@@ -18,6 +20,7 @@ every file: `file_checksums` / `verify_checkpoint`), then renamed.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from automodel_checkpoint.async_save import AsyncCheckpointer
 from automodel_checkpoint.atomic import (
     COMPLETE_MARKER,
     complete_checkpoints,
@@ -63,6 +66,7 @@ except PackageNotFoundError:  # pragma: no cover - a source tree without metadat
 __all__ = [
     "COMPLETE_MARKER",
     "DEFAULT_KEY_RULES",
+    "AsyncCheckpointer",
     "CheckpointFiles",
     "CheckpointInfo",
     "CheckpointMismatchError",

@@ -31,6 +31,7 @@ from automodel_checkpoint.ranks import agree_on_failure, rank_of, world_of
 
 __all__ = [
     "COMPLETE_MARKER",
+    "abandon_on_failure",
     "complete_checkpoints",
     "is_complete_checkpoint",
     "latest_checkpoint",
@@ -92,6 +93,22 @@ def prepare_staging_dir(
     return staging
 
 
+def abandon_on_failure(
+    staging: Path, error: BaseException | None, what: str, group: dist.ProcessGroup | None = None
+) -> None:
+    """Agree whether any rank failed ``what``; if one did, remove ``staging`` and raise on every rank.
+
+    Collectives over ``group``: those of `agree_on_failure`. Rank 0 removes the folder only after the
+    agreement, when every rank has stopped writing into it (a disk that filled up gets its space back).
+    """
+    try:
+        agree_on_failure(error, what, group)
+    except BaseException:
+        if rank_of(group) == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def publish_staging_dir(
     staging: Path,
     final: str | os.PathLike[str],
@@ -125,12 +142,7 @@ def publish_staging_dir(
         filled up gets its space back).
     """
     path = Path(final)
-    try:
-        agree_on_failure(write_error, f"writing checkpoint {path}", group)
-    except BaseException:
-        if rank_of(group) == 0:  # every rank has stopped writing: the agreement above is collective
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+    abandon_on_failure(staging, write_error, f"writing checkpoint {path}", group)
     checksums = file_checksums(staging, exclude=frozenset({COMPLETE_MARKER}), group=group)
     error: BaseException | None = None
     if rank_of(group) == 0:

@@ -134,7 +134,8 @@ class CheckpointInfo:
     """This rank's ``rank_state`` from the save (None when that rank did not exist or saved none)."""
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What a distributed checkpoint holds: ``{"model": ..., "optim": ...}`` (DCP's state dicts)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
@@ -143,7 +144,7 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _check_finite(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+def check_finite_or_raise(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Raise on every rank if any rank's share of the model holds a NaN or Inf (collective)."""
     from torch.distributed.tensor import DTensor
 
@@ -166,7 +167,8 @@ def _check_finite(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     agree_on_failure(error, "checking the model for NaN/Inf before saving", group)
 
 
-def _save_rank_state(staging: Path, rank_state: Mapping[str, Any], group: dist.ProcessGroup | None) -> None:
+def save_rank_state(staging: Path, rank_state: Mapping[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Write this rank's own state (RNG states, ...) as ``rank_state/rank_<r>.pt`` of ``staging``."""
     folder = staging / RANK_STATE_DIR
     folder.mkdir(exist_ok=True)
     torch.save(dict(rank_state), folder / f"rank_{rank_of(group):05d}.pt")
@@ -188,7 +190,7 @@ def save_distributed_checkpoint(
 
     Preconditions: every rank calls this with the same ``path`` on a shared file system. Collectives:
     the finite check (an ``all_reduce``), those of ``get_state_dict`` and ``dcp.save`` (plan
-    gather/scatter over the default group) plus the atomic publish (failure agreement, checksums and a
+    gather/scatter over ``process_group``) plus the atomic publish (failure agreement, checksums and a
     final ``all_gather_object`` over ``process_group``). Nothing is mutated, except that an optimizer
     without state yet gets it initialised by ``get_state_dict``, and FSDP2 modules are resharded.
 
@@ -220,30 +222,48 @@ def save_distributed_checkpoint(
 
     reshard_fsdp_units(model)
     if check_finite:
-        _check_finite(model, process_group)
+        check_finite_or_raise(model, process_group)
     final = Path(path)
     staging = prepare_staging_dir(final, overwrite=overwrite, group=process_group)
-    state = _state(model, optimizer)
+    state = checkpoint_state(model, optimizer)
     error: BaseException | None = None
     try:
-        save(state, storage_writer=FileSystemWriter(str(staging)))
+        save(state, storage_writer=FileSystemWriter(str(staging)), process_group=process_group)
         if rank_state is not None:
-            _save_rank_state(staging, rank_state, process_group)
+            save_rank_state(staging, rank_state, process_group)
     # dcp gathers every rank's failure and raises it on all of them, as a BaseException subclass.
     except (Exception, CheckpointException) as exc:
-        error = exc
-        if _os_error(exc) is None and (full := _probe_space(staging, rank_of(process_group))) is not None:
-            full.__cause__ = exc  # the probe's errno (ENOSPC) names what the writer's message hides
-            error = full
+        error = write_failure(exc, staging, process_group)
+    return publish_dcp(staging, final, step, extra_state, process_group, error)
+
+
+def write_failure(exc: BaseException, staging: Path, group: dist.ProcessGroup | None) -> BaseException:
+    """The error to report for a failed write: ``exc``, or the disk-full error it hides (a probe write)."""
+    if _os_error(exc) is None and (full := _probe_space(staging, rank_of(group))) is not None:
+        full.__cause__ = exc  # the probe's errno (ENOSPC) names what the writer's message hides
+        return full
+    return exc
+
+
+def publish_dcp(
+    staging: Path,
+    final: Path,
+    step: int | None,
+    extra_state: Mapping[str, Any] | None,
+    group: dist.ProcessGroup | None,
+    error: BaseException | None,
+) -> Path:
+    """Publish a written distributed checkpoint (collective over ``group``; see `publish_staging_dir`).
+
+    Raises:
+        CheckpointWriteError: Some rank's write (``error`` here) or the publish itself failed on a
+            file-system error; nothing was published.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         return publish_staging_dir(
-            staging,
-            final,
-            kind="dcp",
-            step=step,
-            extra_state=extra_state,
-            group=process_group,
-            write_error=error,
+            staging, final, kind="dcp", step=step, extra_state=extra_state, group=group, write_error=error
         )
     except (Exception, CheckpointException) as exc:
         if error is None and _os_error(exc) is None:
@@ -308,7 +328,7 @@ def load_distributed_checkpoint(
     if has_meta_tensors(model):
         materialize_meta_tensors(model, device if device is not None else default_device(model))
     reshard_fsdp_units(model)
-    state = _state(model, optimizer)
+    state = checkpoint_state(model, optimizer)
     load(
         state,
         storage_reader=FileSystemReader(str(folder)),

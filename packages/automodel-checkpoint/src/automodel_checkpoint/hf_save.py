@@ -1,11 +1,13 @@
-"""Save a (sharded) model as a consolidated Hugging Face checkpoint, or its LoRA adapters as HF-PEFT.
+"""Save a (sharded) model as a consolidated Hugging Face checkpoint, every rank writing a share of it.
 
-Tensors are gathered one at a time (``DTensor.full_tensor()``, every rank in turn) and streamed by
-rank 0 into safetensors files laid out in advance (`SafetensorsStreamWriter`), so no rank ever holds
-more than one full tensor beyond its shards. Files are split at ``max_shard_size`` with transformers'
-names and index (``model-00001-of-00002.safetensors``, ``model.safetensors.index.json``), and the
-folder gets ``config.json`` (plus ``generation_config.json`` when the model has one), so
-``AutoModelForCausalLM.from_pretrained(folder)`` loads it. Saves are atomic (`atomic`).
+Files are split at ``max_shard_size`` with transformers' names and index
+(``model-00001-of-00002.safetensors``, ``model.safetensors.index.json``) and laid out in advance; they
+are then shared out among the ranks by bytes and written in parallel (`parallel_export`): tensors are
+gathered one unit at a time (``DTensor.full_tensor()``, every rank), and the rank that owns a tensor's
+file streams it out from a writer thread while all ranks gather the next, so no rank holds more than the
+tensors of one gather and a few on their way to disk beyond its shards. The folder gets ``config.json``
+(plus ``generation_config.json`` when the model has one), so ``AutoModelForCausalLM.from_pretrained``
+loads it. Saves are atomic (`atomic`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,16 +33,14 @@ from automodel_checkpoint.keys import (
     collect_tensor_slots,
 )
 from automodel_checkpoint.materialize import initializable_hf_model
-from automodel_checkpoint.ranks import rank_of
-from automodel_checkpoint.safetensors_io import SafetensorsStreamWriter
-from automodel_modules import is_dtensor, reshard_fsdp_units
+from automodel_checkpoint.parallel_export import assign_files, gather_order, write_files
+from automodel_checkpoint.ranks import rank_of, world_of
+from automodel_modules import reshard_fsdp_units
 
 __all__ = ["parse_size", "plan_shards", "save_hf_checkpoint"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-_Entry = tuple[str, torch.Tensor]
 
 
 def parse_size(size: int | str) -> int:
@@ -87,85 +88,6 @@ def plan_shards(
     return [(f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors", keys) for i, keys in enumerate(groups)]
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: ``full_tensor()`` for a DTensor (a collective over its mesh), else itself."""
-    return t.full_tensor() if is_dtensor(t) else t
-
-
-def _assemble(disk: DiskTensor, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The on-disk tensor ``disk`` from the full model tensors it reads (a view when it is one box)."""
-    whole = disk.whole
-    if whole is not None:
-        return full[whole]
-    if len(disk.pieces) == 1:
-        (piece,) = disk.pieces
-        assert piece.index is not None
-        return full[piece.model_key][piece.index]
-    first = full[disk.pieces[0].model_key]
-    out = torch.empty(disk.shape, dtype=first.dtype, device=first.device)
-    for piece in disk.pieces:
-        source = full[piece.model_key]
-        box = tuple(slice(s, s + n) for s, n in zip(piece.start, piece.shape, strict=True))
-        out[box] = source if piece.index is None else source[piece.index]
-    return out
-
-
-def _stream_files(
-    staging: Path,
-    files: Sequence[tuple[str, list[str]]],
-    disk: Mapping[str, DiskTensor],
-    tensors: Mapping[str, torch.Tensor],
-    cast_to: Callable[[torch.Tensor], torch.dtype | None],
-    writer: bool,
-    write_hook: Callable[[str], None] | None = None,
-) -> BaseException | None:
-    """Gather the model tensors of every on-disk tensor in file order (all ranks) and stream it to disk.
-
-    ``disk`` maps each on-disk key to the boxes of model tensors (``tensors``, by model key) it is made
-    of. A model tensor is gathered once for consecutive on-disk tensors that read it (the experts of a
-    fused tensor), and freed once the next on-disk tensor does not. A write error stops the writing but
-    not the gathering, so the other ranks are never left waiting.
-    """
-    error: BaseException | None = None
-    gathered: dict[str, torch.Tensor] = {}  # model key -> its full value, for the current on-disk tensor
-
-    for name, keys in files:
-        stream: SafetensorsStreamWriter | None = None
-        if writer and error is None:
-            try:
-                layout = []
-                for k in keys:
-                    source = tensors[disk[k].pieces[0].model_key]
-                    layout.append((k, cast_to(source) or source.dtype, disk[k].shape))
-                stream = SafetensorsStreamWriter(staging / name, layout, {"format": "pt"})
-            except Exception as exc:  # keep gathering: the other ranks are in the collectives
-                error = exc
-        for key in keys:
-            needed = disk[key].model_keys
-            for stale in [k for k in gathered if k not in needed]:
-                del gathered[stale]  # free the previous full tensors before gathering the next
-            with torch.no_grad():
-                for model_key in needed:
-                    if model_key not in gathered:
-                        gathered[model_key] = _full(tensors[model_key])
-                full = _assemble(disk[key], gathered)
-            if stream is not None and error is None:
-                try:
-                    stream.write(key, full)
-                    if write_hook is not None:
-                        write_hook(key)
-                except Exception as exc:  # keep gathering: the other ranks are in the collectives
-                    error = exc
-            del full
-        if stream is not None:
-            try:
-                stream.close()
-            except Exception as exc:
-                error = error or exc
-    gathered.clear()
-    return error
-
-
 def _write_configs(staging: Path, model: nn.Module, dtype: torch.dtype | None) -> None:
     hf = initializable_hf_model(model)
     config = getattr(hf, "config", None)
@@ -187,6 +109,49 @@ def _saved_key(keys: Sequence[str], tied_targets: set[str]) -> str:
     return next((k for k in keys if k not in tied_targets), keys[0])
 
 
+@dataclass(frozen=True)
+class _ExportPlan:
+    """What an export writes, the same on every rank.
+
+    Attributes:
+        files: Each file's name and on-disk keys, in order (`plan_shards`).
+        sizes: Each on-disk key's bytes.
+        layouts: Each file's declared tensors (key, on-disk dtype, shape).
+        disk: Each on-disk key's boxes of model tensors.
+        tensors: The model tensors by model key (DTensors where sharded).
+    """
+
+    files: list[tuple[str, list[str]]]
+    sizes: dict[str, int]
+    layouts: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]]
+    disk: dict[str, DiskTensor]
+    tensors: dict[str, torch.Tensor]
+
+
+def _plan_export(model: nn.Module, limit: int, dtype: torch.dtype | None, rules: KeyRules) -> _ExportPlan:
+    """The files, keys and on-disk dtypes of ``model``'s export (no collective)."""
+    hf = initializable_hf_model(model)
+    tied_targets = set((getattr(hf, "all_tied_weights_keys", None) or {}).keys())
+    tensors: dict[str, torch.Tensor] = {}
+    for slot in collect_tensor_slots(model, rules):
+        tensors[_saved_key(slot.keys, tied_targets)] = slot.tensor
+    # transformers' on-disk names (per-expert MoE weights, fused qkv), as save_pretrained writes them
+    shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+    layout = disk_layout(hf, shapes) or [
+        DiskTensor(k, shape, (DiskPiece(k, None, (0,) * len(shape), shape),)) for k, shape in shapes.items()
+    ]
+    disk = {d.key: d for d in layout}
+    declared = {}
+    for key, entry in disk.items():
+        source = tensors[entry.pieces[0].model_key]
+        cast = dtype if dtype is not None and source.dtype.is_floating_point else source.dtype
+        declared[key] = (key, cast, entry.shape)
+    sizes = {key: math.prod(shape) * cast.itemsize for key, cast, shape in declared.values()}
+    files = plan_shards(list(sizes.items()), limit)
+    layouts = {name: [declared[k] for k in keys] for name, keys in files}
+    return _ExportPlan(files, sizes, layouts, disk, tensors)
+
+
 def save_hf_checkpoint(
     model: nn.Module,
     path: str | os.PathLike[str],
@@ -197,6 +162,7 @@ def save_hf_checkpoint(
     save_config: bool = True,
     rules: KeyRules = DEFAULT_KEY_RULES,
     process_group: dist.ProcessGroup | None = None,
+    writers: int | None = None,
     _write_hook: Callable[[str], None] | None = None,
 ) -> Path:
     """Save ``model``'s base weights as a consolidated Hugging Face safetensors checkpoint.
@@ -207,12 +173,13 @@ def save_hf_checkpoint(
     the layout ``save_pretrained`` writes (``experts.{e}.gate_proj.weight``...; `convert.disk_layout`),
     each fused tensor gathered once; tensors that transformers splits on load (a fused ``attn.qkv`` that
     the model holds as ``q_proj`` / ``k_proj`` / ``v_proj``) are written fused again.
-    Rank 0 of ``process_group`` writes; every rank gathers.
+    Every rank gathers; the first ``writers`` ranks of ``process_group`` each write a share of the files
+    (the output is the same for any number of writers); rank 0 also writes the index and configs.
 
     Preconditions: every rank of the model's meshes calls this, with the same arguments. Collectives:
-    one ``full_tensor()`` all-gather per sharded tensor over its mesh, in a fixed order; three
-    ``all_gather_object`` for the atomic publish. Nothing in the model is mutated (FSDP2 modules are
-    resharded first).
+    one ``full_tensor()`` all-gather per sharded tensor over its mesh, in an order every rank computes
+    alike (`parallel_export.gather_order`); those of the atomic publish (failure agreement, checksums
+    shared out among the ranks). Nothing in the model is mutated (FSDP2 modules are resharded first).
 
     Args:
         model: The model to save.
@@ -223,46 +190,36 @@ def save_hf_checkpoint(
         save_config: Also write config.json (and generation_config.json).
         rules: Model-name rewrites.
         process_group: Ranks that save together (default: the world).
+        writers: How many ranks write files (default: every rank of ``process_group``; 1: rank 0
+            alone, as a single-writer export).
 
     Returns:
         The published folder.
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False.
-        ValueError: An unreadable ``max_shard_size``; OSError from writing (on every rank).
+        ValueError: An unreadable ``max_shard_size`` or ``writers`` out of range; OSError from writing
+            (on every rank).
     """
     limit = parse_size(max_shard_size)
+    world = world_of(process_group)
+    writers = world if writers is None else writers
+    if not 1 <= writers <= world:
+        raise ValueError(f"writers={writers}: give between 1 and the {world} rank(s) of the process group")
     reshard_fsdp_units(model)
-    hf = initializable_hf_model(model)
-    tied_targets = set((getattr(hf, "all_tied_weights_keys", None) or {}).keys())
-    by_model_key: dict[str, torch.Tensor] = {}
-    for slot in collect_tensor_slots(model, rules):
-        by_model_key[_saved_key(slot.keys, tied_targets)] = slot.tensor
-    # transformers' on-disk names (per-expert MoE weights, fused qkv), as save_pretrained writes them
-    shapes = {k: tuple(t.shape) for k, t in by_model_key.items()}
-    layout = disk_layout(hf, shapes) or [
-        DiskTensor(k, shape, (DiskPiece(k, None, (0,) * len(shape), shape),)) for k, shape in shapes.items()
-    ]
-    disk = {d.key: d for d in layout}
-
-    def cast_to(t: torch.Tensor) -> torch.dtype | None:
-        return dtype if dtype is not None and t.dtype.is_floating_point else None
-
-    def nbytes(key: str) -> int:
-        t = by_model_key[disk[key].pieces[0].model_key]
-        return math.prod(disk[key].shape) * (cast_to(t) or t.dtype).itemsize
-
-    sizes = [(k, nbytes(k)) for k in disk]
-    files = plan_shards(sizes, limit)
+    plan = _plan_export(model, limit, dtype, rules)
+    owner = assign_files([(name, sum(plan.sizes[k] for k in keys)) for name, keys in plan.files], writers)
+    rank = rank_of(process_group)
+    mine = {name for name, _ in plan.files if owner[name] == rank}
     staging = prepare_staging_dir(path, overwrite=overwrite, group=process_group)
-    writer = rank_of(process_group) == 0
-    error = _stream_files(staging, files, disk, by_model_key, cast_to, writer, _write_hook)
-    if writer and error is None:
+    order = gather_order(plan.files, plan.disk, owner)
+    error = write_files(staging, order, plan.layouts, plan.disk, plan.tensors, mine, _write_hook)
+    if rank == 0 and error is None:
         try:
-            if len(files) > 1:
+            if len(plan.files) > 1:
                 index = {
-                    "metadata": {"total_size": sum(n for _, n in sizes)},
-                    "weight_map": {k: name for name, keys in files for k in keys},
+                    "metadata": {"total_size": sum(plan.sizes.values())},
+                    "weight_map": {k: name for name, keys in plan.files for k in keys},
                 }
                 (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
             if save_config:

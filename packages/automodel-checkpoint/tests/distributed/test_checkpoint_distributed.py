@@ -133,16 +133,25 @@ def load_parity(
 
 
 def save_roundtrip(family: str, sizes: dict[str, int], ckpt: str, out: str) -> dict[str, Any]:
-    """load -> save consolidated (sharded files) -> from_pretrained on rank 0 -> identical tensors."""
+    """load -> save consolidated (sharded files, every rank writing) -> from_pretrained -> same tensors.
+
+    Also saved by one writer: the files must be the same bytes; and the tensors must be those of the
+    source checkpoint (``save_pretrained``'s), key for key and byte for byte.
+    """
     from transformers import AutoModelForCausalLM
 
     from automodel_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+    from automodel_testing import safetensors_differences
 
     model = sharded_meta_model(family, sizes)
     load_hf_checkpoint(model, ckpt)
-    save_hf_checkpoint(model, out, max_shard_size="40KB")
-    result: dict[str, Any] = {}
+    written: list[str] = []
+    save_hf_checkpoint(model, out, max_shard_size="40KB", _write_hook=written.append)
+    save_hf_checkpoint(model, out + "-one-writer", max_shard_size="40KB", writers=1)
+    result: dict[str, Any] = {"wrote": len(written)}
     if dist.get_rank() == 0:
+        result["vs_one_writer"] = safetensors_differences(out, out + "-one-writer", files=True)
+        result["vs_save_pretrained"] = safetensors_differences(out, ckpt)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             saved = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -157,8 +166,13 @@ def save_roundtrip(family: str, sizes: dict[str, int], ckpt: str, out: str) -> d
 
 
 def resume(family: str, sizes: dict[str, int], ckpt: str, dcp_dir: str) -> dict[str, Any]:
-    """Train one step, DCP save, train on; then a fresh model resumes and must give the same losses."""
+    """Train one step, DCP save, train on; then a fresh model resumes and must give the same losses.
+
+    The same state is also saved asynchronously, written while the next steps train; resuming from it
+    must give the same losses too.
+    """
     from automodel_checkpoint import (
+        AsyncCheckpointer,
         load_distributed_checkpoint,
         load_hf_checkpoint,
         save_distributed_checkpoint,
@@ -170,14 +184,18 @@ def resume(family: str, sizes: dict[str, int], ckpt: str, dcp_dir: str) -> dict[
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_step(model, opt, batches[0])
     save_distributed_checkpoint(model, opt, dcp_dir, step=1, extra_state={"seen": 2})
-    expected = [train_step(model, opt, batches[1]), eval_loss(model, batches[2])]
+    with AsyncCheckpointer() as checkpointer:
+        checkpointer.save(model, opt, dcp_dir + "-async", step=1, extra_state={"seen": 2})
+        expected = [train_step(model, opt, batches[1]), eval_loss(model, batches[2])]
 
-    fresh = sharded_meta_model(family, sizes)
-    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    info = load_distributed_checkpoint(fresh, opt2, dcp_dir)
-    got = [train_step(fresh, opt2, batches[1]), eval_loss(fresh, batches[2])]
+    got = []
+    for folder in (dcp_dir, dcp_dir + "-async"):
+        fresh = sharded_meta_model(family, sizes)
+        opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        info = load_distributed_checkpoint(fresh, opt2, folder)
+        got += [train_step(fresh, opt2, batches[1]), eval_loss(fresh, batches[2])]
     return {
-        "expected": expected,
+        "expected": expected * 2,
         "got": got,
         "step": info.step,
         "extra": dict(info.extra_state),
@@ -293,6 +311,7 @@ def fault(
 def kill_during_save(kind: str, root: str, ckpt: str) -> str:
     """Publish one good checkpoint, then die (os._exit) in the middle of writing the next one."""
     from automodel_checkpoint import (
+        AsyncCheckpointer,
         load_hf_checkpoint,
         save_distributed_checkpoint,
         save_hf_checkpoint,
@@ -331,7 +350,12 @@ def kill_during_save(kind: str, root: str, ckpt: str) -> str:
                 os._exit(17)  # this rank's files are on disk; the others never hear from it
 
             dcp.FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
-        save_distributed_checkpoint(model, opt, os.path.join(root, "step_2"), step=2)
+        if kind == "dcp":
+            save_distributed_checkpoint(model, opt, os.path.join(root, "step_2"), step=2)
+        else:  # the write dies in the background while this rank trains on
+            with AsyncCheckpointer() as checkpointer:
+                checkpointer.save(model, opt, os.path.join(root, "step_2"), step=2)
+                train_step(model, opt, make_batch(128, 2, SEQ, seed=4))
     return "survived"  # never reached on the killed rank
 
 
@@ -491,6 +515,14 @@ def _check_save(label: str, per_rank: list[dict[str, Any]]) -> None:
     result = per_rank[0]
     assert result["keys_equal"], f"{label}: from_pretrained of the saved folder has other keys"
     assert not result["unequal"], f"{label}: tensors differ after save: {result['unequal']}"
+    assert not result["vs_one_writer"], (
+        f"{label}: differs from one writer's export: {result['vs_one_writer']}"
+    )
+    assert not result["vs_save_pretrained"], f"{label}: differs from save_pretrained's tensors"
+    # Every rank wrote a share of the files (the tiny model has more 40 KB files than ranks).
+    assert all(r["wrote"] > 0 for r in per_rank), (
+        f"{label}: tensors written per rank {[r['wrote'] for r in per_rank]}"
+    )
     files = result["files"]
     assert "model.safetensors.index.json" in files and "config.json" in files, f"{label}: {files}"
 
@@ -555,7 +587,7 @@ def test_checkpoints_on_two_ranks(checkpoints: Any, four_rank_results: Any, tmp_
                 assert result["logits"] <= 1e-6, f"rank {rank} {label}: {result}"
                 assert rank != 0 or result["adapters_equal"], f"{label}: saved adapters differ after reload"
         # Saved by 4 FSDP ranks, resumed by 2: the same next-step losses.
-        resharded, expected = results["reshard/4->2"], four[0]["resume/fsdp4"]["expected"]
+        resharded, expected = results["reshard/4->2"], four[0]["resume/fsdp4"]["expected"][:2]
         assert resharded["world"] == 4
         assert resharded["got"] == pytest.approx(expected, abs=1e-6), (
             f"rank {rank}: {resharded} vs {expected}"
@@ -577,7 +609,7 @@ def test_checkpoints_on_two_ranks(checkpoints: Any, four_rank_results: Any, tmp_
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", ["hf", "dcp"])
+@pytest.mark.parametrize("kind", ["hf", "dcp", "async"])
 def test_killed_rank_leaves_previous_checkpoint(checkpoints: Any, tmp_path: Path, kind: str) -> None:
     from automodel_checkpoint import is_complete_checkpoint, latest_checkpoint
 

@@ -85,6 +85,7 @@ def run_two_ranks(checkpoints: dict[str, str], work: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from automodel_checkpoint import save_hf_checkpoint
+    from automodel_testing import safetensors_differences
 
     ids = make_batch(128, 2, 12, seed=3)["input_ids"]
     out: dict[str, Any] = {}
@@ -95,12 +96,15 @@ def run_two_ranks(checkpoints: dict[str, str], work: str) -> dict[str, Any]:
         ep_model = _ep(family)
         out[f"{name}/ep2"] = _case(ep_model, src, expected, ids)
         dst = Path(work, name.replace("/", "_"))
-        save_hf_checkpoint(ep_model, dst)
+        save_hf_checkpoint(ep_model, dst, max_shard_size="60KB")
+        save_hf_checkpoint(ep_model, f"{dst}-one-writer", max_shard_size="60KB", writers=1)
         dist.barrier()
         back = _logits(AutoModelForCausalLM.from_pretrained(str(dst)), ids)
         out[f"{name}/saved"] = {
             "logits": (back - expected).abs().max().item(),
             "keys": sorted(_saved_keys(dst)),
+            "vs_one_writer": safetensors_differences(dst, f"{dst}-one-writer", files=True),
+            "vs_save_pretrained": safetensors_differences(dst, src),
         }
     return out
 
@@ -177,4 +181,6 @@ def test_moe_save_writes_the_per_expert_layout_from_pretrained_loads(
         assert saved["logits"] < 1e-5, (name, saved["logits"])
         # The layout save_pretrained writes: the source checkpoint's keys, none fused.
         assert saved["keys"] == sorted(_saved_keys(folder)), name
+        # Expert-parallel ranks writing their shares: one writer's files, save_pretrained's tensors.
+        assert not saved["vs_one_writer"] and not saved["vs_save_pretrained"], (name, saved)
         assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in saved["keys"]), name

@@ -97,23 +97,31 @@ def test_a_model_holding_nan_is_never_saved(tmp_path: Path) -> None:
 _SAVE_WITH_SMALL_FILE_LIMIT = r"""
 import resource, signal, sys
 import torch
-from automodel_checkpoint import CheckpointWriteError, save_distributed_checkpoint
+from automodel_checkpoint import AsyncCheckpointer, CheckpointWriteError, save_distributed_checkpoint
 from automodel_testing import build_tiny_model
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
 model = build_tiny_model("llama", seed=0)
 resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # below one shard file
 try:
-    save_distributed_checkpoint(model, None, sys.argv[1], step=2)
+    if sys.argv[2] == "async":
+        with AsyncCheckpointer() as checkpointer:
+            checkpointer.save(model, None, sys.argv[1], step=2)
+            print("STAGED")  # the write fails in the background; wait() (here: close) raises it
+    else:
+        save_distributed_checkpoint(model, None, sys.argv[1], step=2)
 except CheckpointWriteError as exc:
     print("ERROR", exc.errno, exc)
 """
 
 
-def test_a_write_that_fails_publishes_nothing_and_removes_its_staging_folder(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_write_that_fails_publishes_nothing_and_removes_its_staging_folder(
+    tmp_path: Path, mode: str
+) -> None:
     _, previous = _saved(tmp_path, "step_1", 1)
     before = json.dumps(read_marker(previous), sort_keys=True)
     result = subprocess.run(
-        [sys.executable, "-c", _SAVE_WITH_SMALL_FILE_LIMIT, str(tmp_path / "step_2")],
+        [sys.executable, "-c", _SAVE_WITH_SMALL_FILE_LIMIT, str(tmp_path / "step_2"), mode],
         capture_output=True,
         text=True,
         timeout=120,
@@ -124,6 +132,7 @@ def test_a_write_that_fails_publishes_nothing_and_removes_its_staging_folder(tmp
         result.stdout + result.stderr[-2000:]
     )
     assert "File too large" in result.stdout and "the previous checkpoints are intact" in result.stdout
+    assert ("STAGED" in result.stdout) == (mode == "async")
     assert not (tmp_path / "step_2").exists() and not any(tmp_path.glob(".step_2*"))
     assert complete_checkpoints(tmp_path) == [previous]
     assert json.dumps(read_marker(previous), sort_keys=True) == before

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from automodel_checkpoint import (
+    AsyncCheckpointer,
     is_complete_checkpoint,
     latest_checkpoint,
     load_distributed_checkpoint,
@@ -112,12 +113,17 @@ def test_distributed_checkpoint_resume_single_process(tmp_path: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step(model, opt, batches[0])
     save_distributed_checkpoint(model, opt, tmp_path / "step_1", step=1, extra_state={"epoch": 0})
-    expected = [step(model, opt, batches[1]), step(model, opt, batches[2])]
-    fresh = build_tiny_model("llama", meta=True)
-    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    info = load_distributed_checkpoint(fresh, opt2, tmp_path / "step_1")
-    assert info.step == 1 and info.extra_state == {"epoch": 0} and info.world_size == 1
-    assert [step(fresh, opt2, batches[1]), step(fresh, opt2, batches[2])] == expected
+    with AsyncCheckpointer() as checkpointer:  # the same state, written while training goes on
+        checkpointer.save(model, opt, tmp_path / "async_1", step=1, extra_state={"epoch": 0})
+        expected = [step(model, opt, batches[1]), step(model, opt, batches[2])]
+        assert checkpointer.wait() == tmp_path / "async_1" and checkpointer.wait() is None
+        assert checkpointer.last_blocking_s > 0 and not checkpointer.in_flight
+    for saved in ("step_1", "async_1"):
+        fresh = build_tiny_model("llama", meta=True)
+        opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        info = load_distributed_checkpoint(fresh, opt2, tmp_path / saved)
+        assert info.step == 1 and info.extra_state == {"epoch": 0} and info.world_size == 1
+        assert [step(fresh, opt2, batches[1]), step(fresh, opt2, batches[2])] == expected, saved
     (tmp_path / "broken").mkdir()
     with pytest.raises(FileNotFoundError, match="completion marker"):
         load_distributed_checkpoint(fresh, opt2, tmp_path / "broken")

@@ -15,6 +15,9 @@ from automodel_checkpoint import (
     DEFAULT_KEY_RULES as DEFAULT_KEY_RULES,
 )
 from automodel_checkpoint import (
+    AsyncCheckpointer as AsyncCheckpointer,
+)
+from automodel_checkpoint import (
     CheckpointFiles as CheckpointFiles,
 )
 from automodel_checkpoint import (

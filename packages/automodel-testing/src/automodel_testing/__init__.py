@@ -6,6 +6,7 @@
 - `load_script`: import a repository script (``tools/``, ``benchmarks/``) by path.
 """
 
+from automodel_testing.checkpoints import safetensors_differences, stored_tensors
 from automodel_testing.distributed import (
     DistributedRunError,
     available_gpus,
@@ -47,8 +48,10 @@ __all__ = [
     "params_by_name",
     "reference_loss_and_grads",
     "run_distributed",
+    "safetensors_differences",
     "save_tiny_checkpoint",
     "skip_unless_gpus",
+    "stored_tensors",
     "tiny_config",
     "to_full",
     "train_parity",

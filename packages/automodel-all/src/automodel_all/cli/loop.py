@@ -11,14 +11,15 @@ Per step (every rank, in this order):
 5. a NaN or Inf stops the job on every rank with `NonFiniteError` naming the step and the ranks, or
    (``train.on_nonfinite: skip``) drops the update and counts the step;
 6. the optimizer step; the JSON line; evaluation every ``train.eval_every`` steps; a checkpoint every
-   ``train.checkpoint_every`` steps, at the end, and when a stop signal arrived (then the loop ends).
+   ``train.checkpoint_every`` steps (written in the background with ``train.async_checkpoint``), at the
+   end, and when a stop signal arrived (then the loop ends; both waited for).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -32,6 +33,9 @@ from automodel_all.cli.progress import Progress, memory_gib, warn
 from automodel_all.cli.resume import ResumePoint, checkpoint_root, save_checkpoint
 from automodel_all.cli.run_state import TrainingRun
 from automodel_all.cli.steps import ContextParallelism, clip_gradients, lr_at, run_step
+
+if TYPE_CHECKING:
+    from automodel_checkpoint import AsyncCheckpointer
 
 __all__ = ["LoopResult", "train_loop"]
 
@@ -76,6 +80,13 @@ def _expert_load(run: TrainingRun) -> Any:
     return ExpertLoad.attach(run.parts, ep_size=run.mesh.ep_size, num_experts=int(agreed))
 
 
+def _checkpointer(background: bool) -> AsyncCheckpointer | None:
+    """The background writer of the periodic checkpoints (collective: it makes a gloo group)."""
+    from automodel_checkpoint import AsyncCheckpointer
+
+    return AsyncCheckpointer() if background else None
+
+
 class _Loop:
     """State shared by the steps of one run."""
 
@@ -93,6 +104,7 @@ class _Loop:
         self.params = [p for group in run.optimizer.param_groups for p in group["params"]]
         self.skipped = start.skipped_steps
         self.metrics = MetricsWriter(run.out, enabled=self.rank == 0, tensorboard=self.train.tensorboard)
+        self.checkpointer = _checkpointer(self.train.async_checkpoint)
         self.experts = _expert_load(run)
         fp8 = job.fp8
         self.precompute_fp8 = fp8 is not None and fp8.enabled and fp8.precompute_float8_dynamic_scale_for_fsdp
@@ -218,8 +230,9 @@ class _Loop:
             skipped_steps=self.skipped,
             reason=reason,
             device=run.device,
+            checkpointer=self.checkpointer,
         )
-        if self.rank == 0:
+        if self.rank == 0:  # the newest complete ones are kept: never the one still in flight
             prune_checkpoints(checkpoint_root(run.out), self.train.keep_checkpoints)
         dist.barrier()
 
@@ -250,8 +263,12 @@ class _Loop:
                 self.evaluate(start)
             return LoopResult("completed", max(start, train.steps))
         finally:
-            self.progress.close()
-            self.metrics.close()
+            try:
+                if self.checkpointer is not None:
+                    self.checkpointer.close()  # a failed background write raises here at the latest
+            finally:
+                self.progress.close()
+                self.metrics.close()
 
 
 def train_loop(run: TrainingRun, start: ResumePoint, stop: StopRequest) -> LoopResult:

@@ -6,7 +6,9 @@ holds the model and AdamW state, and records in its completion marker:
 - ``data``: the data position (`RowSampler.state`: step, epoch, batch in the epoch, seed, rows, global
   batch) and a fingerprint of the rows, so a resume on other data or another global batch is noticed;
 - ``skipped_steps``: steps dropped for a NaN/Inf so far (``train.on_nonfinite: skip``);
-- ``reason``: ``periodic``, ``final`` or ``preempted`` (a stop signal);
+- ``reason``: ``periodic``, ``final`` or ``preempted`` (a stop signal); with ``train.async_checkpoint``
+  the periodic ones are written in the background (`AsyncCheckpointer`, one in flight at a time), the
+  final and preempted ones are waited for;
 - per rank (``rank_state``): the torch CPU (and CUDA) and Python RNG states, restored when the world
   size is the same. The data order never depends on them (it is a function of seed and step), so a
   resume on another world size sees the same batches; they matter for random ops such as dropout.
@@ -21,13 +23,16 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from automodel_all.cli.progress import warn
+
+if TYPE_CHECKING:
+    from automodel_checkpoint import AsyncCheckpointer
 
 __all__ = ["ResumePoint", "checkpoint_root", "resume_from_checkpoint", "rng_state", "save_checkpoint"]
 
@@ -66,25 +71,33 @@ def save_checkpoint(
     skipped_steps: int,
     reason: str,
     device: torch.device,
-) -> Path:
+    checkpointer: AsyncCheckpointer | None = None,
+) -> None:
     """Save a distributed checkpoint of step ``step`` (collective; every rank calls it).
+
+    With ``checkpointer``, a ``periodic`` checkpoint is written in the background (published when it is
+    complete; the next save, or the checkpointer's ``close``, waits for it); the others are waited for.
 
     Raises:
         ValueError: The model holds a NaN or Inf (nothing is written).
-        CheckpointWriteError: A rank could not write (a full disk); nothing is published and the
-            previous checkpoints are intact.
+        CheckpointWriteError: A rank could not write this checkpoint or the one still in flight (a full
+            disk); nothing of it is published and the previous checkpoints are intact.
     """
     from automodel_checkpoint import save_distributed_checkpoint
 
-    return save_distributed_checkpoint(
-        module,
-        optimizer,
-        checkpoint_root(out) / f"step_{step:08d}",
-        step=step,
-        extra_state={"data": data, "skipped_steps": skipped_steps, "reason": reason},
-        rank_state=rng_state(device),
-        overwrite=True,
-    )
+    args: tuple[Any, ...] = (module, optimizer, checkpoint_root(out) / f"step_{step:08d}")
+    kwargs: dict[str, Any] = {
+        "step": step,
+        "extra_state": {"data": data, "skipped_steps": skipped_steps, "reason": reason},
+        "rank_state": rng_state(device),
+        "overwrite": True,
+    }
+    if checkpointer is None:
+        save_distributed_checkpoint(*args, **kwargs)
+        return
+    checkpointer.save(*args, **kwargs)
+    if reason != "periodic":
+        checkpointer.wait()
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,12 @@ class TrainSection:
     """Save a distributed checkpoint (DCP) every this many steps, and at the end; 0: only at the end."""
     keep_checkpoints: int = 2
     """Distributed checkpoints kept (older ones are deleted); 0 keeps all."""
+    async_checkpoint: bool = True
+    """Write the periodic checkpoints in the background: the step that saves waits only while this
+    rank's shards of model and optimizer state are copied to host memory (pinned on GPUs), and training
+    goes on while the files are written. Costs host memory for that copy (about 16 bytes per parameter
+    / the ranks sharding it, with AdamW) and a ``gloo`` process group. At most one save is in flight;
+    the final and the preemption checkpoints are waited for. ``false``: every save blocks."""
     output_dir: str = "automodel_output"
     """Where checkpoints, the final Hugging Face model, the prepared data and the logs go."""
     resume: bool = False

@@ -1,0 +1,74 @@
+"""The parallel export's plan (files per writer, gather order) and its writer thread, on one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from automodel_checkpoint import save_hf_checkpoint
+from automodel_checkpoint.convert import DiskPiece, DiskTensor
+from automodel_checkpoint.parallel_export import FileWriter, assign_files, gather_order
+from automodel_checkpoint.safetensors_io import SafetensorsStreamWriter
+from automodel_testing import build_tiny_model, safetensors_differences
+
+
+def test_files_are_shared_out_by_bytes() -> None:
+    sizes = [("a", 10), ("b", 70), ("c", 30), ("d", 30), ("e", 20)]
+    owner = assign_files(sizes, 2)
+    load = [sum(n for name, n in sizes if owner[name] == rank) for rank in (0, 1)]
+    assert owner["b"] == 0 and load == [80, 80]  # largest first onto the least loaded
+    assert assign_files(sizes, 1) == dict.fromkeys("abcde", 0)
+    assert assign_files(list(reversed(sizes)), 2) == owner  # the same on every rank, whatever the order
+    assert set(assign_files(sizes, 8).values()) == {0, 1, 2, 3, 4}  # more writers than files: some idle
+
+
+def _whole(key: str, model_key: str | None = None) -> DiskTensor:
+    return DiskTensor(key, (2,), (DiskPiece(model_key or key, None, (0,), (2,)),))
+
+
+def _expert(key: str, fused: str, e: int) -> DiskTensor:
+    return DiskTensor(key, (2,), (DiskPiece(fused, e, (0,), (2,)),))
+
+
+def test_gather_order_takes_turns_and_gathers_a_fused_tensor_once() -> None:
+    disk = {k: _whole(k) for k in ("a", "b", "c", "d")}
+    disk.update({f"x.{e}": _expert(f"x.{e}", "x", e) for e in range(3)})
+    files = [("f1", ["a", "b"]), ("f2", ["x.0", "x.1", "x.2", "c"]), ("f3", ["d"])]
+    owner = {"f1": 0, "f2": 1, "f3": 0}
+    order = gather_order(files, disk, owner)
+    assert [(u.file, u.keys) for u in order] == [
+        ("f1", ("a",)),
+        ("f2", ("x.0", "x.1", "x.2")),  # the experts of one fused tensor: one gather
+        ("f1", ("b",)),
+        ("f2", ("c",)),
+        ("f3", ("d",)),
+    ]
+    assert order[1].model_keys == ("x",)
+
+
+def test_the_writer_reports_its_first_error_and_keeps_consuming(tmp_path: Path) -> None:
+    layouts = {"f.safetensors": [("a", torch.float32, (2,)), ("b", torch.float32, (2,))]}
+    writer = FileWriter(tmp_path, layouts)
+    writer.put("f.safetensors", "b", torch.ones(2))  # out of the declared order
+    for _ in range(5):  # more than the queue holds: never blocks after an error
+        writer.put("f.safetensors", "a", torch.ones(2))
+    error = writer.finish()
+    assert isinstance(error, ValueError) and "expected tensor 'a' next" in str(error)
+
+
+def test_a_file_that_declares_nothing_is_still_written(tmp_path: Path) -> None:
+    assert FileWriter(tmp_path, {"model.safetensors": []}).finish() is None
+    with SafetensorsStreamWriter(tmp_path / "ref.safetensors", []):
+        pass
+    assert (tmp_path / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_one_process_export_equals_save_pretrained(tmp_path: Path) -> None:
+    model = build_tiny_model("llama", seed=5)
+    model.save_pretrained(tmp_path / "hf")
+    save_hf_checkpoint(model, tmp_path / "ours", max_shard_size="30KB")
+    assert safetensors_differences(tmp_path / "ours", tmp_path / "hf") == []
+    with pytest.raises(ValueError, match="writers=2: give between 1 and the 1 rank"):
+        save_hf_checkpoint(model, tmp_path / "two", writers=2)
