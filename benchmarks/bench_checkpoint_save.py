@@ -3,10 +3,12 @@
 Two measurements, each against a baseline from the same run:
 
 - ``async``: a Llama of 124.7M parameters (`bench_checkpoint_load.MODEL`, fp32) with AdamW state, FSDP2
-  over ``RANKS`` gloo ranks. Per save, the time the training loop is held: a synchronous
-  ``save_distributed_checkpoint`` (baseline), `AsyncCheckpointer.save`, and the bare copy of the rank's
-  state to host memory that the asynchronous save cannot avoid (DCP's staging alone); then the step time
-  while a save is being written against the step time with none in flight (steps interleaved).
+  over 1 and over ``RANKS`` gloo ranks (1 rank leaves a core free for the background write, as a GPU
+  node's host cores are while the GPUs compute; 4 ranks on 2 cores leave none). Per save, the time
+  the training loop is held: a synchronous ``save_distributed_checkpoint`` (baseline),
+  `AsyncCheckpointer.save`, and the bare copy of the rank's state to host memory that the asynchronous
+  save cannot avoid (DCP's staging alone, just before it); then the step time while a save is being
+  written against the step time with none in flight (steps interleaved).
 - ``export``: real widths with random bf16 weights (`bench_scale.MODELS`: the Llama-3.2-1B shape under
   FSDP2, Qwen3-30B-A3B widths with 64 experts under EP x FSDP2), ``save_hf_checkpoint`` with every rank
   writing against one writer (rank 0, the serial export), alternated and repeated; the peak growth of
@@ -18,11 +20,13 @@ mechanisms behave here, not what a GPU node gives (there staging is a device-to-
 memory and the writes overlap GPU compute).
 
     uv run --all-packages python benchmarks/bench_checkpoint_save.py [--only async export] [--repeats 3]
+        [--async-ranks 1 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -91,11 +95,11 @@ def async_saves(root: str, repeats: int) -> dict[str, Any]:
             start = time.perf_counter()
             save_distributed_checkpoint(model, opt, f"{root}/sync_{i}", step=i, overwrite=True)
             out["sync"].append(time.perf_counter() - start)
+            out["idle_step"] += [_step(model, opt, ids) for _ in range(STEPS_BETWEEN)]
             dist.barrier()
-            start = time.perf_counter()
+            start = time.perf_counter()  # in the memory state of the async save that follows
             FileSystemWriter(f"{root}/unused").stage(checkpoint_state(model, opt))
             out["staging"].append(time.perf_counter() - start)
-            out["idle_step"] += [_step(model, opt, ids) for _ in range(STEPS_BETWEEN)]
             dist.barrier()
             checkpointer.save(model, opt, f"{root}/async_{i}", step=i, overwrite=True)
             out["async"].append(checkpointer.last_blocking_s)
@@ -162,11 +166,11 @@ def exports(name: str, root: str, repeats: int) -> dict[str, Any]:
     return out
 
 
-def measure_async(repeats: int = 3, folder: Path | None = None) -> dict[str, Any]:
-    """Per-rank results of `async_saves` on ``RANKS`` ranks."""
+def measure_async(ranks: int = RANKS, repeats: int = 3, folder: Path | None = None) -> dict[str, Any]:
+    """`async_saves` on ``ranks`` ranks, summarized (`summarize_async`)."""
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-async-", dir=folder) as tmp:
-        per_rank = launch(async_saves, RANKS, tmp, repeats, timeout_s=3600)
-    return summarize_async(per_rank)
+        per_rank = launch(async_saves, ranks, tmp, repeats, timeout_s=3600)
+    return {**summarize_async(per_rank), "ranks": ranks}
 
 
 def summarize_async(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -198,7 +202,10 @@ def measure_exports(repeats: int = 2, folder: Path | None = None) -> dict[str, d
 
 
 def _print_async(r: dict[str, Any]) -> None:
-    print(f"asynchronous DCP saves, {RANKS} ranks, {r['bytes'] / MiB:.0f} MiB per checkpoint (model + AdamW)")
+    print(
+        f"asynchronous DCP saves, {r['ranks']} rank(s) on {os.cpu_count()} cores, "
+        f"{r['bytes'] / MiB:.0f} MiB per checkpoint (model + AdamW)"
+    )
     print(
         f"  blocking per save: sync {r['sync']:.2f} s, async {r['async']:.2f} s "
         f"(ratio {r['async'] / r['sync']:.2f})"
@@ -232,9 +239,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--only", nargs="+", choices=("async", "export"), default=("async", "export"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--async-ranks", type=int, nargs="+", default=(1, RANKS))
     args = parser.parse_args()
-    if "async" in args.only:
-        _print_async(measure_async(args.repeats))
+    for ranks in args.async_ranks if "async" in args.only else ():
+        _print_async(measure_async(ranks, args.repeats))
     if "export" in args.only:
         _print_exports(measure_exports(args.repeats))
 

@@ -599,7 +599,58 @@ def _train(
             note = f"{flips:g} routing tie(s) left out of the logits comparison"
             verdict["message"] = "; ".join(m for m in (verdict.get("message"), note) if m)
         return verdict
-    return judge(out, ATOL)
+    return judge(out, ATOL, _export_problems(parts, ref, batch, peft_config))
+
+
+def _export_problems(
+    parts: list[Any], ref: Any, batch: dict[str, torch.Tensor], peft_config: Any
+) -> list[str]:
+    """Export the trained model as `automodel train` does, reload it with transformers alone, compare.
+
+    Every rank writes its share (`save_hf_checkpoint` of this rank's parts; the adapters with
+    `save_adapters` in the PEFT format under LoRA); rank 0 loads the folder with ``from_pretrained``
+    (and ``PeftModel.from_pretrained``), which must find every key, and its logits must equal the
+    trained reference's within `ATOL`. Collective; every rank returns rank 0's findings.
+    """
+    import shutil
+    import tempfile
+
+    from automodel_checkpoint import save_hf_checkpoint
+
+    where: list[Any] = [tempfile.mkdtemp(prefix="matrix-export-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    folder = pathlib.Path(where[0])
+    save_hf_checkpoint(parts, folder / "hf", max_shard_size="100KB")
+    if peft_config is not None:
+        from automodel_peft import save_adapters
+
+        save_adapters(parts, folder / "hf" / "adapter")
+    found: list[Any] = [_reload_problems(folder / "hf", ref, batch) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return list(found[0])
+
+
+def _reload_problems(folder: pathlib.Path, ref: Any, batch: dict[str, torch.Tensor]) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        if (folder / "adapter").is_dir():
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, folder / "adapter")
+    except Exception as exc:  # reported as the case's failure
+        return [f"export: transformers cannot load it: {type(exc).__name__}: {str(exc)[:300]}"]
+    absent = [k for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)]
+    if absent:
+        return [f"export: from_pretrained reports {', '.join(f'{k} {list(info[k])[:3]}' for k in absent)}"]
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    ref.eval()  # as the reloaded model is (no dropout in either)
+    with torch.no_grad():
+        diff = float((model(**inputs).logits - ref(**inputs).logits).abs().max())
+    return [f"export: reloaded logits differ from the trained model's by {diff:.2e}"] if diff > ATOL else []
 
 
 def _fails_to_train(model: Any, batch: dict[str, torch.Tensor]) -> Exception | None:

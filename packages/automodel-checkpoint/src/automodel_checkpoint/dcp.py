@@ -144,19 +144,31 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) 
     return {"model": model_sd, "optim": optim_sd}
 
 
-def check_finite_or_raise(model: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Raise on every rank if any rank's share of the model holds a NaN or Inf (collective)."""
+def _nonfinite(model: nn.Module) -> list[str]:
+    """The names of this rank's floating-point tensors (local shards) that hold a NaN or Inf.
+
+    One pass per tensor (its min and max: a NaN or an infinity shows in one of them, without a mask of
+    the tensor's size) and one host sync per device, not one per tensor.
+    """
     from torch.distributed.tensor import DTensor
 
-    bad = []
+    extremes: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
     for name, tensor in model.state_dict().items():
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if (
-            isinstance(local, torch.Tensor)
-            and local.is_floating_point()
-            and not bool(torch.isfinite(local).all())
-        ):
-            bad.append(name)
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and local.numel():
+            names, values = extremes.setdefault(local.device, ([], []))
+            names.append(name)
+            values.append(torch.stack(torch.aminmax(local.detach())).float())
+    bad = []
+    for names, values in extremes.values():
+        finite = torch.isfinite(torch.stack(values)).all(dim=1).tolist()
+        bad += [name for name, ok in zip(names, finite, strict=True) if not ok]
+    return bad
+
+
+def check_finite_or_raise(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank if any rank's share of the model holds a NaN or Inf (collective)."""
+    bad = _nonfinite(model)
     error = None
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""

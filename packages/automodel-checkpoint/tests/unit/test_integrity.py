@@ -17,6 +17,7 @@ import torch
 
 from automodel_checkpoint import (
     COMPLETE_MARKER,
+    AsyncCheckpointer,
     CorruptCheckpointError,
     complete_checkpoints,
     load_distributed_checkpoint,
@@ -81,17 +82,25 @@ def test_missing_and_added_files_are_errors(tmp_path: Path) -> None:
         verify_checkpoint(path, files, exclude=frozenset({COMPLETE_MARKER}))
 
 
-def test_a_model_holding_nan_is_never_saved(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_holding_nan_or_inf_is_never_saved(tmp_path: Path, bad: float, dtype: torch.dtype) -> None:
     _, previous = _saved(tmp_path, "step_1", 1)
-    model = build_tiny_model("llama", seed=0)
-    with torch.no_grad():
-        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
-    with pytest.raises(
-        ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight holds NaN or Inf values on rank 0"
-    ):
-        save_distributed_checkpoint(model, None, tmp_path / "step_2", step=2)
-    assert not (tmp_path / "step_2").exists() and not any(tmp_path.glob(".step_2*"))
-    assert complete_checkpoints(tmp_path) == [previous]
+    model = build_tiny_model("llama", seed=0).to(dtype)
+    model.register_buffer("empty", torch.empty(0))  # no minimum or maximum: skipped, not an error
+    with AsyncCheckpointer() as checkpointer:
+        for save in (save_distributed_checkpoint, checkpointer.save):
+            with torch.no_grad():
+                model.model.layers[1].mlp.up_proj.weight[3, 5] = bad
+            with pytest.raises(
+                ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight holds NaN or Inf values on rank 0"
+            ):
+                save(model, None, tmp_path / "step_2", step=2)
+            assert not (tmp_path / "step_2").exists() and not any(tmp_path.glob(".step_2*"))
+            assert complete_checkpoints(tmp_path) == [previous]
+            with torch.no_grad():
+                model.model.layers[1].mlp.up_proj.weight[3, 5] = 0.0
+        checkpointer.save(model, None, tmp_path / "step_3", step=3)  # finite again: saved
 
 
 _SAVE_WITH_SMALL_FILE_LIMIT = r"""

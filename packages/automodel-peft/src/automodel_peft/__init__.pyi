@@ -12,6 +12,7 @@ from .apply import (
 from .checkpoint import (
     adapter_state_dict,
     hf_key_mapping,
+    peft_reload_problem,
     save_adapters,
 )
 from .config import PeftConfig
@@ -41,6 +42,7 @@ __all__ = [
     "hf_key_mapping",
     "init_adapter_weights",
     "merge_adapters",
+    "peft_reload_problem",
     "resolve_target_modules",
     "save_adapters",
 ]

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "adapter_state_dict",
     "hf_key_mapping",
     "peft_adapter_key",
+    "peft_reload_problem",
     "save_adapters",
 ]
 
@@ -117,6 +119,14 @@ def adapter_state_dict(model: nn.Module, *, adapter_name: str | None = None) -> 
     """
     model = find_hf_model(unwrap(model))[1]  # DDP, compile, a PeftModel: the adapted model inside
     name = _adapter_name(model, adapter_name)
+    out = _full_adapters(model, name)
+    if not out:
+        raise ValueError(f"the model has no parameters of LoRA adapter {name!r}; apply_lora first")
+    return out
+
+
+def _full_adapters(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """``model``'s tensors of adapter ``name``, full and on the CPU, by PEFT key (collective on DTensors)."""
     _check_savable(model, name)
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict(keep_vars=True).items():
@@ -125,9 +135,76 @@ def adapter_state_dict(model: nn.Module, *, adapter_name: str | None = None) -> 
             continue
         full = value.full_tensor() if is_dtensor(value) else value
         out[peft_key] = full.detach().to("cpu", copy=True).contiguous()
-    if not out:
-        raise ValueError(f"the model has no parameters of LoRA adapter {name!r}; apply_lora first")
     return out
+
+
+def _collect_on(writer: int, tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor] | None:
+    """Every rank's adapter tensors merged on ``writer`` (None elsewhere); collective.
+
+    Ranks that hold the same adapters as a lower rank (data or tensor parallel peers) send nothing:
+    only one rank per pipeline stage does. One ``all_gather_object`` of the key sets, one
+    ``gather_object`` of the tensors.
+
+    Raises:
+        ValueError: No rank holds a tensor of adapter ``name`` (on every rank).
+    """
+    keys: list[tuple[str, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, tuple(sorted(tensors)))
+    if not any(keys):
+        raise ValueError(f"the model has no parameters of LoRA adapter {name!r}; apply_lora first")
+    me = dist.get_rank()
+    send = tensors if keys.index(keys[me]) == me else None
+    received: list[dict[str, torch.Tensor] | None] | None = [None] * len(keys) if me == writer else None
+    dist.gather_object(send, received, dst=writer)
+    if received is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in received:
+        merged.update(part or {})
+    return merged
+
+
+def peft_reload_problem(model: nn.Module, *, adapter_name: str | None = None) -> str | None:
+    """Why ``PeftModel.from_pretrained`` would not adapt the modules this model adapts (None: it would).
+
+    With transformers 5, PEFT rewrites a saved adapter's ``target_modules`` on load for the MoE families
+    whose checkpoints transformers converts (``convert_peft_config_for_transformers``): it reads
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` (``w1`` / ``w2`` / ``w3`` for Mixtral) as the fused experts
+    and stops targeting modules of those names, so the adapters of a dense MLP or of shared experts would
+    be loaded nowhere: a different model, silently. The check runs PEFT's own conversion on the config
+    `save_adapters` writes (no collective; nothing is mutated). PEFT versions without it load alike.
+
+    Args:
+        model: A model adapted by `apply_lora` (plain or sharded), or one of its pipeline stages.
+        adapter_name: Which adapter; default the one `apply_lora` recorded.
+    """
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # transformers < 5 or a PEFT without the conversion: loads what was saved
+        return None
+    hf = find_hf_model(unwrap(model))[1]
+    name = _adapter_name(hf, adapter_name)
+    _check_savable(hf, name)
+    config = _saved_config(hf, name)
+    before = {str(t) for t in config.target_modules or ()}
+    convert_peft_config_for_transformers(config, model=hf, conversions=None)  # as PeftModel's loader does
+    dropped = before - {str(t) for t in config.target_modules or ()}
+    lost = sorted(
+        {clean_fqn(key).rsplit(".lora_A", 1)[0] for key in hf.state_dict(keep_vars=True) if ".lora_A." in key}
+    )
+    lost = [m for m in lost if any(m == target or m.endswith(f".{target}") for target in dropped)]
+    if not lost:
+        return None
+    import peft
+
+    more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
+    return (
+        f"the LoRA adapters of {lost[0]}{more} cannot be saved in the PEFT format: with transformers 5, PEFT "
+        f"{peft.__version__} reads the names {sorted({t.rsplit('.', 1)[-1] for t in dropped})} of "
+        f"{type(hf).__name__} as its fused "
+        "experts, so PeftModel.from_pretrained would load these adapters nowhere; leave those projections "
+        "out of the LoRA targets (peft.exclude_modules, or peft.target_modules naming the others)"
+    )
 
 
 def _saved_config(model: nn.Module, adapter_name: str) -> Any:
@@ -166,7 +243,7 @@ def _write(
 
 
 def save_adapters(
-    model: nn.Module,
+    model: nn.Module | Sequence[nn.Module],
     directory: str | os.PathLike[str],
     *,
     adapter_name: str | None = None,
@@ -174,37 +251,57 @@ def save_adapters(
 ) -> Path:
     """Write the model's adapters in the HF PEFT format (loadable by ``PeftModel.from_pretrained``).
 
-    Works for plain and sharded (FSDP2 / TP) models. With a process group, it is a collective: every
-    rank gathers the adapter tensors (``full_tensor``), global rank 0 (or ``rank``) writes, and all ranks
-    wait at a barrier until the folder exists. The folder is written atomically: into a temporary
-    sibling folder that is then renamed over ``directory`` (an existing folder is replaced).
+    Works for plain and sharded (FSDP2 / TP) models, and for the stages of a pipeline (each rank passes
+    its parts). With a process group, it is a collective: every rank gathers the adapter tensors it
+    holds (``full_tensor``), one rank per stage sends them to global rank 0 (or ``rank``), which
+    writes, and all ranks wait at a barrier until the folder exists. The folder is written atomically:
+    into a temporary sibling folder that is then renamed over ``directory`` (an existing folder is
+    replaced).
 
     Files: ``adapter_model.safetensors``, ``adapter_config.json`` (``task_type="CAUSAL_LM"`` for causal
     LMs, ``inference_mode=True``) and ``automodel_adapter.json`` (what `PeftConfig` it came from).
 
     Args:
-        model: A model adapted by `apply_lora` (plain, or sharded after it).
+        model: A model adapted by `apply_lora` (plain, or sharded after it), or this rank's pipeline
+            stages of it.
         directory: The adapter folder.
         adapter_name: Which adapter; default the one `apply_lora` recorded.
         rank: The global rank that writes; default 0.
 
     Returns:
         The folder.
+
+    Raises:
+        ValueError: No rank holds a parameter of the adapter, or PEFT would load the saved adapter into
+            other modules (`peft_reload_problem`; ``automodel train`` checks it before training); on
+            every rank, before anything is gathered or written.
     """
-    model = find_hf_model(unwrap(model))[1]
-    name = _adapter_name(model, adapter_name)
-    tensors = adapter_state_dict(model, adapter_name=name)
-    path = Path(directory)
+    parts = [find_hf_model(unwrap(p))[1] for p in ([model] if isinstance(model, nn.Module) else model)]
+    name = _adapter_name(parts[0], adapter_name)
     distributed = dist.is_available() and dist.is_initialized()
+    problem = next((found for part in parts if (found := peft_reload_problem(part, adapter_name=name))), None)
+    if distributed:  # every rank raises, before any gather, when one rank's stage has such modules
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((found for found in problems if found), None)
+    if problem is not None:
+        raise ValueError(problem)
+    held: dict[str, torch.Tensor] = {}
+    for part in parts:
+        held.update(_full_adapters(part, name))
+    path = Path(directory)
     writer = rank if rank is not None else 0
-    if not distributed or dist.get_rank() == writer:
-        state = _state(model)
+    tensors = _collect_on(writer, held, name) if distributed else held
+    if not tensors and not distributed:
+        raise ValueError(f"the model has no parameters of LoRA adapter {name!r}; apply_lora first")
+    if tensors is not None:
+        state = _state(parts[0])
         metadata = {
             "adapter_name": name,
             "peft_config": state.config.to_dict() if state is not None and state.config is not None else None,
             "num_tensors": len(tensors),
         }
-        _write(path, tensors, _saved_config(model, name), metadata)
+        _write(path, tensors, _saved_config(parts[0], name), metadata)
     if distributed:
         dist.barrier()
     return path

@@ -140,3 +140,31 @@ def test_merge_unwraps_a_peft_model(batch: dict[str, torch.Tensor], perturb: Per
     assert type(merged).__name__ == "LlamaForCausalLM"
     with torch.no_grad():
         assert torch.allclose(merged(**batch).logits, expected, atol=1e-5)
+
+
+def test_targets_peft_would_load_elsewhere_are_refused(tmp_path: Path) -> None:
+    """DeepSeek-V3's dense MLP: PEFT (transformers 5) reads its projection names as the fused experts."""
+    from transformers import AutoModelForCausalLM
+
+    from automodel_peft import peft_reload_problem
+    from automodel_testing.tiny import derive_tiny_config
+
+    try:  # PEFT versions that convert v4 MoE targets on load (0.18 does not: it loads what was saved)
+        import peft.utils.transformers_weight_conversion  # noqa: F401
+
+        converts = True
+    except ImportError:
+        converts = False
+    config = derive_tiny_config("deepseek_v3")
+    for targets, refused in ((["q_a_proj", "down_proj"], converts), (["q_a_proj", "o_proj"], False)):
+        model = AutoModelForCausalLM.from_config(config)
+        apply_lora(model, PeftConfig(target_modules=targets, dim=4))
+        problem = peft_reload_problem(model)
+        if not refused:
+            assert problem is None, problem
+            save_adapters(model, tmp_path / "fine")
+            continue
+        assert problem is not None and "mlp.down_proj" in problem and "peft.exclude_modules" in problem
+        with pytest.raises(ValueError, match="cannot be saved in the PEFT format"):
+            save_adapters(model, tmp_path / "refused")
+        assert not (tmp_path / "refused").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel_checkpoint import checkpoint_key, read_marker, save_hf_checkpoint
+from automodel_checkpoint import read_marker, save_hf_checkpoint
 
 __all__ = ["export_hf", "generate_sample", "prune_checkpoints"]
 
@@ -34,69 +35,24 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
     return removed
 
 
-def _consolidate_from_dcp(dcp_path: Path, model_config: Any, dtype: torch.dtype, out: Path) -> None:
-    """Rebuild the whole model on CPU from a distributed checkpoint and ``save_pretrained`` it (rank 0).
-
-    Used under pipeline parallelism, where no rank holds every stage: each stage's tensors were saved
-    under their original names (with a ``<i>.`` part prefix when a rank holds several stages).
-    """
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
-    wanted = model.state_dict()
-    keys = FileSystemReader(str(dcp_path)).read_metadata().state_dict_metadata
-    state: dict[str, torch.Tensor] = {}
-    found: set[str] = set()
-    for key in keys:
-        if not key.startswith("model."):
-            continue
-        name = key.removeprefix("model.")
-        head, _, rest = name.partition(".")
-        if name not in wanted and head.isdigit():
-            name = rest
-        name = checkpoint_key(name)  # wrapper segments, and peft's base_layer, removed
-        if name in wanted:
-            state[key] = wanted[name]
-            found.add(name)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = sorted(set(wanted) - found - tied)
-    if missing:
-        raise RuntimeError(f"the distributed checkpoint {dcp_path} lacks {missing[:5]} (and maybe more)")
-    load(state, checkpoint_id=str(dcp_path), no_dist=True)
-    model.save_pretrained(str(out))
-
-
 def export_hf(
-    model: nn.Module | None,
+    parts: Sequence[nn.Module],
     out: Path,
     *,
     tokenizer: Any,
     with_adapters: bool,
-    final_dcp: Path | None,
-    model_config: Any,
-    dtype: torch.dtype,
 ) -> Path:
     """Save the trained model as a Hugging Face folder ``out`` (and ``out/adapter`` under PEFT).
 
-    Without pipelining (``model`` given) every rank calls this (the save gathers shards); under
-    pipelining (``model`` None) the final distributed checkpoint is consolidated on rank 0.
-    Rank 0 also saves the tokenizer.
+    Every rank calls this with the model parts it holds (the model; its pipeline stages): every rank
+    writes a share of the files (`save_hf_checkpoint`); rank 0 also saves the tokenizer.
     """
-    rank = dist.get_rank()
-    if model is not None:
-        save_hf_checkpoint(model, out, overwrite=True)
-        if with_adapters:
-            from automodel_peft import save_adapters  # the adapters' owner saves them
+    save_hf_checkpoint(parts, out, overwrite=True)
+    if with_adapters:
+        from automodel_peft import save_adapters  # the adapters' owner saves them
 
-            save_adapters(model, out / "adapter")
-    elif rank == 0:
-        assert final_dcp is not None
-        _consolidate_from_dcp(final_dcp, model_config, dtype, out)
-    if rank == 0:
+        save_adapters(parts, out / "adapter")
+    if dist.get_rank() == 0:
         tokenizer.save_pretrained(str(out))
     dist.barrier()
     return out

@@ -36,7 +36,6 @@ from automodel_all.cli.model import (
     is_image_text_model,
     load_model_config,
     load_processor,
-    model_dtype,
     text_tokenizer,
 )
 from automodel_all.cli.resume import ResumePoint, resume_from_checkpoint
@@ -97,6 +96,15 @@ def _parts(model: Any) -> list[nn.Module]:
     return list(model.parts) if not isinstance(model, nn.Module) else [model]
 
 
+def _check_adapters_exportable(parts: list[nn.Module]) -> None:
+    """Refuse, before training, LoRA targets that the PEFT-format export could not hold (collective)."""
+    from automodel_checkpoint.ranks import agree_on_failure
+    from automodel_peft import peft_reload_problem
+
+    problem = next((found for part in parts if (found := peft_reload_problem(part))), None)
+    agree_on_failure(ValueError(f"peft: {problem}") if problem else None, "checking the LoRA targets")
+
+
 def _setup(job: JobConfig) -> TrainingRun:
     """Process group, mesh, infrastructure, data, the model and its optimizer (collective)."""
     from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
@@ -142,6 +150,8 @@ def _setup(job: JobConfig) -> TrainingRun:
         freeze_config=job.freeze_config,
     )
     parts = _parts(model)
+    if job.peft is not None:
+        _check_adapters_exportable(parts)
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=job.train.lr, betas=(0.9, 0.95), weight_decay=job.train.weight_decay
@@ -198,16 +208,8 @@ def _resume(run: TrainingRun) -> ResumePoint:
 
 def _finish(run: TrainingRun) -> None:
     """Export the Hugging Face model (collective) and, on rank 0, print where and a sample."""
-    from automodel_checkpoint import latest_checkpoint
-
     hf_dir = export_hf(
-        run.model if run.pipeline is None else None,
-        run.out / "hf",
-        tokenizer=run.tokenizer,
-        with_adapters=run.job.peft is not None and run.pipeline is None,
-        final_dcp=latest_checkpoint(run.out / "checkpoints", kind="dcp"),
-        model_config=run.model_config,
-        dtype=model_dtype(run.job),
+        run.parts, run.out / "hf", tokenizer=run.tokenizer, with_adapters=run.job.peft is not None
     )
     train_cfg = run.job.train
     if dist.get_rank() == 0:
