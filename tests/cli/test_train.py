@@ -59,11 +59,20 @@ def _losses(output: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in map(json.loads, lines)}
 
 
-def test_train_saves_a_loadable_model_and_resumes_exactly(tmp_path: Path) -> None:
+def _dropped(run: Path, folder: Path, names: list[str]) -> set[str]:
+    """What the copy of ``run`` leaves out: the final export and the step-10 checkpoint."""
+    if folder == run:
+        return {"hf"} & set(names)
+    return {"step_00000010"} & set(names) if folder == run / "checkpoints" else set()
+
+
+@pytest.mark.parametrize("hf_checkpoints", ["none", "only"])
+def test_train_saves_a_loadable_model_and_resumes_exactly(tmp_path: Path, hf_checkpoints: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     first = tmp_path / "run"
-    result = _train(first)
+    option = ("--set", f"train.hf_checkpoints={hf_checkpoints}")
+    result = _train(first, *option)
     losses = _losses(first)
     assert sorted(losses) == list(range(1, 11))
     assert losses[10] < losses[1] - 0.3, losses  # it learns
@@ -88,11 +97,15 @@ def test_train_saves_a_loadable_model_and_resumes_exactly(tmp_path: Path) -> Non
         and marker["extra_state"]["data"]["fingerprint"]
     )
     assert {"rank_state/rank_00000.pt", "rank_state/rank_00001.pt", "__0_0.distcp"} <= set(marker["files"])
+    # train.hf_checkpoints=only: the weights as a Hugging Face folder, the optimizer's state in DCP.
+    assert ("hf/model.safetensors" in marker["files"]) == (hf_checkpoints == "only")
+    if hf_checkpoints == "only":
+        AutoModelForCausalLM.from_pretrained(first / "checkpoints" / "step_00000005" / "hf")
 
     # Resume from step 5 in a copy whose newest checkpoint is gone (as if the job had died at step 7).
     second = tmp_path / "resumed"
-    shutil.copytree(first, second, ignore=shutil.ignore_patterns("step_00000010", "hf"))
-    result = _train(second, "--resume", "--nproc-per-node", "1")
+    shutil.copytree(first, second, ignore=lambda folder, names: _dropped(first, Path(folder), names))
+    result = _train(second, "--resume", "--nproc-per-node", "1", *option)
     assert f"resumed from {second / 'checkpoints' / 'step_00000005'} (step 5)" in result.stdout
     resumed = _losses(second)
     assert sorted(resumed) == list(range(1, 11))

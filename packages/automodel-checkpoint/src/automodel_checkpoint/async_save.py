@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -37,6 +37,8 @@ from automodel_checkpoint.atomic import abandon_on_failure, prepare_staging_dir
 from automodel_checkpoint.dcp import (
     check_finite_or_raise,
     checkpoint_state,
+    export_weights,
+    hf_weights_options,
     publish_dcp,
     save_rank_state,
     write_failure,
@@ -91,10 +93,14 @@ class AsyncCheckpointer:
         rank_state: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         check_finite: bool = True,
+        hf_weights: str = "none",
+        parts: Sequence[nn.Module] | None = None,
     ) -> None:
         """Stage a checkpoint of ``model`` (and ``optimizer``) and write it in the background.
 
-        The arguments are those of `save_distributed_checkpoint`. Preconditions: every rank calls this
+        The arguments are those of `save_distributed_checkpoint`; an ``hf/`` folder (``hf_weights``) is
+        written before this returns (a consolidated export gathers every tensor), the DCP files in
+        the background. Preconditions: every rank calls this
         with the same ``path``, on a shared file system. Collectives (calling thread, over the
         checkpointer's process group): those of the previous save's `wait`, the finite check, the
         folder and the staging agreement; the write's and the publish's run in the background over
@@ -106,6 +112,7 @@ class AsyncCheckpointer:
             CheckpointWriteError: The previous save failed (raised here, from its `wait`), or a rank
                 failed to stage this one (nothing published).
         """
+        with_model = hf_weights_options(hf_weights, optimizer)
         self.wait()
         start = time.perf_counter()
         reshard_fsdp_units(model)
@@ -113,10 +120,12 @@ class AsyncCheckpointer:
             check_finite_or_raise(model, self._group)
         final = Path(path)
         staging = prepare_staging_dir(final, overwrite=overwrite, group=self._group)
-        state = checkpoint_state(model, optimizer)
         error: BaseException | None = None
         staged = None
         try:
+            if hf_weights != "none":
+                export_weights(staging, parts or [model], self._group)
+            state = checkpoint_state(model, optimizer, with_model)
             if rank_state is not None:
                 save_rank_state(staging, rank_state, self._group)
             staged = self._stage(state, staging)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,8 @@ from automodel_checkpoint.ranks import agree_on_failure, rank_of
 from automodel_modules import reshard_fsdp_units
 
 __all__ = [
+    "HF_DIR",
+    "HF_WEIGHTS",
     "RANK_STATE_DIR",
     "CheckpointInfo",
     "CheckpointWriteError",
@@ -54,6 +56,12 @@ __all__ = [
 
 RANK_STATE_DIR = "rank_state"
 """Sub-folder of a distributed checkpoint holding each rank's ``rank_state`` (``rank_<r>.pt``)."""
+
+HF_DIR = "hf"
+"""Sub-folder of a distributed checkpoint holding the model's weights in the Hugging Face format."""
+
+HF_WEIGHTS = ("none", "also", "only")
+"""``hf_weights`` values: no ``hf/`` folder; ``hf/`` beside the full DCP; ``hf/`` and DCP without weights."""
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -134,14 +142,45 @@ class CheckpointInfo:
     """This rank's ``rank_state`` from the save (None when that rank did not exist or saved none)."""
 
 
-def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """What a distributed checkpoint holds: ``{"model": ..., "optim": ...}`` (DCP's state dicts)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+def checkpoint_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, with_model: bool = True
+) -> dict[str, Any]:
+    """What a distributed checkpoint holds: ``{"model": ..., "optim": ...}`` (DCP's state dicts).
+
+    ``with_model=False``: the optimizer's state only (the weights are in the checkpoint's ``hf/``).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+    )
 
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
+    if not with_model:
+        return {"optim": get_optimizer_state_dict(model, optimizer)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def hf_weights_options(hf_weights: str, optimizer: torch.optim.Optimizer | None) -> bool:
+    """Check ``hf_weights``; whether the model's state goes into the DCP files (all but ``only``).
+
+    Raises:
+        ValueError: An unknown value, or ``only`` without an optimizer (nothing would be left for DCP).
+    """
+    if hf_weights not in HF_WEIGHTS:
+        raise ValueError(f"hf_weights={hf_weights!r}: use one of {', '.join(HF_WEIGHTS)}")
+    if hf_weights == "only" and optimizer is None:
+        raise ValueError("hf_weights='only' keeps the optimizer's state in DCP: give the optimizer")
+    return hf_weights != "only"
+
+
+def export_weights(staging: Path, parts: Sequence[nn.Module], group: dist.ProcessGroup | None) -> None:
+    """The model's weights as a Hugging Face folder ``staging/hf`` (`save_hf_checkpoint`; collective)."""
+    from automodel_checkpoint.hf_save import save_hf_checkpoint
+
+    save_hf_checkpoint(parts, staging / HF_DIR, process_group=group)
 
 
 def _nonfinite(model: nn.Module) -> list[str]:
@@ -197,6 +236,8 @@ def save_distributed_checkpoint(
     overwrite: bool = False,
     check_finite: bool = True,
     process_group: dist.ProcessGroup | None = None,
+    hf_weights: str = "none",
+    parts: Sequence[nn.Module] | None = None,
 ) -> Path:
     """Save model (and optimizer) state for resuming, each rank writing its own shards, atomically.
 
@@ -218,13 +259,20 @@ def save_distributed_checkpoint(
         overwrite: Replace an existing folder at ``path``.
         check_finite: Refuse to save a model holding a NaN or Inf (checked on every rank's shards).
         process_group: Ranks that save together (default: the world).
+        hf_weights: ``also``: the checkpoint also holds the weights as a Hugging Face folder ``hf/``
+            (``from_pretrained`` loads it; written by every rank, `save_hf_checkpoint`); ``only``: the
+            weights are in ``hf/`` only, the DCP files hold the optimizer's state; ``none``: no ``hf/``.
+            One marker covers both, so the pair is published (or not) as one.
+        parts: What ``hf/`` is exported from: the model's parts as `save_hf_checkpoint` takes them
+            (default ``[model]``; under pipeline parallelism, this rank's stages).
 
     Returns:
         The published folder.
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False.
-        ValueError: ``check_finite`` and some rank's shards hold a NaN or Inf (nothing written).
+        ValueError: ``check_finite`` and some rank's shards hold a NaN or Inf (nothing written); a bad
+            ``hf_weights``.
         CheckpointWriteError: A rank failed to write (on every rank; nothing published, the staging
             folder removed).
     """
@@ -232,14 +280,17 @@ def save_distributed_checkpoint(
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
+    with_model = hf_weights_options(hf_weights, optimizer)
     reshard_fsdp_units(model)
     if check_finite:
         check_finite_or_raise(model, process_group)
     final = Path(path)
     staging = prepare_staging_dir(final, overwrite=overwrite, group=process_group)
-    state = checkpoint_state(model, optimizer)
     error: BaseException | None = None
     try:
+        if hf_weights != "none":  # agreed on every rank (its own publish): all go on, or all stop here
+            export_weights(staging, parts or [model], process_group)
+        state = checkpoint_state(model, optimizer, with_model)
         save(state, storage_writer=FileSystemWriter(str(staging)), process_group=process_group)
         if rank_state is not None:
             save_rank_state(staging, rank_state, process_group)
@@ -291,6 +342,7 @@ def load_distributed_checkpoint(
     strict: bool = True,
     device: torch.device | str | None = None,
     verify: bool = True,
+    parts: Sequence[nn.Module] | None = None,
 ) -> CheckpointInfo:
     """Load a checkpoint written by `save_distributed_checkpoint` into ``model`` (and ``optimizer``).
 
@@ -310,6 +362,9 @@ def load_distributed_checkpoint(
         device: Where meta tensors are materialised (default as in `load_hf_checkpoint`).
         verify: Check every file against the checksums of the completion marker first (checkpoints
             saved before checksums existed have none and are loaded unverified).
+        parts: Where the weights of a checkpoint saved with ``hf_weights="only"`` are loaded from its
+            ``hf/`` folder (`load_hf_checkpoint`, part by part; default ``[model]``). Given parts are
+            pipeline stages: the folder's tensors of other stages are not an error.
 
     Returns:
         The recorded step, extra state, saving world size and this rank's ``rank_state``.
@@ -322,7 +377,11 @@ def load_distributed_checkpoint(
     """
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+        set_state_dict,
+    )
     from torch.distributed.checkpoint.state_dict_loader import load
 
     folder = Path(path)
@@ -337,19 +396,24 @@ def load_distributed_checkpoint(
     recorded = marker.get(MARKER_FILES_KEY)
     if verify and isinstance(recorded, dict):
         verify_checkpoint(folder, recorded, exclude=frozenset({COMPLETE_MARKER}))
+    reader = FileSystemReader(str(folder))
+    with_model = any(key.startswith("model.") for key in reader.read_metadata().state_dict_metadata)
+    if not with_model:  # saved with hf_weights="only": the weights come from hf/
+        from automodel_checkpoint.hf_load import load_hf_checkpoint
+
+        for part in parts or [model]:  # a pipeline stage finds the other stages' tensors there too
+            load_hf_checkpoint(part, folder / HF_DIR, device=device, allow_unexpected=parts is not None)
     if has_meta_tensors(model):
         materialize_meta_tensors(model, device if device is not None else default_device(model))
     reshard_fsdp_units(model)
-    state = checkpoint_state(model, optimizer)
-    load(
-        state,
-        storage_reader=FileSystemReader(str(folder)),
-        planner=DefaultLoadPlanner(allow_partial_load=not strict),
-    )
+    state = checkpoint_state(model, optimizer, with_model)
+    load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
-    else:
+    elif with_model:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
     if strict:  # every tensor came from the checkpoint; a partial load into a meta model fails below
         for slot in collect_tensor_slots(model, include_adapters=True):
             mark_needs_init(slot.tensor, False)

@@ -130,3 +130,41 @@ def test_distributed_checkpoint_resume_single_process(tmp_path: Path) -> None:
     save_hf_checkpoint(model, tmp_path / "hf")
     with pytest.raises(ValueError, match="not a distributed one"):
         load_distributed_checkpoint(fresh, opt2, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("hf_weights", ["also", "only"])
+def test_a_checkpoint_with_its_weights_in_the_hugging_face_format(tmp_path: Path, hf_weights: str) -> None:
+    """``hf/`` loads with plain transformers; resuming from it (and DCP's optimizer state) is exact."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from automodel_checkpoint import read_marker
+
+    batches = [make_batch(128, 2, 8, seed=s) for s in range(3)]
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> float:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    model = build_tiny_model("llama", seed=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt, batches[0])
+    with AsyncCheckpointer() as checkpointer:
+        checkpointer.save(model, opt, tmp_path / "step_1", step=1, hf_weights=hf_weights)
+    expected = [step(model, opt, batches[1]), step(model, opt, batches[2])]
+    folder = tmp_path / "step_1"
+    assert set(read_marker(folder)["files"]) >= {"hf/model.safetensors", "hf/config.json"}
+    in_dcp = {k.split(".")[0] for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata}
+    assert in_dcp == ({"optim"} if hf_weights == "only" else {"model", "optim"})
+    reloaded = _from_pretrained(folder / "hf")  # no automodel code needed to read the weights
+    assert reloaded.state_dict().keys() == build_tiny_model("llama").state_dict().keys()
+    fresh = build_tiny_model("llama", meta=True)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert load_distributed_checkpoint(fresh, opt2, folder).step == 1
+    assert [step(fresh, opt2, batches[1]), step(fresh, opt2, batches[2])] == expected
+    with pytest.raises(ValueError, match="hf_weights='only' keeps the optimizer's state in DCP"):
+        save_distributed_checkpoint(model, None, tmp_path / "x", hf_weights="only")
+    with pytest.raises(ValueError, match="hf_weights='some'"):
+        save_distributed_checkpoint(model, opt, tmp_path / "x", hf_weights="some")

@@ -231,6 +231,8 @@ class _Loop:
             reason=reason,
             device=run.device,
             checkpointer=self.checkpointer,
+            hf_weights=self.train.hf_checkpoints,
+            parts=run.parts,
         )
         if self.rank == 0:  # the newest complete ones are kept: never the one still in flight
             prune_checkpoints(checkpoint_root(run.out), self.train.keep_checkpoints)

@@ -72,11 +72,15 @@ def save_checkpoint(
     reason: str,
     device: torch.device,
     checkpointer: AsyncCheckpointer | None = None,
+    hf_weights: str = "none",
+    parts: list[nn.Module] | None = None,
 ) -> None:
     """Save a distributed checkpoint of step ``step`` (collective; every rank calls it).
 
     With ``checkpointer``, a ``periodic`` checkpoint is written in the background (published when it is
     complete; the next save, or the checkpointer's ``close``, waits for it); the others are waited for.
+    ``hf_weights`` (``train.hf_checkpoints``) adds the weights as an ``hf/`` folder exported from
+    ``parts``.
 
     Raises:
         ValueError: The model holds a NaN or Inf (nothing is written).
@@ -91,6 +95,8 @@ def save_checkpoint(
         "extra_state": {"data": data, "skipped_steps": skipped_steps, "reason": reason},
         "rank_state": rng_state(device),
         "overwrite": True,
+        "hf_weights": hf_weights,
+        "parts": parts,
     }
     if checkpointer is None:
         save_distributed_checkpoint(*args, **kwargs)
@@ -131,11 +137,13 @@ def resume_from_checkpoint(
     fallback: bool,
     data: dict[str, Any],
     device: torch.device,
+    parts: list[nn.Module] | None = None,
 ) -> ResumePoint:
     """Load the newest complete checkpoint that passes verification (collective).
 
     Args:
         module: What the checkpoints hold (the model, or this rank's pipeline stages).
+        parts: The model's parts, for a checkpoint whose weights are in its ``hf/`` folder only.
         optimizer: Its optimizer.
         out: The output folder.
         fallback: On a corrupt checkpoint, warn and try the next older one instead of raising.
@@ -158,7 +166,7 @@ def resume_from_checkpoint(
     candidates = complete_checkpoints(checkpoint_root(out), kind="dcp")
     for index, path in enumerate(candidates):
         try:
-            info = load_distributed_checkpoint(module, optimizer, path)
+            info = load_distributed_checkpoint(module, optimizer, path, parts=parts)
         except CorruptCheckpointError as exc:
             if not fallback or index == len(candidates) - 1:
                 hint = (

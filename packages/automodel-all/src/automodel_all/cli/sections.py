@@ -127,6 +127,11 @@ class TrainSection:
     """Save a distributed checkpoint (DCP) every this many steps, and at the end; 0: only at the end."""
     keep_checkpoints: int = 2
     """Distributed checkpoints kept (older ones are deleted); 0 keeps all."""
+    hf_checkpoints: Literal["none", "also", "only"] = "none"
+    """Each checkpoint's weights also (``also``) or only (``only``: the DCP files then hold the
+    optimizer's state) as a Hugging Face folder ``step_XXXXXXXX/hf/``, which ``from_pretrained`` reads
+    without automodel; ``--resume`` continues from either. Written by every rank, before the training
+    goes on (a consolidated export gathers every tensor); one completion marker covers both parts."""
     async_checkpoint: bool = True
     """Write the periodic checkpoints in the background: the step that saves waits only while this
     rank's shards of model and optimizer state are copied to host memory (pinned on GPUs), and training

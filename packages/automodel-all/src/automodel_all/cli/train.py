@@ -192,6 +192,7 @@ def _resume(run: TrainingRun) -> ResumePoint:
             fallback=run.job.train.resume_fallback,
             data={**sampler.state(0), "fingerprint": fingerprint(run.rows)},
             device=run.device,
+            parts=run.parts if len(run.parts) > 1 or run.pipeline is not None else None,
         )
         if rank == 0:
             why = f" (restart {restarts} by the launcher)" if restarts else ""
