@@ -31,7 +31,6 @@ from automodel_checkpoint.atomic import (
 from automodel_checkpoint.convert import UnsupportedConversionError
 from automodel_checkpoint.dcp import (
     CheckpointInfo,
-    CheckpointWriteError,
     load_distributed_checkpoint,
     save_distributed_checkpoint,
 )
@@ -57,6 +56,7 @@ from automodel_checkpoint.recomputed_buffers import (
     reinitialize_non_persistent_buffers,
 )
 from automodel_checkpoint.safetensors_io import CorruptCheckpointError
+from automodel_checkpoint.write_errors import CheckpointWriteError
 
 try:
     __version__ = version("automodel-checkpoint")

@@ -41,9 +41,9 @@ from automodel_checkpoint.dcp import (
     hf_weights_options,
     publish_dcp,
     save_rank_state,
-    write_failure,
 )
 from automodel_checkpoint.ranks import is_distributed
+from automodel_checkpoint.write_errors import write_failure
 from automodel_modules import reshard_fsdp_units
 
 __all__ = ["AsyncCheckpointer"]

@@ -15,7 +15,6 @@ untouched in both cases.
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,6 @@ from torch import nn
 from automodel_checkpoint.atomic import (
     COMPLETE_MARKER,
     prepare_staging_dir,
-    publish_staging_dir,
     read_marker,
 )
 from automodel_checkpoint.integrity import MARKER_FILES_KEY, verify_checkpoint
@@ -42,6 +40,7 @@ from automodel_checkpoint.materialize import (
     verify_materialized,
 )
 from automodel_checkpoint.ranks import agree_on_failure, rank_of
+from automodel_checkpoint.write_errors import CheckpointWriteError, publish_or_explain, write_failure
 from automodel_modules import reshard_fsdp_units
 
 __all__ = [
@@ -62,65 +61,6 @@ HF_DIR = "hf"
 
 HF_WEIGHTS = ("none", "also", "only")
 """``hf_weights`` values: no ``hf/`` folder; ``hf/`` beside the full DCP; ``hf/`` and DCP without weights."""
-
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-class CheckpointWriteError(OSError):
-    """A distributed checkpoint could not be written (nothing was published).
-
-    Attributes:
-        path: The checkpoint folder that was being saved.
-    """
-
-    def __init__(self, path: Path, cause: BaseException) -> None:
-        self.path = path
-        found = _os_error(cause)
-        reason = f"{type(cause).__name__}: {cause}"
-        hint = ""
-        if found is not None:
-            reason = f"{found.strerror or found} ({found.filename or 'a checkpoint file'})"
-            if found.errno in _DISK_FULL:
-                hint = "; free disk space (or lower the number of checkpoints kept) and save again"
-        super().__init__(
-            found.errno if found is not None else errno.EIO,
-            f"saving the distributed checkpoint {path} failed: {reason}. Nothing was published and its "
-            f"staging folder was removed; the previous checkpoints are intact{hint}",
-        )
-
-
-def _probe_space(folder: Path, rank: int) -> OSError | None:
-    """After a failed write: whether ``folder``'s file system still takes 1 MiB (the error if not).
-
-    torch's writers can report a full disk without its errno (``torch.save`` raises ``RuntimeError:
-    unexpected pos``); writing a probe tells a full disk apart from other failures.
-    """
-    probe = folder / f".space_probe_{rank}"
-    try:
-        with probe.open("wb") as handle:
-            handle.write(bytes(2**20))
-            handle.flush()
-            os.fsync(handle.fileno())
-    except OSError as exc:
-        return exc
-    finally:
-        probe.unlink(missing_ok=True)
-    return None
-
-
-def _os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
-    """The first ``OSError`` in ``exc``, its causes, or the per-rank failures of a DCP exception."""
-    if exc is None or depth > 8:
-        return None
-    if isinstance(exc, OSError):
-        return exc
-    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-    if isinstance(failures, Mapping):
-        for item in failures.values():
-            inner = item[0] if isinstance(item, tuple) else item
-            if isinstance(inner, BaseException) and (found := _os_error(inner, depth + 1)) is not None:
-                return found
-    return _os_error(exc.__cause__ or exc.__context__, depth + 1)
 
 
 @dataclass(frozen=True)
@@ -300,14 +240,6 @@ def save_distributed_checkpoint(
     return publish_dcp(staging, final, step, extra_state, process_group, error)
 
 
-def write_failure(exc: BaseException, staging: Path, group: dist.ProcessGroup | None) -> BaseException:
-    """The error to report for a failed write: ``exc``, or the disk-full error it hides (a probe write)."""
-    if _os_error(exc) is None and (full := _probe_space(staging, rank_of(group))) is not None:
-        full.__cause__ = exc  # the probe's errno (ENOSPC) names what the writer's message hides
-        return full
-    return exc
-
-
 def publish_dcp(
     staging: Path,
     final: Path,
@@ -322,16 +254,9 @@ def publish_dcp(
         CheckpointWriteError: Some rank's write (``error`` here) or the publish itself failed on a
             file-system error; nothing was published.
     """
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        return publish_staging_dir(
-            staging, final, kind="dcp", step=step, extra_state=extra_state, group=group, write_error=error
-        )
-    except (Exception, CheckpointException) as exc:
-        if error is None and _os_error(exc) is None:
-            raise
-        raise CheckpointWriteError(final, error if error is not None else exc) from exc
+    return publish_or_explain(
+        staging, final, kind="dcp", step=step, extra_state=extra_state, group=group, write_error=error
+    )
 
 
 def load_distributed_checkpoint(

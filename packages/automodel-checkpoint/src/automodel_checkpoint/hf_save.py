@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel_checkpoint.atomic import prepare_staging_dir, publish_staging_dir
+from automodel_checkpoint.atomic import prepare_staging_dir
 from automodel_checkpoint.convert import built_class
 from automodel_checkpoint.export_plan import plan_export, plan_shards
 from automodel_checkpoint.keys import (
@@ -35,6 +35,7 @@ from automodel_checkpoint.keys import (
 from automodel_checkpoint.materialize import initializable_hf_model
 from automodel_checkpoint.parallel_export import gather_order, write_files
 from automodel_checkpoint.ranks import rank_of, world_of
+from automodel_checkpoint.write_errors import publish_or_explain, write_failure
 from automodel_modules import reshard_fsdp_units
 
 __all__ = ["parse_size", "plan_shards", "save_hf_checkpoint"]
@@ -125,8 +126,10 @@ def save_hf_checkpoint(
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False.
-        ValueError: An unreadable ``max_shard_size`` or ``writers`` out of range; OSError from writing
-            (on every rank).
+        ValueError: An unreadable ``max_shard_size`` or ``writers`` out of range; on the other ranks when
+            one rank's write failed (naming the path and the ranks).
+        CheckpointWriteError: This rank's write failed (a full disk), naming the path and the cause;
+            nothing is published and the staging folder is removed.
     """
     limit = parse_size(max_shard_size)
     world = world_of(process_group)
@@ -154,4 +157,6 @@ def save_hf_checkpoint(
                 _write_configs(staging, parts[0], dtype)
         except Exception as exc:  # shared with every rank by the publish step
             error = exc
-    return publish_staging_dir(staging, path, kind="hf", group=process_group, write_error=error)
+    if error is not None:
+        error = write_failure(error, staging, process_group)
+    return publish_or_explain(staging, Path(path), kind="hf", group=process_group, write_error=error)

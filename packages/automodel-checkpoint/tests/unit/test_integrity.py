@@ -106,13 +106,17 @@ def test_a_model_holding_nan_or_inf_is_never_saved(tmp_path: Path, bad: float, d
 _SAVE_WITH_SMALL_FILE_LIMIT = r"""
 import resource, signal, sys
 import torch
-from automodel_checkpoint import AsyncCheckpointer, CheckpointWriteError, save_distributed_checkpoint
+from automodel_checkpoint import (
+    AsyncCheckpointer, CheckpointWriteError, save_distributed_checkpoint, save_hf_checkpoint,
+)
 from automodel_testing import build_tiny_model
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
 model = build_tiny_model("llama", seed=0)
 resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # below one shard file
 try:
-    if sys.argv[2] == "async":
+    if sys.argv[2] == "hf":  # the export's writer thread meets the limit
+        save_hf_checkpoint(model, sys.argv[1], max_shard_size="200KB")
+    elif sys.argv[2] == "async":
         with AsyncCheckpointer() as checkpointer:
             checkpointer.save(model, None, sys.argv[1], step=2)
             print("STAGED")  # the write fails in the background; wait() (here: close) raises it
@@ -123,7 +127,7 @@ except CheckpointWriteError as exc:
 """
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "hf"])
 def test_a_write_that_fails_publishes_nothing_and_removes_its_staging_folder(
     tmp_path: Path, mode: str
 ) -> None:
@@ -137,7 +141,8 @@ def test_a_write_that_fails_publishes_nothing_and_removes_its_staging_folder(
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "ERROR 27 [Errno 27] saving the distributed checkpoint" in result.stdout, (
+    kind = "Hugging Face" if mode == "hf" else "distributed"
+    assert f"ERROR 27 [Errno 27] saving the {kind} checkpoint {tmp_path / 'step_2'}" in result.stdout, (
         result.stdout + result.stderr[-2000:]
     )
     assert "File too large" in result.stdout and "the previous checkpoints are intact" in result.stdout
