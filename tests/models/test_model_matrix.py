@@ -620,15 +620,17 @@ def _export_problems(
     where: list[Any] = [tempfile.mkdtemp(prefix="matrix-export-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(where, src=0)
     folder = pathlib.Path(where[0])
-    save_hf_checkpoint(parts, folder / "hf", max_shard_size="100KB")
-    if peft_config is not None:
-        from automodel_peft import save_adapters
+    try:  # a refusal (a ValueError on every rank) leaves through here too
+        save_hf_checkpoint(parts, folder / "hf", max_shard_size="100KB")
+        if peft_config is not None:
+            from automodel_peft import save_adapters
 
-        save_adapters(parts, folder / "hf" / "adapter")
-    found: list[Any] = [_reload_problems(folder / "hf", ref, batch) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(found, src=0)
-    if dist.get_rank() == 0:
-        shutil.rmtree(folder, ignore_errors=True)
+            save_adapters(parts, folder / "hf" / "adapter")
+        found: list[Any] = [_reload_problems(folder / "hf", ref, batch) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
     return list(found[0])
 
 
