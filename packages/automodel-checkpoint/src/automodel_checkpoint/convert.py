@@ -54,6 +54,7 @@ __all__ = [
     "UnsupportedConversionError",
     "built_class",
     "compute",
+    "compute_disk_tensors",
     "disk_layout",
     "model_conversions",
     "pieces",
@@ -605,17 +606,53 @@ class DiskTensor:
     key: str
     shape: tuple[int, ...]
     pieces: tuple[DiskPiece, ...]
+    computed: tuple[str, ...] = ()
+    """Set instead of ``pieces`` for a tensor transformers computes on saving (an interleave, a
+    transpose, ...): the model tensors whose full values `compute_disk_tensors` turns into it."""
 
     @property
     def model_keys(self) -> tuple[str, ...]:
         """The model tensors it reads, in order of first use."""
-        return tuple(dict.fromkeys(p.model_key for p in self.pieces))
+        return self.computed or tuple(dict.fromkeys(p.model_key for p in self.pieces))
 
     @property
     def whole(self) -> str | None:
         """The model key when this tensor is exactly one whole model tensor (no copy needed)."""
+        if self.computed:
+            return None
         (first, *rest) = self.pieces
         return first.model_key if not rest and first.index is None else None
+
+
+def compute_disk_tensors(model: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The on-disk tensors transformers' reverted conversions compute from the full model tensors ``full``.
+
+    ``full`` holds one `DiskTensor.computed` group: every model tensor those on-disk tensors need.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    hf: Any = _as_built(model)
+    return dict(revert_weight_conversion(hf, dict(full)))
+
+
+def _computed_groups(plan: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[str, ...]]:
+    """On-disk key -> the model keys computed from it and the on-disk keys they share (a component)."""
+    reads = {key: {s.key for s in sources(node)} for key, node in plan.fused.items() if not _sliceable(node)}
+    groups: list[tuple[set[str], set[str]]] = []  # (model keys, on-disk keys)
+    for key, disk_keys in reads.items():
+        joined = [g for g in groups if g[1] & disk_keys]
+        merged = ({key}, set(disk_keys))
+        for group in joined:
+            groups.remove(group)
+            merged[0].update(group[0])
+            merged[1].update(group[1])
+        groups.append(merged)
+    order = list(shapes)
+    return {
+        disk_key: tuple(sorted(model_keys, key=order.index))
+        for model_keys, disk_keys in groups
+        for disk_key in disk_keys
+    }
 
 
 def disk_layout(model: nn.Module | None, shapes: Mapping[str, tuple[int, ...]]) -> list[DiskTensor] | None:
@@ -658,12 +695,7 @@ def disk_layout(model: nn.Module | None, shapes: Mapping[str, tuple[int, ...]]) 
         dtypes={k: t.dtype for k, t in reverted.items()},
         model=model,
     )
-    computed = sorted(k for k, node in plan.fused.items() if not _sliceable(node))
-    if computed:
-        raise UnsupportedConversionError(
-            f"saving {type(model).__name__} in transformers' on-disk layout needs conversions that are "
-            f"computed, not sliced, for {computed[:5]}; save it with save_pretrained from one process"
-        )
+    computed = _computed_groups(plan, shapes)
     covered = set(plan.direct) | set(plan.fused)
     wrong = sorted(set(shapes) ^ covered)
     wrong += sorted(k for k, node in plan.fused.items() if node.shape != shapes[k])
@@ -674,12 +706,24 @@ def disk_layout(model: nn.Module | None, shapes: Mapping[str, tuple[int, ...]]) 
             f"{wrong[:10]} and unmatched on-disk keys {plan.unmatched[:10]}"
         )
     boxes: dict[str, list[DiskPiece]] = {}
+    order: dict[str, None] = {}  # on-disk keys in the order of the model tensors they come from
     for key, shape in shapes.items():
         if key in plan.direct:
             boxes.setdefault(plan.direct[key], []).append(DiskPiece(key, None, (0,) * len(shape), shape))
-            continue
-        for p in pieces(plan.fused[key], (0,) * len(shape), shape):
-            boxes.setdefault(p.key, []).append(DiskPiece(key, p.index, p.start, p.shape))
+            order[plan.direct[key]] = None
+        elif not _sliceable(plan.fused[key]):
+            order.update(dict.fromkeys(sorted(d for d, group in computed.items() if key in group)))
+        else:
+            for p in pieces(plan.fused[key], (0,) * len(shape), shape):
+                boxes.setdefault(p.key, []).append(DiskPiece(key, p.index, p.start, p.shape))
+                order[p.key] = None
+    mixed = sorted(set(boxes) & set(computed))
+    if mixed:
+        raise UnsupportedConversionError(
+            f"saving {type(model).__name__} in transformers' on-disk layout: {mixed[:5]} would be both "
+            "sliced from model tensors and computed by a converter; save it with save_pretrained from one "
+            "process"
+        )
     # Boxes inside the tensor whose volumes add up to it cover it exactly: transformers' chunks and
     # stacks never overlap, so a gap would show as a missing volume.
     uncovered = [
@@ -690,9 +734,11 @@ def disk_layout(model: nn.Module | None, shapes: Mapping[str, tuple[int, ...]]) 
             s + n > size for b in found for s, n, size in zip(b.start, b.shape, disk_shapes[key], strict=True)
         )
     ]
-    if uncovered or set(boxes) != set(disk_shapes):
+    if uncovered or set(boxes) | set(computed) != set(disk_shapes):
         raise ValueError(
             f"transformers' on-disk layout of {type(model).__name__} is not covered by the model's tensors: "
-            f"{sorted(uncovered)[:10]}, absent {sorted(set(disk_shapes) - set(boxes))[:10]}"
+            f"{sorted(uncovered)[:10]}, absent {sorted(set(disk_shapes) - set(boxes) - set(computed))[:10]}"
         )
-    return [DiskTensor(key, disk_shapes[key], tuple(found)) for key, found in boxes.items()]
+    return [
+        DiskTensor(key, disk_shapes[key], tuple(boxes.get(key, ())), computed.get(key, ())) for key in order
+    ]

@@ -75,6 +75,8 @@ class ExportPlan:
         held: The files whose tensors this rank holds (it takes part in their gathers).
         disk: This rank's on-disk keys, each as boxes of its model tensors.
         tensors: This rank's model tensors by model key (DTensors where sharded).
+        model: The transformers model that computes the on-disk tensors that are no boxes
+            (`convert.compute_disk_tensors`); None when there are none.
     """
 
     files: list[tuple[str, list[str]]]
@@ -83,6 +85,7 @@ class ExportPlan:
     held: set[str]
     disk: dict[str, DiskTensor]
     tensors: dict[str, torch.Tensor]
+    model: nn.Module | None = None
 
     @property
     def total_size(self) -> int:
@@ -101,11 +104,15 @@ def _saved_key(keys: Sequence[str], tied_targets: set[str]) -> str:
 
 def _local(
     parts: Sequence[nn.Module], dtype: torch.dtype | None, rules: KeyRules
-) -> tuple[list[_Declared], dict[str, DiskTensor], dict[str, torch.Tensor]]:
-    """This rank's on-disk tensors (declared, in order), their boxes and the model tensors they read."""
+) -> tuple[list[_Declared], dict[str, DiskTensor], dict[str, torch.Tensor], nn.Module | None]:
+    """This rank's on-disk tensors (declared, in order), their boxes and the model tensors they read.
+
+    Also the transformers model that computes the on-disk tensors that are no boxes (None: none are).
+    """
     declared: list[_Declared] = []
     disk: dict[str, DiskTensor] = {}
     tensors: dict[str, torch.Tensor] = {}
+    computing: nn.Module | None = None
     for part in parts:
         hf = initializable_hf_model(part)
         tied_targets = set((getattr(hf, "all_tied_weights_keys", None) or {}).keys())
@@ -117,12 +124,13 @@ def _local(
             for k, shape in shapes.items()
         ]
         for entry in layout:
-            source = own[entry.pieces[0].model_key]
+            source = own[entry.model_keys[0]]
             cast = dtype if dtype is not None and source.dtype.is_floating_point else source.dtype
             declared.append((entry.key, cast, entry.shape))
             disk[entry.key] = entry
+            computing = hf if entry.computed else computing
         tensors.update(own)
-    return declared, disk, tensors
+    return declared, disk, tensors, computing
 
 
 def _exchange(declared: list[_Declared], group: dist.ProcessGroup | None) -> list[list[_Declared]]:
@@ -152,7 +160,7 @@ def plan_export(
         writers: Ranks per holder group that write files (at most the group's size).
         group: The ranks exporting together. Collectives over it: one ``all_gather_object``.
     """
-    declared, disk, tensors = _local(parts, dtype, rules)
+    declared, disk, tensors, computing = _local(parts, dtype, rules)
     per_rank = _exchange(declared, group)
     holders: dict[tuple[str, ...], list[int]] = {}
     for rank, entries in enumerate(per_rank):
@@ -179,4 +187,4 @@ def plan_export(
             owner[name] = holding[index]
     me = rank_of(group)
     held = {name for name, keys in files if keys and me in group_of[keys[0]]}
-    return ExportPlan(files, layouts, owner, held, disk, tensors)
+    return ExportPlan(files, layouts, owner, held, disk, tensors, computing)

@@ -144,7 +144,7 @@ def save_hf_checkpoint(
     staging = prepare_staging_dir(path, overwrite=overwrite, group=process_group)
     mine = {name for name, _ in plan.files if plan.owner[name] == rank}
     order = gather_order([f for f in plan.files if f[0] in plan.held], plan.disk, plan.owner)
-    error = write_files(staging, order, plan.layouts, plan.disk, plan.tensors, mine, _write_hook)
+    error = write_files(staging, order, plan.layouts, plan.disk, plan.tensors, mine, _write_hook, plan.model)
     if rank == 0 and error is None:
         try:
             if len(plan.files) > 1:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from automodel_checkpoint.convert import DiskTensor
+from automodel_checkpoint.convert import DiskTensor, compute_disk_tensors
 from automodel_checkpoint.safetensors_io import SafetensorsStreamWriter
 from automodel_modules import is_dtensor
 
@@ -172,8 +173,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
-def _assemble(disk: DiskTensor, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The on-disk tensor ``disk`` from the full model tensors it reads (a view when it is one box)."""
+def _assemble(
+    disk: DiskTensor, full: Mapping[str, torch.Tensor], computed: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """The on-disk tensor ``disk`` from the full model tensors it reads (a view when it is one box).
+
+    A tensor that transformers' converters compute comes from ``computed`` (the unit's, computed once).
+    """
+    if disk.computed:
+        return computed[disk.key]
     whole = disk.whole
     if whole is not None:
         return full[whole]
@@ -198,6 +206,7 @@ def write_files(
     tensors: Mapping[str, torch.Tensor],
     mine: set[str],
     write_hook: Callable[[str], None] | None = None,
+    model: nn.Module | None = None,
 ) -> BaseException | None:
     """Gather every unit of ``order`` (all ranks, collectives) and write the tensors of this rank's files.
 
@@ -209,6 +218,7 @@ def write_files(
         tensors: The model tensors by model key (DTensors are gathered with ``full_tensor()``).
         mine: The files this rank writes.
         write_hook: Called with each key after it is written (tests kill a rank mid-save with it).
+        model: The transformers model that computes the on-disk tensors marked ``computed``.
 
     Returns:
         This rank's first write error, or None. A write error stops the writing, never the gathering,
@@ -222,8 +232,14 @@ def write_files(
                 full = {k: _full(tensors[k]) for k in unit.model_keys}
                 if unit.file not in mine:
                     continue
+                computed = {}
+                if any(disk[key].computed for key in unit.keys):
+                    assert model is not None, "computed on-disk tensors without the model that computes them"
+                    computed = compute_disk_tensors(model, full)
                 for key in unit.keys:
-                    host = _assemble(disk[key], full).to(device="cpu", dtype=dtypes[key]).contiguous()
+                    host = (
+                        _assemble(disk[key], full, computed).to(device="cpu", dtype=dtypes[key]).contiguous()
+                    )
                     writer.put(unit.file, key, host)
     finally:
         error = writer.finish()

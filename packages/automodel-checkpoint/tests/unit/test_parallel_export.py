@@ -72,3 +72,23 @@ def test_one_process_export_equals_save_pretrained(tmp_path: Path) -> None:
     assert safetensors_differences(tmp_path / "ours", tmp_path / "hf") == []
     with pytest.raises(ValueError, match="writers=2: give between 1 and the 1 rank"):
         save_hf_checkpoint(model, tmp_path / "two", writers=2)
+
+
+@pytest.mark.parametrize("model_type", ["sarvam_moe", "lara_mini"])
+def test_tensors_transformers_computes_on_saving_are_exported(tmp_path: Path, model_type: str) -> None:
+    """Converters that are not slices (Sarvam-MoE's attention projections, Lara-Mini's linear-attention
+    projections): their on-disk tensors are computed from the full model tensors, as on saving."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from automodel_checkpoint.convert import disk_layout
+    from automodel_testing.tiny import derive_tiny_config
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(derive_tiny_config(model_type))
+    layout = disk_layout(model, {k: tuple(t.shape) for k, t in model.state_dict().items()})
+    assert layout is not None and any(entry.computed for entry in layout)
+    model.save_pretrained(tmp_path / "hf")
+    save_hf_checkpoint(model, tmp_path / "ours", max_shard_size="100KB")
+    assert safetensors_differences(tmp_path / "ours", tmp_path / "hf") == []
