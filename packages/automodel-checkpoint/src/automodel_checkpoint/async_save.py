@@ -99,12 +99,12 @@ class AsyncCheckpointer:
         """Stage a checkpoint of ``model`` (and ``optimizer``) and write it in the background.
 
         The arguments are those of `save_distributed_checkpoint`; an ``hf/`` folder (``hf_weights``) is
-        written before this returns (a consolidated export gathers every tensor), the DCP files in
-        the background. Preconditions: every rank calls this
-        with the same ``path``, on a shared file system. Collectives (calling thread, over the
-        checkpointer's process group): those of the previous save's `wait`, the finite check, the
-        folder and the staging agreement; the write's and the publish's run in the background over
-        the ``gloo`` group. Nothing is mutated, except as `save_distributed_checkpoint` says.
+        written before this returns (a consolidated export gathers every tensor), the DCP files in the
+        background. Preconditions: every rank calls this with the same ``path``, on a shared file
+        system. Collectives (calling thread, over the checkpointer's process group): those of the
+        previous save's `wait`, the finite check, the folder, the ``hf/`` export and the staging
+        agreement; the write's and the publish's run in the background over the ``gloo`` group.
+        Nothing is mutated, except as `save_distributed_checkpoint` says.
 
         Raises:
             FileExistsError: ``path`` exists and ``overwrite`` is False.
