@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -63,18 +64,22 @@ class AsyncCheckpointer:
     """Saves distributed checkpoints in the background, at most one in flight.
 
     Build it on every rank at the same point (it makes a ``gloo`` process group, a collective over the
-    world). Use it as a context manager, or call `close` at the end: it waits for the save in flight.
+    world; ``timeout`` is that group's, torch's default when None: give the training's, so that a rank
+    that died during a background write stops the others as soon). Use it as a context manager, or
+    call `close` at the end: it waits for the save in flight.
 
     Attributes:
         last_blocking_s: Seconds the last `save` held the caller (the check, folder and staging).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, process_group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
+    ) -> None:
         self._group = process_group
         self._upload: dist.ProcessGroup | None = None
         if is_distributed():
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            group = dist.new_group(ranks=ranks, backend="gloo")
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
             assert isinstance(group, dist.ProcessGroup)  # every rank of the world is a member
             self._upload = group
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="automodel-checkpoint")

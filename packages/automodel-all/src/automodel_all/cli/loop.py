@@ -80,11 +80,13 @@ def _expert_load(run: TrainingRun) -> Any:
     return ExpertLoad.attach(run.parts, ep_size=run.mesh.ep_size, num_experts=int(agreed))
 
 
-def _checkpointer(background: bool) -> AsyncCheckpointer | None:
+def _checkpointer(background: bool, timeout_minutes: float) -> AsyncCheckpointer | None:
     """The background writer of the periodic checkpoints (collective: it makes a gloo group)."""
+    from datetime import timedelta
+
     from automodel_checkpoint import AsyncCheckpointer
 
-    return AsyncCheckpointer() if background else None
+    return AsyncCheckpointer(timeout=timedelta(minutes=timeout_minutes)) if background else None
 
 
 class _Loop:
@@ -104,7 +106,7 @@ class _Loop:
         self.params = [p for group in run.optimizer.param_groups for p in group["params"]]
         self.skipped = start.skipped_steps
         self.metrics = MetricsWriter(run.out, enabled=self.rank == 0, tensorboard=self.train.tensorboard)
-        self.checkpointer = _checkpointer(self.train.async_checkpoint)
+        self.checkpointer = _checkpointer(self.train.async_checkpoint, job.launch.timeout_minutes)
         self.experts = _expert_load(run)
         fp8 = job.fp8
         self.precompute_fp8 = fp8 is not None and fp8.enabled and fp8.precompute_float8_dynamic_scale_for_fsdp
