@@ -201,13 +201,7 @@ def test_priority_ladder_on_one_model(plan_module: str) -> None:
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no default-plan warning
-        plan = resolve_tp_plan(model, tp_size=2)
-    # k_proj / v_proj, left replicated inside the sharded attention, get summed gradients (`regions`).
-    assert list(plan)[: len(hf_keys)] == hf_keys
-    assert {type(style).__name__ for style in list(plan.values())[len(hf_keys) :]} == {
-        "ReplicatedWithGradAllReduce"
-    }
-    assert {k.rsplit(".", 1)[1] for k in list(plan)[len(hf_keys) :]} == {"k_proj", "v_proj"}
+        assert list(resolve_tp_plan(model, tp_size=2)) == hf_keys
     register_tp_plan(Ladder, {"lm_head": "colwise_rep"})
     assert list(resolve_tp_plan(model, tp_size=2)) == ["lm_head"]
     path = f"{plan_module}.PLAN"
@@ -590,25 +584,3 @@ class _SkipDecoder(nn.Module):
 def test_derived_sequence_parallel_refuses_a_block_output_given_as_a_side_input() -> None:
     with pytest.raises(ValueError, match="_SkipBlock given a block's output besides its stream"):
         resolve_tp_plan(_SkipDecoder(), sequence_parallel=True, tp_size=2)
-
-
-def test_replicated_parameters_in_a_sharded_region_get_summed_gradients() -> None:
-    """A plan that leaves per-head q/k norms replicated between q_proj (local colwise) and o_proj (rowwise)
-    gets `ReplicatedWithGradAllReduce` for them; norms outside the regions stay as they are."""
-    from transformers import AutoModelForCausalLM
-
-    from automodel_distributed.tensor_parallel.plans import LLAMA_TP_PLAN
-    from automodel_distributed.tensor_parallel.regions import sharded_regions, with_partial_gradient_params
-    from automodel_distributed.tensor_parallel.styles import ReplicatedWithGradAllReduce
-    from automodel_testing.tiny import derive_tiny_config
-
-    model = AutoModelForCausalLM.from_config(derive_tiny_config("qwen3"))
-    plan = resolve_tp_plan(model, dict(LLAMA_TP_PLAN), tp_size=2)  # without Qwen3's head norms
-    regions = sharded_regions(model, plan)
-    assert {"model.layers.0.self_attn", "model.layers.0.mlp"} <= regions
-    added = {k: v for k, v in plan.items() if isinstance(v, ReplicatedWithGradAllReduce)}
-    layers = model.config.num_hidden_layers
-    assert sorted(added) == sorted(
-        f"model.layers.{i}.self_attn.{norm}" for i in range(layers) for norm in ("q_norm", "k_norm")
-    )
-    assert with_partial_gradient_params(model, plan) == plan  # once is enough: nothing more to add

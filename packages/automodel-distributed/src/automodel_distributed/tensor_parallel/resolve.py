@@ -20,7 +20,6 @@ from automodel_distributed.tensor_parallel.plans import (
     DEFAULT_DECODER_SP_PLAN,
     INEXACT_HF_TP_PLANS,
 )
-from automodel_distributed.tensor_parallel.regions import with_partial_gradient_params
 from automodel_distributed.tensor_parallel.registry import (
     PlanMapping,
     PlanSource,
@@ -272,8 +271,6 @@ def resolve_tp_plan(
 
     Sources 3-5 are skipped (the reason joins the error message) when they do not fit ``tp_size``
     (`validate_tensor_parallel`, e.g. key/value heads that do not divide); 1 and 2 are used as given.
-    Whatever the source, modules holding trainable parameters inside a sharded region that the plan
-    leaves replicated get ``replicated_with_grad_allreduce`` (`regions.with_partial_gradient_params`).
 
     With ``sequence_parallel=True`` the chosen plan gets one entry per decoder block (found with
     `automodel_distributed.blocks.find_transformer_blocks`) that keeps the residual stream between the
@@ -301,7 +298,6 @@ def resolve_tp_plan(
     """
     tp_size = _check_tp_size(tp_size)
     styles, source = _resolve(model, tp_plan, sequence_parallel, tp_size)
-    styles = with_partial_gradient_params(model, styles)  # replicas that see a slice: summed gradients
     if sequence_parallel and styles:
         styles = _with_sequence_blocks(model, styles, source)
     return styles
