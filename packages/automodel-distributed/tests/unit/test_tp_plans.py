@@ -584,3 +584,24 @@ class _SkipDecoder(nn.Module):
 def test_derived_sequence_parallel_refuses_a_block_output_given_as_a_side_input() -> None:
     with pytest.raises(ValueError, match="_SkipBlock given a block's output besides its stream"):
         resolve_tp_plan(_SkipDecoder(), sequence_parallel=True, tp_size=2)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "entry"),
+    [("sarvam_moe", "model.layers.*.self_attn.q_norm"), ("apertus", "model.layers.*.mlp.act_fn")],
+)
+def test_transformers_plans_get_the_gradient_sums_they_lack(model_type: str, entry: str) -> None:
+    """Replicated parameters applied to a rank's slice that transformers' plan leaves out (found by the
+    model matrix's export check: the TP replicas drifted apart) come from `HF_TP_PLAN_SUPPLEMENTS`."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from automodel_distributed.tensor_parallel.styles import ReplicatedWithGradAllReduce
+    from automodel_testing.tiny import derive_tiny_config
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(derive_tiny_config(model_type))
+    plan = resolve_tp_plan(model, tp_size=2)
+    assert isinstance(plan.get(entry), ReplicatedWithGradAllReduce), sorted(plan)

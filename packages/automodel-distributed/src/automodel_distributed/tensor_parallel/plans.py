@@ -132,6 +132,20 @@ DEFAULT_DECODER_PLAN: Plan = {k.removeprefix("model."): v for k, v in LLAMA_TP_P
 DEFAULT_DECODER_SP_PLAN: Plan = {k.removeprefix("model."): v for k, v in LLAMA_SP_PLAN.items()}
 """Its sequence-parallel variant."""
 
+_XIELU: Plan = {"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}
+
+HF_TP_PLAN_SUPPLEMENTS: Mapping[str, Plan] = {
+    # Per-head q/k norms after the column-parallel projections (when the config has them).
+    "Glm4MoeForCausalLM": _HEAD_NORMS,
+    # xIELU's learned scalars, applied to this rank's slice of the MLP's features.
+    "ApertusForCausalLM": _XIELU,
+    "Apertus1p5TextForCausalLM": _XIELU,
+}
+"""Model class name -> entries transformers' plan lacks: replicated parameters applied to this rank's
+slice of a sharded activation, whose gradients must be summed over the TP ranks (without them each
+replica trains on its own part of the gradient and they drift apart). Entries that name no module of the
+model (a config without q/k norms) are dropped."""
+
 INEXACT_HF_TP_PLANS: Mapping[str, str] = {
     "DogeForCausalLM": (
         "its row-parallel dt_proj hands every rank the dynamic mask of all key/value heads (scaled by the "

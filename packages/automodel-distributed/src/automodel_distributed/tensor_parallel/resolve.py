@@ -18,6 +18,7 @@ from automodel_distributed.tensor_parallel.lora import expand_lora_plan, is_lora
 from automodel_distributed.tensor_parallel.plans import (
     DEFAULT_DECODER_PLAN,
     DEFAULT_DECODER_SP_PLAN,
+    HF_TP_PLAN_SUPPLEMENTS,
     INEXACT_HF_TP_PLANS,
 )
 from automodel_distributed.tensor_parallel.registry import (
@@ -340,7 +341,10 @@ def _transformers_plan(
     tp_size: int,
     notes: list[str],
 ) -> tuple[_Found | None, str]:
-    """The model's own transformers plan (``base_model_tp_plan``), when it is exact and fits ``tp_size``."""
+    """The model's own transformers plan (``base_model_tp_plan``), when it is exact and fits ``tp_size``.
+
+    Completed with `plans.HF_TP_PLAN_SUPPLEMENTS` (entries transformers' plan lacks for the class).
+    """
     hf_plan, note = translate_hf_tp_plan(hf_model)
     mro = type(hf_model).__mro__
     inexact = next((INEXACT_HF_TP_PLANS[c.__name__] for c in mro if c.__name__ in INEXACT_HF_TP_PLANS), None)
@@ -348,6 +352,10 @@ def _transformers_plan(
         return None, f"transformers' tp plan is not exact for it: {inexact}"
     if hf_plan is None:
         return None, note
+    supplement = next(
+        (HF_TP_PLAN_SUPPLEMENTS[c.__name__] for c in mro if c.__name__ in HF_TP_PLAN_SUPPLEMENTS), {}
+    )
+    hf_plan = {**hf_plan, **{k: v for k, v in supplement.items() if match_modules(hf_model, k)}}
     styles, problem = _fit(model, hf_plan, prefix, tp_size, "transformers' tp plan")
     if problem is not None:
         return None, f"transformers' tp plan does not fit: {problem}"
