@@ -10,10 +10,10 @@ Two measurements, each against a baseline from the same run:
   save cannot avoid (DCP's staging alone, just before it); then the step time while a save is being
   written against the step time with none in flight (steps interleaved).
 - ``export``: real widths with random bf16 weights (`bench_scale.MODELS`: the Llama-3.2-1B shape under
-  FSDP2, Qwen3-30B-A3B widths with 64 experts under EP x FSDP2), ``save_hf_checkpoint`` with every rank
-  writing against one writer (rank 0, the serial export), alternated and repeated; the peak growth of
-  each rank's resident memory during the export (over its shards, already resident), in units of the
-  largest tensor.
+  FSDP2, Qwen3-30B-A3B widths with 64 experts under EP x FSDP2), ``save_hf_checkpoint`` into files of
+  `SHARD` with every rank writing against one writer (rank 0, the serial export), alternated and
+  repeated; the peak growth of each rank's resident memory during the export (over its shards, already
+  resident), in units of the largest tensor.
 
 On this CPU host, the ranks, the writer threads and the disk share 2 cores: the ratios say how the
 mechanisms behave here, not what a GPU node gives (there staging is a device-to-host copy into pinned
@@ -42,6 +42,9 @@ from bench_checkpoint_load import MODEL, MiB, _Meter
 from bench_scale import MODELS, _config
 
 RANKS = 4
+SHARD = "300MB"
+"""File size of the exports: 8 files of a 2.4 GB model, as a 70B model makes 30 of 5 GB (with the default
+5 GB, a 1B model is one file, which one rank writes however many ranks there are)."""
 STEPS_BETWEEN = 4  # steps with no save in flight, between two measured saves
 
 
@@ -159,7 +162,9 @@ def exports(name: str, root: str, repeats: int) -> dict[str, Any]:
             dist.barrier()
             meter = _Meter()
             start = time.perf_counter()
-            save_hf_checkpoint(model, f"{root}/{label}", writers=writers, overwrite=True)
+            save_hf_checkpoint(
+                model, f"{root}/{label}", max_shard_size=SHARD, writers=writers, overwrite=True
+            )
             out.setdefault(label, []).append(time.perf_counter() - start)
             out.setdefault(f"{label}_peak", []).append(meter.peak * MiB)
     out["bytes"] = sum(f.stat().st_size for f in Path(f"{root}/parallel").glob("*.safetensors"))

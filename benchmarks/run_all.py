@@ -403,8 +403,8 @@ def section_checkpoints() -> list[Row]:
                 ours=r["parallel"],
                 baseline=r["serial"],
                 unit="s",
-                notes=f"{r['bytes'] / MiB:.0f} MiB bf16 on 4 gloo ranks, median of 2 alternated; bound here "
-                "by the all-gathers, not the disk (goal <= 0.35)",
+                notes=f"{r['bytes'] / MiB:.0f} MiB bf16 in files of {bench_checkpoint_save.SHARD} on 4 gloo "
+                "ranks, median of 2 alternated (goal <= 0.35)",
             ),
             Row(
                 section=section,
