@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from _launch import launch
 from bench_checkpoint_load import MODEL, MiB, _Meter
-from bench_scale import MODELS, _config
+from bench_scale import MODELS, _config, infrastructure, sharded_model
 
 RANKS = 4
 SHARD = "300MB"
@@ -113,35 +113,10 @@ def async_saves(root: str, repeats: int) -> dict[str, Any]:
 
 
 def _export_model(name: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
     from automodel_checkpoint import initialize_model_weights
-    from automodel_distributed import FSDP2Config
-    from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
-    from automodel_mesh import MeshContext, ParallelismSizes
-    from automodel_moe import MoEParallelizerConfig
 
-    spec = MODELS[name]
-    config = FSDP2Config()
-    mesh = MeshContext.build(config, ParallelismSizes(ep_size=spec.ep_size))
-    infra = instantiate_infrastructure(
-        distributed_config=config,
-        moe_config=MoEParallelizerConfig() if spec.ep_size > 1 else None,
-        mesh=mesh,
-        device=torch.device("cpu"),
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(_config(spec), dtype=torch.bfloat16)
-        model = apply_model_infrastructure(
-            model,
-            is_meta_device=True,
-            device=torch.device("cpu"),
-            model_wrapper=infra.model_wrapper,
-            mesh=mesh,
-            parallelize_fn=infra.parallelize_fn,
-        )
+    mesh, infra = infrastructure(name)
+    model = sharded_model(_config(MODELS[name]), mesh, infra)
     initialize_model_weights(model, "cpu")
     return model
 

@@ -171,13 +171,11 @@ def baseline(path: str, kind: str) -> dict[str, Any]:
     }
 
 
-def ours(name: str, path: str, kind: str, cpu_runtime: bool) -> dict[str, Any]:
-    """One rank: meta model, the public API with ``load_base_model=True``, one step on this rank's row."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def infrastructure(name: str, cpu_runtime: bool = False) -> tuple[Any, Any]:
+    """The mesh and infrastructure of ``MODELS[name]`` with the default `FSDP2Config` (collective)."""
     from automodel_cpu import CPURuntime
     from automodel_distributed import FSDP2Config
-    from automodel_infra import apply_model_infrastructure, instantiate_infrastructure
+    from automodel_infra import instantiate_infrastructure
     from automodel_mesh import MeshContext, ParallelismSizes
     from automodel_moe import MoEParallelizerConfig
 
@@ -190,26 +188,46 @@ def ours(name: str, path: str, kind: str, cpu_runtime: bool) -> dict[str, Any]:
         mesh=mesh,
         device=torch.device("cpu"),
     )
-    hf_config = AutoConfig.from_pretrained(path)
-    rank = dist.get_rank()
-    ids = _batch(hf_config.vocab_size)[rank : rank + 1]
-    dist.barrier()
-    meter = _Meter()
-    start = time.perf_counter()
+    return mesh, infra
+
+
+def sharded_model(hf_config: Any, mesh: Any, infra: Any, path: str | None = None) -> torch.nn.Module:
+    """A bf16 meta model of ``hf_config`` through `apply_model_infrastructure` (collective).
+
+    Loaded from ``path`` when given; else its weights are left for `initialize_model_weights`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from automodel_infra import apply_model_infrastructure
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
-        model = apply_model_infrastructure(
+        return apply_model_infrastructure(
             model,
             is_meta_device=True,
             device=torch.device("cpu"),
             model_wrapper=infra.model_wrapper,
             mesh=mesh,
             parallelize_fn=infra.parallelize_fn,
-            load_base_model=True,
-            pretrained_model_name_or_path=path,
+            load_base_model=path is not None,
+            pretrained_model_name_or_path=path or "",
         )
+
+
+def ours(name: str, path: str, kind: str, cpu_runtime: bool) -> dict[str, Any]:
+    """One rank: meta model, the public API with ``load_base_model=True``, one step on this rank's row."""
+    from transformers import AutoConfig
+
+    mesh, infra = infrastructure(name, cpu_runtime)
+    hf_config = AutoConfig.from_pretrained(path)
+    rank = dist.get_rank()
+    ids = _batch(hf_config.vocab_size)[rank : rank + 1]
+    dist.barrier()
+    meter = _Meter()
+    start = time.perf_counter()
+    model = sharded_model(hf_config, mesh, infra, path)
     dist.barrier()
     load_s = time.perf_counter() - start
     meter.mark("load")

@@ -133,13 +133,27 @@ def _local(
     return declared, disk, tensors, computing
 
 
-def _exchange(declared: list[_Declared], group: dist.ProcessGroup | None) -> list[list[_Declared]]:
-    """Every rank's declared tensors (one ``all_gather_object``; no collective on one rank)."""
+def _exchange(
+    declared: list[_Declared], failure: ValueError | None, group: dist.ProcessGroup | None
+) -> list[list[_Declared]]:
+    """Every rank's declared tensors (one ``all_gather_object``; no collective on one rank).
+
+    Raises:
+        ValueError: Some rank could not describe its tensors (``failure``): on every rank, so that no
+            rank waits in a gather the failed one never joins.
+    """
     if world_of(group) == 1:
+        if failure is not None:
+            raise failure
         return [declared]
-    gathered: list[list[_Declared] | None] = [None] * world_of(group)
-    dist.all_gather_object(gathered, declared, group=group)
-    return [entries or [] for entries in gathered]
+    gathered: list[tuple[list[_Declared], str | None] | None] = [None] * world_of(group)
+    dist.all_gather_object(gathered, (declared, None if failure is None else str(failure)), group=group)
+    if failure is not None:
+        raise failure
+    failed = [(rank, item[1]) for rank, item in enumerate(gathered) if item is not None and item[1]]
+    if failed:
+        raise ValueError(f"exporting failed on rank(s) {[r for r, _ in failed]}: {failed[0][1]}")
+    return [item[0] if item is not None else [] for item in gathered]
 
 
 def plan_export(
@@ -159,9 +173,17 @@ def plan_export(
         rules: Model-name rewrites.
         writers: Ranks per holder group that write files (at most the group's size).
         group: The ranks exporting together. Collectives over it: one ``all_gather_object``.
+
+    Raises:
+        ValueError: Some rank's parts hold a tensor that cannot be written in transformers' layout (on
+            every rank, before any tensor moves).
     """
-    declared, disk, tensors, computing = _local(parts, dtype, rules)
-    per_rank = _exchange(declared, group)
+    failure: ValueError | None = None
+    try:
+        declared, disk, tensors, computing = _local(parts, dtype, rules)
+    except ValueError as exc:  # a conversion we cannot write (UnsupportedConversionError), on this rank
+        failure, (declared, disk, tensors, computing) = exc, ([], {}, {}, None)
+    per_rank = _exchange(declared, failure, group)
     holders: dict[tuple[str, ...], list[int]] = {}
     for rank, entries in enumerate(per_rank):
         holders.setdefault(tuple(key for key, _, _ in entries), []).append(rank)

@@ -99,15 +99,17 @@ def test_peft_adapters_round_trip(tmp_path: Path) -> None:
         save_adapters(model, tmp_path / "other", adapter_name="other")
 
 
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> float:
+    """One optimizer step; the loss before it."""
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
 def test_distributed_checkpoint_resume_single_process(tmp_path: Path) -> None:
     batches = [make_batch(128, 2, 8, seed=s) for s in range(3)]
-
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> float:
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss.item())
 
     model = build_tiny_model("llama", seed=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -140,13 +142,6 @@ def test_a_checkpoint_with_its_weights_in_the_hugging_face_format(tmp_path: Path
     from automodel_checkpoint import read_marker
 
     batches = [make_batch(128, 2, 8, seed=s) for s in range(3)]
-
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> float:
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss.detach())
 
     model = build_tiny_model("llama", seed=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
