@@ -12,7 +12,7 @@ Two measurements, each against a baseline from the same run:
 - ``export``: real widths with random bf16 weights (`bench_scale.MODELS`: the Llama-3.2-1B shape under
   FSDP2, Qwen3-30B-A3B widths with 64 experts under EP x FSDP2), ``save_hf_checkpoint`` into files of
   `SHARD` with every rank writing against one writer (rank 0, the serial export), alternated and
-  repeated; the peak growth of each rank's resident memory during the export (over its shards, already
+  repeated, each into a new folder; in both, a tensor moves only onto the rank that writes it; the peak growth of each rank's resident memory during the export (over its shards, already
   resident), in units of the largest tensor.
 
 On this CPU host, the ranks, the writer threads and the disk share 2 cores: the ratios say how the
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -134,15 +135,16 @@ def exports(name: str, root: str, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {"largest": _largest_bytes(model)}
     for _ in range(repeats):
         for label, writers in (("parallel", None), ("serial", 1)):
+            folder = Path(root) / label
+            if dist.get_rank() == 0:  # a new folder each time: removing the last one is not timed
+                shutil.rmtree(folder, ignore_errors=True)
             dist.barrier()
             meter = _Meter()
             start = time.perf_counter()
-            save_hf_checkpoint(
-                model, f"{root}/{label}", max_shard_size=SHARD, writers=writers, overwrite=True
-            )
+            save_hf_checkpoint(model, folder, max_shard_size=SHARD, writers=writers)
             out.setdefault(label, []).append(time.perf_counter() - start)
             out.setdefault(f"{label}_peak", []).append(meter.peak * MiB)
-    out["bytes"] = sum(f.stat().st_size for f in Path(f"{root}/parallel").glob("*.safetensors"))
+    out["bytes"] = sum(f.stat().st_size for f in (Path(root) / "parallel").glob("*.safetensors"))
     return out
 
 

@@ -118,6 +118,7 @@ def publish_staging_dir(
     extra_state: Mapping[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
     write_error: BaseException | None = None,
+    known_checksums: Mapping[str, dict[str, Any]] | None = None,
 ) -> Path:
     """Finish a save: agree that every rank wrote its files, then write the marker and rename.
 
@@ -133,6 +134,8 @@ def publish_staging_dir(
         extra_state: JSON-serialisable data recorded in the marker.
         group: The ranks that saved.
         write_error: This rank's error while writing, if any (then nothing is published).
+        known_checksums: Checksums this rank computed while writing its files (paths relative to
+            ``staging``); those files are not read back.
 
     Returns:
         The published folder.
@@ -143,7 +146,8 @@ def publish_staging_dir(
     """
     path = Path(final)
     abandon_on_failure(staging, write_error, f"writing checkpoint {path}", group)
-    checksums = file_checksums(staging, exclude=frozenset({COMPLETE_MARKER}), group=group)
+    marker_excluded = frozenset({COMPLETE_MARKER})
+    checksums = file_checksums(staging, exclude=marker_excluded, group=group, known=known_checksums)
     error: BaseException | None = None
     if rank_of(group) == 0:
         try:

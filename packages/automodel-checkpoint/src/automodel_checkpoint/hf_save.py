@@ -4,10 +4,10 @@ The export is planned first, alike on every rank (`export_plan`): transformers' 
 split at ``max_shard_size`` with transformers' names and index (``model-00001-of-00002.safetensors``,
 ``model.safetensors.index.json``), and each file's writer, files being shared out by bytes among the
 ranks that hold its tensors (every rank; or, under pipeline parallelism, the ranks of the stage). They
-are then written in parallel (`parallel_export`): tensors are gathered one unit at a time
-(``DTensor.full_tensor()`` over their mesh), and the rank that owns a tensor's file streams it out from
-a writer thread while all ranks gather the next, so no rank holds more than the tensors of one gather
-and a few on their way to disk beyond its shards. The folder gets ``config.json`` (plus
+are then written in parallel (`parallel_export`): each round moves one gather unit onto each writer
+(`owner_gather`: only the rank that writes a tensor receives it), and the writers stream them out from
+a writer thread while the ranks gather the next round, so no rank holds more than the tensors of one
+unit and a few on their way to disk beyond its shards. The folder gets ``config.json`` (plus
 ``generation_config.json`` when the model has one), so ``AutoModelForCausalLM.from_pretrained`` loads
 it. Saves are atomic (`atomic`).
 """
@@ -104,9 +104,10 @@ def save_hf_checkpoint(
     tensors written are the same for any number of writers); rank 0 also writes the index and configs.
 
     Preconditions: every rank of ``process_group`` calls this, with the same arguments, each with the
-    model parts it holds. Collectives: one ``all_gather_object`` (the plan); one ``full_tensor()``
-    all-gather per sharded tensor over its mesh, in an order the ranks of that mesh compute alike
-    (`parallel_export.gather_order`); those of the atomic publish (failure agreement, checksums shared
+    model parts it holds. Collectives: one ``all_gather_object`` (the plan); per round of gather
+    units with distinct writers, one ``batch_isend_irecv`` moving their tensors' blocks onto the writers
+    (and a ``full_tensor()`` for a tensor whose shards are not boxes), in an order every holder computes
+    alike (`parallel_export.gather_order`); those of the atomic publish (failure agreement, checksums shared
     out among the ranks). Nothing in the model is mutated (FSDP2 modules are resharded first).
 
     Args:
@@ -142,9 +143,18 @@ def save_hf_checkpoint(
     plan = plan_export(parts, limit, dtype, rules, writers, process_group)
     rank = rank_of(process_group)
     staging = prepare_staging_dir(path, overwrite=overwrite, group=process_group)
-    mine = {name for name, _ in plan.files if plan.owner[name] == rank}
     order = gather_order([f for f in plan.files if f[0] in plan.held], plan.disk, plan.owner)
-    error = write_files(staging, order, plan.layouts, plan.disk, plan.tensors, mine, _write_hook, plan.model)
+    error, checksums = write_files(
+        staging,
+        order,
+        plan.layouts,
+        plan.disk,
+        plan.tensors,
+        plan.owner,
+        group=process_group,
+        write_hook=_write_hook,
+        model=plan.model,
+    )
     if rank == 0 and error is None:
         try:
             if len(plan.files) > 1:
@@ -159,4 +169,6 @@ def save_hf_checkpoint(
             error = exc
     if error is not None:
         error = write_failure(error, staging, process_group)
-    return publish_or_explain(staging, Path(path), kind="hf", group=process_group, write_error=error)
+    return publish_or_explain(
+        staging, Path(path), kind="hf", group=process_group, write_error=error, known_checksums=checksums
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ def file_checksums(
     *,
     exclude: frozenset[str] = frozenset(),
     group: dist.ProcessGroup | None = None,
+    known: Mapping[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of every file under ``folder`` (recursively), hashed by the ranks together.
 
@@ -60,18 +62,27 @@ def file_checksums(
         folder: The folder (a checkpoint's staging folder).
         exclude: File names left out (the completion marker).
         group: The ranks that share the work.
+        known: This rank's checksums of files it wrote (computed as it wrote them): not read again,
+            as long as the file still has the recorded size.
 
     Returns:
         ``{path relative to folder: {"size": int, "sha256": str}}``, the same on every rank.
     """
     root = Path(folder)
-    names = _gather(_listing(root, exclude) if rank_of(group) == 0 else None, group)[0]
+    gathered = _gather((_listing(root, exclude) if rank_of(group) == 0 else None, dict(known or {})), group)
+    names: list[str] = gathered[0][0]
+    merged = {
+        name: record
+        for _, part in gathered
+        for name, record in part.items()
+        if name in names and (root / name).stat().st_size == record["size"]
+    }
     rank, world = rank_of(group), world_of(group)
+    unhashed = [name for name in names if name not in merged]
     mine = {
         name: {"size": (root / name).stat().st_size, "sha256": _sha256(root / name)}
-        for name in names[rank::world]
+        for name in unhashed[rank::world]
     }
-    merged: dict[str, dict[str, Any]] = {}
     for part in _gather(mine, group):
         merged.update(part)
     return dict(sorted(merged.items()))

@@ -2,16 +2,17 @@
 
 `save_hf_checkpoint` plans its safetensors files first (names, keys, sizes: the same whatever the world
 size). Here the files are shared out among ``W`` writer ranks by bytes (`assign_files`: largest file
-first onto the least-loaded writer), so each writes about ``1/W`` of the export. Every rank still takes
-part in every gather, since a sharded tensor's ``full_tensor()`` is a collective over its mesh, but in
-an order that takes turns between the writers' files (`gather_order`); the rank that owns a tensor's
-file hands its host copy to a writer thread (`FileWriter`) that streams it into the file while all ranks
-go on to gather the next. Writes therefore overlap each other and the gathers, instead of one rank
-writing every byte while the others wait in the next collective.
+first onto the least-loaded writer), so each writes about ``1/W`` of the export. The gather units are
+taken in an order that takes turns between the writers (`gather_order`), in rounds of units with
+distinct writers; each round moves every unit's tensors onto its writer alone, at once
+(`owner_gather.gather_round`), so each rank receives about ``1/W`` of the export's bytes. The writer
+hands its host copies to a thread (`FileWriter`) that streams them into the file while the ranks go on
+to the next round: writes overlap each other and the gathers.
 
-Memory per rank: its shards, the model tensors of the current gather (on their device; the largest is
-the bound) and at most ``QUEUE_DEPTH + 1`` on-disk tensors on their way to disk (host memory). The
-files' bytes are the serial writer's: the same layout, each file written in its declared order.
+Memory per rank: its shards, the whole tensors of its unit in the current round (on their device; the
+largest unit is the bound) and at most ``QUEUE_DEPTH + 1`` on-disk tensors on their way to disk (host
+memory). The files' bytes are the serial writer's: the same layout, each file written in its declared
+order.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from automodel_checkpoint.convert import DiskTensor, compute_disk_tensors
+from automodel_checkpoint.owner_gather import gather_round, rounds
+from automodel_checkpoint.ranks import global_rank, rank_of
 from automodel_checkpoint.safetensors_io import SafetensorsStreamWriter
-from automodel_modules import is_dtensor
 
 __all__ = ["QUEUE_DEPTH", "FileWriter", "GatherUnit", "assign_files", "gather_order", "write_files"]
 
@@ -108,7 +112,8 @@ class FileWriter:
     The first error stops the writing, not the consuming (the producer, in collectives with the other
     ranks, must never block on a full queue); `finish` returns it. Every file is closed (flushed and
     fsynced) when its last declared tensor is written; `finish` also creates the files that declare
-    none.
+    none. Each file's checksum is computed as it is written (`checksums`), so the publish need not
+    read the files back.
     """
 
     def __init__(
@@ -124,6 +129,8 @@ class FileWriter:
         self._open: dict[str, SafetensorsStreamWriter] = {}
         self._left = {name: len(layout) for name, layout in layouts.items()}
         self.error: BaseException | None = None
+        self.checksums: dict[str, dict[str, Any]] = {}
+        """Size and SHA-256 of each file closed (`integrity.file_checksums` takes them as known)."""
         self._thread = threading.Thread(target=self._run, name="automodel-export-writer", daemon=True)
         self._thread.start()
 
@@ -142,7 +149,11 @@ class FileWriter:
             self._hook(key)
         self._left[file] -= 1
         if self._left[file] == 0:
-            self._open.pop(file).close()
+            self._close(file, self._open.pop(file))
+
+    def _close(self, file: str, stream: SafetensorsStreamWriter) -> None:
+        stream.close()
+        self.checksums[file] = stream.checksum
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -159,18 +170,13 @@ class FileWriter:
         try:
             for name, layout in self._layouts.items():
                 if not layout and self.error is None:  # a file that declares nothing still exists
-                    SafetensorsStreamWriter(self._staging / name, layout, {"format": "pt"}).close()
+                    self._close(name, SafetensorsStreamWriter(self._staging / name, layout, {"format": "pt"}))
             for stream in self._open.values():  # only after an error: close raises on missing tensors
                 stream.close()
         except Exception as exc:
             self.error = self.error or exc
         self._open.clear()
         return self.error
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: ``full_tensor()`` for a DTensor (a collective over its mesh), else itself."""
-    return t.full_tensor() if is_dtensor(t) else t
 
 
 def _assemble(
@@ -198,49 +204,69 @@ def _assemble(
     return out
 
 
+def _put_unit(
+    writer: FileWriter,
+    unit: GatherUnit,
+    full: Mapping[str, torch.Tensor],
+    disk: Mapping[str, DiskTensor],
+    dtypes: Mapping[str, torch.dtype],
+    model: nn.Module | None,
+) -> None:
+    """Queue the on-disk tensors of ``unit`` (host copies in their on-disk dtype) from its whole tensors."""
+    computed = {}
+    if any(disk[key].computed for key in unit.keys):
+        assert model is not None, "computed on-disk tensors without the model that computes them"
+        computed = compute_disk_tensors(model, full)
+    for key in unit.keys:
+        host = _assemble(disk[key], full, computed).to(device="cpu", dtype=dtypes[key]).contiguous()
+        writer.put(unit.file, key, host)
+
+
 def write_files(
     staging: Path,
     order: Sequence[GatherUnit],
     layouts: Mapping[str, _Layout],
     disk: Mapping[str, DiskTensor],
     tensors: Mapping[str, torch.Tensor],
-    mine: set[str],
+    owner: Mapping[str, int],
+    group: dist.ProcessGroup | None = None,
     write_hook: Callable[[str], None] | None = None,
     model: nn.Module | None = None,
-) -> BaseException | None:
-    """Gather every unit of ``order`` (all ranks, collectives) and write the tensors of this rank's files.
+) -> tuple[BaseException | None, dict[str, dict[str, Any]]]:
+    """Gather every unit of ``order`` onto its file's writer (all ranks) and write this rank's files.
 
     Args:
         staging: The folder the files go to.
         order: The gather units, in the order every rank gathers them (`gather_order`).
         layouts: Each file's declared tensors (key, on-disk dtype, shape), in order.
         disk: Each on-disk key's boxes of model tensors.
-        tensors: The model tensors by model key (DTensors are gathered with ``full_tensor()``).
-        mine: The files this rank writes.
+        tensors: The model tensors by model key (DTensors where sharded).
+        owner: Each file's writer (rank in ``group``).
+        group: The ranks exporting together. Collectives: those of `owner_gather.gather_round`, once
+            per round of units with distinct writers (`owner_gather.rounds`).
         write_hook: Called with each key after it is written (tests kill a rank mid-save with it).
         model: The transformers model that computes the on-disk tensors marked ``computed``.
 
     Returns:
-        This rank's first write error, or None. A write error stops the writing, never the gathering,
-        so the other ranks are never left waiting in a collective.
+        This rank's first error in assembling or writing (None if all went well), and the checksums
+        of the files it wrote (`FileWriter.checksums`). An error stops this rank's writing, never its
+        gathering, so the other ranks are never left waiting in a collective.
     """
     dtypes = {key: dtype for layout in layouts.values() for key, dtype, _ in layout}
+    mine = {name for name, rank in owner.items() if rank == rank_of(group)}
+    writers = [global_rank(group, owner[unit.file]) for unit in order]
+    me = rank_of(None)  # the sends and receives name global ranks
     writer = FileWriter(staging, {name: layouts[name] for name in mine}, write_hook)
+    failed: BaseException | None = None
     try:
-        for unit in order:
-            with torch.no_grad():
-                full = {k: _full(tensors[k]) for k in unit.model_keys}
-                if unit.file not in mine:
-                    continue
-                computed = {}
-                if any(disk[key].computed for key in unit.keys):
-                    assert model is not None, "computed on-disk tensors without the model that computes them"
-                    computed = compute_disk_tensors(model, full)
-                for key in unit.keys:
-                    host = (
-                        _assemble(disk[key], full, computed).to(device="cpu", dtype=dtypes[key]).contiguous()
-                    )
-                    writer.put(unit.file, key, host)
+        for turn, run in enumerate(rounds(writers)):
+            needs = [(writers[i], order[i].model_keys) for i in run]
+            for index, full in gather_round(needs, tensors, me, group, turn).items():
+                if failed is None and writer.error is None:
+                    try:
+                        _put_unit(writer, order[run[index]], full, disk, dtypes, model)
+                    except Exception as exc:  # reported after the gathers, which go on
+                        failed = exc
     finally:
         error = writer.finish()
-    return error
+    return failed or error, writer.checksums

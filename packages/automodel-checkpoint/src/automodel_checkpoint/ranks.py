@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from automodel_modules import collective_device
 
-__all__ = ["agree_on_failure", "barrier", "is_distributed", "rank_of", "world_of"]
+__all__ = ["agree_on_failure", "barrier", "global_rank", "is_distributed", "rank_of", "world_of"]
 
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
@@ -25,6 +25,13 @@ def rank_of(group: dist.ProcessGroup | None = None) -> int:
 def world_of(group: dist.ProcessGroup | None = None) -> int:
     """Size of ``group`` (1 without a process group)."""
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (itself for the world or without a process group)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return rank
+    return dist.get_global_rank(group, rank)
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

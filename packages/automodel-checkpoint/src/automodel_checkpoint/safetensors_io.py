@@ -26,6 +26,7 @@ and for validating every header before any read; the speed is the library's.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -308,7 +309,8 @@ class SafetensorsStreamWriter:
     (the caller also writes into a temporary directory that is published only when complete).
 
     Use it as a context manager; on an exception the file is closed and left for the caller's
-    cleanup.
+    cleanup. The SHA-256 of the bytes is computed as they are written (`checksum`, after `close`), so
+    a save can record it without reading the file back.
     """
 
     def __init__(
@@ -335,9 +337,21 @@ class SafetensorsStreamWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
         self._file = self.path.open("wb")
-        self._file.write(struct.pack("<Q", len(raw)))
-        self._file.write(raw)
+        self._digest = hashlib.sha256()
+        self._size = 0
+        self._put(struct.pack("<Q", len(raw)))
+        self._put(raw)
         self._next = 0
+
+    def _put(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+        self._digest.update(data)
+        self._size += len(data)
+
+    @property
+    def checksum(self) -> dict[str, Any]:
+        """``{"size": bytes, "sha256": hex}`` of what was written (`integrity`'s record of a file)."""
+        return {"size": self._size, "sha256": self._digest.hexdigest()}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next declared tensor (moved to CPU and cast to its declared dtype if needed).
@@ -355,7 +369,7 @@ class SafetensorsStreamWriter:
             )
         data = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
         if data.numel():
-            self._file.write(_byte_view(data))
+            self._put(_byte_view(data))
         self._next += 1
 
     def close(self) -> None:

@@ -132,6 +132,33 @@ def load_parity(
     }
 
 
+def _block_errors(model: torch.nn.Module) -> dict[str, Any]:
+    """How many DTensors the export moves as blocks, and where a block disagrees with torch's own.
+
+    For each DTensor whose shards are boxes: this rank's block (``owner_gather.blocks_of``) must be
+    torch's local shape and global offset, and the blocks must tile the tensor.
+    """
+    import math
+
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from automodel_checkpoint.owner_gather import blocks_of
+    from automodel_modules import is_dtensor
+
+    boxed, errors = 0, []
+    for key, t in model.state_dict().items():
+        blocks = blocks_of(t) if is_dtensor(t) else None
+        if blocks is None:
+            continue
+        boxed += 1
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        mine = [b for b, ranks in blocks.items() if dist.get_rank() in ranks]
+        expected = [(tuple(offset), tuple(shape))] if math.prod(shape) else []
+        if mine != expected or sum(math.prod(size) for _, size in blocks) != t.numel():
+            errors.append(f"{key}: {mine} vs {expected}")
+    return {"boxed": boxed, "block_errors": errors}
+
+
 def save_roundtrip(family: str, sizes: dict[str, int], ckpt: str, out: str) -> dict[str, Any]:
     """load -> save consolidated (sharded files, every rank writing) -> from_pretrained -> same tensors.
 
@@ -148,7 +175,7 @@ def save_roundtrip(family: str, sizes: dict[str, int], ckpt: str, out: str) -> d
     written: list[str] = []
     save_hf_checkpoint(model, out, max_shard_size="40KB", _write_hook=written.append)
     save_hf_checkpoint(model, out + "-one-writer", max_shard_size="40KB", writers=1)
-    result: dict[str, Any] = {"wrote": len(written)}
+    result: dict[str, Any] = {"wrote": len(written), **_block_errors(model)}
     if dist.get_rank() == 0:
         result["vs_one_writer"] = safetensors_differences(out, out + "-one-writer", files=True)
         result["vs_save_pretrained"] = safetensors_differences(out, ckpt)
@@ -520,6 +547,9 @@ def _check_save(label: str, per_rank: list[dict[str, Any]]) -> None:
     )
     assert not result["vs_save_pretrained"], f"{label}: differs from save_pretrained's tensors"
     # Every rank wrote a share of the files (the tiny model has more 40 KB files than ranks).
+    assert all(r["boxed"] > 0 and not r["block_errors"] for r in per_rank), (
+        f"{label}: blocks per rank {[(r['boxed'], r['block_errors'][:2]) for r in per_rank]}"
+    )
     assert all(r["wrote"] > 0 for r in per_rank), (
         f"{label}: tensors written per rank {[r['wrote'] for r in per_rank]}"
     )

@@ -9,6 +9,8 @@ import torch
 
 from automodel_checkpoint import save_hf_checkpoint
 from automodel_checkpoint.convert import DiskPiece, DiskTensor
+from automodel_checkpoint.integrity import file_checksums
+from automodel_checkpoint.owner_gather import _chunk, rounds
 from automodel_checkpoint.parallel_export import FileWriter, assign_files, gather_order
 from automodel_checkpoint.safetensors_io import SafetensorsStreamWriter
 from automodel_testing import build_tiny_model, safetensors_differences
@@ -92,3 +94,34 @@ def test_tensors_transformers_computes_on_saving_are_exported(tmp_path: Path, mo
     model.save_pretrained(tmp_path / "hf")
     save_hf_checkpoint(model, tmp_path / "ours", max_shard_size="100KB")
     assert safetensors_differences(tmp_path / "ours", tmp_path / "hf") == []
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, 7, 8, 13])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_blocks_are_the_pieces_torch_chunk_makes(size: int, parts: int) -> None:
+    pieces = torch.arange(size).chunk(parts)
+    for index in range(parts):
+        start, length = _chunk(10, size, parts, index)
+        expected = pieces[index].tolist() if index < len(pieces) else []
+        assert list(range(start - 10, start - 10 + length)) == expected
+
+
+def test_rounds_hold_units_of_distinct_writers() -> None:
+    assert rounds([0, 1, 2, 3, 0, 1, 0, 0]) == [range(0, 4), range(4, 6), range(6, 7), range(7, 8)]
+    assert rounds([]) == []
+
+
+def test_checksums_computed_while_writing_are_the_files_and_are_not_read_back(tmp_path: Path) -> None:
+    layout = [("a", torch.float32, (3,)), ("b", torch.bfloat16, (2, 2))]
+    writer = FileWriter(tmp_path, {"one.safetensors": layout})
+    writer.put("one.safetensors", "a", torch.ones(3))
+    writer.put("one.safetensors", "b", torch.zeros(2, 2, dtype=torch.bfloat16))
+    assert writer.finish() is None
+    (tmp_path / "config.json").write_text("{}")
+    read_back = file_checksums(tmp_path)
+    assert writer.checksums == {"one.safetensors": read_back["one.safetensors"]}
+    # A known checksum is taken as it is (not read again) when the size matches; else the file is hashed.
+    fake = {"size": read_back["one.safetensors"]["size"], "sha256": "0" * 64}
+    assert file_checksums(tmp_path, known={"one.safetensors": fake})["one.safetensors"] == fake
+    stale = {"size": 1, "sha256": "0" * 64}
+    assert file_checksums(tmp_path, known={"one.safetensors": stale}) == read_back
