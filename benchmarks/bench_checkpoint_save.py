@@ -12,8 +12,9 @@ Two measurements, each against a baseline from the same run:
 - ``export``: real widths with random bf16 weights (`bench_scale.MODELS`: the Llama-3.2-1B shape under
   FSDP2, Qwen3-30B-A3B widths with 64 experts under EP x FSDP2), ``save_hf_checkpoint`` into files of
   `SHARD` with every rank writing against one writer (rank 0, the serial export), alternated and
-  repeated, each into a new folder; in both, a tensor moves only onto the rank that writes it; the peak growth of each rank's resident memory during the export (over its shards, already
-  resident), in units of the largest tensor.
+  repeated, each into a new folder (in both, a tensor moves only onto the rank that writes it); the
+  peak growth of each rank's resident memory during the export (over its shards, already resident), in
+  units of the largest tensor.
 
 On this CPU host, the ranks, the writer threads and the disk share 2 cores: the ratios say how the
 mechanisms behave here, not what a GPU node gives (there staging is a device-to-host copy into pinned

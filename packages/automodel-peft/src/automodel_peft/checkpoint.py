@@ -165,34 +165,59 @@ def _collect_on(writer: int, tensors: dict[str, torch.Tensor], name: str) -> dic
 
 
 def peft_reload_problem(model: nn.Module, *, adapter_name: str | None = None) -> str | None:
-    """Why ``PeftModel.from_pretrained`` would not adapt the modules this model adapts (None: it would).
+    """Why ``PeftModel.from_pretrained`` would not load this model's adapters where they are (None: it would).
 
-    With transformers 5, PEFT rewrites a saved adapter's ``target_modules`` on load for the MoE families
-    whose checkpoints transformers converts (``convert_peft_config_for_transformers``): it reads
-    ``gate_proj`` / ``up_proj`` / ``down_proj`` (``w1`` / ``w2`` / ``w3`` for Mixtral) as the fused experts
-    and stops targeting modules of those names, so the adapters of a dense MLP or of shared experts would
-    be loaded nowhere: a different model, silently. The check runs PEFT's own conversion on the config
-    `save_adapters` writes (no collective; nothing is mutated). PEFT versions without it load alike.
+    With transformers 5, PEFT converts a saved adapter on load with the model's checkpoint conversion
+    (``peft.utils.transformers_weight_conversion``), two ways that can lose adapters silently:
+
+    - its ``target_modules`` (``convert_peft_config_for_transformers``): for the MoE families whose
+      checkpoints transformers converts it reads ``gate_proj`` / ``up_proj`` / ``down_proj`` (``w1`` /
+      ``w2`` / ``w3`` for Mixtral) as the fused experts and stops targeting modules of those names, so
+      the adapters of a dense MLP or of shared experts would be loaded nowhere;
+    - its keys (``convert_peft_adapter_state_dict_for_transformers``): the checkpoint renamings meant
+      for the on-disk names also rewrite names the model already has (Laguna's ``mlp.shared_expert.``
+      renaming turns ``mlp.shared_experts.down_proj`` into ``mlp.shared_experts..down_proj``), so those
+      adapters would be dropped and stay at their initial values.
+
+    Both are run here as PeftModel's loader runs them, on the config `save_adapters` writes and on its
+    keys (meta tensors of the adapters' shapes; no collective; nothing is mutated). PEFT versions
+    without them load what was saved.
 
     Args:
         model: A model adapted by `apply_lora` (plain or sharded), or one of its pipeline stages.
         adapter_name: Which adapter; default the one `apply_lora` recorded.
     """
     try:
-        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+        from peft.utils import transformers_weight_conversion as conversion
     except ImportError:  # transformers < 5 or a PEFT without the conversion: loads what was saved
         return None
     hf = find_hf_model(unwrap(model))[1]
     name = _adapter_name(hf, adapter_name)
     _check_savable(hf, name)
     config = _saved_config(hf, name)
-    before = {str(t) for t in config.target_modules or ()}
-    convert_peft_config_for_transformers(config, model=hf, conversions=None)  # as PeftModel's loader does
-    dropped = before - {str(t) for t in config.target_modules or ()}
+    saved = {
+        key: torch.empty(value.shape, dtype=value.dtype, device="meta")
+        for k, value in hf.state_dict(keep_vars=True).items()
+        if (key := peft_adapter_key(k, name)) is not None
+    }
+    try:
+        converted = conversion.convert_peft_adapter_state_dict_for_transformers(hf, config, dict(saved))
+    except Exception as exc:  # PeftModel.from_pretrained would fail alike
+        return f"PEFT cannot convert these adapters' keys as PeftModel.from_pretrained does: {exc}"
     lost = sorted(
-        {clean_fqn(key).rsplit(".lora_A", 1)[0] for key in hf.state_dict(keep_vars=True) if ".lora_A." in key}
+        {key.removeprefix(PEFT_PREFIX).split(".lora_", 1)[0] for key in set(saved) - set(converted)}
     )
-    lost = [m for m in lost if any(m == target or m.endswith(f".{target}") for target in dropped)]
+    reasons = [f"renames their keys with {type(hf).__name__}'s checkpoint conversion"] if lost else []
+    before = {str(t) for t in config.target_modules or ()}
+    conversion.convert_peft_config_for_transformers(config, model=hf, conversions=None)
+    dropped = before - {str(t) for t in config.target_modules or ()}
+    if dropped:
+        names = sorted({t.rsplit(".", 1)[-1] for t in dropped})
+        reasons.append(f"reads the names {names} of {type(hf).__name__} as its fused experts")
+    adapted = {clean_fqn(k).rsplit(".lora_A", 1)[0] for k in hf.state_dict(keep_vars=True) if ".lora_A." in k}
+    lost += sorted(
+        m for m in adapted if any(m == t or m.endswith(f".{t}") for t in dropped) and m not in lost
+    )
     if not lost:
         return None
     import peft
@@ -200,10 +225,9 @@ def peft_reload_problem(model: nn.Module, *, adapter_name: str | None = None) ->
     more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
     return (
         f"the LoRA adapters of {lost[0]}{more} cannot be saved in the PEFT format: with transformers 5, PEFT "
-        f"{peft.__version__} reads the names {sorted({t.rsplit('.', 1)[-1] for t in dropped})} of "
-        f"{type(hf).__name__} as its fused "
-        "experts, so PeftModel.from_pretrained would load these adapters nowhere; leave those projections "
-        "out of the LoRA targets (peft.exclude_modules, or peft.target_modules naming the others)"
+        f"{peft.__version__} {' and '.join(reasons)}, so PeftModel.from_pretrained would load these adapters "
+        "nowhere; leave those modules out of the LoRA targets (peft.exclude_modules, or peft.target_modules "
+        "naming the others)"
     )
 
 

@@ -168,3 +168,43 @@ def test_targets_peft_would_load_elsewhere_are_refused(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="cannot be saved in the PEFT format"):
             save_adapters(model, tmp_path / "refused")
         assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize(("model_type", "module"), [("laguna", "shared_experts"), ("inkling2_text", "sconv")])
+def test_adapters_whose_keys_peft_renames_on_load_are_refused(
+    tmp_path: Path, model_type: str, module: str
+) -> None:
+    """PEFT's load conversion rewrites these adapters' keys (Laguna's ``shared_expert.`` renaming, Inkling2's
+    ``sconv.weight_proj``): they would be loaded nowhere. Without those modules the adapters round-trip."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from automodel_peft import peft_reload_problem
+    from automodel_testing.tiny import derive_tiny_config
+
+    try:
+        import peft.utils.transformers_weight_conversion  # noqa: F401
+    except ImportError:
+        pytest.skip("this PEFT loads adapters under the names they were saved with")
+    config = derive_tiny_config(model_type)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "base")
+    apply_lora(model, PeftConfig(dim=4, target_modules=["*_proj"]))
+    problem = peft_reload_problem(model)
+    assert problem is not None and module in problem and "renames their keys" in problem, problem
+    with pytest.raises(ValueError, match="cannot be saved in the PEFT format"):
+        save_adapters(model, tmp_path / "refused")
+    model = AutoModelForCausalLM.from_config(config)
+    apply_lora(model, PeftConfig(dim=4, exclude_modules=[f"*{module}*"]))
+    assert peft_reload_problem(model) is None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    save_adapters(model, tmp_path / "fine")
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "fine"
+    )
+    ours = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    theirs = {n.removeprefix("base_model.model."): p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
