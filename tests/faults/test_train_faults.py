@@ -4,15 +4,18 @@ Every case runs the command as a user would (``python -m automodel_all.cli train
 with one uninterrupted reference run of the same job (module fixture). Faults are real: a worker is
 SIGKILLed, the launcher or one worker gets SIGTERM / SIGUSR1, a byte of a checkpoint is flipped, the
 disk fills up (a small tmpfs in a private mount namespace), the learning rate makes the weights
-overflow. A watcher thread reads the job's ``train_log.jsonl`` to pick the moment; nothing of ours is
-patched.
+overflow. A watcher thread reads the job's ``train_log.jsonl`` (or watches its checkpoint folder) to
+pick the moment; nothing of ours is patched.
 
 - elastic restart (``--max-restarts 1``): a worker is killed after the step-10 checkpoint; torchrun
   restarts the group, which resumes from the newest complete checkpoint on its own; every logged loss
   equals the reference (1e-6).
-- preemption: SIGTERM to the launcher, then (in the resumed job) SIGUSR1 to ONE worker only: each time
-  the workers finish the step, save a checkpoint and exit 0 within ``launch.shutdown_timeout``; a third
-  launch with ``--resume`` finishes; the losses of all three equal the reference.
+- preemption during a save: SIGTERM to the launcher while the step-10 checkpoint is being written in
+  the background, then (in the resumed job, with HF weights in each checkpoint) SIGUSR1 to ONE worker
+  only while the step-20 checkpoint's HF export is being written: each time the save in flight is
+  published, the workers finish the step, save a checkpoint and exit 0 within
+  ``launch.shutdown_timeout``, and no incomplete folder is left; a third launch with ``--resume``
+  finishes; the losses of all three equal the reference.
 - two "nodes" on one host: two launches ``--nnodes 2 --node-rank 0/1 --rdzv-endpoint 127.0.0.1:PORT``
   of 2 workers each, HSDP replicating across them, give the losses of one 4-worker launch.
 - integrity: a flipped byte in the newest checkpoint stops ``--resume`` with an error naming the file;
@@ -109,16 +112,19 @@ class _Job:
 
     def when_step(self, step: int, action: Callable[[int], None]) -> None:
         """Call ``action(launcher_pid)`` once the log shows ``step`` (from a thread)."""
+        self.when(lambda: _last_step(self.output) >= step, action)
+
+    def when(self, condition: Callable[[], bool], action: Callable[[int], None]) -> None:
+        """Call ``action(launcher_pid)`` as soon as ``condition()`` holds (polled from a thread)."""
 
         def watch() -> None:
             while self.process.poll() is None:
-                current = _last_step(self.output) if (self.output / "train_log.jsonl").is_file() else 0
-                if current >= step:
-                    self.action_step = current
+                if condition():
+                    self.action_step = _last_step(self.output)
                     action(self.process.pid)
                     self.acted_at = time.monotonic()
                     return
-                time.sleep(0.01)
+                time.sleep(0.002)
 
         self._watcher = threading.Thread(target=watch, daemon=True)
         self._watcher.start()
@@ -190,29 +196,54 @@ def _preempt(sig: signal.Signals, *, one_worker: bool) -> Callable[[int], None]:
     return act
 
 
+def _saving(output: Path, step: int, inner: str = "") -> Callable[[], bool]:
+    """Whether the step's checkpoint is being written (its staging folder, or ``inner`` in it, exists)."""
+    staging = output / "checkpoints" / f".step_{step:08d}.incomplete"
+    return lambda: (staging / inner).is_dir()
+
+
 def test_sigterm_and_sigusr1_checkpoint_exit_0_and_resume_exactly(
     reference: tuple[Path, dict[int, float]], tmp_path: Path, fault_ledger: Any
 ) -> None:
+    """The signals come while a checkpoint is being written: the asynchronous DCP save of step 10, then
+    (``train.hf_checkpoints=also``) the HF export inside the step-20 checkpoint. Each save in flight is
+    finished and published, then the preemption checkpoint; nothing incomplete is left."""
+    from automodel_checkpoint import is_complete_checkpoint
+
     ref_dir, expected = reference
     output = tmp_path / "run"
     _seed_folder(ref_dir, output)
     extra = ("--shutdown-timeout", str(SHUTDOWN_S), "--resume")
     stops = []
-    for sig, one_worker, at in ((signal.SIGTERM, False, 6), (signal.SIGUSR1, True, 16)):
-        job = _Job(_command(output, *extra), output)
-        job.when_step(at, _preempt(sig, one_worker=one_worker))
+    cases = (
+        (signal.SIGTERM, False, 10, _saving(output, 10), ()),
+        (
+            signal.SIGUSR1,
+            True,
+            20,
+            _saving(output, 20, ".hf.incomplete"),
+            ("--set", "train.hf_checkpoints=also"),
+        ),
+    )
+    for sig, one_worker, saving, during, options in cases:
+        job = _Job(_command(output, *extra, *options), output)
+        job.when(during, _preempt(sig, one_worker=one_worker))
         code, out = job.wait()
         assert job.acted_at is not None, out[-4000:]
         seconds = time.monotonic() - job.acted_at
         stopped = _last_step(output)
-        marker = json.loads(
-            (output / "checkpoints" / f"step_{stopped:08d}" / ".automodel_complete.json").read_text()
-        )
+        checkpoints = output / "checkpoints"
+        marker = json.loads((checkpoints / f"step_{stopped:08d}" / ".automodel_complete.json").read_text())
+        left = sorted(p.name for p in checkpoints.iterdir() if p.name.endswith(".incomplete"))
+        interrupted = checkpoints / f"step_{saving:08d}"
         ok = code == 0 and marker["extra_state"]["reason"] == "preempted" and seconds < SHUTDOWN_S
+        ok = ok and is_complete_checkpoint(interrupted) and not left
         who = "one worker" if one_worker else "the launcher"
+        what = "its HF export" if options else "its asynchronous write"
         fault_ledger.fault(
-            "automodel train: preemption (2 workers)",
-            f"{sig.name} to {who} after step {job.action_step}: checkpoint at step {stopped}, exit {code}",
+            "automodel train: preemption during a save (2 workers)",
+            f"{sig.name} to {who} during the step-{saving} checkpoint ({what}): that checkpoint "
+            f"published, preemption checkpoint at step {stopped}, exit {code}",
             hung=seconds >= SHUTDOWN_S,
             seconds=seconds,
             data_lost=not ok,
@@ -220,6 +251,9 @@ def test_sigterm_and_sigusr1_checkpoint_exit_0_and_resume_exactly(
         assert code == 0, out[-6000:]
         assert f"stopped by {sig.name}" in out, out[-3000:]
         assert marker["extra_state"]["reason"] == "preempted" and stopped < STEPS, (stopped, marker)
+        assert is_complete_checkpoint(interrupted) and not left, (interrupted, left)
+        if options:
+            assert (interrupted / "hf" / "config.json").is_file()
         assert seconds < SHUTDOWN_S
         stops.append(stopped)
     code, out = _run(output, *extra)
