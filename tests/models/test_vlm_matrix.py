@@ -388,6 +388,11 @@ def _train(layout: Layout, ctx: Any, dp_size: int, dp_rank: int, model: Any, pat
         checks.append(f"frozen parameters changed: {moved[:3]}")
     if not layout.lora:
         checks += _save_back(model, path, f"{path}-saved-{layout.name}")
+    else:
+        try:  # adapters PEFT would load elsewhere are refused (as `automodel train` refuses them)
+            checks += _adapters_back(model, path, f"{path}-adapters-{layout.name}")
+        except ValueError as exc:
+            return refusal(exc)
     return judge(out, ATOL, checks)
 
 
@@ -464,6 +469,38 @@ def _checkpointed_scope(model: Any, scope: str) -> list[str]:
         if left:
             problems.append(f"scope {scope}: {container} has unwrapped entries {left[:3]}")
     return problems
+
+
+def _adapters_back(model: Any, original: str, target: str) -> list[str]:
+    """Save the trained adapters in the PEFT format; ``PeftModel.from_pretrained`` must load them exactly.
+
+    The base is the original checkpoint (LoRA leaves it frozen); every rank loads the adapters onto it and
+    compares each adapter tensor with ours, gathered whole, bit for bit.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from automodel_peft import save_adapters
+    from automodel_testing import normalize_fqn, to_full
+
+    save_adapters(model, target)
+    ours = {normalize_fqn(n): to_full(p).detach() for n, p in model.named_parameters() if "lora_" in n}
+    if not ours:
+        return ["the model has no LoRA adapters to save"]
+    base = AutoModelForImageTextToText.from_pretrained(original, dtype=torch.float32)
+    weights = pathlib.Path(original, WEIGHTS)
+    if weights.is_file():
+        base.load_state_dict(torch.load(weights), strict=True)
+    loaded = PeftModel.from_pretrained(base, target)
+    theirs = {
+        normalize_fqn(n).removeprefix("base_model.model."): p.detach()
+        for n, p in loaded.named_parameters()
+        if "lora_" in n
+    }
+    if ours.keys() != theirs.keys():
+        return [f"the saved adapters reload under other names: {sorted(ours.keys() ^ theirs.keys())[:3]}"]
+    differ = sorted(n for n in ours if not torch.equal(ours[n], theirs[n]))
+    return [f"the saved adapters reload other values: {differ[:3]}"] if differ else []
 
 
 def _save_back(model: Any, original: str, target: str) -> list[str]:
