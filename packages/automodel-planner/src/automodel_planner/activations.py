@@ -22,7 +22,7 @@ tensors), so the profile errs a few percent high against an eager forward
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -37,6 +37,7 @@ from automodel_distributed.activation_checkpointing import (
 from automodel_distributed.blocks import find_transformer_blocks
 from automodel_modules import embedding_module
 from automodel_planner.compute import ComputeProfile, ComputeRecorder
+from automodel_planner.repeated_blocks import repeated_blocks, skip_repeated
 
 __all__ = [
     "ActivationProfile",
@@ -168,6 +169,7 @@ class _Recorder:
         self.scope: list[str] = []
         self.block = -1
         self.saved: dict[int, tuple[int, str, int]] = {}  # storage -> (block, kind, bytes)
+        self.alive: list[Any] = []
         self.inputs: dict[int, int] = {}
         self.producers = _Producers(self.classify)
 
@@ -187,9 +189,12 @@ class _Recorder:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """The pack hook: record a tensor saved for backward (once per storage, parameters excluded)."""
         storage = tensor.untyped_storage()
-        key = storage._cdata  # saved tensors stay alive until backward: their storages are unique
+        key = storage._cdata
         if key not in self.parameters and key not in self.saved:
             self.saved[key] = (*self.classify(), storage.nbytes())
+            # Kept alive so that no later storage reuses the key: the blocks `repeated_blocks` skips
+            # return new leaf tensors, which cut the graph that would otherwise keep it alive.
+            self.alive.append(storage)
         return tensor
 
     def hooks(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[Any]:
@@ -220,8 +225,8 @@ class _Recorder:
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         self.block = -1
 
-    def profile(self, num_blocks: int, tokens: int) -> ActivationProfile:
-        """The recorded bytes as a profile."""
+    def profile(self, num_blocks: int, tokens: int, copies: Mapping[int, int]) -> ActivationProfile:
+        """The recorded bytes as a profile; each block of ``copies`` (it did not run) takes its source's."""
         per_block = [[0, 0] for _ in range(num_blocks)]
         head = embedding = largest = 0
         for index, kind, size in self.saved.values():
@@ -232,7 +237,11 @@ class _Recorder:
             else:
                 head += size
                 largest = max(largest, size)
-        kept = self.producers.kept
+        kept = dict(self.producers.kept)
+        for index, source in copies.items():
+            per_block[index] = list(per_block[source])
+            for kind in ("boundary", "interior"):
+                kept[(index, kind)] = kept.get((source, kind), 0)
         return ActivationProfile(
             blocks=tuple(
                 BlockActivations(
@@ -276,11 +285,13 @@ def profile_step(
     dtype: torch.dtype,
     cp: int = 1,
     attn_implementation: str | None = None,
+    every_block: bool = False,
 ) -> StepProfile:
     """Profile one micro-batch's forward on fake tensors: what it saves for backward and what it computes.
 
     Preconditions: ``model_config`` builds a causal LM with ``AutoModelForCausalLM.from_config``.
-    Nothing is allocated and ``model_config`` is not mutated (a copy is built).
+    Nothing is allocated and ``model_config`` is not mutated (a copy is built). Of the blocks of one
+    kind only the first two run; the others take the second's counts (`repeated_blocks`).
 
     Args:
         model_config: The transformers config (real widths).
@@ -289,6 +300,7 @@ def profile_step(
         dtype: The compute dtype of the activations (the parameter dtype, or autocast's).
         cp: Context-parallel degree: each rank runs the forward on its sequence shard.
         attn_implementation: The attention implementation (default: the config's, else ``sdpa``).
+        every_block: Run every block (what the repeated-block shortcut is tested against).
 
     Returns:
         Per-block and outside-the-blocks saved bytes and work on one rank, before tensor parallelism.
@@ -310,6 +322,8 @@ def profile_step(
         recorder = _Recorder(model, blocks, sharded_layer_kinds(model))
         compute = ComputeRecorder(len(blocks), partial(_where, recorder, blocks), recorder.parameters)
         handles = recorder.hooks(model, blocks)
+        copies = {} if every_block else repeated_blocks(blocks)
+        handles += skip_repeated(blocks, copies)
         device = next(model.parameters()).device  # wherever transformers built the fake model
         ids = torch.zeros(micro_batch, local_seq, dtype=torch.long, device=device)
         saved = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
@@ -318,7 +332,7 @@ def profile_step(
         for handle in handles:
             handle.remove()
     tokens = micro_batch * local_seq
-    return StepProfile(recorder.profile(len(blocks), tokens), compute.profile(tokens))
+    return StepProfile(recorder.profile(len(blocks), tokens, copies), compute.profile(tokens, copies))
 
 
 def profile_activations(

@@ -18,7 +18,8 @@ No process group, no mesh axes; the counts are one micro-batch on one rank befor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +119,11 @@ class ComputeRecorder(TorchDispatchMode):
             )
         return out
 
-    def profile(self, tokens: int) -> ComputeProfile:
-        """The counts as a profile."""
-        return ComputeProfile(blocks=tuple(self.blocks), outside=self.outside, tokens=tokens)
+    def profile(self, tokens: int, copies: Mapping[int, int] | None = None) -> ComputeProfile:
+        """The counts as a profile; each block of ``copies`` (it did not run) takes its source's counts."""
+        blocks = list(self.blocks)
+        for index, source in (copies or {}).items():
+            blocks[index] = dataclasses.replace(
+                blocks[source], matmul_flops=dict(blocks[source].matmul_flops)
+            )
+        return ComputeProfile(blocks=tuple(blocks), outside=self.outside, tokens=tokens)

@@ -1,0 +1,47 @@
+"""Running two blocks of each kind gives the counts of the full fake forward, for mixed-layer families."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from automodel_planner.activations import profile_step
+
+# Families whose layers differ: sliding and full attention (gemma3_text, gpt_oss, cohere2), linear and
+# full attention (qwen3_next), convolution and attention (lfm2), dense layers before MoE ones
+# (deepseek_v3), MoE every other layer (qwen2_moe with mlp_only_layers), plus a plain Llama.
+FAMILIES = {
+    "llama": {},
+    "gemma3_text": {},
+    "gpt_oss": {},
+    "cohere2": {},
+    "qwen3_next": {},
+    "lfm2": {},
+    "deepseek_v3": {"first_k_dense_replace": 2},
+    "qwen2_moe": {"mlp_only_layers": [1, 4]},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_repeated_blocks_take_the_counts_they_would_have(model_type: str) -> None:
+    from automodel_testing.tiny import derive_tiny_config
+
+    config = derive_tiny_config(model_type, **FAMILIES[model_type])
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    config.num_hidden_layers = 8  # tiny configs have too few layers to repeat a kind twice
+    if types is not None:
+        config.layer_types = [types[i % layers] for i in range(8)]
+    sizes: dict[str, Any] = {"micro_batch": 2, "seq_len": 16, "dtype": torch.float32}
+    if model_type == "gpt_oss":
+        sizes["attn_implementation"] = "eager"  # transformers has no SDPA path for it
+    full = profile_step(config, every_block=True, **sizes)
+    quick = profile_step(config, **sizes)
+    assert quick.activations == full.activations
+    assert quick.compute == full.compute
+    assert len(full.compute.blocks) == 8 and full.compute.outside.matmul_total > 0
+    # Two runs of the full forward agree too: each saved storage is counted once (none reuses the key of
+    # a freed one), which MoE blocks, whose routing temporaries come and go, used to break.
+    assert profile_step(config, every_block=True, **sizes).activations == full.activations
