@@ -35,7 +35,7 @@ def _commit() -> str:
 
 def predictions() -> list[dict[str, Any]]:
     """One entry per published run: the row, the prediction and its error."""
-    from automodel_planner.published import predict, published_runs
+    from automodel_planner.published import predict, predict_memory, published_runs
 
     rows = []
     for run in published_runs():
@@ -56,9 +56,55 @@ def predictions() -> list[dict[str, Any]]:
                 "step_seconds": step.step_seconds,
                 "parts": {name: seconds / step.step_seconds for name, seconds in parts[:3]},
                 "plan_seconds": time.perf_counter() - start,
+                **_memory(predict_memory(run) if run.memory_gib is not None else None, run.memory_gib),
             }
         )
     return rows
+
+
+def _memory(peak: Any, published_gib: float | None) -> dict[str, Any]:
+    """The memory prediction of a row that publishes its memory: GiB, error and its largest lines."""
+    if peak is None or published_gib is None:
+        return {}
+    gib = peak.total / 2**30
+    lines = sorted(peak.lines.items(), key=lambda item: -item[1])[:3]
+    return {
+        "memory_published_gib": published_gib,
+        "memory_predicted_gib": gib,
+        "memory_error": gib / published_gib - 1,
+        "memory_lines": {name: size / 2**30 for name, size in lines},
+    }
+
+
+def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The memory section: every row that publishes its memory, the prediction and the error."""
+    lines = [
+        "",
+        "## Memory against the published figures",
+        "",
+        "The memory model's peak (`automodel plan`'s estimate, the rank holding the most) beside each "
+        "published peak. It counts the job as our trainer runs it: parameters in the dtype the row "
+        "gives (bf16), the logits gathered whole under TP (no loss parallel), and no CUDA context, NCCL "
+        "or allocator terms yet; torchtitan keeps fp32 sharded parameters, computes the loss parallel "
+        "over TP and reports the allocator's reserved peak. Not fitted.",
+        "",
+        "| run | published GiB | predicted GiB | error | largest lines (GiB) |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    errors = []
+    for row in rows:
+        if "memory_error" not in row:
+            continue
+        errors.append(abs(row["memory_error"]))
+        parts = ", ".join(f"{name} {size:.1f}" for name, size in row["memory_lines"].items())
+        lines.append(
+            f"| {row['id']} | {row['memory_published_gib']:.1f} | {row['memory_predicted_gib']:.1f} | "
+            f"{row['memory_error']:+.1%} | {parts} |"
+        )
+    if errors:
+        within = sum(e <= 0.10 for e in errors)
+        lines += ["", f"{within} of {len(errors)} rows within 10%, largest error {max(errors):.1%}."]
+    return lines
 
 
 def _model_description() -> list[str]:
@@ -113,6 +159,7 @@ def render(rows: list[dict[str, Any]], efficiency: Any) -> str:
                 f"{role.capitalize()} rows: {within} of {len(errors)} within 10%, largest error "
                 f"{max(errors):.1%}, RMS log error {rms:.3f}."
             )
+    lines += _memory_table(rows)
     lines += [
         "",
         "## Achievable fractions (`automodel_planner.step_time.DEFAULT_EFFICIENCY`)",

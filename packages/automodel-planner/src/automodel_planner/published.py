@@ -2,9 +2,10 @@
 
 `published_runs` reads the rows; `run_plan` builds each row's `PlanInput` (the model's published widths
 on the meta device, its layout, adapters, pipeline, float8 and compile settings); `predict` gives the
-time model's `StepTime` for it on the row's cluster. `fit_efficiency` fits the time model's achievable
-fractions (`automodel_planner.step_time.Efficiency`) on the calibration rows only, by a coordinate
-search on the squared log error of tokens/s; the evaluation rows never move them. No process group.
+time model's `StepTime` for it on the row's cluster, `predict_memory` the memory model's peak.
+`fit_efficiency` fits the time model's achievable fractions (`automodel_planner.step_time.Efficiency`)
+on the calibration rows only, by a coordinate search on the squared log error of tokens/s; the
+evaluation rows never move them. No process group.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from typing import Any, Literal
 
 import torch
 
-from automodel_planner.estimate import ProfileCache, estimate_throughput
+from automodel_planner.estimate import PeakEstimate, ProfileCache, estimate_peak, estimate_throughput
 from automodel_planner.hardware import parse_cluster
 from automodel_planner.inputs import PlanInput
 from automodel_planner.step_time import DEFAULT_EFFICIENCY, Efficiency, StepTime
 
-__all__ = ["PublishedRun", "fit_efficiency", "predict", "published_runs", "run_plan"]
+__all__ = ["PublishedRun", "fit_efficiency", "predict", "predict_memory", "published_runs", "run_plan"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,11 @@ def predict(run: PublishedRun, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> S
     return estimate_throughput(
         run_plan(run), parse_cluster(run.cluster), efficiency=efficiency, profile_cache=cache
     )
+
+
+def predict_memory(run: PublishedRun) -> PeakEstimate:
+    """The memory model's peak for ``run`` (the rank holding the most), to set beside ``memory_gib``."""
+    return estimate_peak(run_plan(run), profile_cache=_PROFILES.setdefault(run.shape, {}))
 
 
 _FITTED = ("matmul", "fp8_matmul", "attention", "memory", "compiled_traffic")
