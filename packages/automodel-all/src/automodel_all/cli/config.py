@@ -190,6 +190,7 @@ def build_job(raw: RawJob) -> JobConfig:
         # torchao's QAT quantizers work on bfloat16 weights; choose it rather than fail.
         raw.set("model", "dtype", "bfloat16", raw.where("qat"))
     launch = build_dataclass(LaunchSection, raw, "launch")
+    model = build_dataclass(ModelSection, raw, "model")  # first: the CPU mixed precision uses its dtype
     device_type = (
         launch.device if launch.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
@@ -199,7 +200,7 @@ def build_job(raw: RawJob) -> JobConfig:
         distributed = dataclasses.replace(distributed, host_runtime=host_runtime)
     return JobConfig(
         raw=raw,
-        model=build_dataclass(ModelSection, raw, "model"),
+        model=model,
         data=build_dataclass(DataSection, raw, "data"),
         train=build_dataclass(TrainSection, raw, "train"),
         launch=launch,

@@ -122,7 +122,10 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
             f"{raw.where('launch', 'nproc_per_node')}: nproc_per_node={nproc} but only "
             f"{torch.cuda.device_count()} GPU(s) are visible"
         )
+    from automodel_all.cli.folders import check_job_folders
     from automodel_all.cli.sources import check_source
+
+    check_job_folders(job)
 
     for key in ("path", "eval_path"):
         try:
@@ -164,7 +167,15 @@ def _prepare_data(raw: RawJob, job: JobConfig, model_config: Any) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    tokenizer = load_processor(job.data.tokenizer or job.model.name_or_path or "")
+    source = job.data.tokenizer or job.model.name_or_path or ""
+    try:
+        tokenizer = load_processor(source)
+    except (OSError, ValueError) as exc:  # files present but unreadable (a missing sentencepiece...)
+        key = "tokenizer" if job.data.tokenizer else "name_or_path"
+        raise ConfigError(
+            f"{raw.where('data' if job.data.tokenizer else 'model', key)}: cannot load a tokenizer from "
+            f"{source!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="dry run: mesh layout, steps and memory per rank; no processes")
     _add_job_options(plan)
     plan.add_argument(
-        "--world-size", type=int, default=None, help="ranks to plan for (default: nnodes x nproc)"
+        "--world-size", type=_positive_int, default=None, help="ranks to plan for (default: nnodes x nproc)"
     )
     plan.add_argument(
         "--device-memory",
@@ -221,6 +221,17 @@ def job_from_args(args: argparse.Namespace) -> RawJob:
             value = text
         raw.set(section, key, value, f"--set {name}")
     return raw
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

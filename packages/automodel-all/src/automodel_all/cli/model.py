@@ -43,6 +43,9 @@ def load_model_config(job: JobConfig, eos_token_id: int | None = None) -> Any:
     else:
         from transformers import AutoConfig
 
+        from automodel_all.cli.folders import model_folder
+
+        model_folder(job)  # a missing path, a file, a folder without config.json: named plainly
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as exc:

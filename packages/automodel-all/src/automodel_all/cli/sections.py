@@ -228,3 +228,10 @@ class LaunchSection:
             raise ValueError(f"LaunchSection.node_rank={self.node_rank} must be < nnodes={self.nnodes}")
         if not self.timeout_minutes > 0:
             raise ValueError(f"LaunchSection.timeout_minutes must be > 0, got {self.timeout_minutes}")
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"LaunchSection.rdzv_endpoint={self.rdzv_endpoint!r} must be HOST:PORT (a port of node 0 "
+                    "the other nodes reach, e.g. node0:29400)"
+                )
