@@ -29,7 +29,7 @@ import torch
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job, warn_inert_settings
 from automodel_all.cli.data import prepare_data
 from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
-from automodel_all.cli.model import load_model_config, load_processor, model_dtype
+from automodel_all.cli.model import load_model_config, load_processor, model_dtype, text_tokenizer
 from automodel_all.cli.train import JOB_ENV
 from automodel_all.cli.yaml_source import ConfigError, RawJob
 from automodel_cpu.mimalloc_preload import resolve_host_allocator, worker_environment
@@ -72,11 +72,11 @@ def _ensure_initial_weights(raw: RawJob, job: JobConfig) -> None:
     """
     if job.model.name_or_path is not None:
         return
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(job.data.tokenizer)
+    tokenizer = text_tokenizer(_load_tokenizer(raw, job))
     config = load_model_config(job, tokenizer.eos_token_id)
     identity = json.dumps([config.to_dict(), job.model.dtype, job.train.seed], sort_keys=True, default=str)
     digest = hashlib.sha1(identity.encode()).hexdigest()[:12]
@@ -126,7 +126,7 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
     from automodel_all.cli.sources import check_source
 
     check_job_folders(job)
-
+    job = _resolve_hub_datasets(raw, job)
     for key in ("path", "eval_path"):
         try:
             check_source(getattr(job.data, key))
@@ -158,6 +158,41 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
     return resolved, raw.to_plain()
 
 
+def _resolve_hub_datasets(raw: RawJob, job: JobConfig) -> JobConfig:
+    """Replace a dataset hub id in ``data.path`` / ``data.eval_path`` by its snapshot in the HF cache.
+
+    Raises:
+        ConfigError: The id is not in the cache (naming the option and how to fetch it).
+    """
+    from automodel_all.cli.sources import hub_dataset_snapshot, is_hub_id
+
+    for key in ("path", "eval_path"):
+        name = getattr(job.data, key)
+        if name is None or not is_hub_id(name):
+            continue
+        where = raw.where("data", key)
+        try:
+            raw.set("data", key, str(hub_dataset_snapshot(name)), where)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{where}: data.{key}: {exc}") from None
+    return build_job(raw)
+
+
+def _load_tokenizer(raw: RawJob, job: JobConfig) -> Any:
+    """The job's tokenizer (or processor): ``data.tokenizer``, else the model's own.
+
+    Raises:
+        ConfigError: It cannot be loaded (not in the cache, files unreadable), naming the option.
+    """
+    source = job.data.tokenizer or job.model.name_or_path or ""
+    try:
+        return load_processor(source)
+    except (OSError, ValueError) as exc:  # not cached, or files transformers cannot read
+        where = raw.where("data", "tokenizer") if job.data.tokenizer else raw.where("model", "name_or_path")
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{where}: cannot load a tokenizer from {source!r}: {first}") from None
+
+
 def _prepare_data(raw: RawJob, job: JobConfig, model_config: Any) -> None:
     """Read, tokenize and lay out the data once, here; the workers load the rows (`prepare_data`).
 
@@ -167,15 +202,7 @@ def _prepare_data(raw: RawJob, job: JobConfig, model_config: Any) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    source = job.data.tokenizer or job.model.name_or_path or ""
-    try:
-        tokenizer = load_processor(source)
-    except (OSError, ValueError) as exc:  # files present but unreadable (a missing sentencepiece...)
-        key = "tokenizer" if job.data.tokenizer else "name_or_path"
-        raise ConfigError(
-            f"{raw.where('data' if job.data.tokenizer else 'model', key)}: cannot load a tokenizer from "
-            f"{source!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-        ) from None
+    tokenizer = _load_tokenizer(raw, job)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

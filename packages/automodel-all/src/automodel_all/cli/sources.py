@@ -23,7 +23,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUILTIN_SOURCES", "FILE_BUILDERS", "check_source", "image_root", "read_records"]
+__all__ = [
+    "BUILTIN_SOURCES",
+    "FILE_BUILDERS",
+    "check_source",
+    "hub_dataset_snapshot",
+    "image_root",
+    "is_hub_id",
+    "read_records",
+]
 
 BUILTIN_SOURCES = ("builtin:text", "builtin:chat", "builtin:image_chat")
 """Names of the embedded data sources."""
@@ -44,6 +52,36 @@ _SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes
 
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in FILE_BUILDERS)
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a hub repo id (``namespace/name``) rather than a local path."""
+    if name.startswith(("/", ".", "~", "builtin:")) or Path(name).exists():
+        return False
+    namespace, _, repo = name.partition("/")
+    return bool(namespace) and bool(repo) and "/" not in repo
+
+
+def hub_dataset_snapshot(name: str) -> Path:
+    """The local snapshot of the dataset repo ``name`` in the Hugging Face cache (never downloads).
+
+    The cache is huggingface_hub's (``HF_HUB_CACHE``, default ``~/.cache/huggingface/hub``); the folder
+    is then read like any local data folder.
+
+    Raises:
+        FileNotFoundError: No snapshot of ``name`` is in the cache; the message says how to fetch one.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, repo_type="dataset", local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        raise FileNotFoundError(
+            f"{name!r} is neither a local path nor a dataset in the Hugging Face cache "
+            f"{constants.HF_HUB_CACHE} (automodel never downloads); fetch it first with "
+            f"`hf download {name} --repo-type dataset`"
+        ) from None
 
 
 def check_source(path: str | None) -> None:
