@@ -137,7 +137,13 @@ def test_lora_sft_of_a_moe_model_on_chat_data_with_evaluation_and_metrics(tmp_pa
     records = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 11))
     fields = {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "seconds", "memory_gib", "skipped", "moe"}
+    fields |= {"tflops_per_gpu", "mfu", "slowest_rank", "slowest_seconds"}
     assert all(fields <= set(r) for r in records)
+    # TFLOP/s per GPU from the planner's count of this model (LoRA: the frozen base without its weight
+    # gradients); no MFU on CPU (no peak to divide by); the slowest rank named each step.
+    for r in records:
+        assert r["mfu"] is None and r["tflops_per_gpu"] > 0, r
+        assert r["slowest_rank"] in (0, 1) and 0 < r["slowest_seconds"] <= r["seconds"], r
     # Loss on the answers only: far fewer label tokens than the 8 x 64 slots of a step.
     assert all(0 < r["tokens"] < 8 * 64 * 0.7 for r in records)
     moe = records[-1]["moe"]
@@ -157,7 +163,8 @@ def test_lora_sft_of_a_moe_model_on_chat_data_with_evaluation_and_metrics(tmp_pa
     board = EventAccumulator(str(output / "tensorboard"))
     board.Reload()
     tags = set(board.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "eval/eval_loss", "moe/imbalance"} <= tags, tags
+    expected = {"train/loss", "train/lr", "train/grad_norm", "eval/eval_loss", "moe/imbalance"}
+    assert expected | {"train/tflops_per_gpu", "train/slowest_seconds"} <= tags, tags
     assert [e.value for e in board.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records])
     assert any((output / "tensorboard").glob("events.out.tfevents.*"))
     assert (output / "hf" / "adapter" / "adapter_config.json").is_file()

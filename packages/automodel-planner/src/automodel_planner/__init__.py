@@ -29,9 +29,17 @@ from automodel_planner.estimate import (
     calibrate_efficiency,
     estimate_peak,
     estimate_throughput,
+    flops_per_token,
 )
 from automodel_planner.facts import RankFacts, rank_facts
-from automodel_planner.hardware import DEVICES, Cluster, Device, cluster_from_mapping, parse_cluster
+from automodel_planner.hardware import (
+    DEVICES,
+    Cluster,
+    Device,
+    cluster_from_mapping,
+    device_named,
+    parse_cluster,
+)
 from automodel_planner.inputs import PlanInput
 from automodel_planner.published import PublishedRun, fit_efficiency, predict, published_runs, run_plan
 from automodel_planner.step_time import DEFAULT_EFFICIENCY, Efficiency, StepOptions, StepTime
@@ -68,9 +76,11 @@ __all__ = [
     "calibrate_efficiency",
     "cluster_from_mapping",
     "device_memory_bytes",
+    "device_named",
     "estimate_peak",
     "estimate_throughput",
     "fit_efficiency",
+    "flops_per_token",
     "parse_cluster",
     "planner_terms",
     "predict",

@@ -22,6 +22,7 @@ from automodel_planner.step_time import (
     StepOptions,
     StepTime,
     estimate_step_time,
+    model_flops_per_token,
     weight_kinds,
 )
 from automodel_planner.terms import PlannerTerm, pipeline_term, planner_terms
@@ -32,6 +33,7 @@ __all__ = [
     "calibrate_efficiency",
     "estimate_peak",
     "estimate_throughput",
+    "flops_per_token",
     "step_profile",
 ]
 
@@ -183,6 +185,19 @@ def estimate_throughput(
         stages_per_rank=pipeline.stages_per_rank if pipeline is not None else 1,
         efficiency=efficiency,
     )
+
+
+def flops_per_token(plan: PlanInput, *, profile_cache: ProfileCache | None = None) -> float:
+    """Training FLOPs per token of ``plan``'s model as torchtitan counts them (for MFU; no recompute).
+
+    The count `estimate_throughput` uses (`step_time.model_flops_per_token`): three times the forward's
+    matmul FLOPs of trainable weights, twice those of frozen ones, three times the attention's.
+    """
+    from automodel_distributed.blocks import find_transformer_blocks
+
+    profile = step_profile(plan, profile_cache)
+    kinds = weight_kinds(plan.model, find_transformer_blocks(plan.model))
+    return model_flops_per_token(profile.compute, kinds, cp=plan.layout.cp)
 
 
 def calibrate_efficiency(

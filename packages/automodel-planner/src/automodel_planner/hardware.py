@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEVICES", "Cluster", "Device", "cluster_from_mapping", "parse_cluster"]
+__all__ = ["DEVICES", "Cluster", "Device", "cluster_from_mapping", "device_named", "parse_cluster"]
 
 _GB = 1e9
 _MIB = 2**20
@@ -163,6 +163,25 @@ def _device(name: str) -> Device:
         known = ", ".join(d.name for d in DEVICES.values())
         raise ValueError(f"unknown device {name!r}: expected one of {known}, or describe it in a cluster")
     return DEVICES[key]
+
+
+_REPORTED_NAMES = (
+    ("h100 pcie", "h100-pcie"),
+    ("h100 80gb hbm3", "h100"),
+    ("h100 sxm", "h100"),
+    ("h200", "h200"),
+    ("b200", "b200"),
+    ("a100-sxm4-80gb", "a100"),
+    ("a100 80gb", "a100"),
+)
+"""Substrings of the names CUDA reports (``torch.cuda.get_device_name``) -> `DEVICES` keys. Only names
+whose datasheet figures are those of the entry: an H100 NVL or a 40 GB A100 match none."""
+
+
+def device_named(reported: str) -> Device | None:
+    """The `DEVICES` entry of the GPU CUDA reports as ``reported`` (None: not in the table)."""
+    name = reported.lower()
+    return next((DEVICES[key] for part, key in _REPORTED_NAMES if part in name), None)
 
 
 def parse_cluster(text: str) -> Cluster:

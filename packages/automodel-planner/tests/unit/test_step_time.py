@@ -166,3 +166,20 @@ def test_a_pipeline_pays_its_bubble_and_interleaving_shrinks_it() -> None:
     one_f_one_b = piped("1f1b")
     interleaved = piped("interleaved_1f1b", layers_per_stage=1)  # 8 stages: 2 per rank
     assert one_f_one_b > 0 and interleaved == pytest.approx(one_f_one_b / 2)
+
+
+def test_gpus_are_found_by_the_names_cuda_reports_and_flops_per_token_is_the_time_models_count() -> None:
+    from automodel_planner import device_named, flops_per_token
+
+    for reported, key in (
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+    ):
+        assert device_named(reported) is DEVICES[key], reported
+    for other in ("NVIDIA H100 NVL", "NVIDIA A100-SXM4-40GB", "NVIDIA GeForce RTX 4090", "cpu"):
+        assert device_named(other) is None, other
+    plan = _plan()
+    assert flops_per_token(plan) == estimate_throughput(plan, parse_cluster("8xH100")).model_flops_per_token

@@ -76,12 +76,16 @@ class StepStatus:
         stop: Some rank received a stop signal.
         bad_loss: Ranks whose loss sum is NaN or Inf.
         bad_grads: Ranks holding a NaN or Inf gradient.
+        slowest_rank: The rank that took longest to reach the agreement (forward and backward).
+        slowest_seconds: Its time from the start of the step.
     """
 
     loss_sum: float
     stop: bool
     bad_loss: list[int]
     bad_grads: list[int]
+    slowest_rank: int = 0
+    slowest_seconds: float = 0.0
 
     @property
     def finite(self) -> bool:
@@ -90,27 +94,39 @@ class StepStatus:
 
     @classmethod
     def agree(
-        cls, local_loss: torch.Tensor, *, stop: bool, grads_finite: bool, device: torch.device
+        cls,
+        local_loss: torch.Tensor,
+        *,
+        stop: bool,
+        grads_finite: bool,
+        device: torch.device,
+        seconds: float = 0.0,
     ) -> StepStatus:
         """All-reduce this rank's view (one ``all_reduce`` over the world; collective).
 
         A non-finite loss is reported in its slot and left out of the sum (so the sum stays readable).
+        ``seconds`` is this rank's time since the step began; the slowest rank is named from them.
         """
         world, rank = dist.get_world_size(), dist.get_rank()
-        loss = float(local_loss)
+        loss = float(local_loss)  # the one host sync of the step: the loss is final here
         finite = math.isfinite(loss)
-        status = torch.zeros(2 + 2 * world, dtype=torch.float64, device=device)
+        status = torch.zeros(2 + 3 * world, dtype=torch.float64, device=device)
         status[0] = loss if finite else 0.0
         status[1] = float(stop)
         status[2 + rank] = float(not finite)
         status[2 + world + rank] = float(not grads_finite)
+        status[2 + 2 * world + rank] = seconds
         dist.all_reduce(status)
         values: Any = status.cpu().tolist()
+        times = values[2 + 2 * world :]
+        slowest = max(range(world), key=lambda r: times[r])
         return cls(
             loss_sum=float(values[0]),
             stop=values[1] > 0,
             bad_loss=[r for r in range(world) if values[2 + r] > 0],
             bad_grads=[r for r in range(world) if values[2 + world + r] > 0],
+            slowest_rank=slowest,
+            slowest_seconds=float(times[slowest]),
         )
 
     def describe(self, step: int, grad_norm: float | None = None) -> str:

@@ -110,6 +110,8 @@ class _Loop:
         self.experts = _expert_load(run)
         fp8 = job.fp8
         self.precompute_fp8 = fp8 is not None and fp8.enabled and fp8.precompute_float8_dynamic_scale_for_fsdp
+        self.world = dist.get_world_size()
+        self.utilization = run.utilization
         self.progress = Progress(
             total=self.train.steps, initial=start.step, enabled=self.rank == 0, device=run.device
         )
@@ -145,8 +147,13 @@ class _Loop:
             pipeline=run.pipeline,
             context_parallel=self.context_parallel,
         )
+        grads_finite = local_grads_finite(self.params)  # a host sync: the backward has finished here
         status = StepStatus.agree(
-            local, stop=self.stop.requested, grads_finite=local_grads_finite(self.params), device=run.device
+            local,
+            stop=self.stop.requested,
+            grads_finite=grads_finite,
+            device=run.device,
+            seconds=time.perf_counter() - began,
         )
         grad_norm = clip_gradients(self.params, train.max_grad_norm, self.pp_group)
         done = step + 1
@@ -179,7 +186,10 @@ class _Loop:
             "grad_norm": grad_norm,
             "tokens": labels,
             "tokens_per_s": tokens / elapsed,
+            **self.utilization.of_step(tokens / elapsed, self.world),
             "seconds": elapsed,
+            "slowest_rank": status.slowest_rank,
+            "slowest_seconds": status.slowest_seconds,
             "memory_gib": memory_gib(run.device),
             "skipped": skipped,
             "skipped_total": self.skipped,
@@ -249,7 +259,9 @@ class _Loop:
                 record, stop = self.step(step)
                 done = step + 1
                 self.metrics.step(record)
-                self.progress.update(loss=record["loss"], tokens_per_s=record["tokens_per_s"])
+                self.progress.update(
+                    loss=record["loss"], tokens_per_s=record["tokens_per_s"], mfu=record["mfu"]
+                )
                 last = done == train.steps
                 if stop and not last:  # preempted: the checkpoint first, within the launcher's grace period
                     self.checkpoint(done, "preempted")

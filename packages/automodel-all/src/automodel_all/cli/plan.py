@@ -23,7 +23,8 @@ from torch import nn
 
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
 from automodel_all.cli.launch import nproc_per_node
-from automodel_all.cli.model import build_meta_model, load_model_config, model_dtype
+from automodel_all.cli.model import load_model_config, model_dtype
+from automodel_all.cli.utilization import planning_model
 from automodel_all.cli.yaml_source import ConfigError, RawJob
 from automodel_distributed.fsdp2_units import frozen_towers
 from automodel_infra.infrastructure import APPLY_STEPS
@@ -342,17 +343,8 @@ def plan_report(
     world = world_size if world_size is not None else job.launch.nnodes * nproc_per_node(job)
     model_config = load_model_config(job)
     resolved = resolve_job(job, world, model_config)
-    model = build_meta_model(job, model_config)
-    if job.freeze_config is not None:
-        from automodel_distributed.multimodal import apply_freeze_config
-
-        apply_freeze_config(model, job.freeze_config)  # before adapters, as apply_model_infrastructure does
-    adapted = 0
-    if job.peft is not None:
-        from automodel_peft import apply_lora_to_linear_modules
-
-        adapted = apply_lora_to_linear_modules(model, job.peft)  # on meta: free; freezes the base
-    elif base_weight_bits is not None:
+    model, adapted = planning_model(job, model_config)
+    if job.peft is None and base_weight_bits is not None:
         raise ConfigError("--qlora-bits needs LoRA adapters (--lora): only a frozen base is quantized")
     planned = plan_input(resolved, model, model_config, base_weight_bits)
     cache: ProfileCache = {}

@@ -1,4 +1,4 @@
-"""Rank 0's progress bar: loss, tokens per second and memory (RSS on CPU, peak allocated on CUDA)."""
+"""Rank 0's progress bar: loss, tokens per second, MFU on GPUs, and memory (RSS on CPU, peak on CUDA)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,15 @@ class Progress:
 
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
-    def update(self, *, loss: float, tokens_per_s: float) -> None:
-        """Advance one step."""
+    def update(self, *, loss: float, tokens_per_s: float, mfu: float | None = None) -> None:
+        """Advance one step (``mfu`` shown when known: on a GPU of the planner's table)."""
         if self._bar is None:
             return
         memory = "rss" if self._device.type == "cpu" else "cuda max"
+        utilization = f" mfu={mfu:.1%}" if mfu is not None else ""
         self._bar.set_postfix_str(
-            f"loss={loss:.4f} tok/s={tokens_per_s:,.0f} {memory}={memory_gib(self._device):.2f}GiB",
+            f"loss={loss:.4f} tok/s={tokens_per_s:,.0f}{utilization} "
+            f"{memory}={memory_gib(self._device):.2f}GiB",
             refresh=False,
         )
         self._bar.update(1)

@@ -12,6 +12,7 @@ from torch import nn
 from automodel_all.cli.config import JobConfig, ResolvedJob
 from automodel_all.cli.packing import TokenRows
 from automodel_all.cli.steps import TokenLoss
+from automodel_all.cli.utilization import Utilization
 from automodel_distributed.strategy import StrategyManager
 from automodel_mesh import MeshContext
 
@@ -40,6 +41,8 @@ class TrainingRun:
     loss_fn: TokenLoss
     strategy: StrategyManager
     """The strategy manager: autocast and gradient sync of every step go through it."""
+    utilization: Utilization
+    """FLOPs per token and the GPU's peak, for each step's TFLOP/s and MFU (rank 0; unknown elsewhere)."""
 
     @property
     def pipeline(self) -> Any:

@@ -41,6 +41,7 @@ from automodel_all.cli.model import (
 from automodel_all.cli.resume import ResumePoint, resume_from_checkpoint
 from automodel_all.cli.run_state import TrainingRun
 from automodel_all.cli.steps import TokenLoss
+from automodel_all.cli.utilization import Utilization
 from automodel_all.cli.yaml_source import RawJob
 from automodel_distributed.strategy import as_strategy
 
@@ -157,6 +158,11 @@ def _setup(job: JobConfig) -> TrainingRun:
         params, lr=job.train.lr, betas=(0.9, 0.95), weight_decay=job.train.weight_decay
     )
     strategy = as_strategy(infra.model_wrapper, mesh)
+    utilization = (
+        Utilization.of(job, resolved, model_config, device)
+        if dist.get_rank() == 0
+        else Utilization(None, None)
+    )
     return TrainingRun(
         job=job,
         resolved=resolved,
@@ -171,6 +177,7 @@ def _setup(job: JobConfig) -> TrainingRun:
         optimizer=optimizer,
         loss_fn=loss_fn,
         strategy=strategy,
+        utilization=utilization,
     )
 
 

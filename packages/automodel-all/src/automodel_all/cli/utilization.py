@@ -1,0 +1,84 @@
+"""Model FLOPs per token, TFLOP/s per GPU and MFU of a run, counted as torchtitan counts them.
+
+The FLOPs per token come from the planner's count of the job's model (`automodel_planner.flops_per_token`:
+the fake forward of one micro-batch; three times the matmul FLOPs of trainable weights, twice a frozen
+weight's, three times the attention's; recompute excluded), computed once on rank 0 before the first
+step. A step's TFLOP/s per GPU is its document tokens per second per rank times that count; MFU divides
+it by the GPU's dense bf16 peak from the planner's table of devices (`automodel_planner.device_named`),
+so it is absent on CPU and on a GPU the table does not hold (the reason is in docs/cli.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel_all.cli.config import JobConfig, ResolvedJob
+from automodel_all.cli.progress import warn
+
+__all__ = ["Utilization", "planning_model"]
+
+
+def planning_model(job: JobConfig, model_config: Any) -> tuple[nn.Module, int]:
+    """The job's model on the meta device as the planner sees it: frozen towers, then LoRA adapters.
+
+    Returns:
+        The model and the number of layers LoRA adapts (0 without ``peft``).
+    """
+    from automodel_all.cli.model import build_meta_model
+
+    model = build_meta_model(job, model_config)
+    if job.freeze_config is not None:
+        from automodel_distributed.multimodal import apply_freeze_config
+
+        apply_freeze_config(model, job.freeze_config)  # before adapters, as apply_model_infrastructure does
+    adapted = 0
+    if job.peft is not None:
+        from automodel_peft import apply_lora_to_linear_modules
+
+        adapted = apply_lora_to_linear_modules(model, job.peft)  # on meta: free; freezes the base
+    return model, adapted
+
+
+@dataclass(frozen=True)
+class Utilization:
+    """What a step's throughput is worth: FLOPs per token and the device's peak (None: unknown)."""
+
+    flops_per_token: float | None
+    peak_flops: float | None
+    """Dense bf16 FLOP/s of one GPU (None on CPU or a GPU outside the planner's table)."""
+
+    @classmethod
+    def of(
+        cls, job: JobConfig, resolved: ResolvedJob, model_config: Any, device: torch.device
+    ) -> Utilization:
+        """Count the job's FLOPs per token (the planner's fake forward) and look up the device's peak.
+
+        A model the fake forward cannot run leaves the FLOPs unknown, with a warning: the step
+        metrics must never stop a run.
+        """
+        from automodel_all.cli.plan import plan_input
+        from automodel_planner import device_named, flops_per_token
+
+        flops = None
+        try:
+            model, _ = planning_model(job, model_config)
+            flops = flops_per_token(plan_input(resolved, model, model_config))
+        except Exception as exc:  # reported, never fatal: a metric, not the training
+            warn(f"no TFLOP/s or MFU in the metrics: counting the model's FLOPs failed ({exc})")
+        peak = None
+        if device.type == "cuda":
+            found = device_named(torch.cuda.get_device_name(device))
+            peak = found.bf16_flops if found is not None else None
+        return cls(flops, peak)
+
+    def of_step(self, tokens_per_s: float, world_size: int) -> dict[str, float | None]:
+        """``tflops_per_gpu`` and ``mfu`` of a step that processed ``tokens_per_s`` over all ranks."""
+        if self.flops_per_token is None:
+            return {"tflops_per_gpu": None, "mfu": None}
+        flops = tokens_per_s / world_size * self.flops_per_token
+        mfu = flops / self.peak_flops if self.peak_flops else None
+        return {"tflops_per_gpu": flops / 1e12, "mfu": mfu}
