@@ -23,13 +23,13 @@ from torch import nn
 
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
 from automodel_all.cli.launch import nproc_per_node
-from automodel_all.cli.model import load_model_config, model_dtype
-from automodel_all.cli.utilization import planning_model
+from automodel_all.cli.model import load_model_config
+from automodel_all.cli.planning import plan_input, planning_model
 from automodel_all.cli.yaml_source import ConfigError, RawJob
 from automodel_distributed.fsdp2_units import frozen_towers
 from automodel_infra.infrastructure import APPLY_STEPS
 from automodel_infra.steps import PlannedJob, describe_steps
-from automodel_planner import PeakEstimate, PlanInput, ProfileCache, device_memory_bytes, estimate_peak
+from automodel_planner import PeakEstimate, ProfileCache, device_memory_bytes, estimate_peak
 from automodel_planner.estimate import calibrate_efficiency, estimate_throughput
 from automodel_planner.hardware import Cluster, cluster_from_mapping, parse_cluster
 from automodel_planner.step_time import DEFAULT_EFFICIENCY, StepTime
@@ -114,31 +114,6 @@ def measured_step_seconds(path: str) -> float:
             "two are left out as warm-up)"
         )
     return statistics.median(times[2:])
-
-
-def plan_input(
-    resolved: ResolvedJob, model: nn.Module, model_config: Any, base_weight_bits: int | None = None
-) -> PlanInput:
-    """The planner's view of a job (`automodel_planner.PlanInput`) on its resolved layout."""
-    job = resolved.job
-    micro_batch = job.train.micro_batch_size or resolved.rows_per_dp_rank
-    return PlanInput(
-        model=model,
-        model_config=model_config,
-        layout=resolved.layout,
-        strategy=job.distributed,
-        dtype=model_dtype(job),
-        seq_len=job.data.seq_len,
-        micro_batch_size=micro_batch,
-        accumulation=max(resolved.rows_per_dp_rank // micro_batch, 1),
-        pipeline=resolved.pipeline,
-        moe=job.moe,
-        peft=job.peft,
-        fp8=job.fp8,
-        base_weight_bits=base_weight_bits,
-        attn_implementation=job.model.attn_implementation,
-        compile=job.compile is not None and job.compile.enabled,
-    )
 
 
 def planned_job(job: JobConfig, resolved: ResolvedJob, model: nn.Module, adapted: int) -> PlannedJob:

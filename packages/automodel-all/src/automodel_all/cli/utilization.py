@@ -14,33 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from automodel_all.cli.config import JobConfig, ResolvedJob
+from automodel_all.cli.planning import plan_input, planning_model
 from automodel_all.cli.progress import warn
 
-__all__ = ["Utilization", "planning_model"]
-
-
-def planning_model(job: JobConfig, model_config: Any) -> tuple[nn.Module, int]:
-    """The job's model on the meta device as the planner sees it: frozen towers, then LoRA adapters.
-
-    Returns:
-        The model and the number of layers LoRA adapts (0 without ``peft``).
-    """
-    from automodel_all.cli.model import build_meta_model
-
-    model = build_meta_model(job, model_config)
-    if job.freeze_config is not None:
-        from automodel_distributed.multimodal import apply_freeze_config
-
-        apply_freeze_config(model, job.freeze_config)  # before adapters, as apply_model_infrastructure does
-    adapted = 0
-    if job.peft is not None:
-        from automodel_peft import apply_lora_to_linear_modules
-
-        adapted = apply_lora_to_linear_modules(model, job.peft)  # on meta: free; freezes the base
-    return model, adapted
+__all__ = ["Utilization"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +39,6 @@ class Utilization:
         A model the fake forward cannot run leaves the FLOPs unknown, with a warning: the step
         metrics must never stop a run.
         """
-        from automodel_all.cli.plan import plan_input
         from automodel_planner import device_named, flops_per_token
 
         flops = None

@@ -1,0 +1,65 @@
+"""The planner's view of a job: its model on the meta device and its `automodel_planner.PlanInput`.
+
+Shared by ``automodel plan`` (memory, throughput, ``--suggest``) and ``automodel train`` (the FLOPs per
+token of its TFLOP/s and MFU), so both count the same model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from automodel_all.cli.config import JobConfig, ResolvedJob
+from automodel_all.cli.model import build_meta_model, model_dtype
+
+if TYPE_CHECKING:
+    from automodel_planner import PlanInput
+
+__all__ = ["plan_input", "planning_model"]
+
+
+def planning_model(job: JobConfig, model_config: Any) -> tuple[nn.Module, int]:
+    """The job's model on the meta device as the planner sees it: frozen towers, then LoRA adapters.
+
+    Returns:
+        The model and the number of layers LoRA adapts (0 without ``peft``).
+    """
+    model = build_meta_model(job, model_config)
+    if job.freeze_config is not None:
+        from automodel_distributed.multimodal import apply_freeze_config
+
+        apply_freeze_config(model, job.freeze_config)  # before adapters, as apply_model_infrastructure does
+    adapted = 0
+    if job.peft is not None:
+        from automodel_peft import apply_lora_to_linear_modules
+
+        adapted = apply_lora_to_linear_modules(model, job.peft)  # on meta: free; freezes the base
+    return model, adapted
+
+
+def plan_input(
+    resolved: ResolvedJob, model: nn.Module, model_config: Any, base_weight_bits: int | None = None
+) -> PlanInput:
+    """The planner's view of a job (`automodel_planner.PlanInput`) on its resolved layout."""
+    from automodel_planner import PlanInput
+
+    job = resolved.job
+    micro_batch = job.train.micro_batch_size or resolved.rows_per_dp_rank
+    return PlanInput(
+        model=model,
+        model_config=model_config,
+        layout=resolved.layout,
+        strategy=job.distributed,
+        dtype=model_dtype(job),
+        seq_len=job.data.seq_len,
+        micro_batch_size=micro_batch,
+        accumulation=max(resolved.rows_per_dp_rank // micro_batch, 1),
+        pipeline=resolved.pipeline,
+        moe=job.moe,
+        peft=job.peft,
+        fp8=job.fp8,
+        base_weight_bits=base_weight_bits,
+        attn_implementation=job.model.attn_implementation,
+        compile=job.compile is not None and job.compile.enabled,
+    )
