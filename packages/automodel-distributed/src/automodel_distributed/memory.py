@@ -252,8 +252,13 @@ class StrategyFacts(Protocol):
     accumulated: float
     """Bytes of this rank's trainable parameters unsharded over the FSDP axis."""
     units: Sequence[int]
-    """Each FSDP unit's parameter bytes on this rank, unsharded over the FSDP axis, in forward order."""
+    """Each FSDP unit's parameter bytes on this rank, unsharded over the FSDP axis, in forward order, in
+    the all-gather dtype (``mp_policy.param_dtype`` where it casts them)."""
     unit_grads: Sequence[int]
+    unit_reduce: Sequence[int]
+    """Each unit's reduce-scatter input bytes (its trainable parameters in the reduction dtype)."""
+    reduce_separate: bool
+    """Whether the reduction dtype differs from the all-gather's (separate reduce-scatter buffers)."""
     units_freed: Sequence[bool]
     """Per unit: resharded after forward whatever the setting (`always_resharded_units`)."""
     blocks: Sequence[int]
@@ -349,7 +354,11 @@ class StrategyMemory:
         """FSDP2's all-gather outputs and reduce-scatter inputs, DDP's buckets, TP's and CP's buffers."""
         layout, out = facts.layout, {}
         shard = layout.dp_shard * layout.cp
-        fsdp = fsdp_comm_buffer_bytes(facts.units, shard=shard) if self._fsdp else 0
+        fsdp = 0
+        if self._fsdp:
+            reduce = list(facts.unit_reduce) if facts.reduce_separate else None
+            host = isinstance(self.config, FSDP2Config) and self.config.host_runtime is not None
+            fsdp = fsdp_comm_buffer_bytes(facts.units, shard=shard, reduce_bytes=reduce, host_tuned=host)
         if fsdp:
             out["FSDP all-gather / reduce-scatter"] = fsdp
         if isinstance(self.config, DDPConfig) and layout.world_size > 1:

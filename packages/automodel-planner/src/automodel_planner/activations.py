@@ -142,7 +142,9 @@ def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str 
     torch.set_default_dtype(dtype)
     try:
         auto = AutoModelForImageTextToText if whole else AutoModelForCausalLM
-        return auto.from_config(config, attn_implementation=implementation)
+        # dtype given: a config that once built a model remembers that model's dtype (fp32 master
+        # weights), while the profile is of the compute dtype.
+        return auto.from_config(config, attn_implementation=implementation, dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from automodel_distributed.memory import Placement, layer_index, placement_rule
@@ -22,6 +23,30 @@ from automodel_planner.inputs import PlanInput
 __all__ = ["RankFacts", "rank_facts"]
 
 _FIRST_STAGE_PREFIX = "model.embed_tokens"  # outside the blocks: on the first stage, else on the last
+
+
+@dataclass(frozen=True)
+class _Cast:
+    """The dtypes FSDP2's mixed precision moves a floating-point parameter in (None: as stored)."""
+
+    gather: torch.dtype | None
+    """``mp_policy.param_dtype``: the all-gather's and the unsharded parameter's."""
+    reduce: torch.dtype | None
+    """``mp_policy.reduce_dtype``: the reduce-scatter's."""
+
+    @classmethod
+    def of(cls, strategy: Any) -> _Cast:
+        policy = getattr(strategy, "mp_policy", None)
+        return cls(getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None))
+
+    def sizes(self, param: nn.Parameter, local: float) -> tuple[float, float]:
+        """``local`` bytes (as stored) in the all-gather dtype and in the reduce-scatter dtype."""
+        if not param.is_floating_point():
+            return local, local
+        stored = param.element_size()
+        gather = self.gather.itemsize if self.gather is not None else stored
+        reduce = self.reduce.itemsize if self.reduce is not None else gather
+        return local * gather / stored, local * reduce / stored
 
 
 @dataclass
@@ -34,15 +59,20 @@ class _Tally:
     accumulated: float = 0.0
     units: dict[tuple[int, str], float] = field(default_factory=dict)
     unit_grads: dict[tuple[int, str], float] = field(default_factory=dict)
+    unit_reduce: dict[tuple[int, str], float] = field(default_factory=dict)
+    reduce_separate: bool = False
 
-    def add(self, place: Placement, param: nn.Parameter, size: float) -> None:
+    def add(self, place: Placement, param: nn.Parameter, size: float, cast: _Cast) -> None:
         p_div, g_div, o_div = place.divisors
         self.params += size / p_div
         if place.gathered:
             local = size / (place.shard / place.gathered_over)  # this rank's part, unsharded over FSDP
-            self.units[place.unit] = self.units.get(place.unit, 0.0) + local
+            gather, reduce = cast.sizes(param, local)
+            self.units[place.unit] = self.units.get(place.unit, 0.0) + gather
             if param.requires_grad:
                 self.unit_grads[place.unit] = self.unit_grads.get(place.unit, 0.0) + local
+                self.unit_reduce[place.unit] = self.unit_reduce.get(place.unit, 0.0) + reduce
+                self.reduce_separate = self.reduce_separate or reduce != gather
                 self.accumulated += local
         if param.requires_grad:
             self.grads += param.numel() * param.element_size() / g_div
@@ -81,7 +111,13 @@ class RankFacts:
     states: float
     accumulated: float
     units: Sequence[int]
+    """Each FSDP unit's parameters on the rank, unsharded, in the all-gather dtype (mixed precision's)."""
     unit_grads: Sequence[int]
+    """Each unit's trainable parameters, unsharded, as stored."""
+    unit_reduce: Sequence[int]
+    """Each unit's reduce-scatter input: its trainable parameters in the reduction dtype."""
+    reduce_separate: bool
+    """The reduction dtype differs from the all-gather's: reduce-scatter inputs are buffers of their own."""
     units_freed: Sequence[bool]
     linear_shapes: Sequence[tuple[int, int]]
     """Every block's linear weights as (out / tp, in), for float8 casts."""
@@ -109,6 +145,7 @@ def _size(plan: PlanInput, param: nn.Parameter, index: int | None) -> float:
 def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
     pp = plan.layout.pp
     place = placement_rule(plan.strategy, plan.layout, plan.model, plan.dtype)
+    cast = _Cast.of(plan.strategy)
     census = _Census([_Tally() for _ in range(pp)])
     for name, param in plan.model.named_parameters():
         index = layer_index(name)
@@ -116,7 +153,7 @@ def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
         if pp > 1:
             outside = 0 if name.startswith(_FIRST_STAGE_PREFIX) else pp - 1
             rank = owners.get(index, 0) if index is not None else outside
-        census.tallies[rank].add(place(name), param, _size(plan, param, index))
+        census.tallies[rank].add(place(name), param, _size(plan, param, index), cast)
         if index is None:
             continue
         if param.dim() == 2 and "lora_" not in name and name.endswith("weight"):
@@ -184,6 +221,8 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
                 accumulated=tally.accumulated,
                 units=[int(tally.units[k]) for k in keys],
                 unit_grads=[int(tally.unit_grads.get(k, 0)) for k in keys],
+                unit_reduce=[int(tally.unit_reduce.get(k, 0)) for k in keys],
+                reduce_separate=tally.reduce_separate,
                 units_freed=[k[1] in freed for k in keys],
                 linear_shapes=census.linear_shapes,
                 adapted_inputs=[w for b in blocks for w in census.adapted_inputs.get(b, [])],

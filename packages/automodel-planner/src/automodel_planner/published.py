@@ -53,6 +53,8 @@ class PublishedRun:
     fp8: bool = False
     lora_dim: int | None = None
     memory_gib: float | None = None
+    dtype: str = "bfloat16"
+    """The parameters' dtype as stored (computation follows FSDP2Config's bf16 mixed precision)."""
 
 
 @functools.cache
@@ -67,14 +69,14 @@ def published_runs(role: str | None = None) -> list[PublishedRun]:
     return [r for r in rows if role is None or r.role == role]
 
 
-def _build(shape: str) -> tuple[torch.nn.Module, Any]:
-    """The published widths of ``shape`` as a bf16 causal LM on the meta device, and its config."""
+def _build(shape: str, dtype: str = "bfloat16") -> tuple[torch.nn.Module, Any]:
+    """The published widths of ``shape`` as a causal LM in ``dtype`` on the meta device, and its config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(_data()["shapes"][shape])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     return model, config
 
 
@@ -87,12 +89,12 @@ def run_plan(run: PublishedRun) -> PlanInput:
     from automodel_distributed.config import FSDP2Config
     from automodel_mesh import MeshKind, ParallelismSizes, resolve_layout
 
-    model, config = _meta_model(run.shape)
+    model, config = _meta_model(run.shape, run.dtype)
     peft = None
     if run.lora_dim is not None:
         from automodel_peft import PeftConfig, apply_lora_to_linear_modules
 
-        model, _ = _build(run.shape)
+        model, _ = _build(run.shape, run.dtype)
         peft = PeftConfig(target_modules=["*_proj"], dim=run.lora_dim, alpha=2 * run.lora_dim)
         apply_lora_to_linear_modules(model, peft)
     world = parse_cluster(run.cluster).count

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from automodel_all.cli.config import JobConfig, ResolvedJob
@@ -16,7 +17,7 @@ from automodel_all.cli.model import build_meta_model, model_dtype
 if TYPE_CHECKING:
     from automodel_planner import PlanInput
 
-__all__ = ["plan_input", "planning_model"]
+__all__ = ["compute_dtype", "plan_input", "planning_model"]
 
 
 def planning_model(job: JobConfig, model_config: Any) -> tuple[nn.Module, int]:
@@ -38,6 +39,13 @@ def planning_model(job: JobConfig, model_config: Any) -> tuple[nn.Module, int]:
     return model, adapted
 
 
+def compute_dtype(job: JobConfig) -> torch.dtype:
+    """The dtype the job computes in: FSDP2's ``mp_policy.param_dtype`` where it casts, else the model's."""
+    policy = getattr(job.distributed, "mp_policy", None)
+    param_dtype = getattr(policy, "param_dtype", None)
+    return param_dtype if isinstance(param_dtype, torch.dtype) else model_dtype(job)
+
+
 def plan_input(
     resolved: ResolvedJob, model: nn.Module, model_config: Any, base_weight_bits: int | None = None
 ) -> PlanInput:
@@ -51,7 +59,7 @@ def plan_input(
         model_config=model_config,
         layout=resolved.layout,
         strategy=job.distributed,
-        dtype=model_dtype(job),
+        dtype=compute_dtype(job),
         seq_len=job.data.seq_len,
         micro_batch_size=micro_batch,
         accumulation=max(resolved.rows_per_dp_rank // micro_batch, 1),
