@@ -83,10 +83,11 @@ def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
         "## Memory against the published figures",
         "",
         "The memory model's peak (`automodel plan`'s estimate, the rank holding the most) beside each "
-        "published peak. It counts the job as our trainer runs it: parameters in the dtype the row "
-        "gives (bf16), the logits gathered whole under TP (no loss parallel), and no CUDA context, NCCL "
-        "or allocator terms yet; torchtitan keeps fp32 sharded parameters, computes the loss parallel "
-        "over TP and reports the allocator's reserved peak. Not fitted.",
+        "published peak. It counts the job as our trainer would run it: the row's parameter dtype "
+        "(torchtitan's fp32 shards, bf16 all-gathers and fp32 reduce-scatters: FSDP2's mixed precision), "
+        "the logits gathered whole under TP (torchtitan computes the loss parallel over TP), and no CUDA "
+        "context, NCCL or allocator terms yet (torchtitan reports the allocator's reserved peak). Not "
+        "fitted.",
         "",
         "| run | published GiB | predicted GiB | error | largest lines (GiB) |",
         "| --- | ---: | ---: | ---: | --- |",
