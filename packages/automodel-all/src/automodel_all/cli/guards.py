@@ -54,17 +54,22 @@ class NonFiniteError(FloatingPointError):
 
 
 def local_grads_finite(params: list[nn.Parameter]) -> bool:
-    """Whether every gradient this rank holds (its shards) is finite. Local: no collective."""
+    """Whether every gradient this rank holds (its shards) is finite. Local: no collective.
+
+    One flag per gradient stays on its device; one host sync per device (not one per gradient, which
+    on a GPU would stall the stream once per parameter).
+    """
     from torch.distributed.tensor import DTensor
 
+    flags: dict[torch.device, list[torch.Tensor]] = {}
     for param in params:
         grad = param.grad
         if grad is None:
             continue
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        if not bool(torch.isfinite(local).all()):
-            return False
-    return True
+        if local.numel():
+            flags.setdefault(local.device, []).append(torch.isfinite(local).all())
+    return all(bool(torch.stack(found).all()) for found in flags.values())
 
 
 @dataclass(frozen=True)

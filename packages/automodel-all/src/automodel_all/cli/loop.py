@@ -147,7 +147,7 @@ class _Loop:
             pipeline=run.pipeline,
             context_parallel=self.context_parallel,
         )
-        grads_finite = local_grads_finite(self.params)  # a host sync: the backward has finished here
+        grads_finite = local_grads_finite(self.params)  # its host sync: the backward has finished here
         status = StepStatus.agree(
             local,
             stop=self.stop.requested,
