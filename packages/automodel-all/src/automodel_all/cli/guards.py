@@ -81,8 +81,8 @@ class StepStatus:
         stop: Some rank received a stop signal.
         bad_loss: Ranks whose loss sum is NaN or Inf.
         bad_grads: Ranks holding a NaN or Inf gradient.
-        slowest_rank: The rank that took longest to reach the agreement (forward and backward).
-        slowest_seconds: Its time from the start of the step.
+        slowest_rank: The rank that reached the agreement last (the one the others waited for).
+        slowest_seconds: Its time since the previous agreement (``seconds`` of `agree`).
     """
 
     loss_sum: float
@@ -110,7 +110,8 @@ class StepStatus:
         """All-reduce this rank's view (one ``all_reduce`` over the world; collective).
 
         A non-finite loss is reported in its slot and left out of the sum (so the sum stays readable).
-        ``seconds`` is this rank's time since the step began; the slowest rank is named from them.
+        ``seconds`` is this rank's time since a point every rank shares (the previous agreement, which
+        all leave together); the rank with the most arrived last, and is named.
         """
         world, rank = dist.get_world_size(), dist.get_rank()
         loss = float(local_loss)  # the one host sync of the step: the loss is final here

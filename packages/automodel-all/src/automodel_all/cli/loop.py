@@ -111,6 +111,7 @@ class _Loop:
         fp8 = job.fp8
         self.precompute_fp8 = fp8 is not None and fp8.enabled and fp8.precompute_float8_dynamic_scale_for_fsdp
         self.world = dist.get_world_size()
+        self.synced = time.perf_counter()
         self.utilization = run.utilization
         self.progress = Progress(
             total=self.train.steps, initial=start.step, enabled=self.rank == 0, device=run.device
@@ -153,8 +154,10 @@ class _Loop:
             stop=self.stop.requested,
             grads_finite=grads_finite,
             device=run.device,
-            seconds=time.perf_counter() - began,
+            seconds=time.perf_counter() - self.synced,
         )
+        # Every rank leaves the agreement together: the common start of the next step's timing.
+        self.synced = time.perf_counter()
         grad_norm = clip_gradients(self.params, train.max_grad_norm, self.pp_group)
         done = step + 1
         skipped = False

@@ -6,9 +6,10 @@ Files in the output folder (rank 0 writes them):
   ``tokens`` (label tokens of the global batch), ``tokens_per_s`` (tokens of documents, padding
   excluded, over all ranks), ``tflops_per_gpu`` and ``mfu`` (`automodel_all.cli.utilization`; MFU null
   on CPU), ``seconds``, ``slowest_rank`` and ``slowest_seconds`` (the rank that reached the step's
-  agreement last, and its time), ``memory_gib`` (rank 0: resident set on CPU, peak CUDA
-  allocation on GPU), ``skipped`` (a step dropped for a NaN/Inf, ``train.on_nonfinite: skip``) and
-  ``skipped_total``; for mixture-of-experts models also ``moe`` (`automodel_moe.ExpertLoad.summary`).
+  agreement last, and its time since the previous agreement), ``memory_gib`` (rank 0: resident set
+  on CPU, peak CUDA allocation on GPU), ``skipped`` (a step dropped for a NaN/Inf,
+  ``train.on_nonfinite: skip``) and ``skipped_total``; for mixture-of-experts models also ``moe``
+  (`automodel_moe.ExpertLoad.summary`).
 - ``eval_log.jsonl``: one line per evaluation: ``step``, ``eval_loss``, ``eval_ppl``, ``eval_tokens``.
 - ``tensorboard/``: the same scalars as TensorBoard events (``train.tensorboard: true``; the
   ``automodel-all[tensorboard]`` extra).

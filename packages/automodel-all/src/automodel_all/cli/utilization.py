@@ -10,6 +10,8 @@ so it is absent on CPU and on a GPU the table does not hold (the reason is in do
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +45,15 @@ class Utilization:
 
         flops = None
         try:
+            # A copy: building a model from a config sets its attention implementation, and the
+            # training model shares this one (context parallelism switched it to its own).
+            model_config = copy.deepcopy(model_config)
             model, _ = planning_model(job, model_config)
-            flops = flops_per_token(plan_input(resolved, model, model_config))
+            plan = plan_input(resolved, model, model_config)
+            # The job's own attention, never the one a parallelism switched the config to (context
+            # parallelism's runs collectives, which this rank alone must not enter): same FLOPs.
+            plan = dataclasses.replace(plan, attn_implementation=job.model.attn_implementation or "sdpa")
+            flops = flops_per_token(plan)
         except Exception as exc:  # reported, never fatal: a metric, not the training
             warn(f"no TFLOP/s or MFU in the metrics: counting the model's FLOPs failed ({exc})")
         peak = None
