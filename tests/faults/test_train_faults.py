@@ -110,10 +110,6 @@ class _Job:
         self.action_step: int | None = None
         self._watcher: threading.Thread | None = None
 
-    def when_step(self, step: int, action: Callable[[int], None]) -> None:
-        """Call ``action(launcher_pid)`` once the log shows ``step`` (from a thread)."""
-        self.when(lambda: _last_step(self.output) >= step, action)
-
     def when(self, condition: Callable[[], bool], action: Callable[[int], None]) -> None:
         """Call ``action(launcher_pid)`` as soon as ``condition()`` holds (polled from a thread)."""
 
@@ -171,8 +167,16 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(
     ref_dir, expected = reference
     output = tmp_path / "run"
     _seed_folder(ref_dir, output)
+    from automodel_checkpoint import is_complete_checkpoint
+
     job = _Job(_command(output, "--max-restarts", "1"), output)
-    job.when_step(13, lambda pid: os.kill(_workers(pid)[-1], signal.SIGKILL))
+    # After step 13 and once the step-10 checkpoint is published: it is written in the background, and
+    # on a loaded machine it can still be in flight three steps later (then a restart starts over).
+    step_10 = output / "checkpoints" / "step_00000010"
+    job.when(
+        lambda: _last_step(output) >= 13 and is_complete_checkpoint(step_10),
+        lambda pid: os.kill(_workers(pid)[-1], signal.SIGKILL),
+    )
     code, out = job.wait()
     assert code == 0, out[-6000:]
     assert job.action_step is not None and job.action_step < STEPS, job.action_step
