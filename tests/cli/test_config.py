@@ -224,6 +224,10 @@ def test_settings_that_would_act_on_nothing_are_named_with_their_line(tmp_path: 
           resume_fallback: true
         launch:
           rdzv_id: myjob
+        report:
+          to: [jsonl, wandb]
+          project: mine
+          mlflow_tracking_uri: http://mlflow:5000
         """,
     )
     lines = inert_settings(build_job(load_yaml(path)))
@@ -232,6 +236,7 @@ def test_settings_that_would_act_on_nothing_are_named_with_their_line(tmp_path: 
         f"{path}:2: train.eval_every ignored: there is no evaluation data (data.eval_path, data.eval_split)",
         f"{path}:3: train.resume_fallback ignored: nothing resumes: set train.resume (or "
         "launch.max_restarts, whose restarted workers resume)",
+        f"{path}:9: report.mlflow_tracking_uri ignored: report.to has none of mlflow",
     ]
     acting = _write(
         tmp_path,

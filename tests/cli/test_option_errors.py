@@ -58,6 +58,12 @@ TRAIN_CASES: dict[str, tuple[list[str], str]] = {
     "checkpoint-every": (["--checkpoint-every", "-1"], "checkpoint_every must be >= 0"),
     "eval-every": (["--eval-every", "-1"], "eval_every must be >= 0"),
     "output-dir a file": (["--output-dir", A_FILE], "is a file; give a folder"),
+    "report-to unknown sink": (["--report-to", "jsonl,neptune"], "unknown sink 'neptune'; choose from jsonl"),
+    "report-to twice": (["--report-to", "jsonl,jsonl"], "names a sink twice"),
+    "plot without jsonl": (
+        ["--report-to", "tensorboard", "--set", "train.plot=true"],
+        "add jsonl to report.to",
+    ),
     "nproc-per-node": (["--nproc-per-node", "0"], "nproc_per_node must be >= 1"),
     "nnodes": (["--nnodes", "0"], "nnodes must be >= 1"),
     "node-rank": (["--node-rank", "5"], "must be < nnodes=1"),

@@ -10,8 +10,10 @@ Three launches in all (each costs ~15-30 s of process start-up on a small CPU ma
    loss normalisation (2 data-parallel ranks give the gradients of one process) and DCP resharding.
    Observed difference: 5e-7 (fp32 rounding of the reduction order).
 2. LoRA SFT of a tiny Qwen3-MoE on the embedded chat dataset, experts parallel over 2 workers, with an
-   evaluation split every 5 steps, TensorBoard and the loss-curve PNG: the metrics lines hold every
-   field, the expert-load histogram counts every routed token, the evaluation loss falls.
+   evaluation split every 5 steps, every metric sink (JSON lines, TensorBoard, W&B offline, MLflow's
+   SQLite store) and the loss-curve PNG: the metrics lines hold every field, each sink holds the same
+   scalars, the configuration and the final model's folder, the expert-load histogram counts every
+   routed token, the evaluation loss falls.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -129,7 +132,9 @@ def test_lora_sft_of_a_moe_model_on_chat_data_with_evaluation_and_metrics(tmp_pa
         "--data", "builtin:chat", "--eval-split", "validation", "--eval-every", "5", "--steps", "10",
         "--seq-len", "64", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "0.01",
         "--warmup-steps", "2", "--ep", "2", "--set", "peft.target_modules=[q_proj, v_proj]",
-        "--tensorboard", "--set", "train.sample_prompt=What is 2 plus 3?", "--set", "train.sample_tokens=8",
+        "--report-to", "jsonl,tensorboard,wandb,mlflow", "--set", "report.wandb_mode=offline",
+        "--set", "report.run_name=sft", "--set", "train.sample_prompt=What is 2 plus 3?",
+        "--set", "train.sample_tokens=8",
         "--nproc-per-node", "2", "--device", "cpu", "--output-dir", str(output),
     ]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540, check=False)
@@ -167,5 +172,89 @@ def test_lora_sft_of_a_moe_model_on_chat_data_with_evaluation_and_metrics(tmp_pa
     assert expected | {"train/tflops_per_gpu", "train/slowest_seconds"} <= tags, tags
     assert [e.value for e in board.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records])
     assert any((output / "tensorboard").glob("events.out.tfevents.*"))
+    final_model = str((output / "hf").resolve())
+    run = json.loads((output / "run.json").read_text())
+    assert run["final_model"] == final_model and run["config"]["parallelism"]["ep_size"] == 2
+    _check_wandb_run(output / "wandb", records, evals, final_model)
+    _check_mlflow_run(output, records, evals, final_model)
     assert (output / "hf" / "adapter" / "adapter_config.json").is_file()
     assert "sample: 'User: What is 2 plus 3?\\nAssistant:" in result.stdout, result.stdout[-2000:]
+
+
+def _wandb_records(path: Path) -> list[Any]:
+    """The records of a W&B run file (``run-<id>.wandb``): a log of 32 KiB blocks, each record split
+    into chunks with a 7-byte header (CRC-32 of type byte and data, length, type: 1 whole, 2 first,
+    3 middle, 4 last) after a 7-byte file header; W&B's Python package no longer ships a reader."""
+    import struct
+    import zlib
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:
+            break
+        chunk = data[pos + 7 : pos + 7 + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, pos
+        pos += 7 + length
+        pending += chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def _check_wandb_run(folder: Path, records: list[dict], evals: list[dict], final_model: str) -> None:
+    (run_file,) = folder.glob("offline-run-*/run-*.wandb")
+    history: dict[int, dict[str, float]] = {}
+    summary: dict[str, Any] = {}
+    config: dict[str, Any] = {}
+    for record in _wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
+            history.setdefault(items["_step"], {}).update(items)
+        elif kind == "summary":
+            summary |= {item.key: json.loads(item.value_json) for item in record.summary.update}
+        elif kind == "run":
+            config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
+            assert record.run.display_name == "sft" and record.run.project == "automodel"
+    assert sorted(history) == [r["step"] for r in records]
+    assert [history[r["step"]]["train/loss"] for r in records] == pytest.approx([r["loss"] for r in records])
+    assert [history[e["step"]]["eval/eval_loss"] for e in evals] == pytest.approx(
+        [e["eval_loss"] for e in evals]
+    )
+    assert history[10]["moe/imbalance"] == pytest.approx(records[-1]["moe"]["imbalance"])
+    assert summary["final_model"] == final_model
+    assert config["parallelism"]["ep_size"] == 2, config
+
+
+def _check_mlflow_run(output: Path, records: list[dict], evals: list[dict], final_model: str) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{(output / 'mlflow.db').resolve()}")
+    experiment = client.get_experiment_by_name("automodel")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == "sft" and run.info.status == "FINISHED"
+    assert run.data.tags["final_model"] == final_model
+    assert run.data.params["parallelism.ep_size"] == "2"
+    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in losses] == [r["step"] for r in records]
+    assert [m.value for m in losses] == pytest.approx([r["loss"] for r in records])
+    eval_losses = client.get_metric_history(run.info.run_id, "eval/eval_loss")
+    assert [m.value for m in eval_losses] == pytest.approx([e["eval_loss"] for e in evals])
+    config = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "config.json", str(output))).read_text()
+    )
+    assert config["parallelism"]["ep_size"] == 2

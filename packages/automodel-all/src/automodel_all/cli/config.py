@@ -6,6 +6,7 @@ Sections (each optional) and the dataclass each maps onto:
 ``model``           `ModelSection`
 ``data``            `DataSection`
 ``train``           `TrainSection`
+``report``          `ReportSection`
 ``launch``          `LaunchSection`
 ``distributed``     ``strategy: fsdp2 | ddp | megatron_fsdp`` plus the fields of `FSDP2Config`,
                     `DDPConfig` or `MegatronFSDPConfig`
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 from automodel_all.cli.schema import build_dataclass
-from automodel_all.cli.sections import DataSection, LaunchSection, ModelSection, TrainSection
+from automodel_all.cli.sections import DataSection, LaunchSection, ModelSection, ReportSection, TrainSection
 from automodel_all.cli.yaml_source import ConfigError, RawJob
 from automodel_distributed import FreezeConfig
 from automodel_distributed.config import (
@@ -76,6 +77,7 @@ SECTIONS: dict[str, type[Any]] = {
     "model": ModelSection,
     "data": DataSection,
     "train": TrainSection,
+    "report": ReportSection,
     "launch": LaunchSection,
     "distributed": FSDP2Config,
     "parallelism": ParallelismSizes,
@@ -98,6 +100,7 @@ class JobConfig:
     model: ModelSection
     data: DataSection
     train: TrainSection
+    report: ReportSection
     launch: LaunchSection
     strategy: str
     distributed: DistributedConfig
@@ -198,11 +201,19 @@ def build_job(raw: RawJob) -> JobConfig:
     host_runtime = _host_runtime(device_type)
     if isinstance(distributed, FSDP2Config):
         distributed = dataclasses.replace(distributed, host_runtime=host_runtime)
+    train = build_dataclass(TrainSection, raw, "train")
+    report = build_dataclass(ReportSection, raw, "report")
+    if train.plot is True and "jsonl" not in report.to:
+        raise ConfigError(
+            f"{raw.where('train', 'plot')}: train.plot=true draws the curve from train_log.jsonl, which "
+            f"report.to ({raw.where('report', 'to')}) leaves out; add jsonl to report.to, or drop train.plot"
+        )
     return JobConfig(
         raw=raw,
         model=model,
         data=build_dataclass(DataSection, raw, "data"),
-        train=build_dataclass(TrainSection, raw, "train"),
+        train=train,
+        report=report,
         launch=launch,
         strategy=strategy,
         distributed=distributed,
@@ -246,7 +257,26 @@ def inert_settings(job: JobConfig) -> list[str]:
     ):
         why = "nothing resumes: set train.resume (or launch.max_restarts, whose restarted workers resume)"
         inert.append(("train", "resume_fallback", why))
+    inert += [("report", key, why) for key, why in _inert_report(job.report, given("report", *_TRACKER_KEYS))]
     return [f"{raw.where(section, key)}: {section}.{key} ignored: {why}" for section, key, why in inert]
+
+
+_TRACKER_KEYS = ("project", "run_name", "wandb_mode", "mlflow_tracking_uri")
+
+
+def _inert_report(report: ReportSection, given: list[str]) -> list[tuple[str, str]]:
+    """The trackers' settings given for a tracker that ``report.to`` leaves out."""
+    users = {
+        "project": ("wandb", "mlflow"),
+        "run_name": ("wandb", "mlflow"),
+        "wandb_mode": ("wandb",),
+        "mlflow_tracking_uri": ("mlflow",),
+    }
+    return [
+        (key, f"report.to has none of {', '.join(users[key])}")
+        for key in given
+        if not set(users[key]) & set(report.to)
+    ]
 
 
 def warn_inert_settings(job: JobConfig) -> None:

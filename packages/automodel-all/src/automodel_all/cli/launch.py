@@ -132,13 +132,12 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
             check_source(getattr(job.data, key))
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(f"{raw.where('data', key)}: data.{key}: {exc}") from None
-    if job.train.tensorboard:
-        from automodel_all.cli.metrics import open_tensorboard
+    from automodel_all.cli.sinks import require_sinks
 
-        try:
-            open_tensorboard(Path(job.train.output_dir) / "tensorboard").close()
-        except ImportError as exc:
-            raise ConfigError(f"{raw.where('train', 'tensorboard')}: {exc}") from None
+    try:
+        require_sinks(job.report)
+    except ImportError as exc:
+        raise ConfigError(f"{raw.where('report', 'to')}: {exc}") from None
     _ensure_tokenizer(raw, job)
     job = build_job(raw)
     _ensure_initial_weights(raw, job)

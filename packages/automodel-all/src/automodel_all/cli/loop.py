@@ -92,7 +92,9 @@ def _checkpointer(background: bool, timeout_minutes: float) -> AsyncCheckpointer
 class _Loop:
     """State shared by the steps of one run."""
 
-    def __init__(self, run: TrainingRun, start: ResumePoint, stop: StopRequest) -> None:
+    def __init__(
+        self, run: TrainingRun, start: ResumePoint, stop: StopRequest, metrics: MetricsWriter
+    ) -> None:
         job, layout = run.job, run.resolved.layout
         self.run, self.stop = run, stop
         self.train = job.train
@@ -105,7 +107,7 @@ class _Loop:
         self.dp_cp = layout.dp_cp
         self.params = [p for group in run.optimizer.param_groups for p in group["params"]]
         self.skipped = start.skipped_steps
-        self.metrics = MetricsWriter(run.out, enabled=self.rank == 0, tensorboard=self.train.tensorboard)
+        self.metrics = metrics
         self.checkpointer = _checkpointer(self.train.async_checkpoint, job.launch.timeout_minutes)
         self.experts = _expert_load(run)
         fp8 = job.fp8
@@ -287,9 +289,11 @@ class _Loop:
                     self.checkpointer.close()  # a failed background write raises here at the latest
             finally:
                 self.progress.close()
-                self.metrics.close()
 
 
-def train_loop(run: TrainingRun, start: ResumePoint, stop: StopRequest) -> LoopResult:
-    """Train from ``start.step`` to ``train.steps`` (collective; see the module docstring)."""
-    return _Loop(run, start, stop).run_from(start.step)
+def train_loop(run: TrainingRun, start: ResumePoint, stop: StopRequest, metrics: MetricsWriter) -> LoopResult:
+    """Train from ``start.step`` to ``train.steps`` (collective; see the module docstring).
+
+    ``metrics`` gets every step's and evaluation's record; the caller closes it.
+    """
+    return _Loop(run, start, stop, metrics).run_from(start.step)

@@ -21,6 +21,11 @@ from automodel_all.cli.yaml_source import ConfigError, RawJob, load_yaml
 __all__ = ["build_parser", "job_from_args", "main"]
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated list: ``jsonl,wandb`` -> ``["jsonl", "wandb"]`` (empty: none)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 @dataclass(frozen=True)
 class _Option:
     flags: tuple[str, ...]
@@ -86,7 +91,9 @@ _OPTIONS: tuple[_Option, ...] = (
         ("--resume-fallback",), "train", "resume_fallback", None, "resume from an older checkpoint if needed"
     ),
     _Option(("--eval-every",), "train", "eval_every", int, "steps between evaluations (0: at the end)"),
-    _Option(("--tensorboard",), "train", "tensorboard", None, "also write TensorBoard events"),
+    _Option(
+        ("--report-to",), "report", "to", _names, "metric sinks: jsonl (default), tensorboard, wandb, mlflow"
+    ),
     # launcher (torchrun's flags)
     _Option(("--nproc-per-node",), "launch", "nproc_per_node", int, "workers on this node"),
     _Option(("--nnodes",), "launch", "nnodes", int, "number of nodes"),

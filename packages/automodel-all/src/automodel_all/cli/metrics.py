@@ -1,20 +1,22 @@
-"""What a run records: one JSON line per step and per evaluation, TensorBoard events, a loss-curve PNG.
+"""What a run records: one JSON line per step and per evaluation, the other sinks, a loss-curve PNG.
 
-Files in the output folder (rank 0 writes them):
+Files in the output folder (rank 0 writes them; ``report.to`` picks the sinks, `automodel_all.cli.sinks`):
 
-- ``train_log.jsonl``: one line per optimizer step: ``step``, ``loss``, ``lr``, ``grad_norm``,
-  ``tokens`` (label tokens of the global batch), ``tokens_per_s`` (tokens of documents, padding
-  excluded, over all ranks), ``tflops_per_gpu`` and ``mfu`` (`automodel_all.cli.utilization`; MFU null
-  on CPU), ``seconds``, ``slowest_rank`` and ``slowest_seconds`` (the rank that reached the step's
-  agreement last, and its time since the previous agreement), ``memory_gib`` (rank 0: resident set
-  on CPU, peak CUDA allocation on GPU), ``skipped`` (a step dropped for a NaN/Inf,
-  ``train.on_nonfinite: skip``) and ``skipped_total``; for mixture-of-experts models also ``moe``
-  (`automodel_moe.ExpertLoad.summary`).
-- ``eval_log.jsonl``: one line per evaluation: ``step``, ``eval_loss``, ``eval_ppl``, ``eval_tokens``.
-- ``tensorboard/``: the same scalars as TensorBoard events (``train.tensorboard: true``; the
-  ``automodel-all[tensorboard]`` extra).
-- ``loss_curve.png``: training and evaluation loss against the step, drawn at the end when
-  matplotlib is installed (the ``automodel-all[plot]`` extra; ``train.plot``).
+- ``train_log.jsonl`` (``jsonl``): one line per optimizer step: ``step``, ``loss``, ``lr``,
+  ``grad_norm``, ``tokens`` (label tokens of the global batch), ``tokens_per_s`` (tokens of documents,
+  padding excluded, over all ranks), ``tflops_per_gpu`` and ``mfu``
+  (`automodel_all.cli.utilization`; MFU null on CPU), ``seconds``, ``slowest_rank`` and
+  ``slowest_seconds`` (the rank that reached the step's agreement last, and its time since the
+  previous agreement), ``memory_gib`` (rank 0: resident set on CPU, peak CUDA allocation on GPU),
+  ``skipped`` (a step dropped for a NaN/Inf, ``train.on_nonfinite: skip``) and ``skipped_total``; for
+  mixture-of-experts models also ``moe`` (`automodel_moe.ExpertLoad.summary`).
+- ``eval_log.jsonl`` (``jsonl``): one line per evaluation: ``step``, ``eval_loss``, ``eval_ppl``,
+  ``eval_tokens``.
+- ``run.json`` (``jsonl``): the run's configuration and the final model's folder.
+- ``tensorboard/``, ``wandb/``, ``mlflow.db``: the same scalars for TensorBoard, Weights & Biases and
+  MLflow (the ``automodel-all[tensorboard]``, ``[wandb]``, ``[mlflow]`` extras).
+- ``loss_curve.png``: training and evaluation loss against the step, drawn at the end from the JSON
+  lines when matplotlib is installed (the ``automodel-all[plot]`` extra; ``train.plot``).
 """
 
 from __future__ import annotations
@@ -25,17 +27,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from automodel_all.cli.sections import ReportSection
+from automodel_all.cli.sinks import EVAL_LOG, TRAIN_LOG, MetricSink, open_sinks
+
 __all__ = [
-    "EVAL_LOG",
     "PLOT_FILE",
-    "TRAIN_LOG",
     "MetricsWriter",
     "plot_losses",
     "truncate_logs",
 ]
 
-TRAIN_LOG = "train_log.jsonl"
-EVAL_LOG = "eval_log.jsonl"
 PLOT_FILE = "loss_curve.png"
 
 
@@ -58,67 +59,34 @@ def truncate_logs(out: Path, last_step: int) -> None:
 
 
 class MetricsWriter:
-    """Appends the JSON lines (and TensorBoard events) on rank 0; a no-op on the other ranks.
+    """Hands every record to the sinks of ``report.to`` on rank 0; a no-op on the other ranks.
 
     Args:
+        report: The ``report`` section (which sinks, the run name, the trackers' settings).
         out: The output folder.
-        enabled: True on the rank that writes (rank 0).
-        tensorboard: Also write TensorBoard events under ``out/tensorboard``.
-
-    Raises:
-        ImportError: ``tensorboard`` is asked for but the package is missing (names the extra).
+        config: The run's configuration (the job's sections as plain values), given to every sink.
+        enabled: True on the rank that writes (rank 0); the sinks open here, before any collective,
+            so that a sink that cannot open stops the job before the other ranks wait on this one.
     """
 
-    def __init__(self, out: Path, *, enabled: bool, tensorboard: bool) -> None:
-        self._out = out
-        self._enabled = enabled
-        self._board: Any = None
-        if enabled and tensorboard:
-            self._board = open_tensorboard(out / "tensorboard")
-
-    def _write(self, name: str, record: dict[str, Any], prefix: str) -> None:
-        if not self._enabled:
-            return
-        # NaN / Inf (a skipped step) become null: JSON has no such numbers.
-        plain = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        with (self._out / name).open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(plain) + "\n")
-        if self._board is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self._board.add_scalar(f"{prefix}/{key}", value, record["step"])
-            for key, value in (record.get("moe") or {}).items():
-                if isinstance(value, int | float):
-                    self._board.add_scalar(f"moe/{key}", value, record["step"])
+    def __init__(self, report: ReportSection, out: Path, config: dict[str, Any], *, enabled: bool) -> None:
+        self._sinks: list[MetricSink] = open_sinks(report, out, config) if enabled else []
 
     def step(self, record: dict[str, Any]) -> None:
         """Record one training step."""
-        self._write(TRAIN_LOG, record, "train")
+        for sink in self._sinks:
+            sink.log("train", record)
 
     def evaluation(self, record: dict[str, Any]) -> None:
         """Record one evaluation."""
-        self._write(EVAL_LOG, record, "eval")
+        for sink in self._sinks:
+            sink.log("eval", record)
 
-    def close(self) -> None:
-        """Flush TensorBoard."""
-        if self._board is not None:
-            self._board.close()
-
-
-def open_tensorboard(folder: Path) -> Any:
-    """A ``SummaryWriter`` writing into ``folder``.
-
-    Raises:
-        ImportError: The ``tensorboard`` package is missing; the message names the extra to install.
-    """
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:
-        raise ImportError(
-            "train.tensorboard needs the tensorboard package: pip install 'automodel-all[tensorboard]' "
-            f"(or uv sync --extra tensorboard) ({exc})"
-        ) from None
-    return SummaryWriter(log_dir=str(folder))
+    def close(self, final_model: str | None) -> None:
+        """Record the final model's folder (``None``: none was exported) and close every sink."""
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close(final_model)
 
 
 def plot_losses(out: Path, *, required: bool = False) -> Path | None:

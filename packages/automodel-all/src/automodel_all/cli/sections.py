@@ -1,8 +1,9 @@
-"""The command's own YAML sections: ``model:``, ``data:``, ``train:`` and ``launch:``.
+"""The command's own YAML sections: ``model:``, ``data:``, ``train:``, ``report:`` and ``launch:``.
 
 Every other section maps onto a component's own config dataclass (see `automodel_all.cli.config`).
-These four describe what only the command needs: which model and data, the training loop, and how
-worker processes are started. Each is a ``kw_only`` dataclass whose fields are the YAML keys.
+These five describe what only the command needs: which model and data, the training loop, where its
+metrics go, and how worker processes are started. Each is a ``kw_only`` dataclass whose fields are
+the YAML keys.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["DataSection", "LaunchSection", "ModelSection", "TrainSection"]
+__all__ = ["SINKS", "DataSection", "LaunchSection", "ModelSection", "ReportSection", "TrainSection"]
 
 
 def _positive(obj: object, *names: str, allow_zero: bool = False) -> None:
@@ -152,12 +153,10 @@ class TrainSection:
     on_nonfinite: Literal["error", "skip"] = "error"
     """A NaN or Inf loss or gradient norm: ``error`` stops the job naming the step and the rank(s);
     ``skip`` drops that step's update (no optimizer step) and counts it in the log."""
-    tensorboard: bool = False
-    """Also write the metrics as TensorBoard events under ``output_dir/tensorboard`` (needs the
-    ``automodel-all[tensorboard]`` extra)."""
     plot: bool | None = None
-    """Draw ``output_dir/loss_curve.png`` at the end (needs the ``automodel-all[plot]`` extra,
-    matplotlib). ``None``: when matplotlib is installed; ``true``: a warning says so when it is not."""
+    """Draw ``output_dir/loss_curve.png`` at the end from the JSON lines (needs ``jsonl`` in
+    ``report.to`` and the ``automodel-all[plot]`` extra, matplotlib). ``None``: when both are there;
+    ``true``: a warning says so when matplotlib is not."""
     sample_prompt: str = "The "
     """Prompt of the sample generated from the saved model at the end."""
     sample_tokens: int = 40
@@ -180,6 +179,40 @@ class TrainSection:
             raise ValueError(f"TrainSection.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"TrainSection.max_grad_norm must be > 0 or null, got {self.max_grad_norm}")
+
+
+SINKS = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""The metric sinks ``report.to`` may name (`automodel_all.cli.sinks`)."""
+
+
+@dataclass(kw_only=True)
+class ReportSection:
+    """Where the metrics go (YAML section ``report:``; rank 0 writes every sink)."""
+
+    to: list[str] = field(default_factory=lambda: ["jsonl"])
+    """The sinks, any of ``jsonl`` (``train_log.jsonl``, ``eval_log.jsonl``, ``run.json``),
+    ``tensorboard`` (``output_dir/tensorboard``), ``wandb`` and ``mlflow``; each but ``jsonl`` needs the
+    extra of automodel-all of the same name. ``--report-to jsonl,wandb``; ``[]``: none."""
+    project: str = "automodel"
+    """The W&B project and the MLflow experiment."""
+    run_name: str | None = None
+    """The W&B and MLflow run name. ``None``: the output folder's name."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """``online`` streams to the W&B server (after ``wandb login``); ``offline`` writes the run under
+    ``output_dir/wandb`` only, for ``wandb sync`` later."""
+    mlflow_tracking_uri: str | None = None
+    """The MLflow tracking server or store, e.g. ``http://mlflow:5000``. ``None``: a SQLite store in
+    the output folder, ``output_dir/mlflow.db`` (view it with ``mlflow ui --backend-store-uri
+    sqlite:///...``)."""
+
+    def __post_init__(self) -> None:
+        for sink in self.to:
+            if sink not in SINKS:
+                raise ValueError(f"ReportSection.to: unknown sink {sink!r}; choose from {', '.join(SINKS)}")
+        if len(set(self.to)) != len(self.to):
+            raise ValueError(f"ReportSection.to names a sink twice: {self.to}")
+        if not self.project:
+            raise ValueError("ReportSection.project must not be empty")
 
 
 @dataclass(kw_only=True)

@@ -19,6 +19,7 @@ import os
 import random
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from automodel_all.cli.data import RowSampler, fingerprint, load_data
 from automodel_all.cli.export import export_hf, generate_sample
 from automodel_all.cli.guards import StopRequest
 from automodel_all.cli.loop import LoopResult, train_loop
-from automodel_all.cli.metrics import plot_losses, truncate_logs
+from automodel_all.cli.metrics import MetricsWriter, plot_losses, truncate_logs
 from automodel_all.cli.model import (
     build_meta_model,
     is_image_text_model,
@@ -214,8 +215,12 @@ def _resume(run: TrainingRun) -> ResumePoint:
     return start
 
 
-def _finish(run: TrainingRun) -> None:
-    """Export the Hugging Face model (collective) and, on rank 0, print where and a sample."""
+def _finish(run: TrainingRun) -> Path:
+    """Export the Hugging Face model (collective) and, on rank 0, print where and a sample.
+
+    Returns:
+        The exported model's folder.
+    """
     hf_dir = export_hf(
         run.parts, run.out / "hf", tokenizer=run.tokenizer, with_adapters=run.job.peft is not None
     )
@@ -240,6 +245,7 @@ def _finish(run: TrainingRun) -> None:
             png = plot_losses(run.out, required=train_cfg.plot is True)
             if png is not None:
                 print(f"loss curve: {png.resolve()}", flush=True)
+    return hf_dir
 
 
 def _report_preemption(run: TrainingRun, result: LoopResult) -> None:
@@ -254,12 +260,20 @@ def _report_preemption(run: TrainingRun, result: LoopResult) -> None:
 def train(job: JobConfig, stop: StopRequest | None = None) -> None:
     """Run the job on this rank. Every rank of the world calls it, with the same job."""
     stop = stop or StopRequest()
-    run = _setup(job)
-    result = train_loop(run, _resume(run), stop)
-    if result.outcome == "preempted":
-        _report_preemption(run, result)
-    else:
-        _finish(run)
+    # Rank 0 opens the metric sinks before the process group exists: one that cannot open (a tracker
+    # that refuses) stops this worker, and the launcher stops the rest, before anyone waits on it.
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    metrics = MetricsWriter(job.report, Path(job.train.output_dir), job.raw.to_plain(), enabled=rank == 0)
+    final_model = None
+    try:
+        run = _setup(job)
+        result = train_loop(run, _resume(run), stop, metrics)
+        if result.outcome == "preempted":
+            _report_preemption(run, result)
+        else:
+            final_model = str(_finish(run).resolve())
+    finally:
+        metrics.close(final_model)
     dist.destroy_process_group()
 
 
