@@ -382,18 +382,22 @@ def context_parallel_region(
     *,
     seq_dims: Mapping[str, int] | None = None,
     host_runtime: HostRuntime | None = None,
+    ulysses_degree: int = 1,
 ) -> Iterator[dict[str, Any]]:
-    """Shard ``batch`` over the ``cp`` axis and run SDPA as ring attention until the context closes.
+    """Shard ``batch`` over the ``cp`` axis and run SDPA as ring or all-to-all attention until it closes.
 
     Yields this rank's shard of the batch: copies of the tensors under `CP_SEQUENCE_KEYS` (and of any key
     in ``seq_dims``), reordered with `load_balance_indices` and cut along their sequence dim; other values
     unchanged. ``batch`` itself is not modified. Run the forward **and** the backward inside the context.
     With ``cp_size == 1`` the batch is yielded as is and nothing is patched.
 
-    Packed rows (``position_ids`` restarting inside a row): the same shards, but instead of ring attention
-    a document region (`automodel_distributed.cp_document_attention.document_region`): the model's
-    attention gathers keys and values over ``cp`` and masks them per document, exactly (not fast: all
-    keys and an O(T^2 / cp) mask per rank). No host runtime is needed then.
+    ``ulysses_degree == cp_size`` (all-to-all, Ulysses-style context parallelism) and packed rows
+    (``position_ids`` restarting inside a row, whatever ``ulysses_degree``): the same shards, but instead
+    of ring attention a document region (`automodel_distributed.cp_document_attention.document_region`):
+    each attention layer exchanges heads for positions by all-to-all and attends over whole rows (per
+    document when packed; memory linear in the row), or, for packed rows whose layer has query heads the
+    ``cp`` size does not divide, gathers keys and values and masks them per document (an O(T^2 / cp)
+    mask per rank). No host runtime is needed then.
 
     Preconditions: `apply_context_parallel` was applied to the model; the batch went through
     `context_parallel_inputs`; every rank of the ``cp`` axis enters with the same global batch.
@@ -404,6 +408,8 @@ def context_parallel_region(
         mesh: The ``cp`` mesh (1-D), a mesh with a ``cp`` axis, or a `MeshContext`.
         batch: The global batch.
         seq_dims: Sequence dim per key, overriding the default 1.
+        ulysses_degree: 1 (ring attention) or the ``cp`` size (all-to-all attention); values between,
+            ring attention between groups of all-to-all ranks, are refused.
         host_runtime: On a CPU mesh, what runs ring attention on CPU tensors
             (`automodel_distributed.host_runtime.HostRuntime.ring_attention`, e.g.
             ``automodel_cpu.CPURuntime()``: private torch internals, patched only while the region is
@@ -412,10 +418,16 @@ def context_parallel_region(
     Raises:
         ValueError: Sharded tensors disagree on the sequence length, or it is not divisible by
             ``2 * cp_size``; the batch has ``labels`` or ``attention_mask`` not named in ``seq_dims``; a
-            CPU mesh without ``host_runtime`` (unpacked rows), or a CUDA mesh with one.
+            CPU mesh without ``host_runtime`` (unpacked rows under ring attention), or a CUDA mesh with
+            one; a ``ulysses_degree`` other than 1 and the ``cp`` size.
         RuntimeError: On CPU, the installed torch lacks the internals the host runtime needs.
     """
     cp_mesh = _cp_mesh(mesh)
+    if ulysses_degree not in (1, cp_mesh.size()):
+        raise ValueError(
+            f"context_parallel_region: ulysses_degree={ulysses_degree} with cp_size={cp_mesh.size()}; "
+            f"use 1 (ring attention) or {cp_mesh.size()} (all-to-all attention)"
+        )
     dims = dict(seq_dims or {})
     for key, why in (("labels", "shift them before sharding"), ("attention_mask", "CP attention is causal")):
         if key in batch and key not in dims:
@@ -438,17 +450,18 @@ def context_parallel_region(
         next(iter(lengths.values())), cp_mesh.size(), device=batch[keys[0]].device
     )
     positions = batch.get("position_ids")
-    packed = isinstance(positions, torch.Tensor) and document_ids(positions) is not None
+    positions = positions if isinstance(positions, torch.Tensor) else None
+    packed = positions is not None and document_ids(positions) is not None
     if _ACTIVE_CP_SIZE.get():
         raise RuntimeError("context_parallel_region cannot be nested")
-    if packed:
-        assert isinstance(positions, torch.Tensor)
-        # Packed rows: shard in the same layout ourselves; attention runs document-masked over gathered
-        # keys (no ring attention, so no CPU backend is needed).
+    if packed or ulysses_degree > 1:
+        # Shard in the same layout ourselves; attention runs all-to-all (or, for packed rows whose heads
+        # the cp size does not divide, document-masked over gathered keys): no ring attention, so no
+        # CPU backend is needed.
         mine = order.view(cp_mesh.size(), -1)[cp_mesh.get_local_rank()]
         local = dict(batch)
         local.update({k: batch[k].index_select(dims.get(k, 1), mine.to(batch[k].device)) for k in keys})
-        with document_region(cp_mesh.get_group(), positions, order):
+        with document_region(cp_mesh.get_group(), positions, order, all_to_all=True):
             token = _ACTIVE_CP_SIZE.set(cp_mesh.size())
             try:
                 yield local

@@ -1,28 +1,32 @@
-"""Document-masked attention for context parallelism: packed rows exact under ``cp_size > 1``.
+"""Attention for context parallelism without ring attention: packed rows, and all-to-all CP.
 
 Ring attention (torch's ``context_parallel``) is causal over whole rows and takes no mask, so it cannot
-keep the documents of a packed row apart. For such rows `context_parallel_region` opens a *document
-region* instead (`document_region`) and the model's attention runs `cp_document_attention_forward`,
-registered with transformers' ``AttentionInterface`` under `CP_DOCUMENT_ATTENTION` (and its mask
-function with ``AttentionMaskInterface``), so the model's own attention code calls it:
+keep the documents of a packed row apart. For such rows, and for all-to-all (Ulysses) context
+parallelism, `context_parallel_region` opens a *document region* instead (`document_region`) and the
+model's attention runs `cp_document_attention_forward`, registered with transformers'
+``AttentionInterface`` under `CP_DOCUMENT_ATTENTION` (and its mask function with
+``AttentionMaskInterface``), so the model's own attention code calls it. Per layer:
 
-- this rank's queries stay local; keys and values are all-gathered over the ``cp`` group with
-  ``torch.distributed.nn.functional.all_gather`` (autograd-aware: in backward each rank receives the
-  sum over the ranks of the gradients of its own keys and values);
-- SDPA (transformers' ``sdpa_attention_forward``: GQA, scaling and dropout as usual) runs the local
-  queries against every key with a boolean mask built from the *full-sequence* ``position_ids``: same
-  document (a document starts wherever the positions do not continue by one, transformers'
-  ``find_packed_sequence_indices``) and causal in the original token order, read through the
-  load-balanced layout of the chunks (rank ``r`` of ``n`` holds chunks ``r`` and ``2n-1-r``); a sliding
-  window (the attention call's ``sliding_window``, else the module's or its config's) composes with it.
+- **all-to-all** (the region's ``all_to_all``, when the ``cp`` size divides the layer's query heads):
+  `automodel_distributed.cp_all_to_all` exchanges heads for positions, attends over whole rows (per
+  document for packed rows) with causal SDPA and exchanges back. No mask over the row is ever built:
+  memory linear in the row.
+- **gathered keys** (otherwise, packed rows only): this rank's queries stay local; keys and values are
+  all-gathered over the ``cp`` group with ``torch.distributed.nn.functional.all_gather``
+  (autograd-aware), and SDPA runs against every key with a boolean mask built from the *full-sequence*
+  ``position_ids``: same document (a document starts wherever the positions do not continue by one,
+  transformers' ``find_packed_sequence_indices``) and causal in the original token order, read through
+  the load-balanced layout of the chunks. Exact but quadratic: all ``T`` keys and values, and a
+  ``[batch, 1, T / cp, T]`` boolean mask per rank.
 
-This is the exact path, not the fast one: per layer every rank holds all ``T`` keys and values, and the
-mask is ``[batch, 1, T / cp, T]`` booleans per rank (O(T^2) over the group), built once per region.
-Outside a document region the function is transformers' SDPA unchanged (under ring attention too).
+A sliding window (the attention call's ``sliding_window``, else the module's or its config's) composes
+with either. Outside a document region the function is transformers' SDPA unchanged (under ring
+attention too).
 
 Refused with ``ValueError`` inside a document region, before any collective: soft-capped attention
-(``softcap``; transformers' SDPA refuses it anyway), an additive ``position_bias``, and attention whose
-queries are not this rank's shard of the sequence (cross-attention).
+(``softcap``; transformers' SDPA refuses it anyway), an additive ``position_bias``, attention whose
+queries are not this rank's shard of the sequence (cross-attention), and, for unpacked rows under
+all-to-all CP, query heads that the ``cp`` size does not divide.
 
 The active region is a module global, not a context variable: the autograd engine runs CUDA backward
 (where activation checkpointing recomputes the forward) on its own threads, which do not see the
@@ -38,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from automodel_distributed.cp_all_to_all import all_to_all_attention, heads_divisible
 
 __all__ = [
     "CP_DOCUMENT_ATTENTION",
@@ -78,26 +84,52 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 class _DocumentLayout:
-    """The cp group and the masks of one document region (see the module docstring)."""
+    """The cp group, the rows' layout and (lazily) the masks of one document region."""
 
     def __init__(
-        self, group: dist.ProcessGroup, order: torch.Tensor, rank: int, size: int, docs: torch.Tensor
+        self,
+        group: dist.ProcessGroup,
+        order: torch.Tensor,
+        rank: int,
+        size: int,
+        docs: torch.Tensor | None,
+        *,
+        all_to_all: bool = False,
     ) -> None:
         self.group = group
+        self.size = size
+        self.all_to_all = all_to_all
         self.local_len = order.numel() // size
-        self.batch = docs.shape[0]
-        order = order.to(docs.device)
-        query_pos = order[rank * self.local_len : (rank + 1) * self.local_len]  # original index per query
-        key_pos = order  # gathered keys come rank after rank: the load-balanced order
-        same_doc = docs[:, query_pos, None] == docs[:, None, key_pos]  # [batch, T/cp, T]
-        self._distance = query_pos[:, None] - key_pos[None, :]  # [T/cp, T]: >= 0 where causal
-        self._masks: dict[int | None, torch.Tensor] = {None: (same_doc & (self._distance >= 0))[:, None]}
+        self.docs = docs
+        self.batch = docs.shape[0] if docs is not None else 1
+        self.order = order if docs is None else order.to(docs.device)
+        self._query_pos = self.order[rank * self.local_len : (rank + 1) * self.local_len]
+        self._masks: dict[int | None, torch.Tensor] = {}
+        self._spans: list[list[tuple[int, int]]] | None = None
+
+    def spans(self) -> list[list[tuple[int, int]]] | None:
+        """Per row, ``(start, end)`` of each document; None for unpacked rows (one host sync, once)."""
+        if self.docs is None:
+            return None
+        if self._spans is None:
+            self._spans = []
+            for row in self.docs.tolist():
+                starts = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1]]
+                self._spans.append(list(zip(starts, [*starts[1:], len(row)], strict=True)))
+        return self._spans
 
     def mask(self, window: int | None) -> torch.Tensor:
         """``[batch, 1, T/cp, T]``: True where a local query may attend to a gathered key."""
-        if window is not None and window not in self._masks:
-            # transformers' sliding_window_overlay: kv_idx > q_idx - window
-            self._masks[window] = self._masks[None] & (self._distance < window)[None, None]
+        if window not in self._masks:
+            device = self.order.device
+            whole_rows = torch.zeros(1, self.order.numel(), dtype=torch.long, device=device)
+            docs = (self.docs if self.docs is not None else whole_rows).to(device)
+            same_doc = docs[:, self._query_pos, None] == docs[:, None, self.order]  # [batch, T/cp, T]
+            distance = self._query_pos[:, None] - self.order[None, :]  # [T/cp, T]: >= 0 where causal
+            allowed = same_doc & (distance >= 0)
+            if window is not None:  # transformers' sliding_window_overlay: kv_idx > q_idx - window
+                allowed = allowed & (distance < window)
+            self._masks[window] = allowed[:, None]
         return self._masks[window]
 
 
@@ -111,9 +143,13 @@ def document_region_active() -> bool:
 
 @contextlib.contextmanager
 def document_region(
-    group: dist.ProcessGroup, position_ids: torch.Tensor, order: torch.Tensor
+    group: dist.ProcessGroup,
+    position_ids: torch.Tensor | None,
+    order: torch.Tensor,
+    *,
+    all_to_all: bool = False,
 ) -> Iterator[None]:
-    """Run `cp_document_attention_forward` document-masked over ``group`` until the context closes.
+    """Run `cp_document_attention_forward` over ``group`` until the context closes.
 
     Preconditions: every rank of ``group`` enters with the same full ``position_ids``; the model's
     sequence tensors are this rank's shard in the load-balanced ``order`` (`load_balance_indices`).
@@ -122,18 +158,26 @@ def document_region(
 
     Args:
         group: The ``cp`` process group.
-        position_ids: ``[batch, seq]`` positions of the *full* rows (restarting per document).
+        position_ids: ``[batch, seq]`` positions of the *full* rows (restarting per document, or not;
+            None: unpacked rows).
         order: The load-balanced order of the sequence (`load_balance_indices`).
+        all_to_all: Run the layers whose query heads the group divides as all-to-all attention
+            (`automodel_distributed.cp_all_to_all`: no mask, memory linear in the row); the others
+            gather keys and values and mask them.
 
     Raises:
         RuntimeError: A document region is already open.
     """
     if _ACTIVE:
         raise RuntimeError("document regions of context parallelism cannot be nested")
-    docs = document_ids(position_ids)
-    if docs is None:
-        docs = torch.zeros_like(position_ids)
-    layout = _DocumentLayout(group, order, dist.get_rank(group), dist.get_world_size(group), docs)
+    layout = _DocumentLayout(
+        group,
+        order,
+        dist.get_rank(group),
+        dist.get_world_size(group),
+        document_ids(position_ids) if position_ids is not None else None,
+        all_to_all=all_to_all,
+    )
     _ACTIVE.append(layout)
     try:
         yield
@@ -155,7 +199,7 @@ def cp_document_attention_forward(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA attention; inside a document region, local queries against gathered, document-masked keys.
+    """SDPA attention; inside a document region, all-to-all or gathered, document-masked attention.
 
     Outside a region this is transformers' ``sdpa_attention_forward`` unchanged.
 
@@ -171,12 +215,14 @@ def cp_document_attention_forward(
     Returns:
         ``(output [batch, T/cp, heads, head_dim], None)``.
 
-    Collectives: inside a document region, two all-gathers over the ``cp`` group (keys and values) in
-    forward and their reduce in backward.
+    Collectives: inside a document region, four all-to-alls over the ``cp`` group in forward and four
+    in backward (all-to-all attention), or two all-gathers (keys and values) in forward and their reduce
+    in backward.
 
     Raises:
-        ValueError: Inside a document region: soft-capped attention, a ``position_bias``, or queries that
-            are not this rank's shard of the rows.
+        ValueError: Inside a document region: soft-capped attention, a ``position_bias``, queries that
+            are not this rank's shard of the rows, or (unpacked rows, all-to-all) query heads the ``cp``
+            size does not divide.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -202,11 +248,23 @@ def cp_document_attention_forward(
             "positions; only self-attention over the sharded rows is supported"
         )
     window = kwargs.pop("sliding_window") if "sliding_window" in kwargs else attention_window(module)
+    window = window if isinstance(window, int) else None
+    if layout.all_to_all and heads_divisible(query, layout.size):
+        out = all_to_all_attention(
+            module, query, key, value, group=layout.group, order=layout.order, spans=layout.spans(),
+            window=window, **kwargs,
+        )  # fmt: skip
+        return out, None
+    if layout.all_to_all and layout.docs is None:
+        raise ValueError(
+            f"{name} has {query.shape[1]} attention heads, which all-to-all context parallelism over "
+            f"{layout.size} ranks cannot split; use a cp_ulysses_degree that divides the heads, or 1 (ring)"
+        )
     kwargs.pop("is_causal", None)
     key = _gather_sequence(key, layout.group)
     value = _gather_sequence(value, layout.group)
     return sdpa_attention_forward(
-        module, query, key, value, layout.mask(window if isinstance(window, int) else None),
+        module, query, key, value, layout.mask(window),
         is_causal=False, **kwargs,
     )  # fmt: skip
 

@@ -2,12 +2,14 @@
 
 Two packed rows of documents whose boundaries fall inside and across the load-balanced chunks (and a
 padding tail that continues the last document's positions, as `automodel train` packs) go through
-`context_parallel_region`, which masks attention per document (`cp_document_attention`). The reference
-runs every document alone through the one-process transformers model. Compared, in fp32 to 1e-5: each
-document's logits and mean loss (the logits gathered and put back in order), the gradients (summed over
-the cp ranks) of the loss over all documents, and the losses over three AdamW steps. Families: Llama,
-Qwen2 with one full and one sliding-window layer (window 4, so the window composes with the document
-mask per layer) and Mistral (window 5 on every layer).
+`context_parallel_region`, which runs attention per document (`cp_document_attention`): all-to-all
+where cp 2 divides the query heads (4), over gathered keys with a document mask where it does not (3
+heads). The reference runs every document alone through the one-process transformers model.
+Compared, in fp32 to 1e-5: each document's logits and mean loss (the logits gathered and put back in
+order), the gradients (summed over the cp ranks) of the loss over all documents, and the losses over
+three AdamW steps. Families: Llama, Qwen2 with one full and one sliding-window layer (window 4, so
+the window composes with the document mask per layer), Mistral (window 5 on every layer), and Llama
+and Mistral with 3 query heads.
 
 Negative controls (the parity above can fail): the same shards with the document mask read in the
 wrong (unbalanced) order, or with no document boundaries, give losses off by more than 1e-3; a model
@@ -40,10 +42,25 @@ ATOL = 1e-5
 STEPS = 3
 # Document lengths (slots) per row; the rest of a row is padding continuing the last document.
 LAYOUT = ((7, 10, 5), (3, 14, 7))
-FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "qwen2": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-    "mistral": {"sliding_window": 5},
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    "mistral": ("mistral", {"sliding_window": 5}),
+    # 3 query heads, which cp 2 cannot split: the gathered-keys path with its document mask.
+    "llama 3 heads": (
+        "llama",
+        {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16},
+    ),
+    "mistral 3 heads": (
+        "mistral",
+        {
+            "sliding_window": 5,
+            "hidden_size": 48,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+        },
+    ),
 }
 
 
@@ -113,7 +130,7 @@ def _per_document(full: torch.Tensor, batch: dict[str, torch.Tensor], segments: 
 
 def _parity(family: str, mesh: Any) -> dict[str, float]:
     batch, segments = _packed()
-    overrides = FAMILIES[family]
+    family, overrides = FAMILIES[family]
     reference = build_tiny_model(family, **overrides)
     ref_logits, ref_means, _ = _reference(reference, batch, segments)
     ref_grads = grads_by_name(reference)
