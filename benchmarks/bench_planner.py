@@ -193,7 +193,9 @@ def measure_layout(plain: dict[str, Any], warm: dict[str, Any]) -> dict[str, flo
             micro_batch_size=job.train.micro_batch_size,
             strategy=run.strategy,
             pipeline=run.pipeline,
-            context_parallel=ContextParallelism(run.mesh, run.job.host_runtime)
+            context_parallel=ContextParallelism(
+                run.mesh, run.job.host_runtime, job.parallelism.cp_ulysses_degree
+            )
             if run.resolved.layout.cp > 1
             else None,
         )

@@ -45,6 +45,15 @@ TRAIN_CASES: dict[str, tuple[list[str], str]] = {
     "tp": (["--tp", "3"], "choose sizes whose product divides the number of ranks"),
     "pp": (["--pp", "5"], "choose sizes whose product divides the number of ranks"),
     "cp": (["--cp", "3"], "choose sizes whose product divides the number of ranks"),
+    "cp-ulysses-degree": (["--cp", "2", "--cp-ulysses-degree", "3"], "cp_ulysses_degree=3 must divide"),
+    "cp-ulysses-degree between": (
+        ["--cp", "4", "--cp-ulysses-degree", "2", "--nproc-per-node", "4"],
+        "use 1 (ring attention) or 4 (all-to-all attention)",
+    ),
+    "packing packed with cp and pp": (
+        ["--packing", "packed", "--cp", "2", "--pp", "2", "--nproc-per-node", "4"],
+        "a pipeline's microbatches would split",
+    ),
     "ep on a dense model": (["--ep", "2"], "needs a mixture-of-experts model"),
     "pp-schedule": (["--pp", "2", "--pp-schedule", "foo"], "known schedules: 1f1b"),
     "lora-rank": (["--lora-rank", "0"], "must be a positive int (the LoRA rank)"),

@@ -141,6 +141,9 @@ LAYOUTS: dict[str, Layout] = {
         Layout("tp", 2, {"tp_size": 2}),
         Layout("tp_sp", 2, {"tp_size": 2}, sequence_parallel=True),
         Layout("cp", 2, {"cp_size": 2}),
+        Layout("cp_a2a", 2, {"cp_size": 2, "cp_ulysses_degree": 2}),
+        Layout("cp_pp", 4, {"cp_size": 2, "pp_size": 2}, pp_schedule="1f1b"),
+        Layout("cp_ep", 2, {"cp_size": 2, "ep_size": 2}, moe=True),
         Layout("pp_1f1b", 2, {"pp_size": 2}, pp_schedule="1f1b"),
         Layout("pp_interleaved", 2, {"pp_size": 2}, pp_schedule="interleaved_1f1b"),
         Layout("lora_fsdp2", 2, lora=True),
@@ -690,21 +693,10 @@ def _forward_backward(
     """One forward and backward of this rank's rows; returns (its token-loss sum, its logits)."""
     from automodel_testing import to_full
 
-    if layout.pp_schedule is not None:
-        loss_fn.logits.clear()
-        losses = model.step(local["input_ids"], target=local["labels"], position_ids=local["position_ids"])
-        total = sum((loss.detach().float() for loss in losses), torch.zeros(())) * denominator
-        # One row per microbatch; torch's schedule calls the loss once more the first time (to infer
-        # the gradient shapes), so keep the last ones.
-        logits = torch.cat(loss_fn.logits[-local["input_ids"].shape[0] :]) if loss_fn.logits else None
-        return total, logits
+    region: contextlib.AbstractContextManager[Any] = contextlib.nullcontext(local)
     if axes.cp_size > 1:
         from automodel_cpu import CPURuntime
-        from automodel_distributed.context_parallel import (
-            context_parallel_inputs,
-            context_parallel_region,
-            context_parallel_unshard,
-        )
+        from automodel_distributed.context_parallel import context_parallel_inputs, context_parallel_region
 
         prepared = context_parallel_inputs(
             {
@@ -715,16 +707,47 @@ def _forward_backward(
         )
         # CPU meshes run torch's ring attention through the CPU runtime's kernel.
         runtime = CPURuntime() if ctx.device_type == "cpu" else None
-        with context_parallel_region(ctx, prepared, host_runtime=runtime) as shard:
+        ulysses = layout.sizes.get("cp_ulysses_degree", 1)
+        region = context_parallel_region(
+            ctx,
+            prepared,
+            host_runtime=runtime,
+            ulysses_degree=ulysses,
+            model=model.parts if layout.pp_schedule is not None else model,
+        )
+    if layout.pp_schedule is not None:
+        loss_fn.logits.clear()
+        with region as shard:
+            labels = shard["shift_labels" if axes.cp_size > 1 else "labels"]
+            losses = model.step(shard["input_ids"], target=labels, position_ids=shard["position_ids"])
+        total = sum((loss.detach().float() for loss in losses), torch.zeros(())) * denominator
+        # One row per microbatch; torch's schedule calls the loss once more the first time (to infer
+        # the gradient shapes), so keep the last ones.
+        logits = torch.cat(loss_fn.logits[-local["input_ids"].shape[0] :]) if loss_fn.logits else None
+        return total, _cp_unshard(ctx, axes, logits)
+    if axes.cp_size > 1:
+        with region as shard:
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
             loss_sum = _token_sum(logits, shard["shift_labels"])
             (loss_sum / denominator).backward()
-        (full,) = context_parallel_unshard(ctx, [logits.detach().float()], [1])
-        return loss_sum.detach(), full
+        return loss_sum.detach(), _cp_unshard(ctx, axes, logits)
     logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
     loss_sum = _token_sum(logits, local["labels"])
     (loss_sum / denominator).backward()
     return loss_sum.detach(), to_full(logits).float()
+
+
+def _cp_unshard(ctx: Any, axes: _Axes, logits: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's sequence shard of the logits, gathered over ``cp`` in the original order.
+
+    Every rank of a ``cp`` group runs the same pipeline stage, so they hold logits or not together.
+    """
+    if logits is None or axes.cp_size == 1:
+        return logits
+    from automodel_distributed.context_parallel import context_parallel_unshard
+
+    (full,) = context_parallel_unshard(ctx, [logits.detach().float()], [1])
+    return full
 
 
 def run_layout(layout_name: str, checkpoints: dict[str, str], progress: str) -> None:

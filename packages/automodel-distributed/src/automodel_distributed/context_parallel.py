@@ -91,6 +91,7 @@ CP_SEQUENCE_KEYS: tuple[str, ...] = ("input_ids", "position_ids", "shift_labels"
 shard (see `context_parallel_inputs`)."""
 
 _HOOKED_ATTR = "_automodel_cp_hooked"
+_WINDOW_ATTR = "_automodel_cp_window"  # on the model: the smallest sliding window of its attention
 # The cp size of the context_parallel_region open in this thread / task (0: none), read by the hooks.
 _ACTIVE_CP_SIZE: contextvars.ContextVar[int] = contextvars.ContextVar("automodel_active_cp_size", default=0)
 
@@ -198,8 +199,8 @@ def _strip_attention_mask(
         raise ValueError(
             f"{type(module).__name__} uses sliding-window attention (window {window}) over a sequence of "
             f"{hidden.shape[1] * active_cp_size} tokens, which ring attention does not support (it is "
-            "plainly causal); use sequences no longer than the window, packed rows (masked per document "
-            "and window) or cp_size=1"
+            "plainly causal); use all-to-all attention (cp_ulysses_degree = cp_size), packed rows, "
+            "sequences no longer than the window, or cp_size=1"
         )
     kwargs["attention_mask"] = None
     return args, kwargs
@@ -317,12 +318,13 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
     impl = getattr(config, "_attn_implementation", None)
     if config is not None and impl not in ("sdpa", CP_DOCUMENT_ATTENTION):
         raise ValueError(
-            f"context parallelism runs ring attention inside scaled_dot_product_attention, but "
-            f"{type(model).__name__} uses attn_implementation={impl!r}; load it with "
+            "context parallelism runs attention through scaled_dot_product_attention (ring or "
+            f"all-to-all), but {type(model).__name__} uses attn_implementation={impl!r}; load it with "
             "attn_implementation='sdpa'"
         )
     _check_positions_mix_only_in_sdpa(model)
     hooked = 0
+    windows: list[int | None] = []
     for fqn, block in find_transformer_blocks(model):
         attention = next(
             (
@@ -352,6 +354,11 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
             attention.register_forward_pre_hook(_strip_attention_mask, with_kwargs=True)
             setattr(attention, _HOOKED_ATTR, True)
             hooked += 1
+        windows.append(attention_window(attention))
+    # Kept on the model (and on the stage copies a pipeline split makes of it), so that
+    # context_parallel_region(model=...) refuses ring attention over a longer sequence on every rank,
+    # before any collective, whichever stage holds the windowed layers.
+    setattr(model, _WINDOW_ATTR, min((w for w in windows if w is not None), default=None))
     _, hf = find_hf_model(unwrap(model))
     set_implementation = getattr(hf, "set_attn_implementation", None)
     if getattr(getattr(hf, "config", None), "_attn_implementation", None) == "sdpa":
@@ -383,6 +390,7 @@ def context_parallel_region(
     seq_dims: Mapping[str, int] | None = None,
     host_runtime: HostRuntime | None = None,
     ulysses_degree: int = 1,
+    model: nn.Module | Sequence[nn.Module] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Shard ``batch`` over the ``cp`` axis and run SDPA as ring or all-to-all attention until it closes.
 
@@ -410,6 +418,10 @@ def context_parallel_region(
         seq_dims: Sequence dim per key, overriding the default 1.
         ulysses_degree: 1 (ring attention) or the ``cp`` size (all-to-all attention); values between,
             ring attention between groups of all-to-all ranks, are refused.
+        model: The model (or the pipeline stages of this rank) that runs inside, to refuse up front,
+            on every rank, ring attention over rows longer than its sliding window (which ring
+            attention cannot apply). Without it the attention refuses when it runs: the same on every
+            rank, except under pipelining, where the other stages would wait on the refusing one.
         host_runtime: On a CPU mesh, what runs ring attention on CPU tensors
             (`automodel_distributed.host_runtime.HostRuntime.ring_attention`, e.g.
             ``automodel_cpu.CPURuntime()``: private torch internals, patched only while the region is
@@ -468,6 +480,7 @@ def context_parallel_region(
             finally:
                 _ACTIVE_CP_SIZE.reset(token)
         return
+    _check_ring_window(model, next(iter(lengths.values())))
     on_cpu = cp_mesh.device_type == "cpu"
     if on_cpu and host_runtime is None:
         raise ValueError(
@@ -501,6 +514,19 @@ def context_parallel_region(
             yield local
         finally:
             _ACTIVE_CP_SIZE.reset(token)
+
+
+def _check_ring_window(model: nn.Module | Sequence[nn.Module] | None, seq_len: int) -> None:
+    """Refuse ring attention over ``seq_len`` tokens for a model with a shorter sliding window."""
+    parts = [model] if isinstance(model, nn.Module) else list(model or ())
+    windows = [w for part in parts if (w := getattr(unwrap(part), _WINDOW_ATTR, None)) is not None]
+    if windows and seq_len > min(windows):
+        raise ValueError(
+            f"{type(unwrap(parts[0])).__name__} uses sliding-window attention (window {min(windows)}) over "
+            f"rows of {seq_len} tokens, which ring attention does not support (it is plainly causal); use "
+            "all-to-all attention (cp_ulysses_degree = cp_size), packed rows, rows no longer than the "
+            "window, or cp_size=1"
+        )
 
 
 @torch.no_grad()

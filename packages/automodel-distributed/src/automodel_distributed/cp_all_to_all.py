@@ -97,7 +97,8 @@ def _attend(
     if spans is None:
         return sdpa(query, key, value)
     rows = []
-    for b, row in enumerate(spans):
+    for b in range(query.shape[0]):
+        row = spans[b] if len(spans) > 1 else spans[0]  # one row of positions serves every row
         pieces = [sdpa(*(t[b : b + 1, :, s:e] for t in (query, key, value))) for s, e in row]
         rows.append(torch.cat(pieces, dim=2))
     return torch.cat(rows, dim=0)

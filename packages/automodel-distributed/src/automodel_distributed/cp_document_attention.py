@@ -241,11 +241,17 @@ def cp_document_attention_forward(
             "packed rows under context parallelism cannot use it, use cp_size: 1"
         )
     local = query.shape[2] == key.shape[2] == layout.local_len
-    if layout.batch not in (1, query.shape[0]) or not local:
+    if layout.docs is not None and layout.batch not in (1, query.shape[0]):
         raise ValueError(
-            f"{name} attends with queries {tuple(query.shape)} and keys {tuple(key.shape)}, but the packed "
-            f"rows under context parallelism give each rank {layout.batch} row(s) of {layout.local_len} "
-            "positions; only self-attention over the sharded rows is supported"
+            f"{name} attends over {query.shape[0]} row(s), but the packed rows under context parallelism "
+            f"are {layout.batch}: a forward must take every row of the region (a pipeline's microbatches "
+            "cannot split packed rows under context parallelism; use unpacked rows or pp_size 1)"
+        )
+    if not local:
+        raise ValueError(
+            f"{name} attends with queries {tuple(query.shape)} and keys {tuple(key.shape)}, but the rows "
+            f"under context parallelism give each rank {layout.local_len} positions; only self-attention "
+            "over the sharded rows is supported"
         )
     window = kwargs.pop("sliding_window") if "sliding_window" in kwargs else attention_window(module)
     window = window if isinstance(window, int) else None

@@ -29,6 +29,11 @@ class ParallelismSizes(ConfigDict):
     """Context-parallel degree. 1 disables context parallelism."""
     ep_size: int = 1
     """Expert-parallel degree of the MoE mesh. 1 disables expert parallelism."""
+    cp_ulysses_degree: int = 1
+    """Of the ``cp_size`` ranks, how many split attention by heads through all-to-all (Ulysses)
+    exchanges instead of passing keys and values around a ring: 1 is ring attention,
+    ``cp_size`` all-to-all attention (which needs the query heads divisible by it). Not a mesh axis:
+    the attention of `automodel_distributed.context_parallel_region` reads it."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -45,6 +50,12 @@ class ParallelismSizes(ConfigDict):
             if value < 1:
                 hint = " (or None / -1 to infer it)" if f.name == "dp_size" else ""
                 raise ValueError(f"ParallelismSizes.{f.name} must be >= 1{hint}, got {value}")
+
+        if self.cp_size % self.cp_ulysses_degree:
+            raise ValueError(
+                f"ParallelismSizes.cp_ulysses_degree={self.cp_ulysses_degree} must divide "
+                f"cp_size={self.cp_size} (1: ring attention, {self.cp_size}: all-to-all attention)"
+            )
 
     @property
     def inferred_dp(self) -> bool:

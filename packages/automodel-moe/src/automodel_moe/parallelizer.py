@@ -10,7 +10,8 @@ tokens). The manager then checkpoints the blocks, saving `ROUTER_SAVE_OPS`, and 
 one path for dense and MoE models, honouring every `FSDP2Config` setting. Under pipeline parallelism each
 stage runs the same step on the layers it holds. With tensor parallelism the TP plan shards attention and
 the dense layers over ``tp`` and leaves the experts and their routers (`find_routers`) to this step;
-sequence parallelism and context parallelism are refused with EP.
+sequence parallelism is refused with EP. Context parallelism composes: each rank routes the tokens of
+its sequence shard, and the experts' gradients hold every ep rank's tokens as without it.
 
 `parallelize_model` is the reference system's entry point: it builds that manager from its keyword
 arguments.
@@ -77,8 +78,7 @@ def check_expert_parallel(model: nn.Module, mesh: MeshContext) -> list[ExpertsSi
     Raises:
         ValueError: No experts module (a dense model, or experts of a class the metadata does not
             describe: the message says how to register one), an expert count not divisible by
-            ``ep_size``, parameters that are not per-expert inside an experts module, or context
-            parallelism (not supported together with EP yet).
+            ``ep_size``, or parameters that are not per-expert inside an experts module.
     """
     sites = find_experts(model)
     name = type(model).__name__
@@ -97,11 +97,6 @@ def check_expert_parallel(model: nn.Module, mesh: MeshContext) -> list[ExpertsSi
         raise ValueError(
             f"expert parallelism (ep_size={mesh.ep_size}) needs a mixture-of-experts model; {name} has no "
             "experts module"
-        )
-    if mesh.cp_size > 1:
-        raise ValueError(
-            f"expert parallelism with context parallelism (cp_size={mesh.cp_size}) is not supported yet; "
-            "use cp_size=1"
         )
     ep = mesh.ep_size
     for site in sites:

@@ -349,6 +349,13 @@ def _check_model_shape(job: JobConfig, layout: MeshLayout, model_config: Any) ->
                     f"{where}: tp_size={layout.tp} does not divide the model's {name}={count}; choose a "
                     "tensor-parallel size that divides it"
                 )
+    ulysses = job.parallelism.cp_ulysses_degree
+    if ulysses > 1 and isinstance(heads, int) and heads % ulysses:
+        raise ConfigError(
+            f"{raw.where('parallelism', 'cp_ulysses_degree')}: all-to-all context parallelism over "
+            f"{ulysses} ranks splits the model's {heads} attention heads; choose a cp_size that divides "
+            "them, or cp_ulysses_degree 1 (ring attention)"
+        )
     if layout.pp > 1 and isinstance(layers, int) and layers < layout.pp:
         raise ConfigError(
             f"{where}: pp_size={layout.pp} exceeds the model's num_hidden_layers={layers}; every pipeline "
@@ -415,8 +422,18 @@ def resolve_job(job: JobConfig, world_size: int, model_config: Any = None) -> Re
         _divisible(raw, "data", "seq_len", job.data.seq_len, 2 * layout.cp, f"2 * cp_size = {2 * layout.cp}")
         if job.model.attn_implementation != "sdpa":
             raise ConfigError(f"{raw.where('model', 'attn_implementation')}: context parallelism needs sdpa")
-        if layout.pp > 1:
-            raise ConfigError(f"{raw.where('parallelism')}: cp_size > 1 with pp_size > 1 is not supported")
+        ulysses = job.parallelism.cp_ulysses_degree
+        if ulysses not in (1, layout.cp):
+            raise ConfigError(
+                f"{raw.where('parallelism', 'cp_ulysses_degree')}: cp_ulysses_degree={ulysses} with "
+                f"cp_size={layout.cp}: use 1 (ring attention) or {layout.cp} (all-to-all attention)"
+            )
+        if layout.pp > 1 and job.data.packing == "packed":
+            raise ConfigError(
+                f"{raw.where('data', 'packing')}: packed rows under context parallelism attend per "
+                "document over whole rows, which a pipeline's microbatches would split; with pp_size > 1 "
+                "use data.packing: concat or padded"
+            )
     if model_config is not None:
         _check_model_shape(job, layout, model_config)
     return ResolvedJob(

@@ -102,7 +102,11 @@ class _Loop:
         self.sampler = RowSampler(len(run.rows), self.train.global_batch_size, self.train.seed)
         self.dp_rank, self.dp_size = _dp_coordinates(run)
         self.pp_group = run.mesh.get_group("pp") if layout.pp > 1 else None
-        self.context_parallel = ContextParallelism(run.mesh, run.job.host_runtime) if layout.cp > 1 else None
+        self.context_parallel = (
+            ContextParallelism(run.mesh, run.job.host_runtime, job.parallelism.cp_ulysses_degree)
+            if layout.cp > 1
+            else None
+        )
         self.tp = layout.tp
         self.dp_cp = layout.dp_cp
         self.params = [p for group in run.optimizer.param_groups for p in group["params"]]

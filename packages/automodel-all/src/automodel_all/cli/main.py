@@ -60,6 +60,13 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option(("--tp",), "parallelism", "tp_size", int, "tensor-parallel size"),
     _Option(("--pp",), "parallelism", "pp_size", int, "pipeline-parallel size"),
     _Option(("--cp",), "parallelism", "cp_size", int, "context-parallel size"),
+    _Option(
+        ("--cp-ulysses-degree",),
+        "parallelism",
+        "cp_ulysses_degree",
+        int,
+        "cp ranks splitting heads by all-to-all: 1 ring (default), the cp size all-to-all",
+    ),
     _Option(("--ep",), "parallelism", "ep_size", int, "expert-parallel size (MoE models)"),
     _Option(("--sequence-parallel",), "distributed", "sequence_parallel", None, "sequence parallelism (TP)"),
     _Option(("--pp-schedule",), "pipeline", "pp_schedule", str, "gpipe, 1f1b, interleaved_1f1b, ..."),

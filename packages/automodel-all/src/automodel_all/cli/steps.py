@@ -35,6 +35,8 @@ class ContextParallelism:
     """The run's mesh (its ``cp`` axis)."""
     host_runtime: HostRuntime | None
     """The CPU runtime on a CPU mesh (ring attention on CPU tensors), else None."""
+    ulysses_degree: int = 1
+    """``parallelism.cp_ulysses_degree``: 1 ring attention, the cp size all-to-all attention."""
 
 
 class TokenLoss(nn.Module):
@@ -115,6 +117,19 @@ def _forward_loss(
         if backward:
             loss.backward()
         return loss.detach()
+    with _cp_region(context_parallel, batch, model) as local:
+        with strategy.autocast():  # forward and backward inside the region
+            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            loss = loss_fn(logits, local["shift_labels"])
+        if backward:
+            loss.backward()
+    return loss.detach()
+
+
+def _cp_region(
+    context_parallel: ContextParallelism, batch: dict[str, torch.Tensor], model: Any
+) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """The context-parallel region of ``batch``: yields its shard, labels as ``shift_labels``."""
     from automodel_distributed.context_parallel import context_parallel_inputs, context_parallel_region
 
     sharded = context_parallel_inputs(
@@ -125,16 +140,13 @@ def _forward_loss(
         }
     )
     # CPU meshes (gloo) run ring attention through the job's CPU runtime.
-    region = context_parallel_region(
-        context_parallel.mesh, sharded, host_runtime=context_parallel.host_runtime
+    return context_parallel_region(
+        context_parallel.mesh,
+        sharded,
+        host_runtime=context_parallel.host_runtime,
+        ulysses_degree=context_parallel.ulysses_degree,
+        model=model,
     )
-    with region as local:
-        with strategy.autocast():  # forward and backward inside the region
-            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-            loss = loss_fn(logits, local["shift_labels"])
-        if backward:
-            loss.backward()
-    return loss.detach()
 
 
 def run_step(
@@ -174,8 +186,15 @@ def run_step(
     inputs, labels = batch["input_ids"], batch["labels"]
     total = torch.zeros((), dtype=torch.float32, device=inputs.device)
     if pipeline is not None:
-        with strategy.autocast():
-            losses = pipeline.step(inputs, target=labels, position_ids=batch["position_ids"])
+        region: contextlib.AbstractContextManager[dict[str, Any]] = contextlib.nullcontext(
+            {"input_ids": inputs, "shift_labels": labels, "position_ids": batch["position_ids"]}
+        )
+        if context_parallel is not None:
+            region = _cp_region(context_parallel, batch, pipeline.parts)
+        with region as local, strategy.autocast():
+            losses = pipeline.step(
+                local["input_ids"], target=local["shift_labels"], position_ids=local["position_ids"]
+            )
         for loss in losses:
             total += loss.detach().float() * loss_fn.denominator
         return total
