@@ -183,13 +183,16 @@ def _strip_attention_mask(
         return args, kwargs
     config = getattr(module, "config", None)
     if document_region_active():
-        # Packed rows: the registered attention applies the document mask (and any sliding window).
+        # Packed rows or all-to-all attention: the registered attention does the rest (documents, any
+        # sliding window); a module that calls SDPA itself would attend over its shard alone.
         impl = getattr(config, "_attn_implementation", "unknown (the module has no config)")
         if impl != CP_DOCUMENT_ATTENTION:
             raise ValueError(
-                f"{type(module).__name__} runs attn_implementation={impl!r}, but packed rows under context "
-                f"parallelism need {CP_DOCUMENT_ATTENTION!r} (set by apply_context_parallel); call "
-                "apply_context_parallel after any set_attn_implementation, or use data.packing: padded"
+                f"{type(module).__name__} runs attn_implementation={impl!r}, but packed rows and all-to-all "
+                f"attention under context parallelism need {CP_DOCUMENT_ATTENTION!r} (set by "
+                "apply_context_parallel; a model that calls SDPA itself cannot take it); call "
+                "apply_context_parallel after any set_attn_implementation, or use ring attention "
+                "(cp_ulysses_degree 1) on unpacked rows"
             )
         kwargs["attention_mask"] = None
         return args, kwargs
@@ -238,14 +241,14 @@ def _check_positions_mix_only_in_sdpa(model: nn.Module) -> None:
     others = sorted(k for k in kinds if k not in ("full_attention", "sliding_attention"))
     if others:
         raise ValueError(
-            f"context parallelism runs only attention as ring attention, but {name} has layers of kind "
+            f"context parallelism spreads only attention over the sequence, but {name} has layers of kind "
             f"{others} (config.layer_types); use cp_size=1 for it"
         )
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk:
         raise ValueError(
             f"{name} uses chunked attention (attention_chunk_size={chunk}), whose "
-            "mask context parallelism cannot apply (ring attention is plainly causal); use cp_size=1"
+            "mask context parallelism cannot apply; use cp_size=1"
         )
     embeddings = embedding_module(hf, "input")
     if embeddings is None:

@@ -61,13 +61,26 @@ a document region."""
 
 
 def attention_window(module: nn.Module) -> int | None:
-    """The sliding window of an attention module, or ``None``.
+    """The sliding window of an attention module, or ``None`` (full attention).
 
-    Its own ``sliding_window`` attribute wins (``None`` on full-attention layers), else its config's.
+    Its own ``sliding_window`` attribute wins (``None`` on full-attention layers). A module without one
+    reads its config: a layer that ``config.layer_types`` lists as ``full_attention`` (found by the
+    module's ``layer_idx``) has none, and neither has a config with ``use_sliding_window: false``
+    (transformers then sets ``sliding_window`` to 0 or leaves a default it does not apply); otherwise
+    ``config.sliding_window`` when it is a positive int.
     """
-    owner: object = module if hasattr(module, "sliding_window") else getattr(module, "config", None)
-    window = getattr(owner, "sliding_window", None)
-    return window if isinstance(window, int) else None
+    if hasattr(module, "sliding_window"):
+        own: object = module.sliding_window
+        return own if isinstance(own, int) and own > 0 else None
+    config = getattr(module, "config", None)
+    kinds, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if isinstance(kinds, list | tuple) and isinstance(index, int) and index < len(kinds):
+        if kinds[index] != "sliding_attention":
+            return None
+    elif getattr(config, "use_sliding_window", True) is False:
+        return None
+    window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) and window > 0 else None
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
