@@ -275,3 +275,25 @@ def test_soft_capped_attention_is_refused() -> None:
             documents.cp_document_attention_forward(torch.nn.Module(), q, q[:, :, :2], q[:, :, :2], None)
     finally:
         documents._ACTIVE.clear()
+
+
+def test_a_layers_sliding_window_is_read_as_transformers_applies_it() -> None:
+    """The window context parallelism applies (or refuses ring attention for) per attention module."""
+    from automodel_distributed.cp_document_attention import attention_window
+
+    def windows(family: str, **overrides: Any) -> list[int | None]:
+        from transformers import AutoModelForCausalLM
+
+        from automodel_testing.tiny import derive_tiny_config
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(derive_tiny_config(family, **overrides))
+        return [attention_window(layer.self_attn) for layer in model.model.layers]
+
+    assert windows("mistral", sliding_window=5) == [5] * 4
+    # Qwen2: layer_types says which layers slide. Qwen2-MoE's modules have the attribute only on sliding
+    # layers, and without use_sliding_window its config.sliding_window is 0: no window anywhere.
+    kinds = ["full_attention", "sliding_attention"] * 2
+    assert windows("qwen2", use_sliding_window=True, sliding_window=4, layer_types=kinds) == [None, 4] * 2
+    assert windows("qwen2_moe") == [None] * 4
+    assert windows("llama") == [None] * 4
