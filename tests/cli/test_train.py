@@ -131,7 +131,7 @@ def test_lora_sft_of_a_moe_model_on_chat_data_with_evaluation_and_metrics(tmp_pa
         "--tokenizer", str(tokenizer),
         "--data", "builtin:chat", "--eval-split", "validation", "--eval-every", "5", "--steps", "10",
         "--seq-len", "64", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "0.01",
-        "--warmup-steps", "2", "--ep", "2", "--set", "peft.target_modules=[q_proj, v_proj]",
+        "--warmup-steps", "2", "--ep", "2", "--lora", "--lora-rank", "4",
         "--report-to", "jsonl,tensorboard,wandb,mlflow", "--set", "report.wandb_mode=offline",
         "--set", "report.run_name=sft", "--set", "train.sample_prompt=What is 2 plus 3?",
         "--set", "train.sample_tokens=8",
@@ -177,7 +177,10 @@ def test_lora_sft_of_a_moe_model_on_chat_data_with_evaluation_and_metrics(tmp_pa
     assert run["final_model"] == final_model and run["config"]["parallelism"]["ep_size"] == 2
     _check_wandb_run(output / "wandb", records, evals, final_model)
     _check_mlflow_run(output, records, evals, final_model)
-    assert (output / "hf" / "adapter" / "adapter_config.json").is_file()
+    # --lora on a MoE model adapts the experts' stacked weights too (found in its structure), trained
+    # under EP and saved in the PEFT format, which PeftModel loads.
+    assert run["config"]["peft"]["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
+    _check_expert_adapters(output / "hf")
     assert "sample: 'User: What is 2 plus 3?\\nAssistant:" in result.stdout, result.stdout[-2000:]
 
 
@@ -258,3 +261,14 @@ def _check_mlflow_run(output: Path, records: list[dict], evals: list[dict], fina
         Path(client.download_artifacts(run.info.run_id, "config.json", str(output))).read_text()
     )
     assert config["parallelism"]["ep_size"] == 2
+
+
+def _check_expert_adapters(hf: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf), hf / "adapter")
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n and "lora_B" in n}
+    # peft nests one ParamWrapper per adapted parameter: two per experts module, two MoE layers.
+    assert len(experts) == 4, sorted(experts)
+    assert all(p.abs().max() > 0 for p in experts.values()), "the experts' adapters did not train"

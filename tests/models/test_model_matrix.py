@@ -316,16 +316,9 @@ def _peft_config(layout: Layout, model: Any) -> Any:
         return None
     experts: list[str] = []
     if layout.moe:
-        from automodel_moe import find_experts
+        from automodel_moe import expert_weight_targets
 
-        experts = sorted(
-            {
-                f"{site.fqn.rpartition('.')[2]}.{name}"
-                for site in find_experts(model)
-                for name in site.params
-                if getattr(site.core, name).dim() == 3
-            }
-        )
+        experts = expert_weight_targets(model)
     return PeftConfig(match_all_linear=True, dim=4, alpha=8, target_parameters=experts)
 
 

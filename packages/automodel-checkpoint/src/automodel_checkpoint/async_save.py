@@ -44,6 +44,7 @@ from automodel_checkpoint.dcp import (
     save_rank_state,
 )
 from automodel_checkpoint.ranks import is_distributed
+from automodel_checkpoint.storage_view import storage_view
 from automodel_checkpoint.write_errors import write_failure
 from automodel_modules import reshard_fsdp_units
 
@@ -130,7 +131,7 @@ class AsyncCheckpointer:
         try:
             if hf_weights != "none":
                 export_weights(staging, parts or [model], self._group)
-            state = checkpoint_state(model, optimizer, with_model)
+            state = storage_view(checkpoint_state(model, optimizer, with_model))
             if rank_state is not None:
                 save_rank_state(staging, rank_state, self._group)
             staged = self._stage(state, staging)

@@ -40,6 +40,7 @@ from automodel_checkpoint.materialize import (
     verify_materialized,
 )
 from automodel_checkpoint.ranks import agree_on_failure, rank_of
+from automodel_checkpoint.storage_view import storage_view
 from automodel_checkpoint.write_errors import CheckpointWriteError, publish_or_explain, write_failure
 from automodel_modules import reshard_fsdp_units
 
@@ -231,7 +232,7 @@ def save_distributed_checkpoint(
         if hf_weights != "none":  # agreed on every rank (its own publish): all go on, or all stop here
             export_weights(staging, parts or [model], process_group)
         state = checkpoint_state(model, optimizer, with_model)
-        save(state, storage_writer=FileSystemWriter(str(staging)), process_group=process_group)
+        save(storage_view(state), storage_writer=FileSystemWriter(str(staging)), process_group=process_group)
         if rank_state is not None:
             save_rank_state(staging, rank_state, process_group)
     # dcp gathers every rank's failure and raises it on all of them, as a BaseException subclass.
@@ -332,7 +333,10 @@ def load_distributed_checkpoint(
         materialize_meta_tensors(model, device if device is not None else default_device(model))
     reshard_fsdp_units(model)
     state = checkpoint_state(model, optimizer, with_model)
-    load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    # The storage view shares the state's tensors: DCP writes into them.
+    load(
+        storage_view(state), storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict)
+    )
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     elif with_model:

@@ -16,6 +16,7 @@ from automodel_moe.registry import MOE_FAMILIES as MOE_FAMILIES
 from automodel_moe.registry import ExpertsCall as ExpertsCall
 from automodel_moe.registry import ExpertsSite as ExpertsSite
 from automodel_moe.registry import MoEFamily as MoEFamily
+from automodel_moe.registry import expert_weight_targets as expert_weight_targets
 from automodel_moe.registry import find_experts as find_experts
 from automodel_moe.registry import find_routers as find_routers
 from automodel_moe.registry import has_experts as has_experts

@@ -37,6 +37,7 @@ __all__ = [
     "ExpertsCall",
     "ExpertsSite",
     "MoEFamily",
+    "expert_weight_targets",
     "find_experts",
     "find_routers",
     "has_experts",
@@ -292,3 +293,21 @@ def find_routers(model: nn.Module) -> list[str]:
             found.append(fqn)
             break
     return found
+
+
+def expert_weight_targets(model: nn.Module) -> list[str]:
+    """The stacked expert weights of ``model`` as LoRA parameter targets (empty for a dense model).
+
+    Each is ``<experts module's name>.<parameter>`` (``experts.gate_up_proj``, ``experts.down_proj``)
+    for a parameter `find_experts` reports stacked by expert with one matrix per expert (3-D), the form
+    `automodel_peft.PeftConfig.target_parameters` takes: one rank-``dim`` adapter per expert. Biases
+    (2-D) are left out. Pure.
+    """
+    return sorted(
+        {
+            f"{site.fqn.rpartition('.')[2]}.{name}"
+            for site in find_experts(model)
+            for name in site.params
+            if getattr(site.core, name).dim() == 3
+        }
+    )

@@ -29,7 +29,13 @@ import torch
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job, warn_inert_settings
 from automodel_all.cli.data import prepare_data
 from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
-from automodel_all.cli.model import load_model_config, load_processor, model_dtype, text_tokenizer
+from automodel_all.cli.model import (
+    adapt_experts_too,
+    load_model_config,
+    load_processor,
+    model_dtype,
+    text_tokenizer,
+)
 from automodel_all.cli.train import JOB_ENV
 from automodel_all.cli.yaml_source import ConfigError, RawJob
 from automodel_cpu.mimalloc_preload import resolve_host_allocator, worker_environment
@@ -143,6 +149,7 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
     _ensure_initial_weights(raw, job)
     job = build_job(raw)
     model_config = load_model_config(job)
+    job = adapt_experts_too(raw, job, model_config)
     _prepare_data(raw, job, model_config)
     job = build_job(raw)
     world = world_size if world_size is not None else job.launch.nnodes * nproc

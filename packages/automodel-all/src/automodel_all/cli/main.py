@@ -74,7 +74,9 @@ _OPTIONS: tuple[_Option, ...] = (
         ("--activation-checkpointing",), "distributed", "activation_checkpointing", None, "recompute blocks"
     ),
     # adapters and precision
-    _Option(("--lora",), "peft", "", None, "train LoRA adapters on every linear layer but the head"),
+    _Option(
+        ("--lora",), "peft", "", None, "LoRA adapters on every linear layer but the head, and on MoE experts"
+    ),
     _Option(("--dora",), "peft", "use_dora", None, "DoRA adapters (implies --lora)"),
     _Option(("--lora-rank",), "peft", "dim", int, "LoRA rank (implies --lora)"),
     _Option(("--qat",), "qat", "", None, "quantization-aware training (int8 activations, int4 weights)"),

@@ -6,11 +6,12 @@ from typing import Any
 
 import torch
 
-from automodel_all.cli.config import JobConfig
+from automodel_all.cli.config import JobConfig, build_job
 from automodel_all.cli.default_job import DEFAULT_VOCAB_SIZE, default_model_config
-from automodel_all.cli.yaml_source import ConfigError
+from automodel_all.cli.yaml_source import ConfigError, RawJob
 
 __all__ = [
+    "adapt_experts_too",
     "build_meta_model",
     "is_image_text_model",
     "load_model_config",
@@ -103,3 +104,38 @@ def build_meta_model(job: JobConfig, config: Any) -> torch.nn.Module:
             config, dtype=model_dtype(job), attn_implementation=job.model.attn_implementation
         )
     return model
+
+
+def adapt_experts_too(raw: RawJob, job: JobConfig, model_config: Any) -> JobConfig:
+    """``--lora`` on a mixture-of-experts model: its stacked expert weights get adapters too.
+
+    ``peft.match_all_linear`` adapts every linear layer; the experts of most transformers MoE families
+    are not linear modules but 3-D weights, which peft adapts through ``target_parameters``. When the
+    job adapts every linear and names no parameters itself, the experts found in the model's structure
+    (`automodel_moe.expert_weight_targets`, on a meta model) are written into ``raw`` as
+    ``peft.target_parameters``, so that the workers, the plan and ``run.json`` see the same job. DoRA
+    and adapter dropout have no form for such weights (peft's ``ParamWrapper``): the experts then stay
+    frozen, with a warning.
+
+    Returns:
+        The job, rebuilt from ``raw`` when it changed.
+    """
+    import warnings
+
+    peft = job.peft
+    if peft is None or not peft.match_all_linear or peft.target_parameters:
+        return job
+    from automodel_moe import expert_weight_targets
+
+    targets = expert_weight_targets(build_meta_model(job, model_config))
+    if not targets:
+        return job
+    if peft.use_dora or peft.dropout:
+        warnings.warn(
+            f"{raw.where('peft')}: the experts' stacked weights ({', '.join(targets)}) get no adapters: "
+            "peft has no DoRA or adapter dropout for them; only the linear layers are adapted",
+            stacklevel=2,
+        )
+        return job
+    raw.set("peft", "target_parameters", targets, "--lora on a mixture-of-experts model")
+    return build_job(raw)

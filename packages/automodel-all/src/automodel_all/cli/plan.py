@@ -23,7 +23,7 @@ from torch import nn
 
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job
 from automodel_all.cli.launch import nproc_per_node
-from automodel_all.cli.model import load_model_config
+from automodel_all.cli.model import adapt_experts_too, load_model_config
 from automodel_all.cli.planning import plan_input, planning_model
 from automodel_all.cli.yaml_source import ConfigError, RawJob
 from automodel_distributed.fsdp2_units import frozen_towers
@@ -317,6 +317,7 @@ def plan_report(
         device_memory = device_memory if device_memory is not None else hardware.device.memory_bytes
     world = world_size if world_size is not None else job.launch.nnodes * nproc_per_node(job)
     model_config = load_model_config(job)
+    job = adapt_experts_too(raw, job, model_config)
     resolved = resolve_job(job, world, model_config)
     model, adapted = planning_model(job, model_config)
     if job.peft is None and base_weight_bits is not None:
