@@ -124,10 +124,12 @@ class Layout:
     sequence_parallel: bool = False
     pp_schedule: str | None = None
     lora: bool = False
+    """LoRA on every linear and, in a MoE model, on the experts' stacked weights
+    (``PeftConfig.target_parameters``), as ``automodel train --lora`` adapts them."""
     activation_checkpointing: bool = False
     moe: bool = False
     """Expert parallelism (``moe_config=MoEParallelizerConfig()``): MoE families only, the others are
-    skipped; with ``lora`` the fused expert weights get adapters too (``PeftConfig.target_parameters``)."""
+    skipped."""
     bf16: bool = False
     """FSDP2Config's default mixed precision (bf16 compute, fp32 master weights and gradient reduction)
     instead of fp32, judged against transformers in bf16 (`BF16_FACTOR`)."""
@@ -155,6 +157,8 @@ LAYOUTS: dict[str, Layout] = {
         Layout("ep2_tp2", 4, {"tp_size": 2, "ep_size": 2}, moe=True),
         Layout("ep2_pp2", 4, {"pp_size": 2, "ep_size": 2}, pp_schedule="1f1b", moe=True),
         Layout("ep2_lora", 2, {"ep_size": 2}, lora=True, moe=True),
+        Layout("ep2_tp2_lora", 4, {"tp_size": 2, "ep_size": 2}, lora=True, moe=True),
+        Layout("ep2_pp2_lora", 4, {"pp_size": 2, "ep_size": 2}, pp_schedule="1f1b", lora=True, moe=True),
         Layout("ep2_ac", 2, {"ep_size": 2}, activation_checkpointing=True, moe=True),
         Layout("fsdp2_bf16", 2, bf16=True),
         Layout("tp_bf16", 2, {"tp_size": 2}, bf16=True),
@@ -309,16 +313,14 @@ def _reference(path: str, peft_config: Any, dtype: torch.dtype = torch.float32) 
 
 
 def _peft_config(layout: Layout, model: Any) -> Any:
-    """Every linear; under expert parallelism also the experts' stacked weights (found structurally)."""
+    """Every linear and, in a MoE model, the experts' stacked weights (found structurally)."""
     from automodel_peft import PeftConfig
 
     if not layout.lora:
         return None
-    experts: list[str] = []
-    if layout.moe:
-        from automodel_moe import expert_weight_targets
+    from automodel_moe import expert_weight_targets
 
-        experts = expert_weight_targets(model)
+    experts = expert_weight_targets(model)  # as `automodel train --lora` adapts them (none when dense)
     return PeftConfig(match_all_linear=True, dim=4, alpha=8, target_parameters=experts)
 
 
