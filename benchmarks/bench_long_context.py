@@ -14,11 +14,10 @@ Cases, at 8k and 32k tokens per row (``--only-len`` picks one):
   on through the row: ``data.packing: concat``), ring attention or all-to-all attention;
 - ``CP 4 packed``: one row of packed documents (positions restart per document: ``packed``), which
   context parallelism runs as all-to-all attention per document (no mask over the row);
-- ``CP 4 packed, gathered keys`` (8k only): the same packed row with a model whose 6 query heads the
-  cp size does not divide, so every layer gathers all keys and values and masks them per document (the
-  only method for packed rows before all-to-all attention, kept for such models); at 32k its
-  ``[4 heads x 8k x 32k]`` fp32 scores alone would take 4 GiB per rank. Its ``ring`` row beside it is
-  the same 6-head model unpacked.
+- ``CP 4 packed, gathered keys``: the same packed row with a model whose 6 query heads the cp size
+  does not divide, so every layer gathers all keys and values and masks them per document (the only
+  method for packed rows before all-to-all attention, kept for such models): a ``[T/4, T]`` boolean
+  mask per rank. Its ``ring`` row beside it is the same 6-head model unpacked.
 
 The model: the embedded default Llama at ``MODEL`` widths (fp32), small enough that a 32k-token step
 runs in a minute on 2 cores: the figures are about how memory and time grow with the row, not about
@@ -60,8 +59,6 @@ CASES: dict[str, tuple[list[str], dict[str, int]]] = {
     "CP 4 ring, 6 heads": (["--cp", "4", "--packing", "concat"], SIX_HEADS),
     "CP 4 packed, gathered keys (6 heads)": (["--cp", "4", "--packing", "packed"], SIX_HEADS),
 }
-ONLY_SHORT = ("CP 4 ring, 6 heads", "CP 4 packed, gathered keys (6 heads)")
-"""Cases run at 8k only (see the module docstring)."""
 
 
 def _argv(case: str, seq: int, output: Path) -> list[str]:
@@ -150,8 +147,6 @@ def measure(lengths: tuple[int, ...] = LENGTHS) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="bench-long-") as tmp:
         for seq in lengths:
             for case in CASES:
-                if case in ONLY_SHORT and seq != LENGTHS[0]:
-                    continue
                 plain, estimate = _job(case, seq, Path(tmp))
                 per_rank = launch(
                     measure_case, RANKS, plain, _tiny(plain), init_process_group=False, timeout_s=3000,

@@ -25,6 +25,9 @@ Sections (each one also runs alone as its own script, with more detail):
 - ``checkpoints``: asynchronous DCP saves against synchronous ones and against the bare copy to host
   memory, step time with a save in flight, and the HF export every rank writes against one writer
   (`bench_checkpoint_save.py`);
+- ``long_context``: peak memory per rank and step time of 8k- and 32k-token rows on 4 ranks, CP 4 vs
+  no CP, ring vs all-to-all attention, packed vs unpacked rows, the planner's estimate beside each
+  (`bench_long_context.py`);
 - ``scale``: per-rank peak memory of load + one step at real widths (Llama-3.2-1B shape, Qwen3-30B-A3B
   widths with 64 experts under EP 4), 4 ranks against transformers in one process on the same global
   batch (`bench_scale.py`).
@@ -53,6 +56,7 @@ import bench_checkpoint_load
 import bench_checkpoint_save
 import bench_fsdp2_manager
 import bench_import_time
+import bench_long_context
 import bench_moe_ep
 import bench_pipeline_bubble
 import bench_planner
@@ -439,6 +443,43 @@ def section_vlm() -> list[Row]:
     return rows
 
 
+def section_long_context() -> list[Row]:
+    section = "long context"
+    rows = bench_long_context.measure()
+    by = {(r["case"], r["seq"]): r for r in rows}
+    pairs = (
+        ("CP 4 ring", "no CP", "peak_mib",
+         "peak memory per rank, CP 4 (ring) vs no CP (one whole row per rank)"),
+        ("CP 4 all-to-all", "CP 4 ring", "peak_mib",
+         "peak memory per rank, CP 4: all-to-all vs ring attention"),
+        ("CP 4 all-to-all", "CP 4 ring", "step_s", "step time, CP 4: all-to-all vs ring attention"),
+        ("CP 4 packed", "CP 4 all-to-all", "peak_mib", "peak memory per rank, CP 4: packed vs unpacked rows"),
+        ("CP 4 packed", "CP 4 all-to-all", "step_s", "step time, CP 4: packed vs unpacked rows"),
+        ("CP 4 packed, gathered keys (6 heads)", "CP 4 ring, 6 heads", "peak_mib",
+         "peak memory per rank, CP 4, 6 heads: packed rows over gathered keys vs unpacked (ring)"),
+    )  # fmt: skip
+    out = []
+    for ours, base, key, what in pairs:
+        for seq in bench_long_context.LENGTHS:
+            if (ours, seq) not in by or (base, seq) not in by:
+                continue
+            mine, theirs = by[(ours, seq)], by[(base, seq)]
+            time_like = key == "step_s"
+            out.append(
+                Row(
+                    section=section,
+                    name=f"{what}, {seq // 1024}k tokens per row",
+                    ours=mine[key] * (1e3 if time_like else 1),
+                    baseline=theirs[key] * (1e3 if time_like else 1),
+                    unit="ms" if time_like else "MiB",
+                    notes=f"4 CPU ranks; planner's estimate {mine['estimate_mib']:.0f} vs "
+                    f"{theirs['estimate_mib']:.0f} MiB (measured {mine['peak_mib']:.0f} vs "
+                    f"{theirs['peak_mib']:.0f}); steps {mine['step_s']:.1f} vs {theirs['step_s']:.1f} s",
+                )
+            )
+    return out
+
+
 SECTIONS: dict[str, Callable[[], list[Row]]] = {
     "pytorch": section_pytorch,
     "transformers": section_transformers,
@@ -450,6 +491,7 @@ SECTIONS: dict[str, Callable[[], list[Row]]] = {
     "vlm": section_vlm,
     "checkpoints": section_checkpoints,
     "scale": section_scale,
+    "long_context": section_long_context,
 }
 
 
