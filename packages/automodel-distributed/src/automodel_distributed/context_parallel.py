@@ -484,18 +484,7 @@ def context_parallel_region(
                 _ACTIVE_CP_SIZE.reset(token)
         return
     _check_ring_window(model, next(iter(lengths.values())))
-    on_cpu = cp_mesh.device_type == "cpu"
-    if on_cpu and host_runtime is None:
-        raise ValueError(
-            "context parallelism on a CPU mesh: torch has ring attention for CUDA SDPA kernels only; pass "
-            "context_parallel_region(..., host_runtime=automodel_cpu.CPURuntime()) for its CPU kernel "
-            "(private torch internals, for testing), or run on CUDA devices"
-        )
-    if host_runtime is not None and not on_cpu:
-        raise ValueError(
-            f"context_parallel_region(host_runtime=...) acts on CPU meshes only; this is a "
-            f"{cp_mesh.device_type} mesh, whose ring attention is torch's own: drop host_runtime"
-        )
+    _check_host_runtime(cp_mesh, host_runtime)
     local = dict(batch)
     buffers = [batch[k].clone() for k in keys]
     from torch.distributed.tensor.experimental import context_parallel
@@ -517,6 +506,22 @@ def context_parallel_region(
             yield local
         finally:
             _ACTIVE_CP_SIZE.reset(token)
+
+
+def _check_host_runtime(cp_mesh: DeviceMesh, host_runtime: HostRuntime | None) -> None:
+    """Ring attention on a CPU mesh needs the host runtime's kernel; a CUDA mesh must not get one."""
+    on_cpu = cp_mesh.device_type == "cpu"
+    if on_cpu and host_runtime is None:
+        raise ValueError(
+            "context parallelism on a CPU mesh: torch has ring attention for CUDA SDPA kernels only; pass "
+            "context_parallel_region(..., host_runtime=automodel_cpu.CPURuntime()) for its CPU kernel "
+            "(private torch internals, for testing), or run on CUDA devices"
+        )
+    if host_runtime is not None and not on_cpu:
+        raise ValueError(
+            f"context_parallel_region(host_runtime=...) acts on CPU meshes only; this is a "
+            f"{cp_mesh.device_type} mesh, whose ring attention is torch's own: drop host_runtime"
+        )
 
 
 def _check_ring_window(model: nn.Module | Sequence[nn.Module] | None, seq_len: int) -> None:
