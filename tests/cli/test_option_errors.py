@@ -36,6 +36,11 @@ TRAIN_CASES: dict[str, tuple[list[str], str]] = {
     "packing": (["--packing", "zigzag"], "expected 'concat' or 'packed' or 'padded'"),
     "tokenizer missing": (["--tokenizer", MISSING], "does not exist"),
     "tokenizer empty folder": (["--tokenizer", EMPTY], "has no tokenizer files"),
+    "streaming fewer records than rows": (
+        ["--streaming", "--global-batch-size", "100000"],
+        "with data.streaming every row of a batch streams its own records",
+    ),
+    "streaming pictures": (["--streaming", "--data", "builtin:image_chat"], "data.streaming does not read"),
     "seq-len zero": (["--seq-len", "0"], "seq_len must be >= 1"),
     "seq-len text": (["--seq-len", "abc"], "expected an integer"),
     "strategy": (["--strategy", "foo"], "expected one of ['fsdp2', 'ddp', 'megatron_fsdp']"),

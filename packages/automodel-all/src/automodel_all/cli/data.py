@@ -14,6 +14,7 @@ any world size, sees exactly the batches an uninterrupted run would have seen. C
 from __future__ import annotations
 
 import hashlib
+import itertools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,8 @@ from automodel_all.cli.encode import RecordKeys, encode_records, resolve_format
 from automodel_all.cli.image_data import encode_image_records, has_image_parts
 from automodel_all.cli.packing import PackReport, TokenRows, pack_documents
 from automodel_all.cli.sections import DataSection
-from automodel_all.cli.sources import image_root, read_records
+from automodel_all.cli.sources import image_root, read_records, stream_records
+from automodel_all.cli.streaming import read_slot
 
 __all__ = [
     "PreparedData",
@@ -34,6 +36,7 @@ __all__ = [
     "fingerprint",
     "load_data",
     "prepare_data",
+    "prepare_stream",
     "resolve_packing",
 ]
 
@@ -66,12 +69,32 @@ def fingerprint(rows: TokenRows) -> str:
 
 @dataclass(frozen=True)
 class PreparedData:
-    """What `prepare_data` wrote."""
+    """What `prepare_data` (or `prepare_stream`) wrote."""
 
     format: str
     packing: str
-    train: TokenRows
+    train: TokenRows | None
+    """The training rows; None when streamed."""
     eval: TokenRows | None
+    largest_id: int
+    """The largest token id seen in the training data (of the records checked, when streamed)."""
+
+
+def _where(path: str | None, split: str) -> str:
+    return f"data {path or 'builtin:text'} (split {split})"
+
+
+def _format_of(data: DataSection, first: dict[str, Any], where: str) -> str:
+    """``data.format`` resolved from the first record (``image_messages`` for pictures in it)."""
+    keys = _keys(data)
+    fmt = resolve_format(data.format, first.keys(), keys, where)
+    if fmt == "messages" and data.format == "auto" and has_image_parts(first.get(keys.messages)):
+        fmt = "image_messages"
+    return fmt
+
+
+def _keys(data: DataSection) -> RecordKeys:
+    return RecordKeys(data.text_key, data.prompt_key, data.completion_key, data.messages_key)
 
 
 def _rows(
@@ -82,15 +105,13 @@ def _rows(
     cache: Path,
     fmt: str | None,
 ) -> tuple[str, TokenRows]:
-    where = f"data {path or 'builtin:text'} (split {split})"
+    where = _where(path, split)
     records = read_records(path, split, cache)
     records = records if isinstance(records, list) else list(records)
     if not records:
         raise ValueError(f"{where} holds no records")
-    keys = RecordKeys(data.text_key, data.prompt_key, data.completion_key, data.messages_key)
-    fmt = fmt or resolve_format(data.format, records[0].keys(), keys, where)
-    if fmt == "messages" and data.format == "auto" and has_image_parts(records[0].get(keys.messages)):
-        fmt = "image_messages"
+    keys = _keys(data)
+    fmt = fmt or _format_of(data, records[0], where)
     if fmt == "image_messages":
         packing = resolve_packing(data, fmt)
         if packing != "padded":
@@ -140,25 +161,72 @@ def prepare_data(data: DataSection, tokenizer: Any, output_dir: str | Path) -> P
     """
     folder = data_folder(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    cache = folder / "cache"
-    fmt, train = _rows(data, data.path, data.split, tokenizer, cache, None)
-    evaluation = None
-    if data.eval_path is not None or data.eval_split is not None:
-        source = data.eval_path if data.eval_path is not None else data.path
-        split = data.eval_split or "train"
-        _, evaluation = _rows(data, source, split, tokenizer, cache, fmt)
+    fmt, train = _rows(data, data.path, data.split, tokenizer, folder / "cache", None)
+    evaluation = _prepare_eval(data, tokenizer, folder, fmt)
     train.save(folder / "train.pt")
-    if evaluation is not None:
-        evaluation.save(folder / "eval.pt")
-    else:
+    largest = max(int(train.input_ids.max()), int(train.labels.max()))
+    return PreparedData(fmt, resolve_packing(data, fmt), train, evaluation, largest)
+
+
+def _prepare_eval(data: DataSection, tokenizer: Any, folder: Path, fmt: str) -> TokenRows | None:
+    """The evaluation rows, written to ``eval.pt`` (an old one removed when there are none)."""
+    if data.eval_path is None and data.eval_split is None:
         (folder / "eval.pt").unlink(missing_ok=True)
-    return PreparedData(fmt, resolve_packing(data, fmt), train, evaluation)
+        return None
+    source = data.eval_path if data.eval_path is not None else data.path
+    _, evaluation = _rows(data, source, data.eval_split or "train", tokenizer, folder / "cache", fmt)
+    evaluation.save(folder / "eval.pt")
+    return evaluation
 
 
-def load_data(output_dir: str | Path) -> tuple[TokenRows, TokenRows | None]:
-    """The rows `prepare_data` saved: training rows, and evaluation rows when there are any."""
+def prepare_stream(
+    data: DataSection, tokenizer: Any, output_dir: str | Path, global_batch_size: int
+) -> PreparedData:
+    """Check streamed training data by its first records; prepare the evaluation rows (``data.streaming``).
+
+    Reads the first ``global_batch_size`` records (every row slot of a batch needs one,
+    `automodel_all.cli.streaming`), resolves the format and packing from them and tokenizes them, so a
+    source that cannot be read or does not fit the format stops the job here. A later record that does
+    not fit stops the worker that reaches it, naming it.
+
+    Raises:
+        FileNotFoundError: The path does not exist.
+        ValueError: Unreadable data, too few records, records that do not fit the format, or images.
+    """
     folder = data_folder(output_dir)
-    train = TokenRows.load(folder / "train.pt")
+    folder.mkdir(parents=True, exist_ok=True)
+    where = _where(data.path, data.split)
+    dataset = stream_records(data.path, data.split, folder / "cache")
+    try:
+        records = [record for _, record in itertools.islice(read_slot(dataset, 0, 1, 0), global_batch_size)]
+    except Exception as exc:  # datasets and Arrow raise their own types
+        raise ValueError(f"{where}: datasets could not read it ({type(exc).__name__}: {exc})") from None
+    if len(records) < global_batch_size:
+        raise ValueError(
+            f"{where} holds {len(records)} records, fewer than train.global_batch_size={global_batch_size}: "
+            "with data.streaming every row of a batch streams its own records; lower the global batch "
+            "or set data.streaming: false"
+        )
+    fmt = _format_of(data, records[0], where)
+    if fmt == "image_messages":
+        raise ValueError(
+            f"{where}: data.streaming does not read records with images (their pixels are prepared with "
+            "the rows); set data.streaming: false"
+        )
+    text = getattr(tokenizer, "tokenizer", tokenizer)
+    docs = encode_records(records, text, fmt=fmt, keys=_keys(data), where=where)
+    (folder / "train.pt").unlink(missing_ok=True)  # workers must never read rows of an earlier job
+    evaluation = _prepare_eval(data, tokenizer, folder, fmt)
+    largest = max((max(doc.ids) for doc in docs if doc.ids), default=0)
+    return PreparedData(fmt, resolve_packing(data, fmt), None, evaluation, largest)
+
+
+def load_data(
+    output_dir: str | Path, *, streaming: bool = False
+) -> tuple[TokenRows | None, TokenRows | None]:
+    """The rows the launcher saved: training rows (None when streamed), and evaluation rows if any."""
+    folder = data_folder(output_dir)
+    train = None if streaming else TokenRows.load(folder / "train.pt")
     evaluation = TokenRows.load(folder / "eval.pt") if (folder / "eval.pt").is_file() else None
     return train, evaluation
 

@@ -192,7 +192,13 @@ def _messages(
 
 
 def encode_records(
-    records: Iterable[Mapping[str, Any]], tokenizer: Any, *, fmt: str, keys: RecordKeys, where: str
+    records: Iterable[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    fmt: str,
+    keys: RecordKeys,
+    where: str,
+    first_index: int = 0,
 ) -> list[Document]:
     """Tokenize every record of format ``fmt`` (already resolved by `resolve_format`).
 
@@ -202,6 +208,7 @@ def encode_records(
         fmt: One of `FORMATS`.
         keys: The field names.
         where: Names the source in messages (``data.path /x/y.jsonl``); record ``i`` is ``where[i]``.
+        first_index: The number messages give the first record (a streamed record's place in its source).
 
     Raises:
         ValueError: A record that does not fit the format (naming its index), or a tokenizer that lacks
@@ -210,7 +217,7 @@ def encode_records(
     rows = list(records)
     if fmt == "text":
         texts = []
-        for index, record in enumerate(rows):
+        for index, record in enumerate(rows, first_index):
             value = record.get(keys.text)
             if not isinstance(value, str):
                 raise ValueError(
@@ -218,10 +225,10 @@ def encode_records(
                 )
             if value.strip():
                 texts.append(value)
-        return _text(tokenizer, texts)
+        return _text(tokenizer, texts) if texts else []
     if fmt == "prompt_completion":
         prompts, completions, conversations, wheres = [], [], [], []
-        for index, record in enumerate(rows):
+        for index, record in enumerate(rows, first_index):
             prompt, completion = record.get(keys.prompt), record.get(keys.completion)
             label = f"{where} record {index}"
             if isinstance(prompt, list) and isinstance(completion, list):
@@ -238,6 +245,6 @@ def encode_records(
         docs = _prompt_completion(tokenizer, prompts, completions) if prompts else []
         return docs + (_messages(tokenizer, conversations, wheres) if conversations else [])
     assert fmt == "messages", fmt
-    wheres = [f"{where} record {index}" for index in range(len(rows))]
+    wheres = [f"{where} record {index}" for index in range(first_index, first_index + len(rows))]
     conversations = [_check_messages(r.get(keys.messages), w) for r, w in zip(rows, wheres, strict=True)]
     return _messages(tokenizer, conversations, wheres)

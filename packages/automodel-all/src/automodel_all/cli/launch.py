@@ -2,7 +2,8 @@
 
 Everything that can be wrong with a job is checked here, in the launching process, before any worker
 starts: the sections, the mesh layout for the world size, the batch sizes, the model's shape and the
-data, which is read, tokenized and laid out in rows here, once (`prepare_data`). Workers are started
+data, which is read, tokenized and laid out in rows here, once (`prepare_data`), or, streamed, checked by
+its first records (`prepare_stream`). Workers are started
 with ``torch.distributed.run`` (what ``torchrun`` runs), called in process with the same flags, so
 multi-node runs, Slurm and elastic restarts work as with torchrun.
 
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from automodel_all.cli.config import JobConfig, ResolvedJob, build_job, resolve_job, warn_inert_settings
-from automodel_all.cli.data import prepare_data
+from automodel_all.cli.data import prepare_data, prepare_stream
 from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
 from automodel_all.cli.model import (
     adapt_experts_too,
@@ -212,13 +213,17 @@ def _prepare_data(raw: RawJob, job: JobConfig, model_config: Any) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            prepared = prepare_data(job.data, tokenizer, job.train.output_dir)
+            prepared = (
+                prepare_stream(job.data, tokenizer, job.train.output_dir, job.train.global_batch_size)
+                if job.data.streaming
+                else prepare_data(job.data, tokenizer, job.train.output_dir)
+            )
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(f"{raw.where('data', 'path')}: {exc}") from None
     for warning in caught:
         if issubclass(warning.category, UserWarning) and str(warning.message).startswith("data "):
             print(f"automodel train: warning: {warning.message}", file=sys.stderr)
-    largest = max(int(prepared.train.input_ids.max()), int(prepared.train.labels.max()))
+    largest = prepared.largest_id
     vocab = model_config.get_text_config().vocab_size
     if largest >= vocab:
         raise ConfigError(

@@ -3,8 +3,9 @@
 Per step (every rank, in this order):
 
 1. the learning rate of the step (warm-up, cosine decay);
-2. the loss normaliser: ``N / dp_cp`` with ``N`` the label tokens of the whole global batch (known on
-   every rank: every rank holds the rows, and the order is a function of seed and step);
+2. this rank's rows and the loss normaliser: ``N / dp_cp`` with ``N`` the label tokens of the whole
+   global batch (`automodel_all.cli.batches`: known on every rank from the prepared rows, whose order is
+   a function of seed and step, or one ``all_reduce`` of the streamed rows' counts);
 3. forward and backward over this rank's rows (`run_step`);
 4. one ``all_reduce`` (`StepStatus`): the loss, a stop request, NaN/Inf per rank in the loss and the
    gradients; then the global gradient norm (clipped when ``train.max_grad_norm``);
@@ -23,21 +24,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from automodel_all.cli.data import RowSampler, fingerprint
+from automodel_all.cli.batches import PreparedBatches, StreamedBatches, stream_spec, streamed_identity
+from automodel_all.cli.data import data_folder
 from automodel_all.cli.evaluate import evaluate
 from automodel_all.cli.export import prune_checkpoints
 from automodel_all.cli.guards import NonFiniteError, StepStatus, StopRequest, local_grads_finite
 from automodel_all.cli.metrics import MetricsWriter
-from automodel_all.cli.packing import IGNORE_INDEX
+from automodel_all.cli.model import text_tokenizer
 from automodel_all.cli.progress import Progress, memory_gib, warn
 from automodel_all.cli.resume import ResumePoint, checkpoint_root, save_checkpoint
 from automodel_all.cli.run_state import TrainingRun
 from automodel_all.cli.steps import ContextParallelism, clip_gradients, lr_at, run_step
+from automodel_all.cli.streaming import StreamSpec
 
 if TYPE_CHECKING:
     from automodel_checkpoint import AsyncCheckpointer
 
-__all__ = ["LoopResult", "train_loop"]
+__all__ = ["LoopResult", "data_identity", "open_batches", "train_loop"]
 
 
 class LoopResult:
@@ -49,17 +52,44 @@ class LoopResult:
         self.signal_name = signal_name
 
 
-def _dp_coordinates(run: TrainingRun) -> tuple[int, int]:
-    """This rank's data-parallel index and the data-parallel size."""
+def _dp_coordinates(run: TrainingRun) -> tuple[int, int, dist.ProcessGroup | None]:
+    """This rank's data-parallel index, the data-parallel size and group (None: the world)."""
     if run.mesh.device_mesh is None:  # DDP: every rank is a data-parallel rank
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(), dist.get_world_size(), None
     group = run.mesh.get_group("dp")
-    return dist.get_rank(group), run.resolved.dp_size
+    return dist.get_rank(group), run.resolved.dp_size, group
 
 
-def data_position(run: TrainingRun, sampler: RowSampler, step: int) -> dict[str, Any]:
-    """What a checkpoint records about the data (see `automodel_all.cli.resume`)."""
-    return {**sampler.state(step), "fingerprint": fingerprint(run.rows)}
+def _stream_spec(run: TrainingRun) -> StreamSpec:
+    train = run.job.train
+    cache = data_folder(train.output_dir) / "cache"
+    return stream_spec(run.job.data, text_tokenizer(run.tokenizer), train.global_batch_size, cache)
+
+
+def data_identity(run: TrainingRun) -> dict[str, Any]:
+    """What a resume compares with a checkpoint's data record (no collective)."""
+    train = run.job.train
+    if run.rows is not None:
+        return PreparedBatches(run.rows, train.global_batch_size, train.seed, 0, 1).position(0)
+    return streamed_identity(_stream_spec(run), train.seed)
+
+
+def open_batches(run: TrainingRun, start: ResumePoint) -> PreparedBatches | StreamedBatches:
+    """This rank's steps: the prepared rows, or (``data.streaming``) its streams from ``start``."""
+    train = run.job.train
+    dp_rank, dp_size, group = _dp_coordinates(run)
+    if run.rows is not None:
+        return PreparedBatches(run.rows, train.global_batch_size, train.seed, dp_rank, dp_size)
+    return StreamedBatches(
+        _stream_spec(run),
+        text_tokenizer(run.tokenizer),
+        seed=train.seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        group=group,
+        first_step=start.step,
+        recorded=start.data,
+    )
 
 
 def _expert_load(run: TrainingRun) -> Any:
@@ -99,8 +129,8 @@ class _Loop:
         self.run, self.stop = run, stop
         self.train = job.train
         self.rank = dist.get_rank()
-        self.sampler = RowSampler(len(run.rows), self.train.global_batch_size, self.train.seed)
-        self.dp_rank, self.dp_size = _dp_coordinates(run)
+        self.data = open_batches(run, start)
+        self.dp_rank, self.dp_size, _ = _dp_coordinates(run)
         self.pp_group = run.mesh.get_group("pp") if layout.pp > 1 else None
         self.context_parallel = (
             ContextParallelism(run.mesh, run.job.host_runtime, job.parallelism.cp_ulysses_degree)
@@ -125,11 +155,6 @@ class _Loop:
 
     # ------------------------------------------------------------------------------------ one step
 
-    def _global_counts(self, step: int) -> tuple[int, int]:
-        """Label tokens and document tokens of the whole global batch of ``step`` (local: no collective)."""
-        rows = self.sampler.indices(step, 0, 1)
-        return int((self.run.rows.labels[rows] != IGNORE_INDEX).sum()), int(self.run.rows.tokens[rows].sum())
-
     def step(self, step: int) -> tuple[dict[str, Any], bool]:
         """Train step ``step`` (0-based); returns its log record and whether a stop was requested."""
         run, train = self.run, self.train
@@ -143,11 +168,12 @@ class _Loop:
         )
         for group in run.optimizer.param_groups:
             group["lr"] = lr
-        labels, tokens = self._global_counts(step)
+        rows = self.data.step(step, run.device)
+        labels, tokens = rows.labels, rows.tokens
         run.loss_fn.denominator = max(labels, 1) / self.dp_cp
         local = run_step(
             run.model if run.pipeline is None else None,
-            run.rows.batch(self.sampler.indices(step, self.dp_rank, self.dp_size), run.device),
+            rows.batch,
             loss_fn=run.loss_fn,
             micro_batch_size=train.micro_batch_size,
             strategy=run.strategy,
@@ -247,7 +273,7 @@ class _Loop:
             run.optimizer,
             run.out,
             step=done,
-            data=data_position(run, self.sampler, done),
+            data=self.data.position(done),
             skipped_steps=self.skipped,
             reason=reason,
             device=run.device,

@@ -53,6 +53,7 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option(("--packing",), "data", "packing", str, "concat, packed or padded (default by format)"),
     _Option(("--tokenizer",), "data", "tokenizer", str, "tokenizer folder or cached hub id"),
     _Option(("--seq-len",), "data", "seq_len", int, "tokens per training row"),
+    _Option(("--streaming",), "data", "streaming", None, "stream the training data, packing rows on the fly"),
     # strategy and sizes
     _Option(("--strategy",), "distributed", "strategy", str, "fsdp2 (default), ddp or megatron_fsdp"),
     _Option(("--dp",), "parallelism", "dp_size", int, "data-parallel size (default: inferred)"),

@@ -40,9 +40,13 @@ __all__ = [
     "ROWS_SUFFIX",
     "PackReport",
     "TokenRows",
+    "concat_rows",
+    "document_pieces",
+    "fill_row",
     "model_inputs",
     "pack_documents",
     "take_rows",
+    "trainable",
 ]
 
 IGNORE_INDEX = -100
@@ -159,7 +163,7 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t for name, t in batch.items() if name != "labels" and not name.endswith(ROWS_SUFFIX)}
 
 
-def _pieces(doc: Document, width: int, report: PackReport) -> list[Document]:
+def document_pieces(doc: Document, width: int, report: PackReport) -> list[Document]:
     """``doc`` cut to at most ``width`` tokens: split when all are targets, else truncated."""
     if len(doc.ids) <= width:
         return [doc]
@@ -180,13 +184,14 @@ def _slots(doc: Document) -> tuple[list[int], list[int]]:
     return doc.ids[:-1], labels
 
 
-def _concat(docs: Sequence[Document], seq_len: int, report: PackReport) -> TokenRows:
-    ids = [t for d in docs for t in d.ids]
-    targets = [k for d in docs for k in d.targets]
+def concat_rows(ids: Sequence[int], targets: Sequence[bool], seq_len: int, report: PackReport) -> TokenRows:
+    """Consecutive rows of ``seq_len + 1`` tokens of one token stream (a shorter tail is left out).
+
+    Inputs are ``row[:-1]``, labels ``row[1:]`` (``-100`` where not a target), positions
+    ``0 .. seq_len - 1``; ``report`` gets the rows and a fill of 1.0.
+    """
     width = seq_len + 1
     count = len(ids) // width
-    if count == 0:
-        raise ValueError(f"the data has {len(ids)} tokens, fewer than one row of seq_len + 1 = {width}")
     stream = torch.tensor(ids[: count * width], dtype=torch.int32, device="cpu").view(count, width)
     keep = torch.tensor(targets[: count * width], dtype=torch.bool, device="cpu").view(count, width)
     labels = torch.where(keep[:, 1:], stream[:, 1:], torch.full_like(stream[:, 1:], IGNORE_INDEX))
@@ -195,6 +200,18 @@ def _concat(docs: Sequence[Document], seq_len: int, report: PackReport) -> Token
     return TokenRows(
         stream[:, :-1].contiguous(), labels, positions, torch.full((count,), seq_len, device="cpu"), report
     )
+
+
+def _concat(docs: Sequence[Document], seq_len: int, report: PackReport) -> TokenRows:
+    ids = [t for d in docs for t in d.ids]
+    if len(ids) < seq_len + 1:
+        raise ValueError(f"the data has {len(ids)} tokens, fewer than one row of seq_len + 1 = {seq_len + 1}")
+    return concat_rows(ids, [k for d in docs for k in d.targets], seq_len, report)
+
+
+def trainable(piece: Document) -> bool:
+    """Whether a piece has a token to learn from (a target after its first token)."""
+    return len(piece.ids) >= 2 and any(piece.targets[1:])
 
 
 def _best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -215,6 +232,31 @@ def _best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def fill_row(
+    input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, pieces: Sequence[Document]
+) -> int:
+    """Write ``pieces`` one after another into one row (``[seq_len]`` views, mutated); return the tokens.
+
+    Precondition: ``input_ids`` is already padding and ``labels`` `IGNORE_INDEX`; the pieces fit
+    (``sum(len(p.ids) - 1) <= seq_len``) and each has at least two tokens.
+    """
+    seq_len = int(input_ids.shape[0])
+    at = 0
+    for piece in pieces:
+        inputs, targets = _slots(piece)
+        end = at + len(inputs)
+        input_ids[at:end] = torch.tensor(inputs, dtype=torch.int32, device="cpu")
+        labels[at:end] = torch.tensor(targets, dtype=torch.int32, device="cpu")
+        positions[at:end] = torch.arange(len(inputs), dtype=torch.int32, device="cpu")
+        at = end
+    assert 0 < at <= seq_len, (at, seq_len)
+    # Padding continues the last document's positions: it follows that document, so causal attention
+    # keeps the document from seeing it, and no extra segment (mask block) is needed.
+    last = int(positions[at - 1])
+    positions[at:] = torch.arange(last + 1, last + 1 + seq_len - at, dtype=torch.int32, device="cpu")
+    return at
+
+
 def pack_documents(docs: Sequence[Document], seq_len: int, packing: str, pad_id: int) -> TokenRows:
     """Lay the documents out in rows of ``seq_len`` slots (see the module docstring).
 
@@ -233,11 +275,11 @@ def pack_documents(docs: Sequence[Document], seq_len: int, packing: str, pad_id:
         return _concat(docs, seq_len, report)
     pieces = []
     for doc in docs:
-        for piece in _pieces(doc, seq_len + 1, report):
-            if len(piece.ids) < 2 or not any(piece.targets[1:]):
-                report.dropped += 1
-            else:
+        for piece in document_pieces(doc, seq_len + 1, report):
+            if trainable(piece):
                 pieces.append(piece)
+            else:
+                report.dropped += 1
     if not pieces:
         raise ValueError(
             f"none of the {len(docs)} records has a token to learn from (all masked or too short)"
@@ -253,19 +295,7 @@ def pack_documents(docs: Sequence[Document], seq_len: int, packing: str, pad_id:
     positions = torch.empty((count, seq_len), dtype=torch.int32, device="cpu")
     tokens = torch.empty(count, dtype=torch.int32, device="cpu")
     for row, members in enumerate(bins):
-        at = 0
-        for index in members:
-            inputs, targets = _slots(pieces[index])
-            end = at + len(inputs)
-            input_ids[row, at:end] = torch.tensor(inputs, dtype=torch.int32, device="cpu")
-            labels[row, at:end] = torch.tensor(targets, dtype=torch.int32, device="cpu")
-            positions[row, at:end] = torch.arange(len(inputs), dtype=torch.int32, device="cpu")
-            at = end
-        # Padding continues the last document's positions: it follows that document, so causal attention
-        # keeps the document from seeing it, and no extra segment (mask block) is needed.
-        last = int(positions[row, at - 1])
-        positions[row, at:] = torch.arange(last + 1, last + 1 + seq_len - at, dtype=torch.int32, device="cpu")
-        tokens[row] = at
+        tokens[row] = fill_row(input_ids[row], labels[row], positions[row], [pieces[i] for i in members])
     report.rows = count
     report.fill = float(tokens.sum()) / (count * seq_len)
     return TokenRows(input_ids, labels, positions, tokens, report)

@@ -4,7 +4,8 @@ A checkpoint (``<output_dir>/checkpoints/step_XXXXXXXX``, `automodel_distributed
 holds the model and AdamW state, and records in its completion marker:
 
 - ``data``: the data position (`RowSampler.state`: step, epoch, batch in the epoch, seed, rows, global
-  batch) and a fingerprint of the rows, so a resume on other data or another global batch is noticed;
+  batch, or with ``data.streaming`` the cursor of every row slot) and a fingerprint of the rows (of the
+  streamed files), so a resume on other data or another global batch is noticed;
 - ``skipped_steps``: steps dropped for a NaN/Inf so far (``train.on_nonfinite: skip``);
 - ``reason``: ``periodic``, ``final`` or ``preempted`` (a stop signal); with ``train.async_checkpoint``
   the periodic ones are written in the background (`AsyncCheckpointer`, one in flight at a time), the
@@ -113,6 +114,8 @@ class ResumePoint:
     step: int
     skipped_steps: int
     path: Path | None
+    data: dict[str, Any] | None = None
+    """The data position the checkpoint recorded (`automodel_all.cli.batches`)."""
 
 
 def _check_data(extra: dict[str, Any], expected: dict[str, Any], path: Path) -> None:
@@ -181,5 +184,9 @@ def resume_from_checkpoint(
         _check_data(dict(info.extra_state), data, path)
         if info.rank_state is not None and info.world_size == dist.get_world_size():
             _restore_rng(dict(info.rank_state), device)
-        return ResumePoint(info.step or 0, int(info.extra_state.get("skipped_steps") or 0), path)
+        extra = dict(info.extra_state)
+        recorded = extra.get("data")
+        return ResumePoint(
+            info.step or 0, int(extra.get("skipped_steps") or 0), path, dict(recorded) if recorded else None
+        )
     return ResumePoint(0, 0, None)

@@ -30,8 +30,8 @@ class TrainingRun:
     tokenizer: Any
     """The tokenizer, or the processor of a vision-language model (saved with the export)."""
     model_config: Any
-    rows: TokenRows
-    """The training rows (prepared by the launcher)."""
+    rows: TokenRows | None
+    """The training rows (prepared by the launcher); None with ``data.streaming`` (each rank streams)."""
     eval_rows: TokenRows | None
     """The evaluation rows, if the job has evaluation data."""
     model: Any

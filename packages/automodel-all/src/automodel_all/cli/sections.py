@@ -89,6 +89,14 @@ class DataSection:
     tokenizer: str | None = None
     """Tokenizer folder or cached hub id; ``None``: the model's own (or, for the embedded default, a BPE
     tokenizer trained on the corpus, with a chat template)."""
+    streaming: bool = False
+    """Stream the training records instead of preparing every row up front: for data larger than memory
+    (`automodel_all.cli.streaming`). Each row of a global batch is a stream of its own records,
+    tokenized and packed on the fly (``packed``: next-fit in record order rather than best-fit over all
+    records), read in the source's order rather than shuffled per epoch; the position of every stream
+    is saved in each checkpoint, so ``--resume`` continues exactly, on any world size with the same
+    ``train.global_batch_size``. Off by default: prepared rows are packed tighter and shuffled.
+    Evaluation data is still read whole; records with images are not streamed."""
 
     def __post_init__(self) -> None:
         _positive(self, "seq_len")

@@ -31,6 +31,7 @@ __all__ = [
     "image_root",
     "is_hub_id",
     "read_records",
+    "stream_records",
 ]
 
 BUILTIN_SOURCES = ("builtin:text", "builtin:chat", "builtin:image_chat")
@@ -108,9 +109,9 @@ def check_source(path: str | None) -> None:
 
 def _split_of(found: Any, split: str, where: str) -> Any:
     """``found[split]`` of a DatasetDict (a plain Dataset is its own ``train`` split)."""
-    from datasets import DatasetDict
+    from datasets import DatasetDict, IterableDatasetDict
 
-    if not isinstance(found, DatasetDict):
+    if not isinstance(found, DatasetDict | IterableDatasetDict):
         if split != "train":
             raise ValueError(f"{where} has a single split (train); split {split!r} does not exist")
         return found
@@ -119,26 +120,28 @@ def _split_of(found: Any, split: str, where: str) -> Any:
     return found[split]
 
 
-def _load_files(root: Path, split: str, cache_dir: Path) -> Iterable[dict[str, Any]]:
+def _load_files(root: Path, split: str, cache_dir: Path, streaming: bool) -> Iterable[dict[str, Any]]:
     import datasets
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     if root.is_dir() and any((root / m).is_file() for m in _SAVED_MARKERS):
-        return _split_of(datasets.load_from_disk(str(root)), split, str(root))
+        saved = _split_of(datasets.load_from_disk(str(root)), split, str(root))
+        return saved.to_iterable_dataset() if streaming else saved  # memory-mapped Arrow either way
     files = [root] if root.is_file() else _files(root)
     builders = sorted({FILE_BUILDERS[f.suffix] for f in files})
     parts = []
     for builder in builders:
         options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+        options.update(cache_dir=str(cache_dir), streaming=streaming)
         if root.is_dir():  # datasets infers the splits from the file names
-            found = datasets.load_dataset(builder, data_dir=str(root), cache_dir=str(cache_dir), **options)
+            found = datasets.load_dataset(builder, data_dir=str(root), **options)
         else:
-            found = datasets.load_dataset(
-                builder, data_files={"train": [str(root)]}, cache_dir=str(cache_dir), **options
-            )
+            found = datasets.load_dataset(builder, data_files={"train": [str(root)]}, **options)
         parts.append(_split_of(found, split, str(root)))
-    return parts[0] if len(parts) == 1 else _chain(parts)
+    if len(parts) == 1:
+        return parts[0]
+    return datasets.concatenate_datasets(parts) if streaming else _chain(parts)
 
 
 def _chain(parts: list[Iterable[dict[str, Any]]]) -> Iterator[dict[str, Any]]:
@@ -158,8 +161,13 @@ def image_root(path: str | None, cache_dir: Path) -> Path:
     return root if root.is_dir() else root.parent
 
 
-def read_records(path: str | None, split: str, cache_dir: Path) -> Iterable[dict[str, Any]]:
+def read_records(
+    path: str | None, split: str, cache_dir: Path, *, streaming: bool = False
+) -> Iterable[dict[str, Any]]:
     """The records of ``split`` of the source ``path`` (see the module docstring).
+
+    With ``streaming``, files and ``save_to_disk`` folders come as a ``datasets.IterableDataset`` that
+    reads them lazily (`stream_records`); the embedded sources are small lists either way.
 
     Raises:
         FileNotFoundError: The path does not exist.
@@ -187,8 +195,25 @@ def read_records(path: str | None, split: str, cache_dir: Path) -> Iterable[dict
         root = write_image_chat_example(image_root(path, cache_dir)) / f"{split}.jsonl"
         split = "train"
     try:
-        return _load_files(root, split, cache_dir)
+        return _load_files(root, split, cache_dir, streaming)
     except ValueError:
         raise
     except Exception as exc:  # datasets raises its own types (DatasetGenerationError, ArrowInvalid, ...)
         raise ValueError(f"{root}: datasets could not read it ({type(exc).__name__}: {exc})") from None
+
+
+def stream_records(path: str | None, split: str, cache_dir: Path) -> Any:
+    """The records of ``split`` of ``path`` as a ``datasets.IterableDataset`` (``data.streaming``).
+
+    Files are read lazily, in their order, a block at a time; nothing is cached on disk.
+
+    Raises:
+        FileNotFoundError: The path does not exist.
+        ValueError: An unknown source or split, or a file ``datasets`` cannot read.
+    """
+    import datasets
+
+    records = read_records(path, split, cache_dir, streaming=True)
+    if isinstance(records, datasets.IterableDataset):
+        return records
+    return datasets.Dataset.from_list(list(records)).to_iterable_dataset()  # an embedded source

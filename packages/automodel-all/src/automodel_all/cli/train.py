@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel_all.cli.config import JobConfig, build_job, resolve_job
-from automodel_all.cli.data import RowSampler, fingerprint, load_data
+from automodel_all.cli.data import load_data
 from automodel_all.cli.export import export_hf, generate_sample
 from automodel_all.cli.guards import StopRequest
-from automodel_all.cli.loop import LoopResult, train_loop
+from automodel_all.cli.loop import LoopResult, data_identity, train_loop
 from automodel_all.cli.metrics import MetricsWriter, plot_losses, truncate_logs
 from automodel_all.cli.model import (
     build_meta_model,
@@ -117,7 +117,7 @@ def _setup(job: JobConfig) -> TrainingRun:
     model_config = load_model_config(job, text_tokenizer(tokenizer).eos_token_id)
     resolved = resolve_job(job, dist.get_world_size(), model_config)  # fills in a default micro-batch
     _seed(job.train.seed)
-    rows, eval_rows = load_data(job.train.output_dir)
+    rows, eval_rows = load_data(job.train.output_dir, streaming=job.data.streaming)
     mesh = MeshContext.build(
         job.distributed,
         job.parallelism,
@@ -192,13 +192,12 @@ def _resume(run: TrainingRun) -> ResumePoint:
     restarts = restart_count()
     start = ResumePoint(0, 0, None)
     if run.job.train.resume or restarts:
-        sampler = RowSampler(len(run.rows), run.job.train.global_batch_size, run.job.train.seed)
         start = resume_from_checkpoint(
             run.state_module,
             run.optimizer,
             run.out,
             fallback=run.job.train.resume_fallback,
-            data={**sampler.state(0), "fingerprint": fingerprint(run.rows)},
+            data=data_identity(run),
             device=run.device,
             parts=run.parts if len(run.parts) > 1 or run.pipeline is not None else None,
         )
