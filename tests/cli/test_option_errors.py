@@ -59,10 +59,6 @@ TRAIN_CASES: dict[str, tuple[list[str], str]] = {
         ["--packing", "packed", "--cp", "2", "--pp", "2", "--nproc-per-node", "4"],
         "a pipeline's microbatches would split",
     ),
-    "lora with ep and pp": (
-        ["--lora", "--ep", "2", "--pp", "2", "--nproc-per-node", "4"],
-        "LoRA with expert parallelism and pipeline parallelism together is not supported yet",
-    ),
     "ep on a dense model": (["--ep", "2"], "needs a mixture-of-experts model"),
     "pp-schedule": (["--pp", "2", "--pp-schedule", "foo"], "known schedules: 1f1b"),
     "lora-rank": (["--lora-rank", "0"], "must be a positive int (the LoRA rank)"),

@@ -627,13 +627,6 @@ def _load_or_init(state: ApplyState, part: nn.Module, device: torch.device | str
 
 
 def _run_check(state: ApplyState) -> None:
-    if state.peft_config is not None and state.mesh.ep_size > 1 and state.mesh.pp_size > 1:
-        # The model matrix's ep2_pp2_lora layout: for some families the stages disagree (a rank
-        # raises while its peers wait) or the adapters do not train; refused until that is fixed.
-        raise ValueError(
-            "LoRA with expert parallelism and pipeline parallelism together is not supported yet: "
-            "use pp_size=1 or ep_size=1 with peft_config"
-        )
     state.strategy.check(state.model)
     if state.need_load:
         from automodel_checkpoint import check_hf_checkpoint

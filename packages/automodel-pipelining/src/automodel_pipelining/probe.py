@@ -23,8 +23,9 @@ layers, which still shows what the forward hands to each layer.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -217,6 +218,29 @@ def _run(
     return trace.probe
 
 
+@contextlib.contextmanager
+def _adapters_off(base: nn.Module) -> Iterator[None]:
+    """PEFT adapter layers of ``base`` switched off for the probe, then restored with ``requires_grad``.
+
+    peft's LoRA on parameters (``target_parameters``: MoE experts) registers a parametrization on every
+    call, which fake tensors refuse; without the adapters the layers still return what they return with
+    them, which is all the probe reads. An adapter layer is recognised by peft's ``BaseTunerLayer``
+    interface: a boolean ``disable_adapters`` and ``enable_adapters(enabled)`` (a transformers model has
+    methods of those names instead, and is left alone).
+    """
+    adapters = [m for m in base.modules() if getattr(m, "disable_adapters", None) is False]
+    trainable = {p: p.requires_grad for m in adapters for p in m.parameters()}
+    for module in adapters:
+        module.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for module in adapters:
+            module.enable_adapters(True)
+        for param, flag in trainable.items():
+            param.requires_grad_(flag)
+
+
 def _calls_embedding_given_embeds(base: nn.Module, target: nn.Module, embed: str, width: int) -> bool:
     """Whether the forward, called the way a later stage calls it (``inputs_embeds``), runs the embedding.
 
@@ -256,7 +280,8 @@ def probe_forward(
     errors = []
     for with_layers in (True, False):
         try:
-            return _run(base, layers, embed, watched, with_layers), ""
+            with _adapters_off(base):
+                return _run(base, layers, embed, watched, with_layers), ""
         except Exception as exc:  # the forward cannot run this way; try the other, then give up
             errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
     return None, f"the forward of {type(base).__name__} does not run on fake tensors ({'; '.join(errors)})"

@@ -44,6 +44,11 @@ def test_judge_works_differs_and_does_not_train() -> None:
     assert flat["status"] == "fails" and "does not fall" in flat["message"]
     # The reference cannot move either (steps below float32's resolution), and the gradients agree.
     assert judge(_case(losses=[2.0] * 3, ref_losses=[2.0] * 3), 1e-5)["status"] == "works"
+    # The reference falls by one float32 step (below the tolerance) while ours stays: still flat.
+    ulp = judge(_case(losses=[4.8534093] * 3, ref_losses=[4.8534093, 4.8534093, 4.8534088]), 1e-5)
+    assert ulp["status"] == "works", ulp
+    fell = judge(_case(losses=[4.85] * 3, ref_losses=[4.85, 4.84, 4.83]), 1e-5)
+    assert fell["status"] == "fails" and "does not fall" in fell["message"]
     mine = judge(_case(), 1e-5, ["frozen parameters changed"])
     assert mine["status"] == "fails" and mine["message"] == "frozen parameters changed"
 

@@ -418,11 +418,6 @@ def resolve_job(job: JobConfig, world_size: int, model_config: Any = None) -> Re
             f"pp_size 1 (got cp_size={layout.cp}, pp_size={layout.pp}): the vision tower runs on whole "
             "rows in one stage; use data parallelism (FSDP2, HSDP) and tp_size"
         )
-    if job.peft is not None and layout.ep > 1 and layout.pp > 1:
-        raise ConfigError(
-            f"{raw.where('peft')}: LoRA with expert parallelism and pipeline parallelism together is not "
-            "supported yet; use pp_size 1 or ep_size 1 with LoRA"
-        )
     if layout.cp > 1:
         _divisible(raw, "data", "seq_len", job.data.seq_len, 2 * layout.cp, f"2 * cp_size = {2 * layout.cp}")
         if job.model.attn_implementation != "sdpa":
