@@ -228,7 +228,7 @@ def _adapters_off(base: nn.Module) -> Iterator[None]:
     interface: a boolean ``disable_adapters`` and ``enable_adapters(enabled)`` (a transformers model has
     methods of those names instead, and is left alone).
     """
-    adapters = [m for m in base.modules() if getattr(m, "disable_adapters", None) is False]
+    adapters: list[Any] = [m for m in base.modules() if getattr(m, "disable_adapters", None) is False]
     trainable = {p: p.requires_grad for m in adapters for p in m.parameters()}
     for module in adapters:
         module.enable_adapters(False)
