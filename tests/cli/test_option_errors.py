@@ -51,10 +51,6 @@ TRAIN_CASES: dict[str, tuple[list[str], str]] = {
     "pp": (["--pp", "5"], "choose sizes whose product divides the number of ranks"),
     "cp": (["--cp", "3"], "choose sizes whose product divides the number of ranks"),
     "cp-ulysses-degree": (["--cp", "2", "--cp-ulysses-degree", "3"], "cp_ulysses_degree=3 must divide"),
-    "cp-ulysses-degree between": (
-        ["--cp", "4", "--cp-ulysses-degree", "2", "--nproc-per-node", "4"],
-        "use 1 (ring attention) or 4 (all-to-all attention)",
-    ),
     "packing packed with cp and pp": (
         ["--packing", "packed", "--cp", "2", "--pp", "2", "--nproc-per-node", "4"],
         "a pipeline's microbatches would split",

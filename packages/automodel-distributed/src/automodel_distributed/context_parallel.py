@@ -402,6 +402,12 @@ def context_parallel_region(
     unchanged. ``batch`` itself is not modified. Run the forward **and** the backward inside the context.
     With ``cp_size == 1`` the batch is yielded as is and nothing is patched.
 
+    ``1 < ulysses_degree < cp_size``: ring attention between groups of all-to-all ranks. Consecutive
+    ``cp`` ranks form groups of ``ulysses_degree``, which exchange heads for positions as all-to-all
+    attention does; each group then holds one ring shard (torch's head-tail layout over the
+    ``cp_size / ulysses_degree`` groups) for its share of the heads, and ring attention runs over the
+    groups (`_ring_of_all_to_all`). Unpacked rows only (packed rows take the path below).
+
     ``ulysses_degree == cp_size`` (all-to-all, Ulysses-style context parallelism) and packed rows
     (``position_ids`` restarting inside a row, whatever ``ulysses_degree``): the same shards, but instead
     of ring attention a document region (`automodel_distributed.cp_document_attention.document_region`):
@@ -419,8 +425,8 @@ def context_parallel_region(
         mesh: The ``cp`` mesh (1-D), a mesh with a ``cp`` axis, or a `MeshContext`.
         batch: The global batch.
         seq_dims: Sequence dim per key, overriding the default 1.
-        ulysses_degree: 1 (ring attention) or the ``cp`` size (all-to-all attention); values between,
-            ring attention between groups of all-to-all ranks, are refused.
+        ulysses_degree: 1 (ring attention), the ``cp`` size (all-to-all attention), or a divisor between
+            (ring attention between groups of that many all-to-all ranks).
         model: The model (or the pipeline stages of this rank) that runs inside, to refuse up front,
             on every rank, ring attention over rows longer than its sliding window (which ring
             attention cannot apply). Without it the attention refuses when it runs: the same on every
@@ -434,14 +440,15 @@ def context_parallel_region(
         ValueError: Sharded tensors disagree on the sequence length, or it is not divisible by
             ``2 * cp_size``; the batch has ``labels`` or ``attention_mask`` not named in ``seq_dims``; a
             CPU mesh without ``host_runtime`` (unpacked rows under ring attention), or a CUDA mesh with
-            one; a ``ulysses_degree`` other than 1 and the ``cp`` size.
+            one; a ``ulysses_degree`` that does not divide the ``cp`` size.
         RuntimeError: On CPU, the installed torch lacks the internals the host runtime needs.
     """
     cp_mesh = _cp_mesh(mesh)
-    if ulysses_degree not in (1, cp_mesh.size()):
+    if ulysses_degree < 1 or cp_mesh.size() % ulysses_degree:
         raise ValueError(
-            f"context_parallel_region: ulysses_degree={ulysses_degree} with cp_size={cp_mesh.size()}; "
-            f"use 1 (ring attention) or {cp_mesh.size()} (all-to-all attention)"
+            f"context_parallel_region: ulysses_degree={ulysses_degree} with cp_size={cp_mesh.size()}; use "
+            f"a divisor of it: 1 (ring attention), {cp_mesh.size()} (all-to-all attention), or one between "
+            "(ring attention between groups of all-to-all ranks)"
         )
     dims = dict(seq_dims or {})
     for key, why in (("labels", "shift them before sharding"), ("attention_mask", "CP attention is causal")):
@@ -469,26 +476,50 @@ def context_parallel_region(
     packed = positions is not None and document_ids(positions) is not None
     if _ACTIVE_CP_SIZE.get():
         raise RuntimeError("context_parallel_region cannot be nested")
-    if packed or ulysses_degree > 1:
+    seq_len = next(iter(lengths.values()))
+    if packed or ulysses_degree == cp_mesh.size():
         # Shard in the same layout ourselves; attention runs all-to-all (or, for packed rows whose heads
         # the cp size does not divide, document-masked over gathered keys): no ring attention, so no
         # CPU backend is needed.
         mine = order.view(cp_mesh.size(), -1)[cp_mesh.get_local_rank()]
         local = dict(batch)
         local.update({k: batch[k].index_select(dims.get(k, 1), mine.to(batch[k].device)) for k in keys})
-        with document_region(cp_mesh.get_group(), positions, order, all_to_all=True):
-            token = _ACTIVE_CP_SIZE.set(cp_mesh.size())
-            try:
-                yield local
-            finally:
-                _ACTIVE_CP_SIZE.reset(token)
+        with document_region(cp_mesh.get_group(), positions, order, all_to_all=True), _marked(cp_mesh.size()):
+            yield local
         return
-    _check_ring_window(model, next(iter(lengths.values())))
+    _check_ring_window(model, seq_len)
     _check_host_runtime(cp_mesh, host_runtime)
-    local = dict(batch)
-    buffers = [batch[k].clone() for k in keys]
+    if ulysses_degree > 1:
+        region = _ring_of_all_to_all(cp_mesh, ulysses_degree, batch, keys, dims, seq_len, host_runtime)
+    else:
+        region = _ring(cp_mesh, batch, keys, dims, host_runtime)
+    with region as local, _marked(cp_mesh.size()):
+        yield local
+
+
+@contextlib.contextmanager
+def _marked(cp_size: int) -> Iterator[None]:
+    """Record the open region's cp size for the hooks (`_ACTIVE_CP_SIZE`) while the context is open."""
+    token = _ACTIVE_CP_SIZE.set(cp_size)
+    try:
+        yield
+    finally:
+        _ACTIVE_CP_SIZE.reset(token)
+
+
+@contextlib.contextmanager
+def _ring(
+    cp_mesh: DeviceMesh,
+    batch: Mapping[str, Any],
+    keys: Sequence[str],
+    dims: Mapping[str, int],
+    host_runtime: HostRuntime | None,
+) -> Iterator[dict[str, Any]]:
+    """Ring attention over the ``cp`` ranks: torch's region shards copies of the sequence tensors."""
     from torch.distributed.tensor.experimental import context_parallel
 
+    local = dict(batch)
+    buffers = [batch[k].clone() for k in keys]
     with contextlib.ExitStack() as stack:
         stack.enter_context(
             context_parallel(
@@ -501,11 +532,69 @@ def context_parallel_region(
         if host_runtime is not None:
             stack.enter_context(host_runtime.ring_attention())
         local.update(zip(keys, buffers, strict=True))
-        token = _ACTIVE_CP_SIZE.set(cp_mesh.size())
-        try:
-            yield local
-        finally:
-            _ACTIVE_CP_SIZE.reset(token)
+        yield local
+
+
+_SPLIT_MESHES: dict[tuple[DeviceMesh, int], tuple[DeviceMesh, DeviceMesh]] = {}
+"""``(cp mesh, ulysses degree)`` -> its ring and all-to-all meshes (their process groups are made once)."""
+
+
+def _ring_and_ulysses(cp_mesh: DeviceMesh, ulysses_degree: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """The ``cp`` mesh split into ``(cp_ring, cp_ulysses)``: consecutive ranks form the all-to-all groups.
+
+    Collective the first time for a mesh (new process groups: every ``cp`` rank calls it together).
+    """
+    key = (cp_mesh, ulysses_degree)
+    if key not in _SPLIT_MESHES:
+        sizes = (cp_mesh.size() // ulysses_degree, ulysses_degree)
+        split = cp_mesh._unflatten(0, sizes, ("cp_ring", "cp_ulysses"))
+        _SPLIT_MESHES[key] = (split["cp_ring"], split["cp_ulysses"])
+    return _SPLIT_MESHES[key]
+
+
+@contextlib.contextmanager
+def _ring_of_all_to_all(
+    cp_mesh: DeviceMesh,
+    ulysses_degree: int,
+    batch: Mapping[str, Any],
+    keys: Sequence[str],
+    dims: Mapping[str, int],
+    seq_len: int,
+    host_runtime: HostRuntime | None,
+) -> Iterator[dict[str, Any]]:
+    """Ring attention over groups of ``ulysses_degree`` all-to-all ranks; yields this rank's shard.
+
+    Group ``g`` of the ring holds torch's head-tail ring shard ``g`` of every row (``seq_len / ring``
+    positions), cut into ``ulysses_degree`` consecutive pieces, one per rank of the group. Each attention
+    layer exchanges heads for positions inside the group (all-to-all, in the shard's own order), so every
+    rank holds the group's whole ring shard for its share of the heads, and the SDPA that follows is
+    torch's ring attention over the ring mesh, which expects exactly that shard.
+    """
+    from torch.distributed.tensor.experimental import context_parallel
+
+    ring_mesh, ulysses_mesh = _ring_and_ulysses(cp_mesh, ulysses_degree)
+    device = batch[keys[0]].device
+    shard = load_balance_indices(seq_len, ring_mesh.size(), device=device).view(ring_mesh.size(), -1)
+    shard = shard[ring_mesh.get_local_rank()]
+    mine = shard.view(ulysses_degree, -1)[ulysses_mesh.get_local_rank()]
+    local = dict(batch)
+    local.update({k: batch[k].index_select(dims.get(k, 1), mine.to(batch[k].device)) for k in keys})
+    # torch's region takes its load balancer from a buffer's length: a stand-in of the rows' length.
+    stand_in = torch.empty(1, seq_len, device=device)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            context_parallel(
+                ring_mesh, buffers=[stand_in], buffer_seq_dims=[1], no_restore_buffers={stand_in}
+            )
+        )
+        if host_runtime is not None:
+            stack.enter_context(host_runtime.ring_attention())
+        order = torch.arange(shard.numel(), device=device)
+        ring = ring_mesh.size()
+        stack.enter_context(
+            document_region(ulysses_mesh.get_group(), None, order, all_to_all=True, ring=ring)
+        )
+        yield local
 
 
 def _check_host_runtime(cp_mesh: DeviceMesh, host_runtime: HostRuntime | None) -> None:
@@ -539,7 +628,11 @@ def _check_ring_window(model: nn.Module | Sequence[nn.Module] | None, seq_len: i
 
 @torch.no_grad()
 def context_parallel_unshard(
-    mesh: DeviceMesh | MeshContext, tensors: Sequence[torch.Tensor], seq_dims: Sequence[int]
+    mesh: DeviceMesh | MeshContext,
+    tensors: Sequence[torch.Tensor],
+    seq_dims: Sequence[int],
+    *,
+    ulysses_degree: int = 1,
 ) -> list[torch.Tensor]:
     """Gather sequence shards from the ``cp`` ranks and undo the load-balancing order.
 
@@ -550,6 +643,8 @@ def context_parallel_unshard(
         mesh: The ``cp`` mesh, a mesh with a ``cp`` axis, or a `MeshContext`.
         tensors: This rank's shards (same shape on every rank).
         seq_dims: The sequence dim of each tensor.
+        ulysses_degree: The region's; between 1 and the ``cp`` size the ranks in order hold the
+            head-tail layout of the ring of all-to-all groups, not of the ``cp`` ranks.
 
     Returns:
         The full tensors, in the original sequence order, on every rank.
@@ -560,12 +655,13 @@ def context_parallel_unshard(
     size = cp_mesh.size()
     if size == 1:
         return [t.detach().clone() for t in tensors]
+    ring = size // ulysses_degree if 1 < ulysses_degree < size else size
     out: list[torch.Tensor] = []
     for tensor, dim in zip(tensors, seq_dims, strict=True):
         moved = tensor.detach().movedim(dim, 0).contiguous()
         gathered = moved.new_empty((moved.shape[0] * size, *moved.shape[1:]))
         dist.all_gather_into_tensor(gathered, moved, group=cp_mesh.get_group())
-        order = load_balance_indices(gathered.shape[0], size, device=gathered.device)
+        order = load_balance_indices(gathered.shape[0], ring, device=gathered.device)
         restored = torch.empty_like(gathered)
         restored[order] = gathered
         out.append(restored.movedim(0, dim))

@@ -108,10 +108,12 @@ class _DocumentLayout:
         docs: torch.Tensor | None,
         *,
         all_to_all: bool = False,
+        ring: int = 1,
     ) -> None:
         self.group = group
         self.size = size
         self.all_to_all = all_to_all
+        self.ring = ring
         self.local_len = order.numel() // size
         self.docs = docs
         self.batch = docs.shape[0] if docs is not None else 1
@@ -161,6 +163,7 @@ def document_region(
     order: torch.Tensor,
     *,
     all_to_all: bool = False,
+    ring: int = 1,
 ) -> Iterator[None]:
     """Run `cp_document_attention_forward` over ``group`` until the context closes.
 
@@ -177,6 +180,8 @@ def document_region(
         all_to_all: Run the layers whose query heads the group divides as all-to-all attention
             (`automodel_distributed.cp_all_to_all`: no mask, memory linear in the row); the others
             gather keys and values and mask them.
+        ring: The size of the ring attention the SDPA after the all-to-all runs as (torch's region over
+            the groups), or 1; then ``order`` is the group's ring shard and sliding windows are refused.
 
     Raises:
         RuntimeError: A document region is already open.
@@ -190,6 +195,7 @@ def document_region(
         dist.get_world_size(group),
         document_ids(position_ids) if position_ids is not None else None,
         all_to_all=all_to_all,
+        ring=ring,
     )
     _ACTIVE.append(layout)
     try:
@@ -268,6 +274,12 @@ def cp_document_attention_forward(
         )
     window = kwargs.pop("sliding_window") if "sliding_window" in kwargs else attention_window(module)
     window = window if isinstance(window, int) else None
+    if layout.ring > 1 and window is not None and window < layout.order.numel() * layout.ring:
+        raise ValueError(
+            f"{name} uses sliding-window attention (window {window}) over rows of "
+            f"{layout.order.numel() * layout.ring} tokens, which ring attention between all-to-all groups "
+            "cannot apply; use cp_ulysses_degree = cp_size (all-to-all attention) or shorter rows"
+        )
     if layout.all_to_all and heads_divisible(query, layout.size):
         out = all_to_all_attention(
             module, query, key, value, group=layout.group, order=layout.order, spans=layout.spans(),

@@ -2,7 +2,9 @@
 
 Two meshes over the same 4 ranks: ``cp`` 4 (4 query heads, 2 key/value heads: the key/value heads are
 repeated before the exchange) and ``dp`` 2 x ``cp`` 2 (grouped-query attention kept: each rank takes
-one key/value head). Rows of 32 tokens, unpacked (``ulysses_degree == cp_size``) and packed (whatever
+one key/value head). On ``cp`` 4 also ring attention between 2 all-to-all groups of 2
+(``ulysses_degree`` 2, unpacked rows, Llama, through the CPU host runtime's ring kernel); Mistral's
+window is refused there. Rows of 32 tokens, unpacked (``ulysses_degree == cp_size``) and packed (whatever
 ``ulysses_degree``: packed rows always run all-to-all when the heads divide). Families: Llama, Qwen2
 with one full and one sliding-window layer (window 4), Mistral (window 5 on every layer). Compared in
 fp32 to 1e-5: the logits (gathered, back in order), the loss, the gradients (summed over the cp ranks)
@@ -86,14 +88,21 @@ def _reference(model: Any, batch: dict[str, torch.Tensor], segments: list[Any]) 
 def _cp_step(
     model: Any, mesh: Any, batch: dict[str, torch.Tensor], ulysses: int
 ) -> tuple[float, torch.Tensor]:
+    from automodel_cpu import CPURuntime
+
     count = int((batch["shift_labels"] != -100).sum())
-    with context_parallel_region(mesh, context_parallel_inputs(batch), ulysses_degree=ulysses) as local:
+    # Ring attention on CPU needs the host runtime's kernel (packed rows never take the ring).
+    runtime = CPURuntime() if ulysses < mesh.size() else None
+    region = context_parallel_region(
+        mesh, context_parallel_inputs(batch), ulysses_degree=ulysses, host_runtime=runtime
+    )
+    with region as local:
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
         loss = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), local["shift_labels"].flatten(), reduction="sum", ignore_index=-100
         )
         (loss / count).backward()
-    (full,) = context_parallel_unshard(mesh, [logits], [1])
+    (full,) = context_parallel_unshard(mesh, [logits], [1], ulysses_degree=ulysses)
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
     for param in model.parameters():
@@ -102,11 +111,10 @@ def _cp_step(
     return float(total) / count, full
 
 
-def _parity(family: str, mesh: Any, packed: bool) -> dict[str, float]:
+def _parity(family: str, mesh: Any, packed: bool, ulysses: int) -> dict[str, float]:
     batch, segments = _batch(packed)
     reference = build_tiny_model(family, **FAMILIES[family])
     model = apply_context_parallel(build_tiny_model(family, **FAMILIES[family]))
-    ulysses = 1 if packed else mesh.size()  # packed rows run all-to-all under either
     ref_logits, ref_loss = _reference(reference, batch, segments)
     loss, logits = _cp_step(model, mesh, batch, ulysses)
     ref_grads = grads_by_name(reference)
@@ -166,10 +174,23 @@ def _rank_main() -> dict[str, Any]:
     for mesh_name, mesh in (("cp4", whole), ("cp2", pairs)):
         for family in FAMILIES:
             for packed in (False, True):
+                # Packed rows run all-to-all under any ulysses degree.
                 results[f"{mesh_name} {family} {'packed' if packed else 'unpacked'}"] = _parity(
-                    family, mesh, packed
+                    family, mesh, packed, 1 if packed else mesh.size()
                 )
-    return {"parity": results, "controls": _controls(pairs)}
+    results["cp4 ring 2 x all-to-all 2 llama"] = _parity("llama", whole, False, 2)
+    return {"parity": results, "controls": {**_controls(pairs), **_ring_controls(whole)}}
+
+
+def _ring_controls(mesh: Any) -> dict[str, Any]:
+    """Ring x all-to-all: a sliding window shorter than the row is refused on every rank."""
+    out: dict[str, Any] = {}
+    try:
+        _parity("mistral", mesh, False, 2)
+        out["window"] = "no error"
+    except ValueError as exc:
+        out["window"] = str(exc)
+    return out
 
 
 def test_all_to_all_context_parallelism_matches_one_process() -> None:
@@ -183,3 +204,6 @@ def test_all_to_all_context_parallelism_matches_one_process() -> None:
         assert (
             "3 attention heads" in controls["odd_heads"] and "cp_ulysses_degree" in controls["odd_heads"]
         ), controls
+        assert "window 5" in controls["window"] and "cp_ulysses_degree = cp_size" in controls["window"], (
+            controls
+        )

@@ -32,8 +32,9 @@ class ParallelismSizes(ConfigDict):
     cp_ulysses_degree: int = 1
     """Of the ``cp_size`` ranks, how many split attention by heads through all-to-all (Ulysses)
     exchanges instead of passing keys and values around a ring: 1 is ring attention,
-    ``cp_size`` all-to-all attention (which needs the query heads divisible by it). Not a mesh axis:
-    the attention of `automodel_distributed.context_parallel_region` reads it."""
+    ``cp_size`` all-to-all attention (which needs the query heads divisible by it), a divisor between
+    ring attention between groups of that many consecutive all-to-all ranks. Not a mesh axis:
+    `automodel_distributed.context_parallel_region` reads it (and splits the ``cp`` mesh itself)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -54,7 +55,8 @@ class ParallelismSizes(ConfigDict):
         if self.cp_size % self.cp_ulysses_degree:
             raise ValueError(
                 f"ParallelismSizes.cp_ulysses_degree={self.cp_ulysses_degree} must divide "
-                f"cp_size={self.cp_size} (1: ring attention, {self.cp_size}: all-to-all attention)"
+                f"cp_size={self.cp_size} (1: ring attention, {self.cp_size}: all-to-all attention, a divisor "
+                "between: ring attention between all-to-all groups)"
             )
 
     @property

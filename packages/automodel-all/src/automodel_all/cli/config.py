@@ -422,12 +422,6 @@ def resolve_job(job: JobConfig, world_size: int, model_config: Any = None) -> Re
         _divisible(raw, "data", "seq_len", job.data.seq_len, 2 * layout.cp, f"2 * cp_size = {2 * layout.cp}")
         if job.model.attn_implementation != "sdpa":
             raise ConfigError(f"{raw.where('model', 'attn_implementation')}: context parallelism needs sdpa")
-        ulysses = job.parallelism.cp_ulysses_degree
-        if ulysses not in (1, layout.cp):
-            raise ConfigError(
-                f"{raw.where('parallelism', 'cp_ulysses_degree')}: cp_ulysses_degree={ulysses} with "
-                f"cp_size={layout.cp}: use 1 (ring attention) or {layout.cp} (all-to-all attention)"
-            )
         if layout.pp > 1 and job.data.packing == "packed":
             raise ConfigError(
                 f"{raw.where('data', 'packing')}: packed rows under context parallelism attend per "

@@ -66,7 +66,7 @@ _OPTIONS: tuple[_Option, ...] = (
         "parallelism",
         "cp_ulysses_degree",
         int,
-        "cp ranks splitting heads by all-to-all: 1 ring (default), the cp size all-to-all",
+        "cp ranks splitting heads by all-to-all: 1 ring (default), the cp size all-to-all, between: both",
     ),
     _Option(("--ep",), "parallelism", "ep_size", int, "expert-parallel size (MoE models)"),
     _Option(("--sequence-parallel",), "distributed", "sequence_parallel", None, "sequence parallelism (TP)"),

@@ -36,7 +36,8 @@ class ContextParallelism:
     host_runtime: HostRuntime | None
     """The CPU runtime on a CPU mesh (ring attention on CPU tensors), else None."""
     ulysses_degree: int = 1
-    """``parallelism.cp_ulysses_degree``: 1 ring attention, the cp size all-to-all attention."""
+    """``parallelism.cp_ulysses_degree``: 1 ring attention, the cp size all-to-all attention, a divisor
+    between ring attention between all-to-all groups."""
 
 
 class TokenLoss(nn.Module):
