@@ -144,6 +144,7 @@ LAYOUTS: dict[str, Layout] = {
         Layout("tp_sp", 2, {"tp_size": 2}, sequence_parallel=True),
         Layout("cp", 2, {"cp_size": 2}),
         Layout("cp_a2a", 2, {"cp_size": 2, "cp_ulysses_degree": 2}),
+        Layout("cp_ring_a2a", 4, {"cp_size": 4, "cp_ulysses_degree": 2}),
         Layout("cp_pp", 4, {"cp_size": 2, "pp_size": 2}, pp_schedule="1f1b"),
         Layout("cp_ep", 2, {"cp_size": 2, "ep_size": 2}, moe=True),
         Layout("pp_1f1b", 2, {"pp_size": 2}, pp_schedule="1f1b"),
@@ -719,20 +720,20 @@ def _forward_backward(
         # One row per microbatch; torch's schedule calls the loss once more the first time (to infer
         # the gradient shapes), so keep the last ones.
         logits = torch.cat(loss_fn.logits[-local["input_ids"].shape[0] :]) if loss_fn.logits else None
-        return total, _cp_unshard(ctx, axes, logits)
+        return total, _cp_unshard(ctx, axes, logits, layout.sizes.get("cp_ulysses_degree", 1))
     if axes.cp_size > 1:
         with region as shard:
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
             loss_sum = _token_sum(logits, shard["shift_labels"])
             (loss_sum / denominator).backward()
-        return loss_sum.detach(), _cp_unshard(ctx, axes, logits)
+        return loss_sum.detach(), _cp_unshard(ctx, axes, logits, layout.sizes.get("cp_ulysses_degree", 1))
     logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
     loss_sum = _token_sum(logits, local["labels"])
     (loss_sum / denominator).backward()
     return loss_sum.detach(), to_full(logits).float()
 
 
-def _cp_unshard(ctx: Any, axes: _Axes, logits: torch.Tensor | None) -> torch.Tensor | None:
+def _cp_unshard(ctx: Any, axes: _Axes, logits: torch.Tensor | None, ulysses: int) -> torch.Tensor | None:
     """This rank's sequence shard of the logits, gathered over ``cp`` in the original order.
 
     Every rank of a ``cp`` group runs the same pipeline stage, so they hold logits or not together.
@@ -741,7 +742,7 @@ def _cp_unshard(ctx: Any, axes: _Axes, logits: torch.Tensor | None) -> torch.Ten
         return logits
     from automodel_distributed.context_parallel import context_parallel_unshard
 
-    (full,) = context_parallel_unshard(ctx, [logits.detach().float()], [1])
+    (full,) = context_parallel_unshard(ctx, [logits.detach().float()], [1], ulysses_degree=ulysses)
     return full
 
 
@@ -805,7 +806,7 @@ def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
 
     ring, why = cpu_ring_attention_available()
     sizes = LAYOUTS[layout_name].sizes
-    ring_layout = sizes.get("cp_size", 1) > 1 and sizes.get("cp_ulysses_degree", 1) == 1
+    ring_layout = sizes.get("cp_size", 1) > sizes.get("cp_ulysses_degree", 1)
     if ring_layout and not ring:  # an older torch (`oldest`)
         pytest.skip(f"CP on CPU needs the ring kernel's torch internals: {why}")
     layout = LAYOUTS[layout_name]

@@ -63,6 +63,7 @@ from automodel_distributed.cp_document_attention import (
     document_ids,
     document_region,
     document_region_active,
+    note_attention_module,
     register_cp_document_attention,
 )
 from automodel_distributed.host_runtime import HostRuntime
@@ -186,7 +187,8 @@ def _strip_attention_mask(
         # Packed rows or all-to-all attention: the registered attention does the rest (documents, any
         # sliding window); a module that calls SDPA itself would attend over its shard alone.
         impl = getattr(config, "_attn_implementation", "unknown (the module has no config)")
-        if impl != CP_DOCUMENT_ATTENTION:
+        note_attention_module(module)  # its own SDPA call, if it makes one, runs as the region's attention
+        if impl not in (CP_DOCUMENT_ATTENTION, "sdpa"):
             raise ValueError(
                 f"{type(module).__name__} runs attn_implementation={impl!r}, but packed rows and all-to-all "
                 f"attention under context parallelism need {CP_DOCUMENT_ATTENTION!r} (set by "
@@ -207,6 +209,10 @@ def _strip_attention_mask(
         )
     kwargs["attention_mask"] = None
     return args, kwargs
+
+
+def _attention_done(_module: nn.Module, _args: Any, _output: Any) -> None:
+    note_attention_module(None)
 
 
 SEQUENCE_MIXING_OPS: frozenset[str] = frozenset(
@@ -355,6 +361,7 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
             )
         if not getattr(attention, _HOOKED_ATTR, False):
             attention.register_forward_pre_hook(_strip_attention_mask, with_kwargs=True)
+            attention.register_forward_hook(_attention_done)
             setattr(attention, _HOOKED_ATTR, True)
             hooked += 1
         windows.append(attention_window(attention))

@@ -36,7 +36,8 @@ forward thread's context variables.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ __all__ = [
     "document_ids",
     "document_region",
     "document_region_active",
+    "note_attention_module",
     "register_cp_document_attention",
 ]
 
@@ -198,9 +200,12 @@ def document_region(
         ring=ring,
     )
     _ACTIVE.append(layout)
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _direct_sdpa(original)
     try:
         yield
     finally:
+        torch.nn.functional.scaled_dot_product_attention = original
         _ACTIVE.clear()
 
 
@@ -208,6 +213,76 @@ def _gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     from torch.distributed.nn.functional import all_gather
 
     return torch.cat(all_gather(tensor.contiguous(), group=group), dim=2)
+
+
+_IN_ATTENTION: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "automodel_cp_in_attention", default=False
+)
+"""Whether `cp_document_attention_forward` is running (its SDPA calls pass `_direct_sdpa` untouched)."""
+
+
+_CALLER: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar(
+    "automodel_cp_caller", default=None
+)
+"""The attention module whose forward is running (set by `apply_context_parallel`'s hooks)."""
+
+
+def note_attention_module(module: nn.Module | None) -> None:
+    """Record the attention module whose forward starts (``None``: it ended), for `_direct_sdpa`."""
+    _CALLER.set(module)
+
+
+class _DirectCaller(nn.Module):
+    """Stands for an attention module that calls SDPA itself (its window, causality, the call's GQA ratio)."""
+
+    def __init__(self, module: nn.Module, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.sliding_window = attention_window(module)
+        self.is_causal = getattr(module, "is_causal", True)
+        self.name = type(module).__name__
+
+
+def _direct_sdpa(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``scaled_dot_product_attention`` while a document region is open.
+
+    A model that calls SDPA itself rather than through transformers' attention interface (Falcon, or a
+    model switched back to ``sdpa``) would attend over its shard alone: the call, made inside an
+    attention layer's forward (`note_attention_module`), runs as `cp_document_attention_forward` with
+    that layer's window and causality instead. Calls from inside that function, and any call outside a
+    region, go to ``original`` (torch's, or torch's ring attention when the region runs between
+    all-to-all groups).
+    """
+
+    def sdpa(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        **rest: Any,
+    ) -> torch.Tensor:
+        if _IN_ATTENTION.get() or not _ACTIVE:
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **rest)
+        module = _CALLER.get()
+        if module is None or attn_mask is not None or not is_causal:
+            where = type(module).__name__ if module is not None else "a module that is no attention layer"
+            raise ValueError(
+                f"{where} calls scaled_dot_product_attention itself under context parallelism "
+                f"{'outside its attention layers' if module is None else ''}"
+                f"{'with a mask' if attn_mask is not None else ''}{'' if is_causal else ', not causal'}; "
+                "only causal calls without a mask from the attention layers apply_context_parallel hooked "
+                "can run as the region's attention: use cp_size 1"
+            )
+        owner = _DirectCaller(module, query.shape[1] // key.shape[1])
+        out, _ = cp_document_attention_forward(
+            owner, query, key, value, None, dropout=dropout_p, scaling=scale
+        )
+        return out.transpose(1, 2)  # the function returns [B, T, h, D]; SDPA [B, h, T, D]
+
+    return sdpa
 
 
 def cp_document_attention_forward(
@@ -247,8 +322,25 @@ def cp_document_attention_forward(
 
     if not _ACTIVE:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    layout = _ACTIVE[0]
-    name = type(module).__name__
+    token = _IN_ATTENTION.set(True)  # its own SDPA calls are not a model's (see `_direct_sdpa`)
+    try:
+        return _region_attention(_ACTIVE[0], module, query, key, value, kwargs)
+    finally:
+        _IN_ATTENTION.reset(token)
+
+
+def _region_attention(
+    layout: _DocumentLayout,
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """`cp_document_attention_forward` inside a region."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    name = module.name if isinstance(module, _DirectCaller) else type(module).__name__
     if kwargs.get("softcap") is not None:
         raise ValueError(
             f"{name} soft-caps its attention scores (softcap={kwargs['softcap']}), which the SDPA of packed "

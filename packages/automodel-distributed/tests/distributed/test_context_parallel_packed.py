@@ -12,8 +12,9 @@ the window composes with the document mask per layer), Mistral (window 5 on ever
 and Mistral with 3 query heads.
 
 Negative controls (the parity above can fail): the same shards with the document mask read in the
-wrong (unbalanced) order, or with no document boundaries, give losses off by more than 1e-3; a model
-switched back to plain SDPA after `apply_context_parallel` is refused on every rank before any collective.
+wrong (unbalanced) order, or with no document boundaries, give losses off by more than 1e-3. A model
+switched back to plain SDPA after `apply_context_parallel` stays exact: its SDPA calls run as the
+region's attention.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def _parity(family: str, mesh: Any) -> dict[str, float]:
 
 
 def _controls(mesh: Any) -> dict[str, Any]:
-    """Wrong order / no documents give wrong losses; plain SDPA after apply_context_parallel is refused."""
+    """Wrong order / no documents give wrong losses; plain SDPA after apply_context_parallel is exact."""
     batch, segments = _packed()
     _, ref_means, _ = _reference(build_tiny_model("llama"), batch, segments)
     model = apply_context_parallel(build_tiny_model("llama"))
@@ -192,13 +193,12 @@ def _controls(mesh: Any) -> dict[str, Any]:
         (full,) = context_parallel_unshard(mesh, [logits], [1])
         docs = _per_document(full, batch, segments)
         out[name] = max(abs(a - b) for (_, a), b in zip(docs, ref_means, strict=True))
+    # Switched back to plain SDPA, the model's SDPA calls still run as the region's attention.
     model.set_attn_implementation("sdpa")
-    try:
-        with torch.no_grad():
-            _cp_forward(model, mesh, batch)
-        out["plain_sdpa"] = "no error"
-    except ValueError as exc:
-        out["plain_sdpa"] = str(exc)
+    with torch.no_grad():
+        _, full = _cp_forward(model, mesh, batch)
+    docs = _per_document(full, batch, segments)
+    out["plain_sdpa"] = max(abs(a - b) for (_, a), b in zip(docs, ref_means, strict=True))
     return out
 
 
@@ -217,4 +217,4 @@ def test_packed_rows_under_context_parallelism_match_documents_alone() -> None:
         controls = result["controls"]
         assert controls["wrong_order"] > 1e-3, controls
         assert controls["no_documents"] > 1e-3, controls
-        assert "automodel_cp_sdpa" in controls["plain_sdpa"], controls
+        assert controls["plain_sdpa"] <= ATOL, controls
