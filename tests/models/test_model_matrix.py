@@ -145,6 +145,7 @@ LAYOUTS: dict[str, Layout] = {
         Layout("cp", 2, {"cp_size": 2}),
         Layout("cp_a2a", 2, {"cp_size": 2, "cp_ulysses_degree": 2}),
         Layout("cp_ring_a2a", 4, {"cp_size": 4, "cp_ulysses_degree": 2}),
+        Layout("cp_tp", 4, {"cp_size": 2, "tp_size": 2}),
         Layout("cp_pp", 4, {"cp_size": 2, "pp_size": 2}, pp_schedule="1f1b"),
         Layout("cp_ep", 2, {"cp_size": 2, "ep_size": 2}, moe=True),
         Layout("pp_1f1b", 2, {"pp_size": 2}, pp_schedule="1f1b"),
@@ -742,6 +743,8 @@ def _cp_unshard(ctx: Any, axes: _Axes, logits: torch.Tensor | None, ulysses: int
         return logits
     from automodel_distributed.context_parallel import context_parallel_unshard
 
+    if hasattr(logits, "full_tensor"):  # tensor-parallel logits (cp x tp)
+        logits = logits.full_tensor()
     (full,) = context_parallel_unshard(ctx, [logits.detach().float()], [1], ulysses_degree=ulysses)
     return full
 
