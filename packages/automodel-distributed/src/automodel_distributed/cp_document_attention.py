@@ -267,15 +267,22 @@ def _direct_sdpa(original: Callable[..., torch.Tensor]) -> Callable[..., torch.T
         if _IN_ATTENTION.get() or not _ACTIVE:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **rest)
         module = _CALLER.get()
-        if module is None or attn_mask is not None or not is_causal:
-            where = type(module).__name__ if module is not None else "a module that is no attention layer"
+        problems = [
+            text
+            for text, bad in (
+                ("outside the attention layers apply_context_parallel hooked", module is None),
+                ("with a mask", attn_mask is not None),
+                ("not causal", not is_causal),
+            )
+            if bad
+        ]
+        if problems:
             raise ValueError(
-                f"{where} calls scaled_dot_product_attention itself under context parallelism "
-                f"{'outside its attention layers' if module is None else ''}"
-                f"{'with a mask' if attn_mask is not None else ''}{'' if is_causal else ', not causal'}; "
-                "only causal calls without a mask from the attention layers apply_context_parallel hooked "
+                f"the model calls scaled_dot_product_attention itself under context parallelism "
+                f"({', '.join(problems)}); only causal calls without a mask from a hooked attention layer "
                 "can run as the region's attention: use cp_size 1"
             )
+        assert module is not None
         owner = _DirectCaller(module, query.shape[1] // key.shape[1])
         out, _ = cp_document_attention_forward(
             owner, query, key, value, None, dropout=dropout_p, scaling=scale

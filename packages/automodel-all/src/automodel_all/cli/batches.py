@@ -148,7 +148,9 @@ class StreamedBatches:
             device=device,
         )
         dist.all_reduce(counts, group=self.group)
-        return StepRows(rows.batch(torch.arange(len(rows)), device), int(counts[0]), int(counts[1]))
+        return StepRows(
+            rows.batch(torch.arange(len(rows), device="cpu"), device), int(counts[0]), int(counts[1])
+        )
 
     def position(self, step: int) -> dict[str, Any]:
         """The data position after ``step`` steps: every slot's cursor (collective over ``group``)."""
