@@ -53,6 +53,29 @@ def test_judge_works_differs_and_does_not_train() -> None:
     assert mine["status"] == "fails" and mine["message"] == "frozen parameters changed"
 
 
+def test_judge_compares_later_losses_with_the_reference_in_the_sharding_order() -> None:
+    drifted = _case(losses=[2.0, 1.5, 1.20002])
+    calls: list[int] = []
+
+    def in_order(losses: list[float]) -> Any:
+        return lambda: calls.append(1) or losses
+
+    # The drift is the order's: transformers summing in that order lands where we do.
+    works = judge(dict(drifted), 1e-5, reordered=in_order([2.0, 1.5, 1.200019]))
+    assert works["status"] == "works" and "sharding's order" in works["message"], works
+    assert works["loss_diff"] == pytest.approx(2e-5) and works["reordered_loss_diff"] < 1e-5
+    # A defect differs from both references: still a failure, naming both differences.
+    defect = judge(dict(drifted), 1e-5, reordered=in_order([2.0, 1.5, 1.2]))
+    assert defect["status"] == "fails" and "sharding's order" in defect["message"]
+    # Nothing reordered (None) or a first loss already off: the plain comparison stands.
+    assert judge(dict(drifted), 1e-5, reordered=lambda: None)["status"] == "fails"
+    calls.clear()
+    first_off = judge(_case(losses=[2.0001, 1.5, 1.2]), 1e-5, reordered=in_order([2.0001, 1.5, 1.2]))
+    assert first_off["status"] == "fails" and not calls
+    # Only asked for when needed.
+    assert judge(_case(), 1e-5, reordered=in_order([0.0] * 3))["status"] == "works" and not calls
+
+
 def test_sgd_parity_runs_both_sides_and_the_gradient_difference() -> None:
     torch.manual_seed(0)
     ours, ref = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
