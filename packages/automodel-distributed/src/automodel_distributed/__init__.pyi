@@ -19,6 +19,7 @@ from .loss import MaskedCrossEntropy
 from .megatron_fsdp import MegatronFSDPManager
 from .multimodal import FreezeConfig, ModelParts, apply_freeze_config, model_parts
 from .strategy import NoStrategy, StrategyManager, as_strategy
+from .vocab_parallel_loss import vocab_parallel_cross_entropy
 
 COMPLETE_MARKER = _checkpoint.COMPLETE_MARKER
 DEFAULT_KEY_RULES = _checkpoint.DEFAULT_KEY_RULES
@@ -91,4 +92,5 @@ __all__ = [
     "save_distributed_checkpoint",
     "save_hf_checkpoint",
     "verify_materialized",
+    "vocab_parallel_cross_entropy",
 ]

@@ -6,8 +6,9 @@ labels for causal language modelling, as in NeMo AutoModel), ignores positions w
 the trainer (the label tokens of the whole global batch, so that gradient accumulation and data
 parallelism give the same gradients as one big batch).
 
-DTensor logits (tensor-parallel output with a sharded vocabulary) are gathered with ``full_tensor()``
-before the loss: simple and exact; use ``loss_parallel`` yourself when the vocabulary is large.
+DTensor logits sharded on the vocabulary (the built-in tensor-parallel plans' LM head) stay sharded: the
+loss is `automodel_distributed.vocab_parallel_loss.vocab_parallel_cross_entropy` over the shard's group,
+so no rank ever holds ``tokens x vocab`` values; other DTensor logits are gathered with ``full_tensor()``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from automodel_distributed.vocab_parallel_loss import vocab_parallel_cross_entropy, vocab_shard
 
 __all__ = ["MaskedCrossEntropy"]
 
@@ -57,7 +60,8 @@ class MaskedCrossEntropy(nn.Module):
         """The loss of ``logits`` ``[..., vocab]`` against ``labels`` ``[...]``.
 
         Args:
-            logits: Unnormalised scores; a DTensor is gathered first.
+            logits: Unnormalised scores; a DTensor sharded on the vocabulary stays sharded (collective
+                over its group), any other DTensor is gathered first.
             labels: Target ids, same leading shape as ``logits``.
             mask: Optional, same shape as ``labels``; positions where it is 0 are ignored.
             num_label_tokens: With ``reduction="sum"``, divide by this count (0 gives a zero loss that
@@ -69,7 +73,8 @@ class MaskedCrossEntropy(nn.Module):
         Raises:
             ValueError: Shapes that do not match, or ``num_label_tokens`` without ``reduction="sum"``.
         """
-        if hasattr(logits, "full_tensor"):
+        vocab_parallel = vocab_shard(logits) is not None
+        if not vocab_parallel and hasattr(logits, "full_tensor"):
             logits = logits.full_tensor()
         if logits.shape[:-1] != labels.shape:
             raise ValueError(
@@ -85,12 +90,16 @@ class MaskedCrossEntropy(nn.Module):
             labels = labels.masked_fill(mask == 0, self.ignore_index)
         if self.fp32_upcast:
             logits = logits.float()
-        flat = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
-            labels.reshape(-1),
-            ignore_index=self.ignore_index,
-            reduction="none" if self.reduction == "none" else "sum",
-        )
+        if vocab_parallel:
+            flat = vocab_parallel_cross_entropy(logits, labels, self.ignore_index).reshape(-1)
+            flat = flat if self.reduction == "none" else flat.sum()
+        else:
+            flat = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                labels.reshape(-1),
+                ignore_index=self.ignore_index,
+                reduction="none" if self.reduction == "none" else "sum",
+            )
         if self.reduction == "none":
             if num_label_tokens is not None:
                 raise ValueError("MaskedCrossEntropy: num_label_tokens needs reduction='sum'")

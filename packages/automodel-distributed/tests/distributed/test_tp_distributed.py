@@ -293,6 +293,65 @@ def _explicit_loss_parallel_case(mesh: Any) -> dict[str, Any]:
     }
 
 
+class _WideOutputs(TorchDispatchMode):
+    """Counts the op outputs as wide as the whole vocabulary (``width`` in their last dim).
+
+    Local tensors only: a mode sees DTensor-level ops too, whose outputs report the global shape.
+    """
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width, self.count = width, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            local = isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor)
+            if local and tensor.ndim and tensor.shape[-1] == self.width:
+                self.count += 1
+        return out
+
+
+def _masked_ce_losses(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """`MaskedCrossEntropy` in its three reductions, with ignored labels and a mask."""
+    from automodel_distributed.loss import MaskedCrossEntropy
+
+    weights = torch.linspace(0.5, 1.5, labels.numel(), device=labels.device).reshape(labels.shape)
+    return [
+        MaskedCrossEntropy(reduction="sum")(logits, labels, mask, num_label_tokens=7),
+        MaskedCrossEntropy(reduction="mean")(logits, labels),
+        (MaskedCrossEntropy(reduction="none")(logits, labels, mask) * weights).sum(),
+    ]
+
+
+def _vocab_parallel_loss_case(mesh: Any) -> dict[str, Any]:
+    """MaskedCrossEntropy keeps vocab-sharded logits sharded: the gathered loss, no vocab-wide tensor."""
+    vocab = 101  # 51 + 50 rows: DTensor shards the vocabulary unevenly
+    reference, model = _build("llama", vocab_size=vocab), _build("llama", vocab_size=vocab)
+    batch = make_batch(vocab, BATCH, SEQ, seed=3)
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    labels = batch["labels"].clone()
+    labels[0, :3] = -100
+    mask = torch.ones_like(labels)
+    mask[1, -2:] = 0
+    expected = _masked_ce_losses(reference(**inputs).logits, labels, mask)
+    sum(expected).backward()
+    apply_tensor_parallel(model, mesh)
+    logits = model(**inputs).logits
+    with _WideOutputs(vocab) as wide:
+        losses = _masked_ce_losses(logits, labels, mask)
+        sum(losses).backward()
+    with _WideOutputs(vocab) as control:  # the gathered path, which the detector must see
+        _masked_ce_losses(logits.detach().full_tensor(), labels, mask)
+    return {
+        "vocab_sharded": logits.placements == (Shard(2),),
+        "loss": max(abs(float(a) - float(b)) for a, b in zip(losses, expected, strict=True)),
+        "grads": _max_diff(grads_by_name(model), grads_by_name(reference)),
+        "vocab_wide": wide.count,
+        "vocab_wide_gathered": control.count,
+    }
+
+
 def _missing_head_norm_case(mesh: Any) -> dict[str, Any]:
     """Negative control: without replicated_with_grad_allreduce the q/k-norm gradients are wrong."""
     plan = {k: v for k, v in QWEN3_TP_PLAN.items() if not k.endswith("_norm")}
@@ -366,6 +425,7 @@ def _tp2_cases(mesh: Any) -> dict[str, Callable[[], dict[str, Any]]]:
     cases["tp/replicated-logits"] = lambda: _replicated_logits_case(mesh, False)
     cases["sp/replicated-logits"] = lambda: _replicated_logits_case(mesh, True)
     cases["tp/explicit-loss-parallel"] = lambda: _explicit_loss_parallel_case(mesh)
+    cases["tp/vocab-parallel-masked-ce"] = lambda: _vocab_parallel_loss_case(mesh)
     cases["tp/heads-attribute"] = lambda: _heads_attention_case(mesh)
     cases["control/missing-head-norm-style"] = lambda: _missing_head_norm_case(mesh)
     cases["tp/tied-and-meta"] = lambda: _tied_and_meta_case(mesh)
@@ -527,6 +587,13 @@ def test_vocab_parallel_logits_with_loss_parallel(tp2: dict[str, dict[str, Any]]
     result = _check_ok(tp2, "tp/explicit-loss-parallel")
     assert result["vocab_sharded"]
     assert result["loss"] <= LOSS_ATOL and result["grads"] <= ATOL, result
+
+
+def test_masked_cross_entropy_keeps_vocab_sharded_logits_sharded(tp2: dict[str, dict[str, Any]]) -> None:
+    result = _check_ok(tp2, "tp/vocab-parallel-masked-ce")
+    assert result["vocab_sharded"]
+    assert result["loss"] <= LOSS_ATOL and result["grads"] <= ATOL, result
+    assert result["vocab_wide"] == 0 and result["vocab_wide_gathered"] > 0, result
 
 
 def test_per_module_head_counts_are_divided(tp2: dict[str, dict[str, Any]]) -> None:

@@ -9,7 +9,8 @@
   that tensor, context and pipeline parallelism read a model's structure with);
 - `automodel_modules.fake_mode`: ``FakeTensorMode`` with the meta kernels an older torch lacks (every
   fake-tensor forward of the packages runs under it);
-- `automodel_modules.devices`: `collective_device`, the device a collective's tensors are made on.
+- `automodel_modules.devices`: `collective_device`, the device a collective's tensors are made on;
+- `automodel_modules.sequence_shards`: the mark sequence parallelism leaves for pipeline stages.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -24,6 +25,12 @@ from automodel_modules.names import (
     is_adapter_fqn,
     join_fqn,
     strip_wrapper_segments,
+)
+from automodel_modules.sequence_shards import (
+    mark_sequence_shards,
+    mark_stream_continues,
+    sequence_shards,
+    stream_continues,
 )
 
 try:
@@ -44,8 +51,12 @@ __all__ = [
     "is_dtensor",
     "join_fqn",
     "maps_like_linear",
+    "mark_sequence_shards",
+    "mark_stream_continues",
     "output_head_fqns",
     "reshard_fsdp_units",
+    "sequence_shards",
+    "stream_continues",
     "strip_wrapper_segments",
     "unwrap",
 ]

@@ -36,7 +36,7 @@ from automodel_pipelining.schedules import (
     stage_ids_this_rank,
 )
 from automodel_pipelining.split import calculate_virtual_stages, check_stage_fqns, generate_stage_fqns
-from automodel_pipelining.stage_module import build_stage_module
+from automodel_pipelining.stage_module import build_stage_module, share_sequence_shards
 from automodel_pipelining.validate import validate_hf_model_for_pipeline_support
 
 if TYPE_CHECKING:
@@ -189,6 +189,7 @@ class AutoPipeline:
             )
         self.config = config
         self._activation_dtype: torch.dtype | None = None
+        self._sequence_shards = 1  # slices of the sequence between stages (sequence parallelism)
         self.mesh = mesh
         self.world_mesh = mesh.device_mesh
         self.moe_mesh = mesh.moe_mesh
@@ -499,6 +500,7 @@ class AutoPipeline:
                     part, world_mesh=self.world_mesh, moe_mesh=self.moe_mesh, **self.axis_kwargs
                 )
                 part = result if isinstance(result, nn.Module) else part
+            self._sequence_shards = share_sequence_shards(part)
             parts.append(part)
         self._fqns, self._stage_ids, self._parts, self._loss_fn = fqns, stage_ids, parts, loss
         from automodel_pipelining._runtime import warn_nested_sync_without_target
@@ -543,14 +545,18 @@ class AutoPipeline:
             raise ValueError("pp_seq_len needs the model config's hidden_size for static stage shapes")
         last = len(self._fqns) - 1
         meta = torch.device("meta")
+        # Sequence parallelism sends each rank's slice of the sequence between stages; the logits are whole.
+        part = seq // self._sequence_shards
         # Hidden states flow both ways (activations forward, their gradients back): they require grad.
         inputs = (
             torch.empty(mb, seq, dtype=torch.long, device=meta)
             if stage_id == 0
-            else torch.empty(mb, seq, hidden, dtype=dtype, device=meta, requires_grad=True)
+            else torch.empty(mb, part, hidden, dtype=dtype, device=meta, requires_grad=True)
         )
-        width = self._io_shapes["last_width"] if stage_id == last else hidden
-        return inputs, torch.empty(mb, seq, width, dtype=dtype, device=meta, requires_grad=True)
+        if stage_id == last:
+            width = self._io_shapes["last_width"]
+            return inputs, torch.empty(mb, seq, width, dtype=dtype, device=meta, requires_grad=True)
+        return inputs, torch.empty(mb, part, hidden, dtype=dtype, device=meta, requires_grad=True)
 
     def _build_runtime(self) -> None:
         from automodel_pipelining._runtime import build_schedule, build_stages
@@ -652,7 +658,9 @@ class AutoPipeline:
         out = losses if losses is not None else []
         out.clear()
         run = self._schedule.step if training else self._schedule.eval
-        run(*args, target=target, losses=out if info.has_last_stage else None, **kwargs)
+        # return_outputs=False: torch would otherwise keep every micro-batch's logits on the last stage
+        # until the step ends and concatenate them (n_micro x tokens x vocab), for a result nobody reads.
+        run(*args, target=target, losses=out if info.has_last_stage else None, return_outputs=False, **kwargs)
         return out
 
     def scale_grads(self, divisor: float | None = None) -> None:

@@ -50,6 +50,8 @@ class PipelineFacts(Protocol):
     last_stage: bool
     tokens: int
     """Tokens per micro-batch on the rank."""
+    sequence_shards: int
+    """Slices of the sequence a stage sends and receives (``tp`` under sequence parallelism)."""
     hidden_size: int
     element_size: int
 
@@ -85,6 +87,11 @@ class PipelineMemory:
         )
         return held / self.stages_per_rank
 
+    @staticmethod
+    def _activation_bytes(facts: PipelineFacts) -> int:
+        """One micro-batch's activations between two stages (this rank's slice under SP)."""
+        return facts.tokens // facts.sequence_shards * facts.hidden_size * facts.element_size
+
     def memory(self, facts: PipelineFacts) -> list[tuple[str, int, str]]:
         """No lines of its own: the activations it keeps in flight are the activation term's."""
         del facts
@@ -97,10 +104,10 @@ class PipelineMemory:
         for each of the rank's stages.
         """
         kinds = 2 * self.stages_per_rank - (1 if facts.first_stage else 0) - (1 if facts.last_stage else 0)
-        size = kinds * self.config.n_microbatches * facts.tokens * facts.hidden_size * facts.element_size
+        size = kinds * self.config.n_microbatches * self._activation_bytes(facts)
         return {"PP receive buffers": size}
 
     def collectives(self, facts: PipelineFacts) -> list[Collective]:
         """Activations sent forward and gradients sent back, per micro-batch."""
-        size = 2 * facts.tokens * facts.hidden_size * facts.element_size
+        size = 2 * self._activation_bytes(facts)
         return [Collective("PP send/recv", "pp", size, self.config.n_microbatches, Overlap.EXPOSED, "p2p")]

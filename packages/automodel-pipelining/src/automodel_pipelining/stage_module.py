@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel_modules import is_dtensor
+from automodel_modules import is_dtensor, mark_sequence_shards, mark_stream_continues, sequence_shards
 from automodel_pipelining.layout import DecoderLayout
 
-__all__ = ["StageForwardSpec", "build_stage_module"]
+__all__ = ["StageForwardSpec", "build_stage_module", "share_sequence_shards"]
 
 _SPEC_ATTR = "_automodel_pp_spec"  # where a patched module keeps its StageForwardSpec
 _RECEIVED_ATTR = "_automodel_pp_received"  # and the stage input its earlier layers' stand-ins return
@@ -369,8 +369,11 @@ def _stage_forward(
     else:
         # What the model computes from its embeddings before the first layer is discarded: the
         # earlier layers' stand-ins hand the received activations to this stage's first own layer.
+        # Under sequence parallelism ``x`` is this rank's slice of the sequence: masks, positions and
+        # the blocks' sequence-length hook must see the whole of it.
         width = spec.embed_dim if spec.embed_dim is not None else x.shape[-1]
-        call["inputs_embeds"] = x.new_zeros((*x.shape[:-1], width))
+        length = x.shape[1] * sequence_shards(self)
+        call["inputs_embeds"] = x.new_zeros((x.shape[0], length, *x.shape[2:-1], width))
         received.value = x
     target = self if spec.is_last and spec.run_outer else _child(self, spec.base)
     forward = type(target).forward
@@ -390,6 +393,20 @@ def _stage_forward(
             "next stage's first layer; the model's forward does not call its layers in order"
         )
     return _to_local_full(_first_output(output))
+
+
+def share_sequence_shards(stage: nn.Module) -> int:
+    """Hand the stage's sequence-parallel mark to the modules whose forward the stage patched.
+
+    Sequence parallelism marks the module it was applied to (the stage, or the transformers model inside
+    a wrapper); the stage forward may be installed on another module of the stage. Mutates those
+    modules' mark; returns the number of slices.
+    """
+    shards = max(sequence_shards(module) for module in stage.modules())
+    for module in stage.modules():
+        if hasattr(module, _SPEC_ATTR):
+            mark_sequence_shards(module, shards)
+    return shards
 
 
 def _output_to_tensor_hook(_module: nn.Module, _args: Any, output: Any) -> torch.Tensor:
@@ -436,6 +453,9 @@ def build_stage_module(
     if stage is None:  # pragma: no cover - the root is an ancestor of every FQN
         raise ValueError(f"stage {stage_index} owns no modules")
     base_module = _child(stage, layout.base)
+    if stage_index < num_stages - 1:  # sequence parallelism: its last block hands a slice on
+        for module in {id(m): m for m in (stage, base_module)}.values():
+            mark_stream_continues(module)
     patched: nn.Module | None = None
     if patch_causal_lm_model:
         patched = stage

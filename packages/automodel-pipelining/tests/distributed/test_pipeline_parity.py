@@ -72,6 +72,7 @@ class Report:
     dp_rank: int = 0
     tp_rank: int = 0
     stage_ids: list[int] = field(default_factory=list)
+    kept_outputs: int = 0  # last-stage outputs torch still holds after the steps (none: nobody reads them)
     seconds: float = 0.0
 
 
@@ -237,6 +238,7 @@ def _run_case(case: Case) -> Report:
     report.steps = max(
         abs(a - b) for a, b in zip(report.step_losses, report.reference_step_losses, strict=True)
     )
+    report.kept_outputs = sum(len(stage.output_chunks) for stage in pipe._stages)
     if csv_path is not None:
         os.unlink(csv_path)
     report.seconds = time.perf_counter() - start
@@ -288,6 +290,10 @@ def _check(results: list[list[Report]], cases: list[Case]) -> list[str]:
                 problems.append(
                     f"{case.label}: replica {replica} owns missing={missing[:4]} extra={extra[:4]}"
                 )
+        if any(r.kept_outputs for r in reports):
+            problems.append(
+                f"{case.label}: the last stage kept {max(r.kept_outputs for r in reports)} outputs"
+            )
         if not worst.grads <= GRAD_ATOL:
             problems.append(f"{case.label}: grads differ by {worst.grads:.3g} ({worst.worst}) > {GRAD_ATOL}")
         evaluation = max(r.eval for r in reports)
@@ -448,6 +454,31 @@ def test_every_schedule_on_four_ranks_and_pp_x_fsdp_x_tp() -> None:
             layers=4,
             batch=2,
             sizes={"pp_size": 2, "tp_size": 2},
+        ),
+        # Sequence parallelism: stages send and receive each rank's slice of the sequence (static shapes
+        # are the slices: a whole-sequence send would not fit them). Llama: a registered Megatron-style
+        # plan; Mixtral: the form derived from transformers' plan, whose stages cut their last output.
+        Case(
+            "pp2xtp2+sp 1f1b llama-4 static",
+            "llama",
+            "1f1b",
+            layers=4,
+            batch=2,
+            sizes={"pp_size": 2, "tp_size": 2},
+            fsdp=True,
+            fsdp_fields={"sequence_parallel": True},
+            pp_seq_len=SEQ,
+        ),
+        Case(
+            "pp2xtp2+sp interleaved_1f1b mixtral-4 static",
+            "mixtral",
+            "interleaved_1f1b",
+            layers=4,
+            batch=2,
+            sizes={"pp_size": 2, "tp_size": 2},
+            fsdp=True,
+            fsdp_fields={"sequence_parallel": True},
+            pp_seq_len=SEQ,
         ),
     ]
     results = run_distributed(run_cases, 4, cases, timeout_s=300)

@@ -91,6 +91,17 @@ class ActivationProfile:
     gradient exists alongside it at the start of backward."""
     tokens: int
     """Tokens per micro-batch on one rank (micro-batch x sequence length / cp)."""
+    head_vocab: int = 0
+    """Of ``head``, the tensors as wide as the vocabulary (the logits, their fp32 copy, the
+    log-softmax): tensor parallelism's vocab-sharded head and `MaskedCrossEntropy`'s vocabulary-parallel
+    loss keep them sharded over ``tp``."""
+    largest_is_vocab: bool = False
+    """Whether ``largest_head_tensor`` is one of those."""
+
+    def head_bytes(self, tp: int) -> int:
+        """Bytes the last stage saves outside the blocks on one of ``tp`` ranks (largest's gradient too)."""
+        vocab_shards = tp if self.largest_is_vocab else 1
+        return self.head - self.head_vocab + self.head_vocab // tp + self.largest_head_tensor // vocab_shards
 
 
 class _Producers(torch.utils._python_dispatch.TorchDispatchMode):
@@ -166,6 +177,8 @@ class _Recorder:
         self.plan_parents = tuple(
             {fqn.rsplit(".", 1)[0] for fqn in styles if fqn.rsplit(".", 1)[0].startswith(prefixes)}
         )
+        get_head = getattr(model, "get_output_embeddings", None)
+        self.vocab = getattr(get_head() if callable(get_head) else None, "out_features", None)
         embeddings = embedding_module(model, "input")
         self.embed_fqn = self.names.get(embeddings, "\0") if embeddings is not None else "\0"
         self.scope: list[str] = []
@@ -193,7 +206,10 @@ class _Recorder:
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key not in self.parameters and key not in self.saved:
-            self.saved[key] = (*self.classify(), storage.nbytes())
+            block, kind = self.classify()
+            if block < 0 and kind != "embedding" and tensor.ndim and tensor.shape[-1] == self.vocab:
+                kind = "vocab"
+            self.saved[key] = (block, kind, storage.nbytes())
             # Kept alive so that no later storage reuses the key: the blocks `repeated_blocks` skips
             # return new leaf tensors, which cut the graph that would otherwise keep it alive.
             self.alive.append(storage)
@@ -230,7 +246,8 @@ class _Recorder:
     def profile(self, num_blocks: int, tokens: int, copies: Mapping[int, int]) -> ActivationProfile:
         """The recorded bytes as a profile; each block of ``copies`` (it did not run) takes its source's."""
         per_block = [[0, 0] for _ in range(num_blocks)]
-        head = embedding = largest = 0
+        head = head_vocab = embedding = largest = 0
+        largest_is_vocab = False
         for index, kind, size in self.saved.values():
             if index >= 0:
                 per_block[index][0 if kind == "boundary" else 1] += size
@@ -238,7 +255,9 @@ class _Recorder:
                 embedding += size
             else:
                 head += size
-                largest = max(largest, size)
+                head_vocab += size if kind == "vocab" else 0
+                if size > largest:
+                    largest, largest_is_vocab = size, kind == "vocab"
         kept = dict(self.producers.kept)
         for index, source in copies.items():
             per_block[index] = list(per_block[source])
@@ -259,6 +278,8 @@ class _Recorder:
             embedding=embedding,
             largest_head_tensor=largest,
             tokens=tokens,
+            head_vocab=head_vocab,
+            largest_is_vocab=largest_is_vocab,
         )
 
 
@@ -367,6 +388,7 @@ def activation_bytes(
     sequence_parallel: bool = False,
     first_stage: bool = True,
     last_stage: bool = True,
+    vocab_shards: int | None = None,
 ) -> int:
     """Peak saved-activation bytes of one rank during backward.
 
@@ -381,6 +403,8 @@ def activation_bytes(
         sequence_parallel: Whether boundary tensors are sharded over ``tp`` too.
         first_stage: Whether the rank holds the embedding.
         last_stage: Whether the rank holds the head and the loss.
+        vocab_shards: Ranks the vocabulary-wide head tensors are split over (default ``tp``: the
+            vocabulary-parallel loss; 1 where the logits are gathered, as a pipeline's last stage does).
 
     Returns:
         Bytes.
@@ -398,6 +422,6 @@ def activation_bytes(
         held = sum(b.total(tp, sequence_parallel) for b in chosen)
         recompute = 0
     outside = (profile.embedding if first_stage else 0) + (
-        profile.head + profile.largest_head_tensor if last_stage else 0
+        profile.head_bytes(tp if vocab_shards is None else vocab_shards) if last_stage else 0
     )
     return int(in_flight * held) + max(recompute, 0) + outside

@@ -100,6 +100,9 @@ class RankFacts:
     """Micro-batches whose activations of its blocks the rank holds at once."""
     tokens: int
     """Tokens per micro-batch on the rank."""
+    sequence_shards: int
+    """Slices the stream between blocks (and between pipeline stages) is cut in: ``tp`` under
+    sequence parallelism, else 1."""
     element_size: int
     hidden_size: int
     attention: tuple[int, int]
@@ -194,6 +197,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
         plan.config_int("head_dim", default=hidden // max(heads, 1)),
     )
     n_micro = pipeline.config.n_microbatches if pipeline is not None else 1
+    shards = plan.layout.tp if getattr(plan.strategy, "sequence_parallel", False) else 1
     facts = []
     for rank, tally in enumerate(census.tallies):
         blocks = owned[rank] if pp > 1 else list(range(profiled_blocks))
@@ -211,6 +215,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
                 accumulation=n_micro if pipeline is not None else plan.accumulation,
                 in_flight=pipeline.in_flight(rank) if pipeline is not None else 1.0,
                 tokens=tokens,
+                sequence_shards=shards,
                 element_size=plan.element_size,
                 hidden_size=hidden,
                 attention=attention,

@@ -47,6 +47,11 @@ def test_profile_matches_a_real_forward_and_leaves_the_config_alone() -> None:
     assert measured <= total <= 1.1 * measured, (total, measured)
     # The logits' fp32 log-softmax is the largest tensor outside the blocks.
     assert profile.largest_head_tensor == 64 * 320 * 4
+    # It and the logits are vocabulary-wide: the vocabulary-parallel loss keeps them sharded over tp.
+    assert profile.largest_is_vocab and profile.head_vocab >= 64 * 320 * 4
+    others = profile.head - profile.head_vocab
+    assert profile.head_bytes(1) == profile.head + profile.largest_head_tensor
+    assert profile.head_bytes(4) == others + profile.head_vocab // 4 + profile.largest_head_tensor // 4
     # Saved bytes grow linearly with the micro-batch (sdpa keeps no seq x seq scores).
     double = profile_activations(config, micro_batch=4, seq_len=32, dtype=torch.float32)
     # (The rotary cos / sin do not grow with the batch.)
@@ -68,7 +73,9 @@ def test_checkpointing_tp_and_sequence_parallel_each_shrink_the_activations() ->
     tp = activation_bytes(profile, checkpointing=False, tp=2)
     sp = activation_bytes(profile, checkpointing=False, tp=2, sequence_parallel=True)
     assert sp < tp < none
-    assert none - tp == sum(b.interior - b.interior // 2 for b in profile.blocks)
+    head = profile.head_bytes(1) - profile.head_bytes(2)  # the vocabulary-wide tensors, halved
+    assert head > 0
+    assert none - tp == sum(b.interior - b.interior // 2 for b in profile.blocks) + head
     # Two micro-batches in flight double the blocks' share, not the head's.
     two = activation_bytes(profile, checkpointing=False, in_flight=2)
     assert two - none == sum(b.boundary + b.interior for b in profile.blocks)

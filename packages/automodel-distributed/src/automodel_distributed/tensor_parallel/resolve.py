@@ -36,7 +36,7 @@ from automodel_distributed.tensor_parallel.sequence import (
 )
 from automodel_distributed.tensor_parallel.styles import to_parallel_style
 from automodel_distributed.tensor_parallel.validate import validate_tensor_parallel
-from automodel_modules import embedding_module, find_hf_model, join_fqn
+from automodel_modules import embedding_module, find_hf_model, join_fqn, stream_continues
 
 __all__ = ["is_sequence_parallel_plan", "resolve_tp_plan", "sharded_layer_kinds"]
 
@@ -237,7 +237,8 @@ def _with_sequence_blocks(
     megatron = is_sequence_parallel_plan(plan)
     if not megatron:
         check_sequence_stream(model, blocks)
-    entries = sequence_parallel_blocks(blocks, SequenceLength(), megatron=megatron)
+    last_cuts = stream_continues(model)  # a pipeline stage before the last
+    entries = sequence_parallel_blocks(blocks, SequenceLength(), megatron=megatron, last_cuts=last_cuts)
     logger.info(
         "sequence parallelism from %s: %s over %d decoder blocks",
         source,

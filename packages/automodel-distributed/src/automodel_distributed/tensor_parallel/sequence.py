@@ -44,6 +44,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils import _pytree as pytree
 
+from automodel_modules import embedding_module, mark_sequence_shards
+
 __all__ = [
     "SequenceLength",
     "SequenceShardedBlock",
@@ -157,7 +159,7 @@ class SequenceShardedBlock(ParallelStyle):
 
 
 def sequence_parallel_blocks(
-    block_fqns: Sequence[str], length: SequenceLength, *, megatron: bool
+    block_fqns: Sequence[str], length: SequenceLength, *, megatron: bool, last_cuts: bool = False
 ) -> dict[str, ParallelStyle]:
     """Plan entries that put ``block_fqns`` (in forward order) on the sequence-sharded stream.
 
@@ -167,6 +169,8 @@ def sequence_parallel_blocks(
         megatron: The blocks follow a Megatron-style plan (their insides take and give slices): only the
             full-length input of the first block is cut. Otherwise every block gathers its input and
             every block but the last cuts its output.
+        last_cuts: The last block cuts its output too (a pipeline stage before the last hands its slice to
+            the next stage: `automodel_modules.stream_continues`).
 
     Returns:
         ``{block fqn: SequenceShardedBlock}``.
@@ -178,7 +182,7 @@ def sequence_parallel_blocks(
             entries[fqn] = SequenceShardedBlock(length, gather_input=False, cut_input=True, cut_output=False)
         else:
             entries[fqn] = SequenceShardedBlock(
-                length, gather_input=True, cut_input=False, cut_output=index != last
+                length, gather_input=True, cut_input=False, cut_output=index != last or last_cuts
             )
     return entries
 
@@ -340,7 +344,7 @@ def check_sequence_stream(model: nn.Module, block_fqns: Sequence[str]) -> None:
     device = param.device if param is not None else torch.device("cpu")
     try:
         with fake_forward(flow, data_dependent_shapes=True):
-            hf(input_ids=torch.zeros(1, _PROBE_LENGTH, dtype=torch.long, device=device), use_cache=False)
+            hf(**_probe_inputs(hf, device), use_cache=False)
     except Exception as exc:
         raise ValueError(
             f"sequence parallelism cannot check {name}: its forward does not run on fake tensors "
@@ -360,8 +364,28 @@ def check_sequence_stream(model: nn.Module, block_fqns: Sequence[str]) -> None:
         )
 
 
+def _probe_inputs(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Token ids, or activations for a model whose input embedding holds no weights.
+
+    A later pipeline stage (``automodel_pipelining``) keeps a parameter-free stand-in for the embedding
+    its first stage owns and takes the previous stage's activations instead of token ids.
+    """
+    embedding = embedding_module(model, "input")
+    if embedding is not None and next(embedding.parameters(), None) is not None:
+        return {"input_ids": torch.zeros(1, _PROBE_LENGTH, dtype=torch.long, device=device)}
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    if not isinstance(hidden, int):
+        raise ValueError("a model without input embedding weights needs config.hidden_size to be probed")
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {"inputs_embeds": torch.zeros(1, _PROBE_LENGTH, hidden, dtype=dtype, device=device)}
+
+
 def install_sequence_length(model: nn.Module, length: SequenceLength, tp_size: int) -> None:
     """Record each batch's full sequence length on ``length`` before ``model`` runs; check it divides.
+
+    Also marks ``model`` as cutting its stream in ``tp_size`` slices (`automodel_modules.sequence_shards`).
 
     Raises (at call time):
         ValueError: Neither ``input_ids`` nor ``inputs_embeds`` is given, or the sequence length does not
@@ -375,6 +399,11 @@ def install_sequence_length(model: nn.Module, length: SequenceLength, tp_size: i
             raise ValueError(
                 "sequence parallelism needs input_ids or inputs_embeds of shape [batch, sequence, ...]"
             )
+        if isinstance(ids, torch.Tensor) and ids.is_floating_point():
+            # A pipeline stage's received activations (`automodel_pipelining`): this rank's slice of the
+            # stream its previous stage cut.
+            length.value = int(ids.shape[_SEQUENCE_DIM]) * tp_size
+            return
         if x.shape[_SEQUENCE_DIM] % tp_size:
             raise ValueError(
                 f"sequence parallelism over tp_size={tp_size} needs a sequence length divisible by it, got "
@@ -383,3 +412,4 @@ def install_sequence_length(model: nn.Module, length: SequenceLength, tp_size: i
         length.value = int(x.shape[_SEQUENCE_DIM])
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
+    mark_sequence_shards(model, tp_size)  # a pipeline stage sends and receives slices (`sequence_shards`)
