@@ -85,9 +85,10 @@ def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
         "The memory model's peak (`automodel plan`'s estimate, the rank holding the most) beside each "
         "published peak. It counts the job as our trainer would run it: the row's parameter dtype "
         "(torchtitan's fp32 shards, bf16 all-gathers and fp32 reduce-scatters: FSDP2's mixed precision), "
-        "the logits kept sharded over TP by the vocabulary-parallel loss (as torchtitan's loss parallel), and no CUDA "
-        "context, NCCL or allocator terms yet (torchtitan reports the allocator's reserved peak). Not "
-        "fitted.",
+        "the logits kept sharded over TP by the vocabulary-parallel loss, on a pipeline's last stage too (as "
+        "torchtitan's loss parallel), each rank's slice of the sequence between pipeline stages under SP, "
+        "and no CUDA context, NCCL or allocator terms yet (torchtitan reports the allocator's reserved "
+        "peak). Not fitted.",
         "",
         "| run | published GiB | predicted GiB | error | largest lines (GiB) |",
         "| --- | ---: | ---: | ---: | --- |",

@@ -13,7 +13,7 @@ so no rank ever holds ``tokens x vocab`` values; other DTensor logits are gather
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,11 @@ class MaskedCrossEntropy(nn.Module):
         ValueError: An unknown ``reduction``, or ``num_label_tokens`` with a reduction other than
             ``"sum"``.
     """
+
+    accepts_dtensor_logits: ClassVar[bool] = True
+    """It takes DTensor logits (vocab-sharded ones stay sharded): a pipeline's last stage
+    (``automodel_pipelining``) hands them on without gathering them. A loss of one's own may declare the
+    same."""
 
     def __init__(
         self, fp32_upcast: bool = True, ignore_index: int = -100, reduction: Reduction = "sum"

@@ -494,6 +494,8 @@ class AutoPipeline:
                 num_stages=len(fqns),
                 patch_inner_model=self.config.patch_inner_model,
                 patch_causal_lm_model=self.config.patch_causal_lm_model,
+                # A loss that takes DTensor logits (MaskedCrossEntropy) gets them vocab-sharded under TP.
+                keep_dtensor_logits=bool(getattr(loss, "accepts_dtensor_logits", False)),
             )
             if parallelize_fn is not None:
                 result = parallelize_fn(

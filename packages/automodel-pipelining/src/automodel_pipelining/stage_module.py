@@ -151,6 +151,9 @@ class StageForwardSpec:
     """Width of the input embedding's output (it can differ from the hidden size: OPT projects it in)."""
     stage_index: int
     num_stages: int
+    keep_dtensor_logits: bool = False
+    """Hand DTensor logits (vocab-sharded under TP) to the loss as they are: the loss declares it takes
+    them (`accepts_dtensor_logits`), so no rank gathers ``tokens x vocab`` values."""
 
     @property
     def is_first(self) -> bool:
@@ -392,7 +395,8 @@ def _stage_forward(
             f"pipeline stage {spec.stage_index} ran the model's forward to its end without reaching the "
             "next stage's first layer; the model's forward does not call its layers in order"
         )
-    return _to_local_full(_first_output(output))
+    logits = _first_output(output)
+    return logits if spec.keep_dtensor_logits else _to_local_full(logits)
 
 
 def share_sequence_shards(stage: nn.Module) -> int:
@@ -422,6 +426,7 @@ def build_stage_module(
     num_stages: int,
     patch_inner_model: bool = True,
     patch_causal_lm_model: bool = True,
+    keep_dtensor_logits: bool = False,
 ) -> nn.Module:
     """Prune ``model`` to the modules ``fqns`` and install the stage forward.
 
@@ -431,7 +436,8 @@ def build_stage_module(
     a bare base model or an unpatched wrapper, the base model's) takes one tensor (token ids on the first
     stage, activations elsewhere) plus optional ``position_ids`` and ``attention_mask`` keyword inputs,
     runs the model's own forward (see the module docstring) and returns one tensor (logits on the last
-    stage, activations elsewhere; a DTensor output is gathered to a full tensor). Without either patch
+    stage, activations elsewhere; a DTensor output is gathered to a full tensor, except the last stage's
+    logits with ``keep_dtensor_logits``, for a loss that takes them as they are). Without either patch
     the stage keeps the model's forward.
 
     Preconditions: ``fqns`` was validated against ``layout`` (see `automodel_pipelining.split`); a stage
@@ -473,6 +479,7 @@ def build_stage_module(
         embed_dim=int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
         stage_index=stage_index,
         num_stages=num_stages,
+        keep_dtensor_logits=keep_dtensor_logits,
     )
     setattr(patched, _SPEC_ATTR, spec)
     setattr(patched, _RECEIVED_ATTR, received)

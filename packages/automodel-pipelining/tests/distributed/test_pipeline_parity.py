@@ -53,6 +53,7 @@ class Case:
     balance_stages: bool = False
     vocab: int | None = None  # vocab_size override (a heavier LM head)
     steps: int = 3
+    masked_ce: bool = False  # the loss through MaskedCrossEntropy, which takes DTensor logits as they are
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Report:
     tp_rank: int = 0
     stage_ids: list[int] = field(default_factory=list)
     kept_outputs: int = 0  # last-stage outputs torch still holds after the steps (none: nobody reads them)
+    dtensor_logits: int = 0  # micro-batches whose logits reached the loss as a DTensor (not gathered)
     seconds: float = 0.0
 
 
@@ -131,6 +133,24 @@ def _parallelize_fn(case: Case, ctx: Any) -> Any:
     return parallelize
 
 
+class _ShiftedMaskedCE(torch.nn.Module):
+    """`causal_lm_loss` through `MaskedCrossEntropy`; counts the DTensor logits it is handed."""
+
+    def __init__(self) -> None:
+        from automodel_distributed.loss import MaskedCrossEntropy
+
+        super().__init__()
+        self.ce = MaskedCrossEntropy(reduction="mean")
+        self.accepts_dtensor_logits = self.ce.accepts_dtensor_logits
+        self.dtensor_logits = 0
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from automodel_modules import is_dtensor
+
+        self.dtensor_logits += int(is_dtensor(logits))
+        return self.ce(logits[:, :-1], labels[:, 1:].to(logits.device))
+
+
 def _run_case(case: Case) -> Report:
     from automodel_mesh import MeshContext, MeshKind, ParallelismSizes
     from automodel_pipelining import AutoPipeline, PipelineConfig
@@ -166,7 +186,8 @@ def _run_case(case: Case) -> Report:
         balance_stages=case.balance_stages,
     )
     pipe = AutoPipeline.from_config(config, ctx, defer_fsdp_grad_sync=case.defer_fsdp_grad_sync)
-    pipe.build(model, loss_fn=causal_lm_loss, parallelize_fn=_parallelize_fn(case, ctx))
+    loss_fn = _ShiftedMaskedCE() if case.masked_ce else causal_lm_loss
+    pipe.build(model, loss_fn=loss_fn, parallelize_fn=_parallelize_fn(case, ctx))
     dp_group = ctx.get_group("dp") if dp_size > 1 else None
 
     def pipeline_step() -> float:
@@ -239,6 +260,7 @@ def _run_case(case: Case) -> Report:
         abs(a - b) for a, b in zip(report.step_losses, report.reference_step_losses, strict=True)
     )
     report.kept_outputs = sum(len(stage.output_chunks) for stage in pipe._stages)
+    report.dtensor_logits = loss_fn.dtensor_logits if isinstance(loss_fn, _ShiftedMaskedCE) else 0
     if csv_path is not None:
         os.unlink(csv_path)
     report.seconds = time.perf_counter() - start
@@ -458,8 +480,8 @@ def test_every_schedule_on_four_ranks_and_pp_x_fsdp_x_tp() -> None:
         # Sequence parallelism: stages send and receive each rank's slice of the sequence (static shapes
         # are the slices: a whole-sequence send would not fit them). Llama: a registered Megatron-style
         # plan; Mixtral: the form derived from transformers' plan, whose stages cut their last output.
-        Case(
-            "pp2xtp2+sp 1f1b llama-4 static",
+        Case(  # and the loss takes the last stage's logits vocab-sharded (no rank gathers them)
+            "pp2xtp2+sp 1f1b llama-4 static, MaskedCrossEntropy",
             "llama",
             "1f1b",
             layers=4,
@@ -468,6 +490,7 @@ def test_every_schedule_on_four_ranks_and_pp_x_fsdp_x_tp() -> None:
             fsdp=True,
             fsdp_fields={"sequence_parallel": True},
             pp_seq_len=SEQ,
+            masked_ce=True,
         ),
         Case(
             "pp2xtp2+sp interleaved_1f1b mixtral-4 static",
@@ -483,6 +506,9 @@ def test_every_schedule_on_four_ranks_and_pp_x_fsdp_x_tp() -> None:
     ]
     results = run_distributed(run_cases, 4, cases, timeout_s=300)
     _check(results, cases)
+    masked = cases.index(next(c for c in cases if c.masked_ce))
+    last_stage = [r[masked] for r in results if r[masked].pp_rank == 1]
+    assert last_stage and all(r.dtensor_logits > 0 for r in last_stage), last_stage
     # defer_fsdp_grad_sync: one reduce-scatter per FSDP unit and step, or one per unit and microbatch
     # (except the input embedding, whose gradient FSDP reduces when the stage is finalised).
     deferred = [r[cases.index(next(c for c in cases if c.label.endswith("deferred")))] for r in results]

@@ -388,7 +388,6 @@ def activation_bytes(
     sequence_parallel: bool = False,
     first_stage: bool = True,
     last_stage: bool = True,
-    vocab_shards: int | None = None,
 ) -> int:
     """Peak saved-activation bytes of one rank during backward.
 
@@ -403,8 +402,6 @@ def activation_bytes(
         sequence_parallel: Whether boundary tensors are sharded over ``tp`` too.
         first_stage: Whether the rank holds the embedding.
         last_stage: Whether the rank holds the head and the loss.
-        vocab_shards: Ranks the vocabulary-wide head tensors are split over (default ``tp``: the
-            vocabulary-parallel loss; 1 where the logits are gathered, as a pipeline's last stage does).
 
     Returns:
         Bytes.
@@ -421,7 +418,5 @@ def activation_bytes(
     else:
         held = sum(b.total(tp, sequence_parallel) for b in chosen)
         recompute = 0
-    outside = (profile.embedding if first_stage else 0) + (
-        profile.head_bytes(tp if vocab_shards is None else vocab_shards) if last_stage else 0
-    )
+    outside = (profile.embedding if first_stage else 0) + (profile.head_bytes(tp) if last_stage else 0)
     return int(in_flight * held) + max(recompute, 0) + outside

@@ -69,8 +69,6 @@ class ActivationMemory:
             sequence_parallel=sp,
             first_stage=facts.first_stage,
             last_stage=facts.last_stage,
-            # A pipeline stage's output is a plain tensor: the last stage gathers its logits over tp.
-            vocab_shards=tp if facts.layout.pp == 1 else 1,
         )
         note = (
             f"{len(facts.blocks)} block(s), {mode or 'no'} checkpointing, {facts.in_flight:g} "

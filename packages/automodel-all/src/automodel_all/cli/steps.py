@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,8 @@ class TokenLoss(nn.Module):
     Args:
         denominator: ``N / dp_cp`` (label tokens of the global batch over the averaging ranks).
     """
+
+    accepts_dtensor_logits: ClassVar[bool] = MaskedCrossEntropy.accepts_dtensor_logits
 
     def __init__(self, denominator: float) -> None:
         super().__init__()
