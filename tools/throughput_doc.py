@@ -87,8 +87,10 @@ def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
         "(torchtitan's fp32 shards, bf16 all-gathers and fp32 reduce-scatters: FSDP2's mixed precision), "
         "the logits kept sharded over TP by the vocabulary-parallel loss, on a pipeline's last stage too (as "
         "torchtitan's loss parallel), each rank's slice of the sequence between pipeline stages under SP, "
-        "and no CUDA context, NCCL or allocator terms yet (torchtitan reports the allocator's reserved "
-        "peak). Not fitted.",
+        "and, as the published peaks are torch's reserved memory, the caching allocator's reserve over the "
+        "live tensors (`ALLOCATOR_RESERVE`, one fraction fitted on the calibration rows: "
+        "`fit_allocator_reserve`); the CUDA context and NCCL's buffers are outside torch's allocator and "
+        "the published peaks, and are not counted. Nothing else is fitted.",
         "",
         "| run | published GiB | predicted GiB | error | largest lines (GiB) |",
         "| --- | ---: | ---: | ---: | --- |",
@@ -174,7 +176,12 @@ def render(rows: list[dict[str, Any]], efficiency: Any) -> str:
     ]
     for field in dataclasses.fields(efficiency):
         lines.append(f"| `{field.name}` | {getattr(efficiency, field.name):.3f} |")
+    from automodel_planner.estimate import ALLOCATOR_RESERVE
+
     lines += [
+        "",
+        f"The memory model's one fitted number: `automodel_planner.estimate.ALLOCATOR_RESERVE` = "
+        f"{ALLOCATOR_RESERVE:.3f} (the caching allocator's reserve over the live tensors).",
         "",
         "## Devices (`automodel_planner.hardware.DEVICES`)",
         "",
@@ -202,12 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, help="also write the rows as JSON")
     args = parser.parse_args(argv)
-    from automodel_planner.published import fit_efficiency, published_runs
+    from automodel_planner.published import fit_allocator_reserve, fit_efficiency, published_runs
     from automodel_planner.step_time import DEFAULT_EFFICIENCY
 
     if args.fit:
         fitted, error = fit_efficiency(published_runs("calibration"))
         print(f"fitted on the calibration rows (RMS log error {error:.4f}):\n  {fitted}")
+        reserve = fit_allocator_reserve(published_runs("calibration"))
+        print(f"  ALLOCATOR_RESERVE = {reserve:.3f}")
     rows = predictions()
     for row in rows:
         print(

@@ -30,6 +30,7 @@ from automodel_planner.estimate import (
     estimate_peak,
     estimate_throughput,
     flops_per_token,
+    with_allocator_reserve,
 )
 from automodel_planner.facts import RankFacts, rank_facts
 from automodel_planner.hardware import (
@@ -41,7 +42,14 @@ from automodel_planner.hardware import (
     parse_cluster,
 )
 from automodel_planner.inputs import PlanInput
-from automodel_planner.published import PublishedRun, fit_efficiency, predict, published_runs, run_plan
+from automodel_planner.published import (
+    PublishedRun,
+    fit_allocator_reserve,
+    fit_efficiency,
+    predict,
+    published_runs,
+    run_plan,
+)
 from automodel_planner.step_time import DEFAULT_EFFICIENCY, Efficiency, StepOptions, StepTime
 from automodel_planner.terms import ActivationMemory, PlannerTerm, planner_terms
 
@@ -79,6 +87,7 @@ __all__ = [
     "device_named",
     "estimate_peak",
     "estimate_throughput",
+    "fit_allocator_reserve",
     "fit_efficiency",
     "flops_per_token",
     "parse_cluster",
@@ -89,4 +98,5 @@ __all__ = [
     "published_runs",
     "rank_facts",
     "run_plan",
+    "with_allocator_reserve",
 ]

@@ -35,10 +35,18 @@ __all__ = [
     "estimate_throughput",
     "flops_per_token",
     "step_profile",
+    "with_allocator_reserve",
 ]
 
 ProfileCache = dict[tuple[int, int, int], StepProfile]
 """Profiles of the fake forward reused across layouts, by (micro-batch, sequence length, cp)."""
+
+ALLOCATOR_RESERVE = 0.074
+"""What torch's CUDA caching allocator reserves beyond the live tensors at the peak, as a fraction of them:
+blocks cached for reuse and the unused tails of split segments, which ``max_memory_reserved`` (what a
+job must fit in, what torchtitan reports) counts and the tensors do not. One number for every job,
+fitted on the calibration rows' published peaks (`automodel_planner.published.fit_allocator_reserve`,
+``python tools/throughput_doc.py --fit``), never per run. A CPU run has no caching allocator."""
 
 
 @dataclass
@@ -108,6 +116,20 @@ def _rank_estimate(facts: RankFacts, terms: list[PlannerTerm]) -> PeakEstimate:
         estimate.lines["communication buffers"] = sum(estimate.buffers.values())
         estimate.notes["communication buffers"] = ", ".join(estimate.buffers)
     return estimate
+
+
+def with_allocator_reserve(estimate: PeakEstimate, fraction: float = ALLOCATOR_RESERVE) -> PeakEstimate:
+    """``estimate`` on a GPU: a new estimate with the caching allocator's reserve as a line of its own.
+
+    The CUDA context and NCCL's buffers are outside torch's allocator (and the published peaks): not
+    counted.
+    """
+    out = dataclasses.replace(estimate, lines=dict(estimate.lines), notes=dict(estimate.notes))
+    out.lines["allocator reserve"] = int(fraction * estimate.total)
+    out.notes["allocator reserve"] = (
+        f"torch's CUDA caching allocator: {fraction:.1%} over the live tensors (ALLOCATOR_RESERVE)"
+    )
+    return out
 
 
 def estimate_peak(plan: PlanInput, *, profile_cache: ProfileCache | None = None) -> PeakEstimate:

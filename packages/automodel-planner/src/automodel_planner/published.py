@@ -21,12 +21,27 @@ from typing import Any, Literal
 
 import torch
 
-from automodel_planner.estimate import PeakEstimate, ProfileCache, estimate_peak, estimate_throughput
+from automodel_planner.estimate import (
+    ALLOCATOR_RESERVE,
+    PeakEstimate,
+    ProfileCache,
+    estimate_peak,
+    estimate_throughput,
+    with_allocator_reserve,
+)
 from automodel_planner.hardware import parse_cluster
 from automodel_planner.inputs import PlanInput
 from automodel_planner.step_time import DEFAULT_EFFICIENCY, Efficiency, StepTime
 
-__all__ = ["PublishedRun", "fit_efficiency", "predict", "predict_memory", "published_runs", "run_plan"]
+__all__ = [
+    "PublishedRun",
+    "fit_allocator_reserve",
+    "fit_efficiency",
+    "predict",
+    "predict_memory",
+    "published_runs",
+    "run_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -151,9 +166,22 @@ def predict(run: PublishedRun, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> S
     )
 
 
-def predict_memory(run: PublishedRun) -> PeakEstimate:
-    """The memory model's peak for ``run`` (the rank holding the most), to set beside ``memory_gib``."""
-    return estimate_peak(run_plan(run), profile_cache=_PROFILES.setdefault(run.shape, {}))
+def predict_memory(run: PublishedRun, reserve: float = ALLOCATOR_RESERVE) -> PeakEstimate:
+    """The memory model's peak for ``run`` on its GPUs (the rank holding the most), beside ``memory_gib``."""
+    tensors = estimate_peak(run_plan(run), profile_cache=_PROFILES.setdefault(run.shape, {}))
+    return with_allocator_reserve(tensors, reserve)
+
+
+def fit_allocator_reserve(runs: Sequence[PublishedRun]) -> float:
+    """`ALLOCATOR_RESERVE` fitted on ``runs`` (the calibration rows that publish their peak).
+
+    The published peak is torch's reserved memory; the fraction is the geometric mean of its excess
+    over the predicted live tensors.
+    """
+    ratios = [run.memory_gib * 2**30 / predict_memory(run, 0.0).total for run in runs if run.memory_gib]
+    if not ratios:
+        raise ValueError("fit_allocator_reserve needs rows that publish their peak memory (memory_gib)")
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) - 1
 
 
 _FITTED = ("matmul", "fp8_matmul", "attention", "memory", "compiled_traffic")

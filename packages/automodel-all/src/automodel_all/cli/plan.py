@@ -30,7 +30,7 @@ from automodel_distributed.fsdp2_units import frozen_towers
 from automodel_infra.infrastructure import APPLY_STEPS
 from automodel_infra.steps import PlannedJob, describe_steps
 from automodel_planner import PeakEstimate, ProfileCache, device_memory_bytes, estimate_peak
-from automodel_planner.estimate import calibrate_efficiency, estimate_throughput
+from automodel_planner.estimate import calibrate_efficiency, estimate_throughput, with_allocator_reserve
 from automodel_planner.hardware import Cluster, cluster_from_mapping, parse_cluster
 from automodel_planner.step_time import DEFAULT_EFFICIENCY, StepTime
 
@@ -231,6 +231,8 @@ def suggest_layouts(
             continue
         planned = plan_input(resolved, model, model_config, base_weight_bits)
         estimate = estimate_peak(planned, profile_cache=cache)
+        if hardware is not None:  # GPUs: torch's caching allocator holds more than the tensors
+            estimate = with_allocator_reserve(estimate)
         entry = {"layout": _layout_name(sizes), "sizes": sizes, **estimate.as_dict()}
         order: tuple[float, ...] = (estimate.total, estimate.communication_total)
         if hardware is not None:
@@ -325,6 +327,8 @@ def plan_report(
     planned = plan_input(resolved, model, model_config, base_weight_bits)
     cache: ProfileCache = {}
     estimate = estimate_peak(planned, profile_cache=cache)
+    if hardware is not None:  # GPUs: torch's caching allocator holds more than the tensors
+        estimate = with_allocator_reserve(estimate)
     throughput, calibration = None, None
     if hardware is not None:
         try:
