@@ -88,15 +88,17 @@ def no_split_module_names(model: nn.Module) -> frozenset[str]:
 
 def _blocks_by_class_name(model: nn.Module, class_names: frozenset[str]) -> list[tuple[str, nn.Module]]:
     found: list[tuple[str, nn.Module]] = []
-    inside: list[str] = []  # FQN prefixes of blocks already found: their sub-modules are not blocks
+    # The FQN prefix of the last block found: named_modules walks depth first, so its sub-modules (not
+    # blocks themselves) come right after it, before any module outside it.
+    inside = "\0"
     for fqn, module in model.named_modules():
-        if any(fqn.startswith(prefix) for prefix in inside):
+        if fqn.startswith(inside):
             continue
         # The MRO, not just the class: fully_shard swaps a module's class for an FSDP subclass of it.
         if fqn and any(cls.__name__ in class_names for cls in type(unwrap(module)).__mro__):
             # A wrapper and the module it wraps both match; the first one seen (the outer) is the block.
             found.append((strip_wrapper_segments(fqn), module))
-            inside.append(fqn + ".")
+            inside = fqn + "."
     return found
 
 
