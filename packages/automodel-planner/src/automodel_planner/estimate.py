@@ -103,6 +103,28 @@ def step_profile(plan: PlanInput, cache: ProfileCache | None = None) -> StepProf
     return cache[key]
 
 
+def _planned_ranks(
+    plan: PlanInput, cache: ProfileCache | None
+) -> tuple[StepProfile, Any, list[PlannerTerm], list[RankFacts]]:
+    """``plan``'s profile, pipeline term, planner terms and rank facts; all but the profile once per plan.
+
+    They are functions of the plan alone (and its profile), kept in ``plan.memo``: the memory and the
+    time estimates of one plan (and a calibration's repeated time estimates) share them.
+    """
+    profile = step_profile(plan, cache)
+    activations = profile.activations
+    key = ("ranks", activations.tokens, len(activations.blocks))
+    if key not in plan.memo:
+        pipeline = pipeline_term(plan)
+        terms = planner_terms(plan, activations, pipeline)
+        ranks = rank_facts(
+            plan, pipeline=pipeline, tokens=activations.tokens, profiled_blocks=len(activations.blocks)
+        )
+        plan.memo[key] = (pipeline, terms, ranks)
+    pipeline, terms, ranks = plan.memo[key]
+    return profile, pipeline, terms, ranks
+
+
 def _rank_estimate(facts: RankFacts, terms: list[PlannerTerm]) -> PeakEstimate:
     estimate = PeakEstimate(rank=facts.label)
     for term in terms:
@@ -142,10 +164,7 @@ def estimate_peak(plan: PlanInput, *, profile_cache: ProfileCache | None = None)
     Returns:
         The itemised estimate of the largest rank (the first of equals).
     """
-    profile = step_profile(plan, profile_cache).activations
-    pipeline = pipeline_term(plan)
-    terms = planner_terms(plan, profile, pipeline)
-    ranks = rank_facts(plan, pipeline=pipeline, tokens=profile.tokens, profiled_blocks=len(profile.blocks))
+    _, _, terms, ranks = _planned_ranks(plan, profile_cache)
     estimates = [_rank_estimate(facts, terms) for facts in ranks]
     return max(estimates, key=lambda e: e.total)
 
@@ -183,13 +202,7 @@ def estimate_throughput(
             f"fp8.enabled: {cluster.device.name} has no float8 tensor cores (torchao's float8 training needs "
             "compute capability 8.9 or later: H100, H200, B200); plan it without fp8"
         )
-    profile = step_profile(plan, profile_cache)
-    pipeline = pipeline_term(plan)
-    terms = planner_terms(plan, profile.activations, pipeline)
-    activations = profile.activations
-    ranks = rank_facts(
-        plan, pipeline=pipeline, tokens=activations.tokens, profiled_blocks=len(activations.blocks)
-    )
+    profile, pipeline, terms, ranks = _planned_ranks(plan, profile_cache)
     options = StepOptions(
         compile=plan.compile or bool(getattr(plan.strategy, "enable_compile", False)),
         fp8=fp8,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,11 @@ class PlanInput:
     attn_implementation: str | None = None
     compile: bool = False
     """Whether the blocks are compiled (``torch.compile``): the time model fuses their elementwise ops."""
+
+    @functools.cached_property
+    def memo(self) -> dict[Any, Any]:
+        """What the estimates compute from this plan alone, kept for its next estimate (it is frozen)."""
+        return {}
 
     @property
     def element_size(self) -> int:
