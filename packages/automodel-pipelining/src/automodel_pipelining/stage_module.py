@@ -460,8 +460,11 @@ def build_stage_module(
         raise ValueError(f"stage {stage_index} owns no modules")
     base_module = _child(stage, layout.base)
     if stage_index < num_stages - 1:  # sequence parallelism: its last block hands a slice on
-        for module in {id(m): m for m in (stage, base_module)}.values():
-            mark_stream_continues(module)
+        # Every module from the root to the base model: tensor parallelism may be applied to any of
+        # them (a peft wrapper, the causal LM inside it, the base model).
+        segments = layout.base.split(".") if layout.base else []
+        for depth in range(len(segments) + 1):
+            mark_stream_continues(_child(stage, ".".join(segments[:depth])))
     patched: nn.Module | None = None
     if patch_causal_lm_model:
         patched = stage
