@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from automodel_modules import is_dtensor
+
 __all__ = ["vocab_parallel_cross_entropy", "vocab_shard"]
 
 
@@ -28,10 +30,10 @@ def vocab_shard(logits: torch.Tensor) -> tuple[Any, int] | None:
     others qualifies; anything else (a plain tensor, ``Partial``, another sharded dim) gives None. The
     shard's start follows ``torch.chunk`` as DTensor shards: chunks of ``ceil(vocab / n)``.
     """
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(logits, DTensor):
+    if not is_dtensor(logits):  # without importing DTensor (seconds) for a single-process loss
         return None
+    from torch.distributed.tensor import Shard
+
     last = logits.ndim - 1
     sharded = [i for i, p in enumerate(logits.placements) if p.is_shard()]
     others = [p for i, p in enumerate(logits.placements) if i not in sharded]
