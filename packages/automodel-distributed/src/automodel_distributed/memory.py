@@ -266,6 +266,8 @@ class StrategyFacts(Protocol):
     """The pipeline's micro-batches per step (1 outside pipelining)."""
     accumulation: int
     """Forward/backward passes per optimizer step (gradient accumulation, or the pipeline's)."""
+    forward_runs: int
+    """Times each block's forward runs per pass (2 when full activation checkpointing recomputes it)."""
     pipelined: bool
 
 
@@ -376,8 +378,8 @@ class StrategyMemory:
         FSDP gathers every unit in each forward (and again in backward when units reshard after
         forward, as they do for every micro-batch of gradient accumulation); gradients are reduced
         once per step (the last micro-batch's backward). TP reduces or gathers each block's activations
-        twice in forward and twice in backward; CP passes K/V around the ring in forward and K/V and
-        their gradients in backward.
+        twice in each forward (again in a recompute) and twice in backward; CP passes K/V around the
+        ring in each forward and K/V and their gradients in backward.
         """
         layout = facts.layout
         if isinstance(self.config, DDPConfig):
@@ -405,10 +407,10 @@ class StrategyMemory:
         calls = len(facts.blocks) * passes
         if layout.tp > 1:
             tp = layout.tp
-            per_block = 4 * 2 * (tp - 1) / tp * tokens * hidden * element
+            per_block = (2 * facts.forward_runs + 2) * 2 * (tp - 1) / tp * tokens * hidden * element
             out.append(Collective("TP all-reduce (or AG+RS)", "tp", per_block, calls, Overlap.EXPOSED))
         if layout.cp > 1:
             kv, head_dim = facts.attention
-            per_block = 3 * (layout.cp - 1) * 2 * tokens * kv * head_dim * element
+            per_block = (facts.forward_runs + 2) * (layout.cp - 1) * 2 * tokens * kv * head_dim * element
             out.append(Collective("CP ring K/V", "cp", per_block, calls, Overlap.ATTENTION, "p2p"))
         return out

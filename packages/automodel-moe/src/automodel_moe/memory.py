@@ -27,6 +27,8 @@ class ExpertFacts(Protocol):
     blocks: Sequence[int]
     accumulation: int
     """Forward/backward passes per optimizer step."""
+    forward_runs: int
+    """Times each block's forward runs per pass (2 when full activation checkpointing recomputes it)."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,16 @@ class ExpertMemory:
         }
 
     def collectives(self, facts: ExpertFacts) -> list[Collective]:
-        """Dispatch and combine, forward and backward, in every MoE layer of the rank, per pass."""
+        """Dispatch and combine, in each forward (a recompute's too) and backward, in every MoE layer."""
         ep, tokens = self.ep_size, facts.tokens
-        exchanged = 4 * (ep - 1) / ep * tokens * facts.top_k * facts.hidden_size * facts.element_size
+        exchanged = (
+            (2 * facts.forward_runs + 2)
+            * (ep - 1)
+            / ep
+            * tokens
+            * facts.top_k
+            * facts.hidden_size
+            * facts.element_size
+        )
         calls = len(facts.blocks) * facts.accumulation
         return [Collective("EP all-to-all", "ep", exchanged, calls, Overlap.EXPOSED, "all_to_all")]

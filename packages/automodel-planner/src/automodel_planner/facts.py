@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel_distributed.activation_checkpointing import resolve_checkpointing_mode
 from automodel_distributed.memory import Placement, layer_index, placement_rule
 from automodel_mesh import MeshLayout
 from automodel_planner.inputs import PlanInput
@@ -96,6 +97,10 @@ class RankFacts:
     """The pipeline's micro-batches per step (1 outside pipelining)."""
     accumulation: int
     """Forward/backward passes per optimizer step."""
+    forward_runs: int
+    """Times each block's forward runs per pass: 2 under full activation checkpointing (the recompute
+    issues the block's collectives again), else 1 (selective checkpointing saves collectives' outputs:
+    `SELECTIVE_AC_ALWAYS_SAVE_OPS`)."""
     in_flight: float
     """Micro-batches whose activations of its blocks the rank holds at once."""
     tokens: int
@@ -198,6 +203,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
     )
     n_micro = pipeline.config.n_microbatches if pipeline is not None else 1
     shards = plan.layout.tp if getattr(plan.strategy, "sequence_parallel", False) else 1
+    runs = 2 if resolve_checkpointing_mode(plan.strategy.activation_checkpointing) == "full" else 1
     facts = []
     for rank, tally in enumerate(census.tallies):
         blocks = owned[rank] if pp > 1 else list(range(profiled_blocks))
@@ -213,6 +219,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
                 pipelined=pipeline is not None,
                 n_micro=n_micro,
                 accumulation=n_micro if pipeline is not None else plan.accumulation,
+                forward_runs=runs,
                 in_flight=pipeline.in_flight(rank) if pipeline is not None else 1.0,
                 tokens=tokens,
                 sequence_shards=shards,

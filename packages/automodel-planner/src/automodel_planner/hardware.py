@@ -131,10 +131,11 @@ class Cluster:
 
         At full link speed (the caller applies NCCL's efficiency). A group inside one node runs on
         NVLink. Across nodes, with ``m`` of its ranks in each node: a ring collective (``sent`` is a
-        rank's ``(n - 1) / n`` share of the whole) moves ``(nodes - 1) / nodes`` of the whole into each
-        node over its ``m`` network links, and the rest over NVLink, whichever is slower; an all-to-all
-        sends the share bound off-node over the rank's own link; a send to a neighbour uses the network
-        when the group leaves the node. Groups are taken to start at a node boundary.
+        rank's ``(n - 1) / n`` share of the whole) runs as ``m`` rings, one per network link, and every
+        chunk but one passes each ring's way into a node, so each link carries ``sent / m`` (NCCL runs
+        all-gather and reduce-scatter as rings) while NVLink carries ``sent``: the slower counts; an
+        all-to-all sends the share bound off-node over the rank's own link; a send to a neighbour uses
+        the network when the group leaves the node. Groups are taken to start at a node boundary.
         """
         intra, inter = self.device.intra_node_bytes_per_s, self.device.inter_node_bytes_per_s
         per_node = max(1, min(size, self.gpus_per_node // stride)) if stride <= self.gpus_per_node else 1
@@ -146,9 +147,7 @@ class Cluster:
         if pattern == "all_to_all":
             off_node = sent * (size - per_node) / (size - 1)
             return max(off_node / inter, (sent - off_node) / intra)
-        whole = sent * size / (size - 1)
-        across = whole * (nodes - 1) / nodes / (per_node * inter)
-        return max(across, sent / intra if per_node > 1 else 0.0)
+        return max(sent / (per_node * inter), sent / intra if per_node > 1 else 0.0)
 
     def describe(self) -> str:
         """``8 x H100 (1 node of 8)``."""

@@ -18,8 +18,13 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   forward compute is exposed; backward's all-gathers, reduce-scatters and HSDP all-reduces run behind
   the backward still to come, exposing the last unit's and any excess (a reduction made once per step,
   under gradient accumulation or a pipeline, has only the last pass's backward); ring attention hides K/V
-  passing behind the attention; TP's and EP's collectives and a stage's send/receive are exposed (TP's
-  hide behind the block's matmuls under async TP). A collective's time is its group's links'
+  passing behind the attention; TP's and EP's collectives and a stage's send/receive are exposed, and a
+  recompute under full checkpointing issues a block's forward collectives again. Under async TP each
+  of a block's TP collectives is micro-pipelined with the matmuls it feeds or is fed by, as torch's
+  micro-pipeline pass fuses them (the all-gather before a column-parallel group, the reduce-scatter
+  after a row-parallel layer, in forward, recompute and, mirrored, backward): cut in ``tp`` chunks, it
+  hides behind all but one chunk of those matmuls, and only its excess over them is exposed. A
+  collective's time is its group's links'
   (`Cluster.seconds`, from `MeshLayout.group`): NVLink inside a node; across nodes a ring's share
   that must enter each node, over as many network links as the group has ranks in the node.
 - **pipeline**: the slowest stage's pass times the schedule's length, ``n_micro + (pp - 1) / v`` passes
@@ -37,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -50,6 +55,7 @@ __all__ = [
     "Efficiency",
     "StepOptions",
     "StepTime",
+    "WeightKind",
     "estimate_step_time",
     "model_flops_per_token",
     "weight_kinds",
@@ -140,8 +146,20 @@ class StepTime:
         }
 
 
-WeightKinds = Callable[[int, str], tuple[bool, bool, bool]]
-"""``(block or -1, module name in it) -> (trainable, a linear layer, holds weights)``."""
+class WeightKind(NamedTuple):
+    """What the time model needs of the module that ran a matmul."""
+
+    trainable: bool
+    linear: bool
+    """A linear layer (float8 training converts the blocks' ones)."""
+    weighted: bool
+    """Holds weights (a rotary embedding multiplying positions does not: work, but not model FLOPs)."""
+    tp_style: str | None = None
+    """``"colwise"`` or ``"rowwise"`` where the model's tensor-parallel plan shards it, else None."""
+
+
+WeightKinds = Callable[[int, str], WeightKind]
+"""``(block or -1, module name in it) -> WeightKind``."""
 
 
 def weight_kinds(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> WeightKinds:
@@ -149,28 +167,31 @@ def weight_kinds(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> W
 
     Returns a lookup by block index and the module's name inside the block (``self_attn.q_proj``), or
     by the whole name for modules outside the blocks (block ``-1``). A module wrapped by an adapter
-    (peft's ``base_layer``) is judged by the wrapped layer. Unknown names count as trainable linears. A
-    module without parameters (a rotary embedding multiplying positions) holds no weights: its matmuls
-    are work but not model FLOPs.
+    (peft's ``base_layer``) is judged by the wrapped layer. Unknown names count as trainable linears
+    outside any tensor-parallel plan. The plan's styles are the model's own
+    (`automodel_distributed.tensor_parallel.sharded_layer_kinds`).
     """
-    kinds: dict[tuple[int, str], tuple[bool, bool, bool]] = {}
-    for index, (_, block) in enumerate(blocks):
-        for name, module in block.named_modules():
-            kinds[(index, name)] = _kind(module)
-    for name, module in model.named_modules():
-        kinds.setdefault((-1, name), _kind(module))
+    from automodel_distributed.tensor_parallel import sharded_layer_kinds
 
-    def lookup(block: int, name: str) -> tuple[bool, bool, bool]:
-        return kinds.get((block, name), (True, True, True))
+    styles = sharded_layer_kinds(model)
+    kinds: dict[tuple[int, str], WeightKind] = {}
+    for index, (prefix, block) in enumerate(blocks):
+        for name, module in block.named_modules():
+            kinds[(index, name)] = _kind(module, styles.get(f"{prefix}.{name}" if name else prefix))
+    for name, module in model.named_modules():
+        kinds.setdefault((-1, name), _kind(module, styles.get(name)))
+
+    def lookup(block: int, name: str) -> WeightKind:
+        return kinds.get((block, name), WeightKind(True, True, True))
 
     return lookup
 
 
-def _kind(module: nn.Module) -> tuple[bool, bool, bool]:
+def _kind(module: nn.Module, tp_style: str | None) -> WeightKind:
     layer = getattr(module, "base_layer", module)
     own = list(layer.parameters(recurse=False))
     trainable = any(p.requires_grad for p in own) if own else True
-    return trainable, isinstance(layer, nn.Linear), bool(own)
+    return WeightKind(trainable, isinstance(layer, nn.Linear), bool(own), tp_style)
 
 
 @dataclass(frozen=True)
@@ -202,20 +223,28 @@ class _Pass:
     recompute: float = 0.0
     attention: float = 0.0
     """Of forward + backward: the attention kernels (what ring attention hides behind)."""
-    matmul: float = 0.0
-    """Of forward + backward: the matmuls (what async TP hides behind)."""
+    tp_segments: list[tuple[float, ...]] = field(default_factory=list)
+    """Per block: the forward seconds of the matmuls each TP collective is micro-pipelined with under
+    async TP (each column-parallel group after its all-gather, each row-parallel layer before its
+    reduce-scatter), in forward order."""
 
 
 def _block_pass(
     block: BlockCompute, index: int, kinds: WeightKinds, rates: _Rates, tp: int, checkpointing: Any
 ) -> _Pass:
     out = _Pass()
+    segments: list[float] = []
+    previous: str | None = None
     for name, flops in block.matmul_flops.items():
-        trainable, linear, _ = kinds(index, name)
-        seconds = flops / tp / (rates.fp8 if linear and index >= 0 else rates.matmul)
+        kind = kinds(index, name)
+        seconds = flops / tp / (rates.fp8 if kind.linear and index >= 0 else rates.matmul)
         out.forward += seconds
-        out.backward += seconds * (2.0 if trainable else 1.0)
-        out.matmul += seconds * (3.0 if trainable else 2.0)
+        out.backward += seconds * (2.0 if kind.trainable else 1.0)
+        if kind.tp_style == "colwise" and previous == "colwise":
+            segments[-1] += seconds  # one all-gather feeds the whole column-parallel group
+        elif kind.tp_style in ("colwise", "rowwise"):
+            segments.append(seconds)
+        previous = kind.tp_style or previous
         if checkpointing == "full":
             out.recompute += seconds
         elif checkpointing == "selective":
@@ -225,6 +254,8 @@ def _block_pass(
     out.forward += attention + memory
     out.backward += _ATTENTION_BACKWARD * attention + _MEMORY_BACKWARD * memory
     out.attention += (1 + _ATTENTION_BACKWARD) * attention
+    if index >= 0:
+        out.tp_segments.append(tuple(segments))
     if checkpointing == "full":
         out.recompute += attention + memory
     elif checkpointing == "selective":
@@ -274,8 +305,8 @@ def _exposed(
         size, stride = (layout.world_size, 1) if c.axis == "world" else layout.group(c.axis)
         seconds = c.calls * cluster.seconds(c.bytes_per_call, c.pattern, size, stride) / efficiency.network
         if c.overlap is Overlap.EXPOSED:
-            if async_tp and c.axis == "tp":  # micro-pipelined with the block's matmuls
-                seconds = max(seconds - passes * one.matmul, 0.0)
+            if async_tp and c.axis == "tp":
+                seconds = _micro_pipelined(seconds / c.calls, one.tp_segments, facts) * passes
             out[c.name] = out.get(c.name, 0.0) + seconds
         else:
             pooled.setdefault(c.overlap, []).append((c.name, seconds, c.calls >= passes))
@@ -290,6 +321,22 @@ def _exposed(
         for name, seconds, _ in entries:
             out[name] = out.get(name, 0.0) + (exposed * seconds / total if total else 0.0)
     return {f"exposed {name}": seconds for name, seconds in out.items()}
+
+
+def _micro_pipelined(per_block: float, segments: list[tuple[float, ...]], facts: Any) -> float:
+    """Seconds one pass's TP collectives add under async TP (see the module doc).
+
+    ``per_block`` is one block's TP traffic time in a pass: two all-gathers and two reduce-scatters in
+    each forward run and in backward (the TP term's count). Each is paired with one of the block's
+    segments in forward order; one without a segment hides behind nothing.
+    """
+    tp, runs = facts.layout.tp, facts.forward_runs
+    each = per_block / (4 * (runs + 1))
+    out = 0.0
+    for block in segments:
+        paired = [block[i] if i < len(block) else 0.0 for i in range(4)]
+        out += (runs + 1) * sum(max(each - m * (tp - 1) / tp, 0.0) for m in paired)
+    return out
 
 
 def estimate_step_time(
@@ -358,7 +405,7 @@ def model_flops_per_token(compute: ComputeProfile, kinds: WeightKinds, *, cp: in
     parts = [(b, i) for i, b in enumerate(compute.blocks)] + [(compute.outside, -1)]
     for block, index in parts:
         for name, value in block.matmul_flops.items():
-            trainable, _, weighted = kinds(index, name)
-            flops += value * (3.0 if trainable else 2.0) if weighted else 0.0
+            kind = kinds(index, name)
+            flops += value * (3.0 if kind.trainable else 2.0) if kind.weighted else 0.0
         flops += 3.0 * block.attention_flops * cp
     return flops / compute.tokens
