@@ -62,6 +62,91 @@ def predictions() -> list[dict[str, Any]]:
     return rows
 
 
+def suggestions() -> list[dict[str, Any]]:
+    """Per published run: the layouts ``automodel plan --cluster ... --suggest`` ranks, the published one too.
+
+    Each run is planned as the job a user would write for it (`automodel_all.cli.published_jobs`), so
+    what is ranked is exactly what the command ranks.
+    """
+    import tempfile
+
+    from automodel_all.cli.plan import plan_report
+    from automodel_all.cli.published_jobs import published_job
+    from automodel_planner.hardware import parse_cluster
+    from automodel_planner.published import published_runs
+
+    out = []
+    for run in published_runs():
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as folder:
+            report = plan_report(
+                published_job(run, folder),
+                hardware=parse_cluster(run.cluster),
+                suggest=True,
+                suggestions=10**6,
+            )
+        ranked = report["suggestions"]
+        published = {f"{axis}_size": 1 for axis in ("dp_replicate", "tp", "pp", "cp", "ep")}
+        published |= {f"{axis}_size": size for axis, size in run.sizes.items() if axis != "dp_shard"}
+        own = next(i for i, entry in enumerate(ranked) if entry["sizes"] == published)
+        out.append(
+            {
+                "id": run.id,
+                "layouts": len(ranked),
+                "fitting": sum(bool(entry["fits"]) for entry in ranked),
+                "rank": own + 1,
+                "published": ranked[own],
+                "pick": ranked[0],
+                "seconds": time.perf_counter() - start,
+            }
+        )
+    return out
+
+
+def _suggestion_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The `--suggest` section: its first pick for each run, beside the published layout."""
+    lines = [
+        "",
+        "## `--suggest` against the published layouts",
+        "",
+        "Each run as the job a user would write for it (`automodel_all.cli.published_jobs`: the same model, "
+        "batch per step, sequence, checkpointing, compile, float8 and adapters), given to `automodel plan "
+        "--cluster ... --suggest`, which ranks every valid layout of the cluster's GPUs: those whose "
+        "predicted peak fits the device first, fastest first. The table gives its first pick beside the "
+        "published layout, that layout's place in the ranking, and, where the pick differs, why: the parts "
+        "of the predicted step that differ most between the two.",
+        "",
+        "| run | published layout | predicted tokens/s/GPU | its rank (fitting / valid) | `--suggest` "
+        "picks | predicted tokens/s/GPU | reason |",
+        "| --- | --- | ---: | ---: | --- | ---: | --- |",
+    ]
+    for row in rows:
+        own, pick = row["published"], row["pick"]
+        own_speed = own["throughput"]["tokens_per_s_per_gpu"]
+        pick_speed = pick["throughput"]["tokens_per_s_per_gpu"]
+        if row["rank"] == 1:
+            reason, name = "the published layout", "the same"
+        else:
+            reason, name = _reason(own, pick), pick["layout"]
+        fits = "" if own["fits"] else " (does not fit)"
+        lines.append(
+            f"| {row['id']} | {own['layout']}{fits} | {own_speed:,.0f} | {row['rank']} "
+            f"({row['fitting']} / {row['layouts']}) | {name} | {pick_speed:,.0f} "
+            f"({pick_speed / own_speed - 1:+.1%}) | {reason} |"
+        )
+    same = sum(row["rank"] == 1 for row in rows)
+    lines += ["", f"`--suggest` picks the published layout for {same} of {len(rows)} runs."]
+    return lines
+
+
+def _reason(own: dict[str, Any], pick: dict[str, Any]) -> str:
+    """The two parts of the predicted step that differ most between the published layout and the pick."""
+    before, after = own["throughput"]["breakdown_seconds"], pick["throughput"]["breakdown_seconds"]
+    changes = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in {*before, *after}}
+    largest = sorted(changes.items(), key=lambda item: -abs(item[1]))[:2]
+    return ", ".join(f"{name} {delta:+.2f} s" for name, delta in largest)
+
+
 def _memory(peak: Any, published_gib: float | None) -> dict[str, Any]:
     """The memory prediction of a row that publishes its memory: GiB, error and its largest lines."""
     if peak is None or published_gib is None:
@@ -119,7 +204,7 @@ def _model_description() -> list[str]:
     return text.splitlines()
 
 
-def render(rows: list[dict[str, Any]], efficiency: Any) -> str:
+def render(rows: list[dict[str, Any]], efficiency: Any, suggested: list[dict[str, Any]]) -> str:
     """The page."""
     from automodel_planner.hardware import DEVICES
 
@@ -164,6 +249,7 @@ def render(rows: list[dict[str, Any]], efficiency: Any) -> str:
                 f"{max(errors):.1%}, RMS log error {rms:.3f}."
             )
     lines += _memory_table(rows)
+    lines += _suggestion_table(suggested)
     lines += [
         "",
         "## Achievable fractions (`automodel_planner.step_time.DEFAULT_EFFICIENCY`)",
@@ -223,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['error']:+7.1%}  {row['published']:8,.0f} {row['predicted']:8,.0f}  {row['id']}  "
             f"({row['plan_seconds']:.1f} s)"
         )
-    Path(args.output).write_text(render(rows, DEFAULT_EFFICIENCY), encoding="utf-8")
+    suggested = suggestions()
+    for entry in suggested:
+        print(f"rank {entry['rank']:3d} of {entry['layouts']:4d}  {entry['id']}  ({entry['seconds']:.1f} s)")
+    Path(args.output).write_text(render(rows, DEFAULT_EFFICIENCY, suggested), encoding="utf-8")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2), encoding="utf-8")
     return 0

@@ -334,6 +334,40 @@ def test_a_cluster_gives_the_step_time_and_suggestions_by_throughput(
         assert fragment in capsys.readouterr().err
 
 
+def test_a_cluster_plans_the_gpu_job_and_a_published_run_as_a_job_predicts_as_the_table(
+    tmp_path: Path,
+) -> None:
+    from automodel_all.cli.plan import plan_report
+    from automodel_all.cli.published_jobs import published_job
+    from automodel_all.cli.yaml_source import ConfigError, RawJob
+    from automodel_planner.hardware import parse_cluster
+    from automodel_planner.published import predict, predict_memory, published_runs
+
+    def lines(dtype: str) -> dict[str, int]:
+        raw = RawJob()
+        raw.set("model", "dtype", dtype, "test")
+        return plan_report(raw, hardware=parse_cluster("8xH100"))["estimate"].lines
+
+    # On GPUs FSDP2 computes in bf16 whatever the parameters are stored in; this host (a CPU) would
+    # compute in the model's dtype: the plan is the cluster's, not the host's.
+    fp32, bf16 = lines("float32"), lines("bfloat16")
+    assert fp32["activations"] == bf16["activations"]
+    assert fp32["parameters"] == 2 * bf16["parameters"]
+    cpu = RawJob()
+    cpu.set("launch", "device", "cpu", "--device")
+    with pytest.raises(ConfigError, match=r"launch\.device=cpu contradicts --cluster"):
+        plan_report(cpu, hardware=parse_cluster("8xH100"))
+
+    chosen = [r for r in published_runs() if r.shape == "llama3-8b" and r.cluster.startswith(("8x", "1x"))]
+    assert {bool(r.lora_dim) for r in chosen} == {True, False} and any(r.sizes.get("cp") for r in chosen)
+    for index, run in enumerate(chosen):
+        raw = published_job(run, tmp_path / str(index))
+        report = plan_report(raw, hardware=parse_cluster(run.cluster), suggest=index == 0)
+        assert report["throughput"].tokens_per_s_per_gpu == pytest.approx(predict(run).tokens_per_s_per_gpu)
+        assert report["estimate"].total == pytest.approx(predict_memory(run).total, rel=1e-3), run.id
+        assert report["resolved"].layout.dp_shard == run.sizes.get("dp_shard", 1), run.id
+
+
 def test_calibrating_on_a_measured_log_reproduces_its_step_time(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

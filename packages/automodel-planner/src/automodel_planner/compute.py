@@ -9,7 +9,8 @@ to the rest of the model, block ``-1``):
   weight's matmul, whose backward is twice its forward, from a frozen one's, whose backward computes the
   input gradient only);
 - attention kernels (the ``scaled_dot_product`` family): ``4 b h s_q s_k d`` FLOPs, as torch's flop
-  counter counts them (the whole score matrix; the time model halves it for a causal mask);
+  counter counts them (the whole score matrix; the time model halves it for a causal mask), and the
+  ``b h s_q d`` elements of their output (what ring attention merges after each step);
 - everything else that moves data (not views): the bytes of its tensor inputs and outputs, the traffic
   an eager kernel sends through HBM.
 
@@ -43,6 +44,8 @@ class BlockCompute:
     """Module FQN (in the profiled model) -> forward matmul FLOPs of that module."""
     attention_flops: float = 0.0
     """Forward FLOPs of the attention kernels, the whole score matrix counted."""
+    attention_outputs: float = 0.0
+    """Elements of the attention kernels' outputs (``b h s_q d``)."""
     memory_bytes: float = 0.0
     """Bytes every other (non-view) op reads and writes."""
 
@@ -75,8 +78,8 @@ def _matmul_flops(args: tuple[Any, ...], out: Any) -> float:
     return 2.0 * outputs[0].numel() * first.shape[-1]
 
 
-def _attention_flops(args: tuple[Any, ...]) -> float:
-    """``4 b h s_q s_k d``: attention's two matmuls over the whole score matrix.
+def _attention_flops(args: tuple[Any, ...]) -> tuple[float, float]:
+    """``4 b h s_q s_k d``: attention's two matmuls over the whole score matrix; its ``b h s_q d`` outputs.
 
     Query ``[b, h, s_q, d]`` and key ``[b, h_kv, s_k, d]`` are the op's first two tensors. torch's flop
     counter counts ``scaled_dot_product_attention`` so; counted here so that every torch version and
@@ -84,7 +87,8 @@ def _attention_flops(args: tuple[Any, ...]) -> float:
     """
     query, key = [a for a in args if isinstance(a, torch.Tensor)][:2]
     batch, heads, s_q, head_dim = query.shape
-    return 4.0 * batch * heads * s_q * key.shape[-2] * head_dim
+    outputs = float(batch * heads * s_q * head_dim)
+    return 4.0 * outputs * key.shape[-2], outputs
 
 
 class ComputeRecorder(TorchDispatchMode):
@@ -110,7 +114,9 @@ class ComputeRecorder(TorchDispatchMode):
         if name in _MATMULS:
             target.matmul_flops[fqn] = target.matmul_flops.get(fqn, 0.0) + _matmul_flops(args, out)
         elif "scaled_dot_product" in name:
-            target.attention_flops += _attention_flops(args)
+            flops, outputs = _attention_flops(args)
+            target.attention_flops += flops
+            target.attention_outputs += outputs
         else:
             target.memory_bytes += sum(
                 t.numel() * t.element_size()

@@ -41,6 +41,7 @@ __all__ = [
     "predict_memory",
     "published_runs",
     "run_plan",
+    "shape_config",
 ]
 
 
@@ -84,12 +85,19 @@ def published_runs(role: str | None = None) -> list[PublishedRun]:
     return [r for r in rows if role is None or r.role == role]
 
 
-def _build(shape: str, dtype: str = "bfloat16") -> tuple[torch.nn.Module, Any]:
-    """The published widths of ``shape`` as a causal LM in ``dtype`` on the meta device, and its config."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def shape_config(shape: str) -> Any:
+    """The transformers config of ``shape`` (a ``[shapes.*]`` table: the published model's widths)."""
+    from transformers import AutoConfig
 
     fields = dict(_data()["shapes"][shape])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _build(shape: str, dtype: str = "bfloat16") -> tuple[torch.nn.Module, Any]:
+    """The published widths of ``shape`` as a causal LM in ``dtype`` on the meta device, and its config."""
+    from transformers import AutoModelForCausalLM
+
+    config = shape_config(shape)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     return model, config

@@ -40,6 +40,7 @@ gradient only. No process group, no device.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -63,6 +64,14 @@ __all__ = [
 
 _ATTENTION_BACKWARD = 2.5
 _MEMORY_BACKWARD = 2.0
+_RING_MERGE_FORWARD = 40.0
+"""Bytes torch's ring attention moves per element of a block's attention output for each ring step
+after the first, in forward (`_SDPAMerger`): the step's output cast to fp32 (6) and merged into the
+running fp32 output by the log-sum-exps (a difference, a product and a difference: 12, 8, 12), the
+partial steps' concatenation (~2 on average). Eager: outside any compiled graph."""
+_RING_MERGE_BACKWARD = 20.0
+"""The same in backward: each step's query gradient added to an fp32 accumulator (10), the key and
+value gradients accumulated in fp32 and packed for the next rank (~10 for grouped key/value heads)."""
 _ADAMW_TRAFFIC = 3.5
 """AdamW's bytes moved per byte of its state: it reads and writes both moments (2x), and reads and
 writes the fp32 parameter and reads the gradient (12 bytes per 8 of state)."""
@@ -200,6 +209,8 @@ class _Rates:
     fp8: float
     attention: float
     memory: float
+    eager_memory: float
+    """The HBM rate of ops outside compiled graphs (ring attention's merges)."""
 
     @classmethod
     def of(cls, cluster: Cluster, efficiency: Efficiency, options: StepOptions) -> _Rates:
@@ -211,6 +222,7 @@ class _Rates:
             fp8=fp8_peak * efficiency.fp8_matmul if options.fp8 else device.bf16_flops * efficiency.matmul,
             attention=device.bf16_flops * efficiency.attention,
             memory=device.hbm_bytes_per_s * efficiency.memory / traffic,
+            eager_memory=device.hbm_bytes_per_s * efficiency.memory,
         )
 
 
@@ -273,11 +285,26 @@ def _rank_pass(
     if facts.last_stage:
         parts.append((compute.outside, -1))
     for block, index in parts:
-        scaled = BlockCompute(block.matmul_flops, block.attention_flops * cp, block.memory_bytes)
+        scaled = dataclasses.replace(block, attention_flops=block.attention_flops * cp)
         one = _block_pass(scaled, index, kinds, rates, tp, options.checkpointing if index >= 0 else False)
+        if cp > 1 and index >= 0:
+            _add_ring_merges(one, (cp - 1) * block.attention_outputs / tp / rates.eager_memory, options)
         for name in vars(total):
             setattr(total, name, getattr(total, name) + getattr(one, name))
     return total
+
+
+def _add_ring_merges(one: _Pass, per_byte: float, options: StepOptions) -> None:
+    """Add ring attention's merges to a block's pass: ``per_byte`` seconds per byte per output element.
+
+    Each ring step after the first merges its output into the running one in forward (again in a full
+    recompute; selective checkpointing saves the attention's output) and accumulates the gradients of
+    its query, keys and values in backward.
+    """
+    one.forward += _RING_MERGE_FORWARD * per_byte
+    one.backward += _RING_MERGE_BACKWARD * per_byte
+    if options.checkpointing == "full":
+        one.recompute += _RING_MERGE_FORWARD * per_byte
 
 
 def _exposed(
@@ -305,7 +332,7 @@ def _exposed(
         size, stride = (layout.world_size, 1) if c.axis == "world" else layout.group(c.axis)
         seconds = c.calls * cluster.seconds(c.bytes_per_call, c.pattern, size, stride) / efficiency.network
         if c.overlap is Overlap.EXPOSED:
-            if async_tp and c.axis == "tp":
+            if async_tp and c.axis == "tp" and c.calls:  # no calls: a stage without blocks
                 seconds = _micro_pipelined(seconds / c.calls, one.tp_segments, facts) * passes
             out[c.name] = out.get(c.name, 0.0) + seconds
         else:

@@ -62,6 +62,7 @@ def test_the_fake_forward_counts_every_matmul_and_the_attention_exactly() -> Non
     assert matmuls == 2 * _non_embedding_params(config) * tokens
     assert compute.blocks[0].matmul_flops["self_attn.q_proj"] == 2 * tokens * H * H
     assert all(b.attention_flops == 4 * batch * HEADS * seq * seq * (H // HEADS) for b in compute.blocks)
+    assert all(b.attention_outputs == batch * HEADS * seq * (H // HEADS) for b in compute.blocks)
     assert all(b.memory_bytes > 0 for b in compute.blocks) and compute.outside.memory_bytes > 0
 
 
@@ -192,6 +193,30 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
     assert _micro_pipelined(8 * 0.5, [()], rank) == pytest.approx(8 * 0.5), "unpaired: all exposed"
     recomputed = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=2)
     assert _micro_pipelined(12 * 0.5, [(1.0, 0.1, 3.0, 0.5)], recomputed) == pytest.approx(3 * 0.55)
+
+
+def test_ring_attention_pays_its_merges_for_each_step_after_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from automodel_planner import step_time
+
+    h100 = parse_cluster("8xH100")
+    eager = h100.device.hbm_bytes_per_s * step_time.DEFAULT_EFFICIENCY.memory  # merges are not compiled
+
+    def step(cp: int, merges: bool) -> object:
+        monkeypatch.setattr(step_time, "_RING_MERGE_FORWARD", 40.0 if merges else 0.0)
+        monkeypatch.setattr(step_time, "_RING_MERGE_BACKWARD", 20.0 if merges else 0.0)
+        strategy = FSDP2Config(activation_checkpointing="full", enable_compile=True)
+        return estimate_throughput(_plan(sizes={"cp_size": cp}, strategy=strategy), h100)
+
+    outputs = 2 * HEADS * (512 // 4) * (H // HEADS)  # one micro-batch's attention output on a rank
+    with_merges, without = step(4, True), step(4, False)
+    per_block = 3 * outputs / eager  # three steps after the first
+    assert with_merges.parts["compute"] - without.parts["compute"] == pytest.approx(LAYERS * 60 * per_block)
+    assert with_merges.parts["recompute"] - without.parts["recompute"] == pytest.approx(
+        LAYERS * 40 * per_block
+    )
+    assert step(1, True).parts == step(1, False).parts, "no ring, no merges"
 
 
 def test_a_pipeline_pays_its_bubble_and_interleaving_shrinks_it() -> None:

@@ -295,18 +295,23 @@ def plan_report(
     base_weight_bits: int | None = None,
     hardware: Cluster | None = None,
     calibrate: str | None = None,
+    suggestions: int = 5,
 ) -> dict[str, Any]:
     """The dry run as data: layout, steps, model, the itemised peak per rank, fit, time and suggestions.
 
-    With ``hardware``, the world size is its GPU count and the device memory its device's (unless
-    given), and the report holds the step time (``throughput``, `automodel_planner.StepTime`); with
-    ``calibrate`` (a measured run's ``train_log.jsonl`` of the same job on the same hardware), the
-    fractions of peak are scaled to reproduce its step time first (``calibration``).
+    With ``hardware``, the job is planned as the CUDA job the cluster runs (wherever the plan is made),
+    the world size is its GPU count and the device memory its device's (unless given), and the report
+    holds the step time (``throughput``, `automodel_planner.StepTime`); with ``calibrate`` (a measured
+    run's ``train_log.jsonl`` of the same job on the same hardware), the fractions of peak are scaled to
+    reproduce its step time first (``calibration``). With ``suggest``, the best ``suggestions`` layouts
+    (`suggest_layouts`).
 
     Raises:
         ConfigError: A bad job or a layout that cannot work, or a world size the cluster contradicts,
             naming the setting.
     """
+    if hardware is not None:
+        raw = _on_gpus(raw)
     job = build_job(raw)
     if calibrate is not None and hardware is None:
         raise ConfigError("--calibrate needs --cluster: the hardware the log was measured on")
@@ -358,9 +363,37 @@ def plan_report(
     }
     if suggest:
         report["suggestions"] = suggest_layouts(
-            raw, world, model, model_config, base_weight_bits=base_weight_bits, hardware=hardware
+            raw,
+            world,
+            model,
+            model_config,
+            limit=suggestions,
+            base_weight_bits=base_weight_bits,
+            hardware=hardware,
         )
     return report
+
+
+def _on_gpus(raw: RawJob) -> RawJob:
+    """A copy of ``raw`` built as the CUDA job the cluster will run, wherever the plan is made.
+
+    The device decides defaults that change the plan (FSDP2's bf16 mixed precision on GPUs; the
+    model's dtype and a host runtime on CPU), so planning for ``--cluster`` on a laptop must not take
+    the laptop's.
+
+    Raises:
+        ConfigError: ``launch.device`` is ``cpu``, which contradicts a cluster of GPUs.
+    """
+    device = raw.sections.get("launch", {}).get("device", "auto")
+    if device == "cpu":
+        raise ConfigError(
+            f"{raw.where('launch', 'device')}: launch.device=cpu contradicts --cluster (a cluster of GPUs): "
+            "drop the device setting or the cluster"
+        )
+    if device == "auto":
+        raw = copy.deepcopy(raw)
+        raw.set("launch", "device", "cuda", "--cluster")
+    return raw
 
 
 def _time_and_suggestion_lines(report: dict[str, Any], hardware: Cluster | None) -> list[str]:
