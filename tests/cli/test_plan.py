@@ -353,6 +353,8 @@ def test_a_cluster_plans_the_gpu_job_and_a_published_run_as_a_job_predicts_as_th
     fp32, bf16 = lines("float32"), lines("bfloat16")
     assert fp32["activations"] == bf16["activations"]
     assert fp32["parameters"] == 2 * bf16["parameters"]
+    # torch's AdamW keeps its two moments in the parameter's dtype.
+    assert fp32["optimizer"] == 2 * fp32["parameters"] and bf16["optimizer"] == 2 * bf16["parameters"]
     cpu = RawJob()
     cpu.set("launch", "device", "cpu", "--device")
     with pytest.raises(ConfigError, match=r"launch\.device=cpu contradicts --cluster"):

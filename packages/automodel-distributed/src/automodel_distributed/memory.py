@@ -248,7 +248,8 @@ class StrategyFacts(Protocol):
     params: float
     grads: float
     states: float
-    """Bytes of this rank's parameters, gradients and AdamW state (two fp32 values per trainable one)."""
+    """Bytes of this rank's parameters, gradients and AdamW state (two values per trainable one, in its
+    dtype)."""
     accumulated: float
     """Bytes of this rank's trainable parameters unsharded over the FSDP axis."""
     units: Sequence[int]
@@ -324,7 +325,7 @@ class StrategyMemory:
         lines = [
             ("parameters", int(facts.params), ""),
             ("gradients", int(facts.grads), ""),
-            ("optimizer", int(facts.states), "AdamW: 2 fp32 states per trainable parameter"),
+            ("optimizer", int(facts.states), "AdamW: 2 states per trainable parameter, in its dtype"),
         ]
         if self._deferred(facts) and facts.accumulated:
             note = f"unsharded, unreduced over {facts.accumulation} micro-batches (defer_fsdp_grad_sync)"
@@ -377,7 +378,8 @@ class StrategyMemory:
 
         FSDP gathers every unit in each forward (and again in backward when units reshard after
         forward, as they do for every micro-batch of gradient accumulation); gradients are reduced
-        once per step (the last micro-batch's backward). TP reduces or gathers each block's activations
+        once per step (the last micro-batch's backward) when ``defer_fsdp_grad_sync`` defers them or a
+        pipeline does, else in every micro-batch's backward. TP reduces or gathers each block's activations
         twice in each forward (again in a recompute) and twice in backward; CP passes K/V around the
         ring in each forward and K/V and their gradients in backward.
         """
@@ -398,7 +400,10 @@ class StrategyMemory:
             if self.reshard:
                 out.append(Collective(name, "dp_shard_cp", gathered, passes, Overlap.BACKWARD))
             reduced = (shard - 1) / shard * facts.grads * shard
-            out.append(Collective("FSDP reduce-scatter", "dp_shard_cp", reduced, 1, Overlap.BACKWARD))
+            reductions = 1 if self._deferred(facts) or facts.pipelined else passes
+            out.append(
+                Collective("FSDP reduce-scatter", "dp_shard_cp", reduced, reductions, Overlap.BACKWARD)
+            )
         if layout.dp_replicate > 1:
             r = layout.dp_replicate
             reduced = 2 * (r - 1) / r * facts.grads

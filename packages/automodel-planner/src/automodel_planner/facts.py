@@ -77,7 +77,8 @@ class _Tally:
                 self.accumulated += local
         if param.requires_grad:
             self.grads += param.numel() * param.element_size() / g_div
-            self.states += param.numel() * 8 / o_div
+            # torch's AdamW keeps both moments in the parameter's dtype (zeros_like).
+            self.states += param.numel() * 2 * param.element_size() / o_div
 
 
 @dataclass(frozen=True)

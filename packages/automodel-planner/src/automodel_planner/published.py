@@ -71,6 +71,8 @@ class PublishedRun:
     memory_gib: float | None = None
     dtype: str = "bfloat16"
     """The parameters' dtype as stored (computation follows FSDP2Config's bf16 mixed precision)."""
+    strategy: Mapping[str, Any] = field(default_factory=dict)
+    """Further `FSDP2Config` settings the source's job file states (``defer_fsdp_grad_sync``, ...)."""
 
 
 @functools.cache
@@ -129,6 +131,7 @@ def run_plan(run: PublishedRun) -> PlanInput:
         sequence_parallel=run.sequence_parallel,
         enable_async_tensor_parallel=run.async_tp,
         enable_compile=run.compile,
+        **run.strategy,
     )
     pipeline = None
     if run.pp_schedule is not None:

@@ -48,6 +48,7 @@ def published_job(run: Any, folder: str | Path) -> RawJob:
         ("distributed", "sequence_parallel", run.sequence_parallel),
         ("distributed", "enable_async_tensor_parallel", run.async_tp),
         ("distributed", "enable_compile", run.compile),  # FSDP2's compile, which async TP needs
+        *(("distributed", key, value) for key, value in run.strategy.items()),
     ]
     settings += [("parallelism", f"{axis}_size", size) for axis, size in sizes.items() if axis != "dp_shard"]
     if run.fp8:
