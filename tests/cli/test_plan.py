@@ -364,10 +364,18 @@ def test_a_cluster_plans_the_gpu_job_and_a_published_run_as_a_job_predicts_as_th
     assert {bool(r.lora_dim) for r in chosen} == {True, False} and any(r.sizes.get("cp") for r in chosen)
     for index, run in enumerate(chosen):
         raw = published_job(run, tmp_path / str(index))
-        report = plan_report(raw, hardware=parse_cluster(run.cluster), suggest=index == 0)
+        report = plan_report(raw, hardware=parse_cluster(run.cluster), suggest=index == 0, suggestions=99)
         assert report["throughput"].tokens_per_s_per_gpu == pytest.approx(predict(run).tokens_per_s_per_gpu)
         assert report["estimate"].total == pytest.approx(predict_memory(run).total, rel=1e-3), run.id
         assert report["resolved"].layout.dp_shard == run.sizes.get("dp_shard", 1), run.id
+        if index == 0:  # fitting first, fastest first; within 0.5% of the fastest, lowest peak first
+            ranked = report["suggestions"]
+            speeds = [e["throughput"]["tokens_per_s_per_gpu"] for e in ranked if e["fits"]]
+            tied = sum(speed >= max(speeds) * 0.995 for speed in speeds)
+            assert [e["fits"] for e in ranked] == sorted((e["fits"] for e in ranked), reverse=True)
+            assert min(speeds[:tied]) >= max(speeds) * 0.995 and speeds[tied:] == sorted(speeds[tied:])[::-1]
+            peaks = [e["peak_bytes"] for e in ranked[:tied]]
+            assert peaks == sorted(peaks)
 
 
 def test_calibrating_on_a_measured_log_reproduces_its_step_time(

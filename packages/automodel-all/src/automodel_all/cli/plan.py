@@ -212,7 +212,8 @@ def suggest_layouts(
     """Every valid layout of ``world`` ranks for the job, best first.
 
     Without ``hardware``: lowest peak, then least traffic. With it: the layouts whose peak fits the
-    device first, fastest (predicted tokens/s per GPU) first, then those that do not fit. A layout is
+    device first, fastest (predicted tokens/s per GPU) first, those within ``_TIED`` of the fastest by
+    lowest peak, then those that do not fit. A layout is
     valid when `resolve_job` accepts it (sizes divide, heads and layers suffice, batch splits). The
     job's own layout settings are replaced; everything else is kept.
     """
@@ -243,7 +244,27 @@ def suggest_layouts(
             order = (0 if fits else 1, -speed.tokens_per_s_per_gpu if fits else estimate.total)
         ranked.append((order, entry))
     ranked.sort(key=lambda item: item[0])
-    return [entry for _, entry in ranked[:limit]]
+    entries = [entry for _, entry in ranked]
+    return (_ties_by_memory(entries) if hardware is not None else entries)[:limit]
+
+
+_TIED = 0.005
+"""Predicted throughputs within this fraction of the fastest fitting layout's are a tie: finer than the
+time model can tell apart (its error on published runs is several percent)."""
+
+
+def _ties_by_memory(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``entries`` (fitting first, fastest first), those tied with the fastest ordered by peak, lowest first.
+
+    Of layouts equally fast, the one with the most memory to spare is the better choice.
+    """
+    fitting = [entry for entry in entries if entry["fits"]]
+    if not fitting:
+        return entries
+    fastest = fitting[0]["throughput"]["tokens_per_s_per_gpu"]
+    tied = [e for e in fitting if e["throughput"]["tokens_per_s_per_gpu"] >= fastest * (1 - _TIED)]
+    rest = [entry for entry in entries if all(entry is not t for t in tied)]
+    return sorted(tied, key=lambda entry: entry["peak_bytes"]) + rest
 
 
 def _config_has_experts(config: Any) -> bool:
