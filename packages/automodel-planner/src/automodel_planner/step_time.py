@@ -25,8 +25,11 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   after a row-parallel layer, in forward, recompute and, mirrored, backward): cut in ``tp`` chunks, it
   hides behind all but one chunk of those matmuls, and only its excess over them is exposed. A
   collective's time is its group's links'
-  (`Cluster.seconds`, from `MeshLayout.group`): NVLink inside a node; across nodes a ring's share
-  that must enter each node, over as many network links as the group has ranks in the node.
+  (`Cluster.seconds`, from `MeshLayout.group`): NVLink inside a node; across nodes one ring per
+  network link the group has in a node, each carrying a rank's share into the node.
+- **ring attention** (context parallelism) merges each ring step's output into the running one in
+  fp32 after every step but the first, and accumulates the gradients likewise in backward: eager
+  memory traffic per element of the attention's output (`_RING_MERGE_FORWARD`, `_RING_MERGE_BACKWARD`).
 - **pipeline**: the slowest stage's pass times the schedule's length, ``n_micro + (pp - 1) / v`` passes
   for ``v`` stages per rank (1F1B, GPipe and interleaved schedules alike; the ``(pp - 1) / v`` is the
   bubble).
@@ -295,11 +298,12 @@ def _rank_pass(
 
 
 def _add_ring_merges(one: _Pass, per_byte: float, options: StepOptions) -> None:
-    """Add ring attention's merges to a block's pass: ``per_byte`` seconds per byte per output element.
+    """Add ring attention's merges to a block's pass (mutates ``one``).
 
     Each ring step after the first merges its output into the running one in forward (again in a full
     recompute; selective checkpointing saves the attention's output) and accumulates the gradients of
-    its query, keys and values in backward.
+    its query, keys and values in backward. ``per_byte``: the seconds of moving one byte per element of
+    the attention's output once in every ring step after the first.
     """
     one.forward += _RING_MERGE_FORWARD * per_byte
     one.backward += _RING_MERGE_BACKWARD * per_byte
