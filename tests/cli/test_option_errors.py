@@ -96,6 +96,10 @@ PLAN_CASES: dict[str, tuple[list[str], str]] = {
     "device-memory": (["--device-memory", "lots"], "expected a size such as 80GiB"),
     "calibrate without cluster": (["--calibrate", MISSING], "--calibrate needs --cluster"),
     "calibrate not a log": (["--calibrate", A_FILE, "--cluster", "8xH100"], "not a train_log.jsonl"),
+    "cluster on a cpu": (
+        ["--device", "cpu", "--cluster", "8xH100"],
+        "launch.device=cpu contradicts --cluster",
+    ),
     "world-size": (["--world-size", "0"], "expected at least 1"),
     "qlora-bits": (["--qlora-bits", "3"], "invalid choice"),
 }
@@ -123,9 +127,9 @@ def _run(argv: list[str]) -> tuple[int, list[str]]:
 def _check(command: str, argv: list[str], expected: str, tmp: Path) -> None:
     _fixtures(tmp)
     args = [arg.format(tmp=tmp) for arg in argv]
-    extra = (
-        ["--output-dir", str(tmp / "run"), "--device", "cpu"] if command == "train" else ["--device", "cpu"]
-    )
+    # A plan for a cluster is the cluster's CUDA job, whatever this host is: no CPU device for it.
+    device = [] if "--cluster" in args else ["--device", "cpu"]
+    extra = ["--output-dir", str(tmp / "run"), *device] if command == "train" else device
     code, lines = _run([command, *extra, *args])
     flag = argv[0]
     assert code == 2, (argv, code, lines)

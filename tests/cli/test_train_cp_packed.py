@@ -66,16 +66,16 @@ def test_concatenated_rows_train_the_same_under_all_to_all_cp_with_pipeline_stag
 
     model = save_tiny_checkpoint("llama", tmp_path / "llama", vocab_size=2048)
     tokenizer = train_tokenizer(builtin_corpus(), tmp_path / "tokenizer")
-    concat = ("--packing", "concat")
+    # At lr 0.01 this run spikes (gradient norm 2.7 -> 9.0 at step 4), and Adam amplifies the fp32
+    # reduction-order differences (the pipeline sums its microbatches' gradients in another order) past
+    # 1e-5 by step 4 on some CPUs (1.1e-5 relative on an AMD EPYC, 2e-6 on an Intel Xeon); at 0.003 there
+    # is no spike and every figure agrees to 1e-7. A wrong shard or mask is off by far more than 1e-5.
+    concat = ("--packing", "concat", "--lr", "0.003")
     plain = _train(model, tokenizer, tmp_path / "dp", *concat)
     layout = ("--cp", "2", "--cp-ulysses-degree", "2", "--pp", "2", "--nproc-per-node", "4")
     cp_pp = _train(model, tokenizer, tmp_path / "cp_pp", *concat, *layout)
     assert len(plain) == len(cp_pp) == 5
-    # Step 4's gradient norm follows a spike (2.7 -> 9.0) that magnifies fp32 reduction-order differences
-    # (the pipeline sums its microbatches' gradients in another order): observed 2.8e-5 relative, with
-    # the losses and the evaluation loss within 2e-6. A wrong shard or mask is off by far more than 1e-4.
-    tolerance = {"loss": TOL, "eval_loss": TOL, "grad_norm": 1e-4}
     for a, b in zip(plain, cp_pp, strict=True):
-        for key, tol in tolerance.items():
+        for key in ("loss", "grad_norm", "eval_loss"):
             if key in a:
-                assert abs(a[key] - b[key]) <= tol * max(1.0, abs(a[key])), (key, a, b)
+                assert abs(a[key] - b[key]) <= TOL * max(1.0, abs(a[key])), (key, a, b)
