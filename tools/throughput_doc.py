@@ -9,7 +9,9 @@ the committed efficiencies (`automodel_planner.step_time.DEFAULT_EFFICIENCY`). `
 efficiencies on the calibration rows (`fit_efficiency`) and prints them (paste them into
 ``DEFAULT_EFFICIENCY`` to adopt them); the page is written from the committed ones either way, so what it
 shows is what ``automodel plan`` predicts. Each row gives the published and predicted tokens/s per GPU,
-the error, and the largest parts of the predicted step.
+the error, and the largest parts of the predicted step; then what ``automodel plan --suggest`` picks for
+each run's cluster and batch beside the published layout (every valid layout of 512 GPUs is planned: a
+few minutes in all).
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def _suggestion_table(rows: list[dict[str, Any]]) -> list[str]:
         "Each run as the job a user would write for it (`automodel_all.cli.published_jobs`: the same model, "
         "batch per step, sequence, checkpointing, compile, float8 and adapters), given to `automodel plan "
         "--cluster ... --suggest`, which ranks every valid layout of the cluster's GPUs: those whose "
-        "predicted peak fits the device first, fastest first. The table gives its first pick beside the "
+        "predicted peak fits the device first, fastest first (those within 0.5% of the fastest, closer "
+        "than the model can tell apart, by lowest peak). The table gives its first pick beside the "
         "published layout, that layout's place in the ranking, and, where the pick differs, why: the parts "
         "of the predicted step that differ most between the two.",
         "",
