@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -165,8 +166,8 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
 
     h100, name = parse_cluster("8xH100"), "exposed TP all-reduce (or AG+RS)"
 
-    def tp_exposed(**strategy: object) -> float:
-        plan = _plan(sizes={"tp_size": 2}, strategy=FSDP2Config(sequence_parallel=True, **strategy))  # type: ignore[arg-type]
+    def tp_exposed(**strategy: Any) -> float:
+        plan = _plan(sizes={"tp_size": 2}, strategy=FSDP2Config(sequence_parallel=True, **strategy))
         return estimate_throughput(plan, h100).parts[name]
 
     plain = tp_exposed()
@@ -203,7 +204,7 @@ def test_ring_attention_pays_its_merges_for_each_step_after_the_first(
     h100 = parse_cluster("8xH100")
     eager = h100.device.hbm_bytes_per_s * step_time.DEFAULT_EFFICIENCY.memory  # merges are not compiled
 
-    def step(cp: int, merges: bool) -> object:
+    def step(cp: int, merges: bool) -> step_time.StepTime:
         monkeypatch.setattr(step_time, "_RING_MERGE_FORWARD", 40.0 if merges else 0.0)
         monkeypatch.setattr(step_time, "_RING_MERGE_BACKWARD", 20.0 if merges else 0.0)
         strategy = FSDP2Config(activation_checkpointing="full", enable_compile=True)
