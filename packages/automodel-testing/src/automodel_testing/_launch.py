@@ -10,6 +10,7 @@ unpickles the arguments, which may reference classes defined in that module.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import importlib.util
 import os
@@ -58,6 +59,7 @@ class LaunchSpec:
             (see `rank_environment` for the per-rank ones).
         cwd: The caller's working directory at launch; every rank runs there.
         device_audit: Whether the function runs under `implicit_device_audit` (see `run_distributed`).
+        output_dir: Where each rank's stdout and stderr go (`rank_output_path`); empty: inherited.
     """
 
     fn_ref: FunctionRef
@@ -71,6 +73,29 @@ class LaunchSpec:
     env: Mapping[str, str]
     cwd: str
     device_audit: bool = True
+    output_dir: str = ""
+
+
+def rank_output_path(output_dir: str, rank: int) -> str:
+    """The file that holds rank ``rank``'s stdout and stderr under ``output_dir``."""
+    return os.path.join(output_dir, f"rank{rank}.log")
+
+
+def _redirect_output(spec: LaunchSpec, rank: int) -> None:
+    """Send this rank's stdout and stderr (file descriptors 1 and 2) to its file in ``spec.output_dir``.
+
+    A forked rank inherits the fork server's descriptors, which point wherever the server's first
+    caller's were (a pytest capture long closed): without this, a crash message is lost.
+    """
+    if not spec.output_dir:
+        return
+    fd = os.open(rank_output_path(spec.output_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def rank_environment(spec: LaunchSpec, rank: int) -> dict[str, str]:
@@ -221,8 +246,12 @@ def worker_main(rank: int, spec: LaunchSpec, queue: Any) -> None:
     ``spec.cwd``) before anything else runs, so a rank sees what a freshly spawned interpreter would.
     The result is pickled here, so an unpicklable return value is reported as this rank's error
     instead of being lost in the queue's feeder thread. The default process group, whoever created
-    it, is destroyed at the end.
+    it, is destroyed at the end. The rank's stdout and stderr go to its file in ``spec.output_dir``
+    (the caller reports them), and a fatal signal (a native crash in torch, gloo or a kernel) first
+    writes every thread's Python stack there, so the failure names where it happened.
     """
+    _redirect_output(spec, rank)
+    faulthandler.enable(all_threads=True)
     _become_group_leader()
     os.environ.clear()
     os.environ.update(rank_environment(spec, rank))

@@ -19,6 +19,7 @@ import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,7 +29,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from automodel_testing._launch import LaunchSpec, rank_environment, resolve_function_ref, worker_main
+from automodel_testing._launch import (
+    LaunchSpec,
+    rank_environment,
+    rank_output_path,
+    resolve_function_ref,
+    worker_main,
+)
 
 if TYPE_CHECKING:
     import pytest
@@ -43,6 +50,7 @@ _FAILURE_GRACE_S = 5.0  # after the first failure, how long the other ranks get 
 _EXIT_GRACE_S = 15.0  # after every rank returned, how long they get to exit
 _KILL_WAIT_S = 2.0  # how long SIGTERM gets before SIGKILL
 _POLL_S = 0.05
+_OUTPUT_TAIL_LINES = 60  # of a rank's output, quoted in the error when it died without a report
 PRELOAD: tuple[str, ...] = (
     "torch",
     "torch.distributed.fsdp",
@@ -288,7 +296,13 @@ class _Monitor:
     def succeeded(self) -> bool:
         return not self.failure_order and not self.timed_out and not self.unfinished()
 
-    def failure_message(self, title: str, unfinished: Sequence[int], exit_codes: Sequence[int | None]) -> str:
+    def failure_message(
+        self,
+        title: str,
+        unfinished: Sequence[int],
+        exit_codes: Sequence[int | None],
+        outputs: Sequence[str],
+    ) -> str:
         first = self.failure_order[0] if self.failure_order else None
         if self.timed_out:
             headline = (
@@ -304,11 +318,14 @@ class _Monitor:
         for rank, code in enumerate(exit_codes):
             report = "raised" if rank in self.errors else "returned" if rank in self.results else "no report"
             if report == "no report" and rank in self.failure_order:
-                report += " (its own output went to stderr)"
+                report += " (its output ends below)"
             lines.append(f"  rank {rank}: {report}; {_describe_end(code, rank in unfinished)}")
         for rank in self.failure_order:
             if rank in self.errors:
                 lines.append(f"----- rank {rank} traceback -----\n{self.errors[rank].rstrip()}")
+            elif outputs[rank].strip():
+                tail = "\n".join(outputs[rank].rstrip().splitlines()[-_OUTPUT_TAIL_LINES:])
+                lines.append(f"----- rank {rank} output (last {_OUTPUT_TAIL_LINES} lines) -----\n{tail}")
         return "\n".join(lines)
 
     def failures(self, exit_codes: Sequence[int | None], unfinished: Sequence[int]) -> dict[int, str]:
@@ -424,6 +441,7 @@ def run_distributed(
         env=_shared_env(world_size, env),
         cwd=os.getcwd(),
         device_audit=device_audit,
+        output_dir=tmpdir,
     )
     ctx = _context(start_method)
     queue = ctx.Queue()
@@ -443,15 +461,37 @@ def run_distributed(
         unfinished = monitor.unfinished()
         _stop_all(procs)
         exit_codes = [proc.exitcode for proc in procs]
+        outputs = [_read_output(tmpdir, rank) for rank in range(world_size)]
         raise DistributedRunError(
-            monitor.failure_message(title, unfinished, exit_codes),
+            monitor.failure_message(title, unfinished, exit_codes, outputs),
             failures=monitor.failures(exit_codes, unfinished),
             unfinished=unfinished,
         )
     finally:
         _stop_all(procs)
         queue.close()
+        _replay_output(tmpdir, len(procs))
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _read_output(folder: str, rank: int) -> str:
+    """What rank ``rank`` wrote to its stdout and stderr (empty when it wrote nothing)."""
+    try:
+        with open(rank_output_path(folder, rank), encoding="utf-8", errors="replace") as file:
+            return file.read()
+    except FileNotFoundError:
+        return ""
+
+
+def _replay_output(folder: str, world_size: int) -> None:
+    """Write each rank's output to this process's stderr, where the caller (a pytest capture) sees it."""
+    for rank in range(world_size):
+        output = _read_output(folder, rank)
+        if output:
+            sys.stderr.write(f"----- run_distributed rank {rank} output -----\n{output}")
+            if not output.endswith("\n"):
+                sys.stderr.write("\n")
+    sys.stderr.flush()
 
 
 def _unpickle_results(results: Mapping[int, bytes], world_size: int, title: str) -> list[Any]:

@@ -53,6 +53,12 @@ def _exit_on_rank_1() -> int:
     return 0
 
 
+def _crash_on_rank_1() -> int:
+    if int(os.environ["RANK"]) == 1:
+        signal.raise_signal(signal.SIGSEGV)  # what a native crash in torch or gloo delivers
+    return 0
+
+
 def _sleep_on_rank_1() -> int:
     if int(os.environ["RANK"]) == 1:
         time.sleep(3600)
@@ -134,9 +140,20 @@ def test_rank_that_exits_is_reported_with_its_exit_code() -> None:
     with pytest.raises(DistributedRunError) as info:
         run_distributed(_exit_on_rank_1, 2, init_process_group=False, timeout_s=120.0)
     message = str(info.value)
-    assert "rank 1: no report (its own output went to stderr); exited with code 3" in message
+    assert "rank 1: no report (its output ends below); exited with code 3" in message
     assert info.value.failures == {1: "exited with code 3"}
     assert 1 not in info.value.unfinished
+
+
+@pytest.mark.distributed
+def test_a_native_crash_prints_the_python_stack_of_the_rank(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_crash_on_rank_1, 2, init_process_group=False, timeout_s=120.0)
+    assert info.value.failures == {1: "killed by signal SIGSEGV"}
+    # faulthandler's report, in the error and on this test's stderr: it names the function that crashed
+    for text in (str(info.value), capfd.readouterr().err):
+        assert "Fatal Python error: Segmentation fault" in text
+        assert "in _crash_on_rank_1" in text
 
 
 @pytest.mark.distributed
