@@ -721,7 +721,8 @@ def _check_installed(
             session.run(
                 str(installed.python), "-I", "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node=2", str(ROOT / example), external=True,
-                env={"PYTHONPATH": None, "OMP_NUM_THREADS": "1"},
+                # faulthandler: a native crash in a rank prints every thread's Python stack.
+                env={"PYTHONPATH": None, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"},
             )  # fmt: skip
     errors = []
     if not str(report["file"]).startswith(str(installed.venv)):

@@ -48,7 +48,8 @@ def _params() -> list[object]:
 @pytest.mark.parametrize("path", _params())
 def test_example_runs(path: Path, tmp_path: Path) -> None:
     command, _ = _command(path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    # faulthandler: a native crash in a rank (or the launcher) prints every thread's Python stack.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "PYTHONFAULTHANDLER": "1"}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, (
         f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
