@@ -32,12 +32,15 @@ from automodel_distributed.config import (
 from automodel_mesh import Collective, MeshLayout, Overlap
 
 __all__ = [
+    "OuterUnits",
     "Placement",
     "StrategyFacts",
     "StrategyMemory",
+    "always_resharded_units",
     "fsdp_buffer_bytes",
     "fsdp_comm_buffer_bytes",
     "layer_index",
+    "outer_units",
     "placement_rule",
 ]
 
@@ -69,8 +72,16 @@ def layer_index(name: str) -> int | None:
     return None
 
 
-def _outer_units(model: nn.Module) -> dict[str, tuple[int, bool]]:
-    """FQN -> (forward order, resharded even when told not to) of the FSDP units outside the blocks."""
+OuterUnits = dict[str, tuple[int, bool]]
+"""FQN -> (forward order, resharded even when told not to) of the FSDP units outside the blocks."""
+
+
+def outer_units(model: nn.Module) -> OuterUnits:
+    """The FSDP units `plan_fsdp_units` makes of ``model`` outside its blocks (see `OuterUnits`).
+
+    A function of the model alone (a walk of its modules): a planner trying many layouts of one model
+    computes it once and hands it to `placement_rule` and `always_resharded_units`. Mutates nothing.
+    """
     from automodel_distributed.blocks import find_transformer_blocks
     from automodel_distributed.fsdp2_units import plan_fsdp_units
 
@@ -105,13 +116,19 @@ def _divisors(config: DistributedConfig, shard: int, tp: int) -> tuple[float, fl
 
 
 def placement_rule(
-    config: DistributedConfig, layout: MeshLayout, model: nn.Module, dtype: torch.dtype
+    config: DistributedConfig,
+    layout: MeshLayout,
+    model: nn.Module,
+    dtype: torch.dtype,
+    *,
+    outer: OuterUnits | None = None,
 ) -> Callable[[str], Placement]:
     """How the strategy places each named parameter of ``model`` on ``layout`` (see `Placement`).
 
     FSDP (FSDP2, Megatron-FSDP) shards dense parameters over ``dp_shard x cp x tp`` and experts over
     ``ep x ep_shard x tp``; DDP shards nothing. Experts on a one-rank ``ep_shard`` stay out of FSDP
-    unless their dtype is cast for compute (`automodel_distributed.one_rank_units`).
+    unless their dtype is cast for compute (`automodel_distributed.one_rank_units`). ``outer``:
+    `outer_units` of ``model``, when the caller has it (computed here otherwise).
     """
     tp, fsdp = layout.tp, not isinstance(config, DDPConfig)
     dense = layout.dp_shard * layout.cp * tp if fsdp else 1
@@ -122,7 +139,7 @@ def placement_rule(
         not isinstance(config, FSDP2Config) or layout.ep_shard > 1 or policy.param_dtype not in (None, dtype)
     )
     whole = _replicated_prefixes(config, model)
-    outer = _outer_units(model)
+    outer = outer if outer is not None else outer_units(model)
 
     def place(name: str) -> Placement:
         index = layer_index(name)
@@ -143,9 +160,13 @@ def placement_rule(
     return place
 
 
-def always_resharded_units(model: nn.Module) -> set[str]:
-    """Units FSDP2 reshards after forward even with ``reshard_after_forward=False`` (outside pipelines)."""
-    return {fqn for fqn, (_, resharded) in _outer_units(model).items() if resharded}
+def always_resharded_units(model: nn.Module, outer: OuterUnits | None = None) -> set[str]:
+    """Units FSDP2 reshards after forward even with ``reshard_after_forward=False`` (outside pipelines).
+
+    ``outer``: `outer_units` of ``model``, when the caller has it (computed here otherwise).
+    """
+    units = outer if outer is not None else outer_units(model)
+    return {fqn for fqn, (_, resharded) in units.items() if resharded}
 
 
 def fsdp_buffer_bytes(

@@ -21,6 +21,7 @@ from automodel_planner.step_time import (
     Efficiency,
     StepOptions,
     StepTime,
+    WeightKinds,
     estimate_step_time,
     model_flops_per_token,
     weight_kinds,
@@ -189,7 +190,6 @@ def estimate_throughput(
             without float8 tensor cores.
     """
     from automodel_distributed.activation_checkpointing import resolve_checkpointing_mode
-    from automodel_distributed.blocks import find_transformer_blocks
 
     if cluster.count != plan.layout.world_size:
         raise ValueError(
@@ -213,7 +213,7 @@ def estimate_throughput(
         ranks=ranks,
         terms=terms,
         compute=profile.compute,
-        kinds=weight_kinds(plan.model, find_transformer_blocks(plan.model)),
+        kinds=_weight_kinds(plan),
         cluster=cluster,
         tokens_per_step=plan.tokens_per_step,
         options=options,
@@ -228,11 +228,17 @@ def flops_per_token(plan: PlanInput, *, profile_cache: ProfileCache | None = Non
     The count `estimate_throughput` uses (`step_time.model_flops_per_token`): three times the forward's
     matmul FLOPs of trainable weights, twice those of frozen ones, three times the attention's.
     """
+    profile = step_profile(plan, profile_cache)
+    return model_flops_per_token(profile.compute, _weight_kinds(plan), cp=plan.layout.cp)
+
+
+def _weight_kinds(plan: PlanInput) -> WeightKinds:
+    """`weight_kinds` of ``plan``'s model (a function of the model: memoized)."""
     from automodel_distributed.blocks import find_transformer_blocks
 
-    profile = step_profile(plan, profile_cache)
-    kinds = weight_kinds(plan.model, find_transformer_blocks(plan.model))
-    return model_flops_per_token(profile.compute, kinds, cp=plan.layout.cp)
+    return plan.model_fact(
+        "weight_kinds", lambda: weight_kinds(plan.model, find_transformer_blocks(plan.model))
+    )
 
 
 def calibrate_efficiency(

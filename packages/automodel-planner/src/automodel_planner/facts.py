@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from automodel_distributed.activation_checkpointing import resolve_checkpointing_mode
-from automodel_distributed.memory import Placement, layer_index, placement_rule
+from automodel_distributed.memory import (
+    OuterUnits,
+    Placement,
+    always_resharded_units,
+    layer_index,
+    outer_units,
+    placement_rule,
+)
 from automodel_mesh import MeshLayout
 from automodel_planner.inputs import PlanInput
 
@@ -153,7 +160,7 @@ def _size(plan: PlanInput, param: nn.Parameter, index: int | None) -> float:
 
 def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
     pp = plan.layout.pp
-    place = placement_rule(plan.strategy, plan.layout, plan.model, plan.dtype)
+    place = placement_rule(plan.strategy, plan.layout, plan.model, plan.dtype, outer=_outer(plan))
     cast = _Cast.of(plan.strategy)
     census = _Census([_Tally() for _ in range(pp)])
     for name, param in plan.model.named_parameters():
@@ -195,7 +202,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
     """
     owned = _owned_blocks(plan, pipeline)
     census = _census(plan, {b: rank for rank, blocks in enumerate(owned) for b in blocks})
-    freed = _freed_units(plan.model)
+    freed = always_resharded_units(plan.model, _outer(plan))
     pp, hidden = plan.layout.pp, plan.config_int("hidden_size")
     heads = plan.config_int("num_attention_heads", default=1)
     attention = (
@@ -244,7 +251,6 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
     return facts
 
 
-def _freed_units(model: nn.Module) -> set[str]:
-    from automodel_distributed.memory import always_resharded_units
-
-    return always_resharded_units(model)
+def _outer(plan: PlanInput) -> OuterUnits:
+    """The FSDP units outside the blocks of ``plan``'s model (a function of the model: memoized)."""
+    return plan.model_fact("outer_units", lambda: outer_units(plan.model))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from automodel_quant.fp8 import FP8Config
 
 __all__ = ["PlanInput"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,11 +56,21 @@ class PlanInput:
     attn_implementation: str | None = None
     compile: bool = False
     """Whether the blocks are compiled (``torch.compile``): the time model fuses their elementwise ops."""
+    model_memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What the estimates compute from ``model`` alone (`model_fact`). Plans of one model, unchanged
+    between them, may share one dict: ``automodel plan --suggest`` does for every layout it tries."""
 
     @functools.cached_property
     def memo(self) -> dict[Any, Any]:
         """What the estimates compute from this plan alone, kept for its next estimate (it is frozen)."""
         return {}
+
+    def model_fact(self, name: str, compute: Callable[[], T]) -> T:
+        """``compute()``, a function of ``model`` alone, kept in `model_memo` under ``name``."""
+        if name not in self.model_memo:
+            self.model_memo[name] = compute()
+        value: T = self.model_memo[name]
+        return value
 
     @property
     def element_size(self) -> int:

@@ -219,6 +219,7 @@ def suggest_layouts(
     """
     moe = _config_has_experts(model_config)
     cache: ProfileCache = {}
+    memo: dict[str, Any] = {}  # what the planner derives from the model alone, for every layout
     ranked: list[tuple[Any, dict[str, Any]]] = []
     for sizes in _candidates(world, moe):
         trial = copy.deepcopy(raw)
@@ -230,7 +231,7 @@ def suggest_layouts(
             resolved = resolve_job(job, world, model_config)
         except (ConfigError, ValueError):
             continue
-        planned = plan_input(resolved, model, model_config, base_weight_bits)
+        planned = plan_input(resolved, model, model_config, base_weight_bits, memo)
         estimate = estimate_peak(planned, profile_cache=cache)
         if hardware is not None:  # GPUs: torch's caching allocator holds more than the tensors
             estimate = with_allocator_reserve(estimate)

@@ -47,9 +47,17 @@ def compute_dtype(job: JobConfig) -> torch.dtype:
 
 
 def plan_input(
-    resolved: ResolvedJob, model: nn.Module, model_config: Any, base_weight_bits: int | None = None
+    resolved: ResolvedJob,
+    model: nn.Module,
+    model_config: Any,
+    base_weight_bits: int | None = None,
+    model_memo: dict[str, Any] | None = None,
 ) -> PlanInput:
-    """The planner's view of a job (`automodel_planner.PlanInput`) on its resolved layout."""
+    """The planner's view of a job (`automodel_planner.PlanInput`) on its resolved layout.
+
+    ``model_memo``: shared by the plans of one model (`PlanInput.model_memo`), e.g. every layout a
+    search tries; a fresh one by default.
+    """
     from automodel_planner import PlanInput
 
     job = resolved.job
@@ -70,4 +78,5 @@ def plan_input(
         base_weight_bits=base_weight_bits,
         attn_implementation=job.model.attn_implementation,
         compile=job.compile is not None and job.compile.enabled,
+        model_memo=model_memo if model_memo is not None else {},
     )
