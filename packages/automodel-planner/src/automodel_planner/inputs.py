@@ -58,7 +58,8 @@ class PlanInput:
     """Whether the blocks are compiled (``torch.compile``): the time model fuses their elementwise ops."""
     model_memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What the estimates compute from ``model`` alone (`model_fact`). Plans of one model, unchanged
-    between them, may share one dict: ``automodel plan --suggest`` does for every layout it tries."""
+    (not mutated) between them, may share one dict: ``automodel plan --suggest`` does for every layout
+    it tries."""
 
     @functools.cached_property
     def memo(self) -> dict[Any, Any]:
@@ -66,10 +67,16 @@ class PlanInput:
         return {}
 
     def model_fact(self, name: str, compute: Callable[[], T]) -> T:
-        """``compute()``, a function of ``model`` alone, kept in `model_memo` under ``name``."""
-        if name not in self.model_memo:
-            self.model_memo[name] = compute()
-        value: T = self.model_memo[name]
+        """``compute()``, a function of ``model`` alone, kept in `model_memo` under ``name``.
+
+        An entry made for another model object (a plan copied with ``dataclasses.replace(model=...)``
+        keeps the dict) is computed again.
+        """
+        entry = self.model_memo.get(name)
+        if entry is None or entry[0] is not self.model:
+            entry = (self.model, compute())
+            self.model_memo[name] = entry
+        value: T = entry[1]
         return value
 
     @property

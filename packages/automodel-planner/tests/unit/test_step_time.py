@@ -248,3 +248,24 @@ def test_gpus_are_found_by_the_names_cuda_reports_and_flops_per_token_is_the_tim
         assert device_named(other) is None, other
     plan = _plan()
     assert flops_per_token(plan) == estimate_throughput(plan, parse_cluster("8xH100")).model_flops_per_token
+
+
+def test_plans_of_one_model_share_what_the_planner_derives_from_it() -> None:
+    """`PlanInput.model_memo`: computed once per model object, the same estimates as without sharing."""
+    plan = _plan()
+    calls: list[int] = []
+
+    def count() -> int:
+        calls.append(1)
+        return len(calls)
+
+    tp = dataclasses.replace(plan, layout=resolve_layout(MeshKind.FSDP2, ParallelismSizes(tp_size=2), 8))
+    assert plan.model_fact("probe", count) == tp.model_fact("probe", count) == 1  # one memo, one model
+    other = dataclasses.replace(plan, model=_meta_model(_config()))  # the dict travels with the copy
+    assert other.model_fact("probe", count) == 2  # another model object: computed again
+    cluster = parse_cluster("8xH100")
+    for shared in (plan, tp):
+        estimate_throughput(shared, cluster)
+    assert {"outer_units", "weight_kinds"} <= set(plan.model_memo)
+    fresh = dataclasses.replace(tp, model_memo={})
+    assert estimate_throughput(tp, cluster).parts == estimate_throughput(fresh, cluster).parts
