@@ -13,10 +13,11 @@ which op produced each tensor so that selective checkpointing's save list
 profile. `activation_bytes` then combines a profile with a checkpointing mode and the number of
 micro-batches a pipeline rank holds at once.
 
-No process group, no mesh axes: pure functions of the model config and the sizes given. transformers
-treats a fake tensor as tracing and takes its traceable path (an explicit causal mask, a few more saved
-tensors), so the profile errs a few percent high against an eager forward
-(``tests/unit/test_activations.py`` bounds it at 10%).
+No process group, no mesh axes: pure functions of the model config and the sizes given. Where
+transformers treats a fake tensor as tracing, it takes its traceable path (a few more saved tensors;
+in older releases an explicit causal mask too), so the profile errs a few percent high against an
+eager forward (``tests/unit/test_activations.py`` bounds it at 10%). Without a padding mask the
+transformers this workspace locks calls SDPA with ``is_causal``, as on a GPU: no ``s x s`` mask.
 """
 
 from __future__ import annotations
