@@ -7,7 +7,7 @@ to the rest of the model, block ``-1``):
 - matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, ...): ``2 x output elements x the
   contracted size`` FLOPs, under the module that ran them (so that the time model can tell a trainable
   weight's matmul, whose backward is twice its forward, from a frozen one's, whose backward computes the
-  input gradient only);
+  input gradient only), and the bytes of their outputs (what async TP's reduction reads);
 - attention kernels (the ``scaled_dot_product`` family): ``4 b h s_q s_k d`` FLOPs, as torch's flop
   counter counts them (the whole score matrix; the time model halves it for a causal mask), and the
   ``b h s_q d`` elements of their output (what ring attention merges after each step);
@@ -42,6 +42,8 @@ class BlockCompute:
 
     matmul_flops: dict[str, float] = field(default_factory=dict)
     """Module FQN (in the profiled model) -> forward matmul FLOPs of that module."""
+    matmul_output_bytes: dict[str, float] = field(default_factory=dict)
+    """Module FQN -> bytes of its matmuls' outputs (what a row-parallel layer's partial sums occupy)."""
     attention_flops: float = 0.0
     """Forward FLOPs of the attention kernels, the whole score matrix counted."""
     attention_outputs: float = 0.0
@@ -113,6 +115,8 @@ class ComputeRecorder(TorchDispatchMode):
         target = self.blocks[block] if block >= 0 else self.outside
         if name in _MATMULS:
             target.matmul_flops[fqn] = target.matmul_flops.get(fqn, 0.0) + _matmul_flops(args, out)
+            written = sum(t.numel() * t.element_size() for t in _tensors(out)[:1])
+            target.matmul_output_bytes[fqn] = target.matmul_output_bytes.get(fqn, 0.0) + written
         elif "scaled_dot_product" in name:
             flops, outputs = _attention_flops(args)
             target.attention_flops += flops
@@ -130,6 +134,8 @@ class ComputeRecorder(TorchDispatchMode):
         blocks = list(self.blocks)
         for index, source in (copies or {}).items():
             blocks[index] = dataclasses.replace(
-                blocks[source], matmul_flops=dict(blocks[source].matmul_flops)
+                blocks[source],
+                matmul_flops=dict(blocks[source].matmul_flops),
+                matmul_output_bytes=dict(blocks[source].matmul_output_bytes),
             )
         return ComputeProfile(blocks=tuple(blocks), outside=self.outside, tokens=tokens)

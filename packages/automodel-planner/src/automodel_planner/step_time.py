@@ -23,7 +23,9 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   of a block's TP collectives is micro-pipelined with the matmuls it feeds or is fed by, as torch's
   micro-pipeline pass fuses them (the all-gather before a column-parallel group, the reduce-scatter
   after a row-parallel layer, in forward, recompute and, mirrored, backward): cut in ``tp`` chunks, it
-  hides behind all but one chunk of those matmuls, and only its excess over them is exposed. A
+  hides behind all but one chunk of those matmuls, and only its excess over them is exposed; the
+  fused matmul-reduce-scatter then sums the ranks' partial products in a kernel of its own, reading the
+  row-parallel layer's whole unreduced output and writing a ``1 / tp`` of it (HBM rate). A
   collective's time is its group's links'
   (`Cluster.seconds`, from `MeshLayout.group`): NVLink inside a node; across nodes one ring per
   network link the group has in a node, each carrying a rank's share into the node.
@@ -292,6 +294,9 @@ def _rank_pass(
         one = _block_pass(scaled, index, kinds, rates, tp, options.checkpointing if index >= 0 else False)
         if cp > 1 and index >= 0:
             _add_ring_merges(one, (cp - 1) * block.attention_outputs / tp / rates.eager_memory, options)
+        if options.async_tp and tp > 1 and index >= 0:
+            seconds = _rowwise_output_bytes(block, index, kinds) * (1 + 1 / tp) / rates.eager_memory
+            _add_partial_sums(one, seconds, options)
         for name in vars(total):
             setattr(total, name, getattr(total, name) + getattr(one, name))
     return total
@@ -309,6 +314,29 @@ def _add_ring_merges(one: _Pass, per_byte: float, options: StepOptions) -> None:
     one.backward += _RING_MERGE_BACKWARD * per_byte
     if options.checkpointing == "full":
         one.recompute += _RING_MERGE_FORWARD * per_byte
+
+
+def _rowwise_output_bytes(block: BlockCompute, index: int, kinds: WeightKinds) -> float:
+    """Bytes of a block's row-parallel layers' outputs in one forward, before tensor parallelism."""
+    return sum(
+        size for name, size in block.matmul_output_bytes.items() if kinds(index, name).tp_style == "rowwise"
+    )
+
+
+def _add_partial_sums(one: _Pass, seconds: float, options: StepOptions) -> None:
+    """Add async TP's reductions of partial sums to a block's pass (mutates ``one``).
+
+    torch's fused matmul-reduce-scatter (``_fused_matmul_reduce_scatter``, what the micro-pipeline pass
+    makes of a row-parallel layer and its reduce-scatter) gathers every rank's partial products of the
+    rank's rows into one buffer and sums them in a kernel of its own on the compute stream: it reads
+    the layer's whole unreduced output and writes a ``1 / tp`` of it. ``seconds``: those bytes of one
+    forward at the HBM rate. The pass runs in each forward (a full recompute's too) and, mirrored for
+    the column-parallel groups' input gradients, in backward.
+    """
+    one.forward += seconds
+    one.backward += seconds
+    if options.checkpointing == "full":
+        one.recompute += seconds
 
 
 def _exposed(

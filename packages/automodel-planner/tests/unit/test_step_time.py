@@ -15,7 +15,7 @@ from automodel_planner import PlanInput
 from automodel_planner.activations import profile_step
 from automodel_planner.estimate import estimate_throughput
 from automodel_planner.hardware import DEVICES, cluster_from_mapping, parse_cluster
-from automodel_planner.step_time import model_flops_per_token, weight_kinds
+from automodel_planner.step_time import DEFAULT_EFFICIENCY, model_flops_per_token, weight_kinds
 
 H, FFN, LAYERS, HEADS, KV, VOCAB = 256, 704, 8, 8, 2, 1000
 
@@ -176,6 +176,20 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
     # Selective checkpointing saves the collectives' outputs (SELECTIVE_AC_ALWAYS_SAVE_OPS).
     assert tp_exposed(activation_checkpointing="selective") == pytest.approx(plain)
     assert 0 < tp_exposed(enable_async_tensor_parallel=True, enable_compile=True) < plain
+    # Async TP sums the partial products of each row-parallel layer (o_proj, down_proj: b x s x H each,
+    # bf16) in a kernel of its own: (1 + 1/tp) of them per forward, again in backward (mirrored).
+    plan = _plan(
+        sizes={"tp_size": 2},
+        strategy=FSDP2Config(sequence_parallel=True, enable_async_tensor_parallel=True, enable_compile=True),
+    )
+    rate = h100.device.hbm_bytes_per_s * DEFAULT_EFFICIENCY.memory  # eager: no fusion applies
+    sums = LAYERS * 2 * (2 * 512 * H * 2) * 1.5 / rate  # blocks x 2 layers x (rows x seq x H x 2 B) x 1.5
+    synchronous = dataclasses.replace(plan, strategy=FSDP2Config(sequence_parallel=True, enable_compile=True))
+    added = (
+        estimate_throughput(plan, h100).parts["compute"]
+        - estimate_throughput(synchronous, h100).parts["compute"]
+    )
+    assert added == pytest.approx(2 * sums, rel=1e-6)  # forward and backward
     facts = SimpleNamespace(tokens=64, hidden_size=8, element_size=2, top_k=2, blocks=[0], accumulation=1)
     once, twice = (
         ExpertMemory(ep_size=4).collectives(SimpleNamespace(**vars(facts), forward_runs=r)) for r in (1, 2)
