@@ -16,6 +16,7 @@ import importlib.util
 import os
 import pathlib
 import pickle
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -74,6 +75,10 @@ class LaunchSpec:
     cwd: str
     device_audit: bool = True
     output_dir: str = ""
+
+
+STACKS_SIGNAL = signal.SIGUSR1
+"""The signal on which a rank writes every thread's Python stack to its output (``faulthandler``)."""
 
 
 def rank_output_path(output_dir: str, rank: int) -> str:
@@ -248,10 +253,13 @@ def worker_main(rank: int, spec: LaunchSpec, queue: Any) -> None:
     instead of being lost in the queue's feeder thread. The default process group, whoever created
     it, is destroyed at the end. The rank's stdout and stderr go to its file in ``spec.output_dir``
     (the caller reports them), and a fatal signal (a native crash in torch, gloo or a kernel) first
-    writes every thread's Python stack there, so the failure names where it happened.
+    writes every thread's Python stack there, so the failure names where it happened; so does
+    `STACKS_SIGNAL`, which the caller sends a rank that hangs.
     """
     _redirect_output(spec, rank)
     faulthandler.enable(all_threads=True)
+    # A hung rank is asked for its stacks (run_distributed sends this before stopping it).
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     _become_group_leader()
     os.environ.clear()
     os.environ.update(rank_environment(spec, rank))

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from automodel_testing._launch import (
+    STACKS_SIGNAL,
     LaunchSpec,
     rank_environment,
     rank_output_path,
@@ -50,7 +51,8 @@ _FAILURE_GRACE_S = 5.0  # after the first failure, how long the other ranks get 
 _EXIT_GRACE_S = 15.0  # after every rank returned, how long they get to exit
 _KILL_WAIT_S = 2.0  # how long SIGTERM gets before SIGKILL
 _POLL_S = 0.05
-_OUTPUT_TAIL_LINES = 60  # of a rank's output, quoted in the error when it died without a report
+_OUTPUT_TAIL_LINES = 60  # of a rank's output, quoted in the error when it ended without a report
+_STACKS_WAIT_S = 1.0  # how long a hung rank gets to write its stacks before it is stopped
 PRELOAD: tuple[str, ...] = (
     "torch",
     "torch.distributed.fsdp",
@@ -320,7 +322,7 @@ class _Monitor:
             if report == "no report" and rank in self.failure_order:
                 report += " (its output ends below)"
             lines.append(f"  rank {rank}: {report}; {_describe_end(code, rank in unfinished)}")
-        for rank in self.failure_order:
+        for rank in dict.fromkeys([*self.failure_order, *unfinished]):
             if rank in self.errors:
                 lines.append(f"----- rank {rank} traceback -----\n{self.errors[rank].rstrip()}")
             elif outputs[rank].strip():
@@ -348,6 +350,16 @@ def _signal_all(procs: Sequence[BaseProcess], sig: signal.Signals) -> None:
                 os.kill(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _dump_stacks(procs: Sequence[BaseProcess]) -> None:
+    """Ask each of ``procs`` (ranks still running) to write its threads' Python stacks to its output."""
+    for proc in procs:
+        if proc.exitcode is None and proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, STACKS_SIGNAL)
+    if procs:
+        time.sleep(_STACKS_WAIT_S)
 
 
 def _stop_all(procs: Sequence[BaseProcess]) -> None:
@@ -459,6 +471,7 @@ def run_distributed(
         if monitor.succeeded():
             return _unpickle_results(monitor.results, world_size, title)
         unfinished = monitor.unfinished()
+        _dump_stacks([procs[rank] for rank in unfinished])
         _stop_all(procs)
         exit_codes = [proc.exitcode for proc in procs]
         outputs = [_read_output(tmpdir, rank) for rank in range(world_size)]

@@ -164,6 +164,7 @@ def test_timeout_kills_hung_ranks() -> None:
     assert time.monotonic() - start < 5.0 + 5.0
     assert 1 in info.value.unfinished
     assert "rank 1: no report; still running, stopped (killed by signal SIG" in str(info.value)
+    assert "in _sleep_on_rank_1" in str(info.value)  # the hung rank's stack, written before it was stopped
 
 
 def _ignore_sigterm_and_sleep(ready: Any) -> None:
