@@ -7,7 +7,8 @@ to the rest of the model, block ``-1``):
 - matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, ...): ``2 x output elements x the
   contracted size`` FLOPs, under the module that ran them (so that the time model can tell a trainable
   weight's matmul, whose backward is twice its forward, from a frozen one's, whose backward computes the
-  input gradient only), and the bytes of their outputs (what async TP's reduction reads);
+  input gradient only), and the bytes of their first operand and output (what async TP's reductions
+  read);
 - attention kernels (the ``scaled_dot_product`` family): ``4 b h s_q s_k d`` FLOPs, as torch's flop
   counter counts them (the whole score matrix; the time model halves it for a causal mask), and the
   ``b h s_q d`` elements of their output (what ring attention merges after each step);
@@ -44,6 +45,9 @@ class BlockCompute:
     """Module FQN (in the profiled model) -> forward matmul FLOPs of that module."""
     matmul_output_bytes: dict[str, float] = field(default_factory=dict)
     """Module FQN -> bytes of its matmuls' outputs (what a row-parallel layer's partial sums occupy)."""
+    matmul_input_bytes: dict[str, float] = field(default_factory=dict)
+    """Module FQN -> bytes of its matmuls' first operands (what a column-parallel layer's input
+    gradient occupies)."""
     attention_flops: float = 0.0
     """Forward FLOPs of the attention kernels, the whole score matrix counted."""
     attention_outputs: float = 0.0
@@ -71,10 +75,15 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+def _first_matrix(args: tuple[Any, ...]) -> torch.Tensor | None:
+    """A matmul's first matrix operand (``addmm``'s bias, a vector, is skipped)."""
+    return next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2), None)
+
+
 def _matmul_flops(args: tuple[Any, ...], out: Any) -> float:
     """``2 x output elements x contracted size``: the contracted size is the last dim of the first matrix."""
     outputs = _tensors(out)
-    first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2), None)
+    first = _first_matrix(args)
     if not outputs or first is None:
         return 0.0
     return 2.0 * outputs[0].numel() * first.shape[-1]
@@ -117,6 +126,9 @@ class ComputeRecorder(TorchDispatchMode):
             target.matmul_flops[fqn] = target.matmul_flops.get(fqn, 0.0) + _matmul_flops(args, out)
             written = sum(t.numel() * t.element_size() for t in _tensors(out)[:1])
             target.matmul_output_bytes[fqn] = target.matmul_output_bytes.get(fqn, 0.0) + written
+            first = _first_matrix(args)
+            read = 0.0 if first is None else first.numel() * first.element_size()
+            target.matmul_input_bytes[fqn] = target.matmul_input_bytes.get(fqn, 0.0) + read
         elif "scaled_dot_product" in name:
             flops, outputs = _attention_flops(args)
             target.attention_flops += flops
@@ -137,5 +149,6 @@ class ComputeRecorder(TorchDispatchMode):
                 blocks[source],
                 matmul_flops=dict(blocks[source].matmul_flops),
                 matmul_output_bytes=dict(blocks[source].matmul_output_bytes),
+                matmul_input_bytes=dict(blocks[source].matmul_input_bytes),
             )
         return ComputeProfile(blocks=tuple(blocks), outside=self.outside, tokens=tokens)

@@ -25,7 +25,9 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   after a row-parallel layer, in forward, recompute and, mirrored, backward): cut in ``tp`` chunks, it
   hides behind all but one chunk of those matmuls, and only its excess over them is exposed; the
   fused matmul-reduce-scatter then sums the ranks' partial products in a kernel of its own, reading the
-  row-parallel layer's whole unreduced output and writing a ``1 / tp`` of it (HBM rate). A
+  row-parallel layer's whole unreduced output and writing a ``1 / tp`` of it (HBM rate). In backward
+  torch fuses a reduce-scatter of one matmul's output only: a column-parallel group of several matmuls
+  (q, k, v; gate, up) sums their input gradients first, and its reduce-scatter stays exposed. A
   collective's time is its group's links'
   (`Cluster.seconds`, from `MeshLayout.group`): NVLink inside a node; across nodes one ring per
   network link the group has in a node, each carrying a rank's share into the node.
@@ -240,27 +242,60 @@ class _Pass:
     recompute: float = 0.0
     attention: float = 0.0
     """Of forward + backward: the attention kernels (what ring attention hides behind)."""
-    tp_segments: list[tuple[float, ...]] = field(default_factory=list)
-    """Per block: the forward seconds of the matmuls each TP collective is micro-pipelined with under
-    async TP (each column-parallel group after its all-gather, each row-parallel layer before its
-    reduce-scatter), in forward order."""
+    tp_segments: list[tuple[_Segment, ...]] = field(default_factory=list)
+    """Per block: the matmuls each TP collective is micro-pipelined with under async TP (each
+    column-parallel group after its all-gather, each row-parallel layer before its reduce-scatter), in
+    forward order."""
+
+
+@dataclass
+class _Segment:
+    """The matmuls of a block that one TP collective feeds (all-gather) or is fed by (reduce-scatter)."""
+
+    style: str
+    """``colwise`` (a group sharing one gathered input) or ``rowwise`` (one layer)."""
+    seconds: float = 0.0
+    """Their forward seconds on one rank."""
+    matmuls: int = 0
+    summed_bytes: float = 0.0
+    """Bytes a fused reduce-scatter of this segment sums, before TP: a row-parallel layer's output (in
+    forward), a single-matmul column-parallel group's input gradient (in backward)."""
+
+    @property
+    def fused_in_backward(self) -> bool:
+        """Whether torch fuses this segment's collective in backward (mirrored).
+
+        A row-parallel layer's output-gradient all-gather feeds one matmul (fused). A column-parallel
+        group's input gradient is the sum of its matmuls' partial gradients, and torch's pass fuses a
+        reduce-scatter of one matmul's output only (``micro_pipeline_tp._find_producer_matmul``).
+        """
+        return self.style == "rowwise" or self.matmuls == 1
 
 
 def _block_pass(
-    block: BlockCompute, index: int, kinds: WeightKinds, rates: _Rates, tp: int, checkpointing: Any
+    block: BlockCompute,
+    index: int,
+    kinds: WeightKinds,
+    rates: _Rates,
+    tp: int,
+    options: StepOptions,
 ) -> _Pass:
     out = _Pass()
-    segments: list[float] = []
+    checkpointing = options.checkpointing if index >= 0 else False
+    segments: list[_Segment] = []
     previous: str | None = None
     for name, flops in block.matmul_flops.items():
         kind = kinds(index, name)
         seconds = flops / tp / (rates.fp8 if kind.linear and index >= 0 else rates.matmul)
         out.forward += seconds
         out.backward += seconds * (2.0 if kind.trainable else 1.0)
-        if kind.tp_style == "colwise" and previous == "colwise":
-            segments[-1] += seconds  # one all-gather feeds the whole column-parallel group
-        elif kind.tp_style in ("colwise", "rowwise"):
-            segments.append(seconds)
+        if kind.tp_style == "rowwise" or (kind.tp_style == "colwise" and previous != "colwise"):
+            # A new column-parallel group (one all-gather feeds it whole) or a row-parallel layer.
+            summed = block.matmul_output_bytes if kind.tp_style == "rowwise" else block.matmul_input_bytes
+            segments.append(_Segment(kind.tp_style, summed_bytes=summed.get(name, 0.0)))
+        if kind.tp_style in ("colwise", "rowwise"):
+            segments[-1].seconds += seconds
+            segments[-1].matmuls += 1
         previous = kind.tp_style or previous
         if checkpointing == "full":
             out.recompute += seconds
@@ -277,7 +312,27 @@ def _block_pass(
         out.recompute += attention + memory
     elif checkpointing == "selective":
         out.recompute += memory
+    if options.async_tp and tp > 1 and index >= 0:
+        _add_partial_sums(out, segments, (1 + 1 / tp) / rates.eager_memory, checkpointing)
     return out
+
+
+def _add_partial_sums(one: _Pass, segments: list[_Segment], per_byte: float, checkpointing: Any) -> None:
+    """Add async TP's reductions of partial sums to a block's pass (mutates ``one``).
+
+    torch's fused matmul-reduce-scatter (``_fused_matmul_reduce_scatter``) gathers every rank's partial
+    products of the rank's rows into one buffer and sums them in a kernel of its own on the compute
+    stream: it reads the whole unreduced tensor and writes a ``1 / tp`` of it (``per_byte``: the
+    seconds of that per byte). In each forward run (a full recompute's too) that is every row-parallel
+    layer's output; in backward, the input gradient of each column-parallel group torch fuses
+    (`_Segment.fused_in_backward`).
+    """
+    forward = sum(s.summed_bytes for s in segments if s.style == "rowwise") * per_byte
+    backward = sum(s.summed_bytes for s in segments if s.style == "colwise" and s.fused_in_backward)
+    one.forward += forward
+    one.backward += backward * per_byte
+    if checkpointing == "full":
+        one.recompute += forward
 
 
 def _rank_pass(
@@ -291,12 +346,9 @@ def _rank_pass(
         parts.append((compute.outside, -1))
     for block, index in parts:
         scaled = dataclasses.replace(block, attention_flops=block.attention_flops * cp)
-        one = _block_pass(scaled, index, kinds, rates, tp, options.checkpointing if index >= 0 else False)
+        one = _block_pass(scaled, index, kinds, rates, tp, options)
         if cp > 1 and index >= 0:
             _add_ring_merges(one, (cp - 1) * block.attention_outputs / tp / rates.eager_memory, options)
-        if options.async_tp and tp > 1 and index >= 0:
-            seconds = _rowwise_output_bytes(block, index, kinds) * (1 + 1 / tp) / rates.eager_memory
-            _add_partial_sums(one, seconds, options)
         for name in vars(total):
             setattr(total, name, getattr(total, name) + getattr(one, name))
     return total
@@ -314,29 +366,6 @@ def _add_ring_merges(one: _Pass, per_byte: float, options: StepOptions) -> None:
     one.backward += _RING_MERGE_BACKWARD * per_byte
     if options.checkpointing == "full":
         one.recompute += _RING_MERGE_FORWARD * per_byte
-
-
-def _rowwise_output_bytes(block: BlockCompute, index: int, kinds: WeightKinds) -> float:
-    """Bytes of a block's row-parallel layers' outputs in one forward, before tensor parallelism."""
-    return sum(
-        size for name, size in block.matmul_output_bytes.items() if kinds(index, name).tp_style == "rowwise"
-    )
-
-
-def _add_partial_sums(one: _Pass, seconds: float, options: StepOptions) -> None:
-    """Add async TP's reductions of partial sums to a block's pass (mutates ``one``).
-
-    torch's fused matmul-reduce-scatter (``_fused_matmul_reduce_scatter``, what the micro-pipeline pass
-    makes of a row-parallel layer and its reduce-scatter) gathers every rank's partial products of the
-    rank's rows into one buffer and sums them in a kernel of its own on the compute stream: it reads
-    the layer's whole unreduced output and writes a ``1 / tp`` of it. ``seconds``: those bytes of one
-    forward at the HBM rate. The pass runs in each forward (a full recompute's too) and, mirrored for
-    the column-parallel groups' input gradients, in backward.
-    """
-    one.forward += seconds
-    one.backward += seconds
-    if options.checkpointing == "full":
-        one.recompute += seconds
 
 
 def _exposed(
@@ -382,19 +411,24 @@ def _exposed(
     return {f"exposed {name}": seconds for name, seconds in out.items()}
 
 
-def _micro_pipelined(per_block: float, segments: list[tuple[float, ...]], facts: Any) -> float:
+def _micro_pipelined(per_block: float, segments: list[tuple[_Segment, ...]], facts: Any) -> float:
     """Seconds one pass's TP collectives add under async TP (see the module doc).
 
     ``per_block`` is one block's TP traffic time in a pass: two all-gathers and two reduce-scatters in
     each forward run and in backward (the TP term's count). Each is paired with one of the block's
-    segments in forward order; one without a segment hides behind nothing.
+    segments in forward order; one without a segment hides behind nothing, nor does the backward
+    collective of a segment torch does not fuse there (`_Segment.fused_in_backward`).
     """
     tp, runs = facts.layout.tp, facts.forward_runs
     each = per_block / (4 * (runs + 1))
     out = 0.0
     for block in segments:
-        paired = [block[i] if i < len(block) else 0.0 for i in range(4)]
-        out += (runs + 1) * sum(max(each - m * (tp - 1) / tp, 0.0) for m in paired)
+        for i in range(4):
+            segment = block[i] if i < len(block) else None
+            hidden = segment.seconds * (tp - 1) / tp if segment is not None else 0.0
+            forward = max(each - hidden, 0.0)
+            backward = forward if segment is not None and segment.fused_in_backward else each
+            out += runs * forward + backward
     return out
 
 

@@ -162,7 +162,7 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
     from types import SimpleNamespace
 
     from automodel_moe.memory import ExpertMemory
-    from automodel_planner.step_time import _micro_pipelined
+    from automodel_planner.step_time import _add_partial_sums, _micro_pipelined, _Pass, _Segment
 
     h100, name = parse_cluster("8xH100"), "exposed TP all-reduce (or AG+RS)"
 
@@ -177,7 +177,8 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
     assert tp_exposed(activation_checkpointing="selective") == pytest.approx(plain)
     assert 0 < tp_exposed(enable_async_tensor_parallel=True, enable_compile=True) < plain
     # Async TP sums the partial products of each row-parallel layer (o_proj, down_proj: b x s x H each,
-    # bf16) in a kernel of its own: (1 + 1/tp) of them per forward, again in backward (mirrored).
+    # bf16) in a kernel of its own: (1 + 1/tp) of them per forward. Not in backward: Llama's column-parallel
+    # groups (q, k, v; gate, up) sum their input gradients before the reduce-scatter, which stays unfused.
     plan = _plan(
         sizes={"tp_size": 2},
         strategy=FSDP2Config(sequence_parallel=True, enable_async_tensor_parallel=True, enable_compile=True),
@@ -189,7 +190,15 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
         estimate_throughput(plan, h100).parts["compute"]
         - estimate_throughput(synchronous, h100).parts["compute"]
     )
-    assert added == pytest.approx(2 * sums, rel=1e-6)  # forward and backward
+    assert added == pytest.approx(sums, rel=1e-6)  # forward only
+    # A fused projection (one matmul in its column-parallel group: Phi-3's qkv_proj) is fused in
+    # backward too, and sums its input gradient there.
+    one = _Pass()
+    fused = _Segment("colwise", 1.0, 1, 100.0)
+    layer = _Segment("rowwise", 0.1, 1, 50.0)
+    group = _Segment("colwise", 1.0, 2, 100.0)
+    _add_partial_sums(one, [fused, layer, group], 1.0, "full")
+    assert (one.forward, one.backward, one.recompute) == (50.0, 100.0, 50.0)
     facts = SimpleNamespace(tokens=64, hidden_size=8, element_size=2, top_k=2, blocks=[0], accumulation=1)
     once, twice = (
         ExpertMemory(ep_size=4).collectives(SimpleNamespace(**vars(facts), forward_runs=r)) for r in (1, 2)
@@ -201,13 +210,26 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
     assert [lookup(0, n).tp_style for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")] == [
         "colwise", "rowwise", "rowwise",
     ]  # fmt: skip
+
     # Each collective (0.5 s) hides behind (tp - 1) / tp of its matmuls: at tp 4, 0.75 s of 1.0 s hides
-    # it all, 0.075 s of 0.1 s leaves 0.425 s; the forward and backward expose the same.
+    # it all, 0.075 s of 0.1 s leaves 0.425 s. In backward the row-parallel layers' all-gathers hide the
+    # same; the column-parallel groups' reduce-scatters are fused only for a group of one matmul (a fused
+    # qkv or gate_up projection): Llama's [q, k, v] and [gate, up] expose theirs whole (0.5 s each).
+    def llama(matmuls: int) -> tuple[_Segment, ...]:
+        return (
+            _Segment("colwise", 1.0, matmuls),
+            _Segment("rowwise", 0.1, 1),
+            _Segment("colwise", 3.0, matmuls),
+            _Segment("rowwise", 0.5, 1),
+        )
+
     rank = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=1)
-    assert _micro_pipelined(8 * 0.5, [(1.0, 0.1, 3.0, 0.5)], rank) == pytest.approx(2 * (0.425 + 0.125))
+    forward = 0.425 + 0.125
+    assert _micro_pipelined(8 * 0.5, [llama(3)], rank) == pytest.approx(forward + (0.5 + 0.425 + 0.5 + 0.125))
+    assert _micro_pipelined(8 * 0.5, [llama(1)], rank) == pytest.approx(2 * forward), "fused in backward"
     assert _micro_pipelined(8 * 0.5, [()], rank) == pytest.approx(8 * 0.5), "unpaired: all exposed"
     recomputed = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=2)
-    assert _micro_pipelined(12 * 0.5, [(1.0, 0.1, 3.0, 0.5)], recomputed) == pytest.approx(3 * 0.55)
+    assert _micro_pipelined(12 * 0.5, [llama(1)], recomputed) == pytest.approx(3 * forward)
 
 
 def test_ring_attention_pays_its_merges_for_each_step_after_the_first(
