@@ -480,9 +480,13 @@ class CompileConfig(ConfigDict):
     system. ``torch.compile`` takes a ``mode`` or options, not both: a non-default ``mode`` with options
     is accepted here (as in the reference system) and refused with a `ValueError` when compiling."""
     dynamo_cache_size_limit: int = 256
+    compile_loss: bool = True
+    """Also compile the default loss (`automodel_distributed.loss.MaskedCrossEntropy` with
+    ``compiled=True``, as torchtitan compiles its loss): the fp32 copy of the logits and their
+    log-probabilities are fused away. A loss of one's own is used as given."""
 
     def __post_init__(self) -> None:
-        _check_bool(self, "enabled", "fullgraph", "dynamic")
+        _check_bool(self, "enabled", "fullgraph", "dynamic", "compile_loss")
         modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
         if self.mode not in modes:
             raise ValueError(f"CompileConfig.mode={self.mode!r}; use one of {list(modes)}")
@@ -498,7 +502,8 @@ class CompileConfig(ConfigDict):
                 f"CompileConfig.options must be a dict or None, got {type(self.options).__name__}"
             )
         if not self.enabled:
-            settings = ("mode", "fullgraph", "dynamic", "backend", "options", "dynamo_cache_size_limit")
+            settings = ["mode", "fullgraph", "dynamic", "backend", "options", "dynamo_cache_size_limit"]
+            settings.append("compile_loss")
             self.warn_unused(self.changed_fields(settings), "enabled is False")
 
 

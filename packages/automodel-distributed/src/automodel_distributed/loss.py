@@ -9,11 +9,19 @@ parallelism give the same gradients as one big batch).
 DTensor logits sharded on the vocabulary (the built-in tensor-parallel plans' LM head) stay sharded: the
 loss is `automodel_distributed.vocab_parallel_loss.vocab_parallel_cross_entropy` over the shard's group,
 so no rank ever holds ``tokens x vocab`` values; other DTensor logits are gathered with ``full_tensor()``.
+
+``compiled=True`` runs the upcast and the cross entropy of plain logits as one ``torch.compile``d
+function, as torchtitan compiles its loss: inductor fuses the fp32 copy and the log-softmax away, so
+the loss keeps the logits in their own dtype (and two values per token) for backward instead of an
+fp32 copy, and their gradient is made in that dtype (at 128k vocabulary and 16k tokens: 4 GiB saved
+instead of 8, and no 8 GiB fp32 gradient). Vocabulary-parallel logits keep their sharded loss.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+import functools
+import warnings
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +42,9 @@ class MaskedCrossEntropy(nn.Module):
         ignore_index: Label value that marks positions without a loss.
         reduction: ``"sum"`` (divided by ``num_label_tokens`` when given), ``"mean"`` over the unmasked
             tokens, or ``"none"`` (one value per position, 0 where masked).
+        compiled: Compute the token losses of plain logits with ``torch.compile`` (module docstring):
+            the same values, without the fp32 copies. Vocabulary-parallel logits warn once and keep
+            their own (sharded) loss.
 
     Raises:
         ValueError: An unknown ``reduction``, or ``num_label_tokens`` with a reduction other than
@@ -46,14 +57,21 @@ class MaskedCrossEntropy(nn.Module):
     same."""
 
     def __init__(
-        self, fp32_upcast: bool = True, ignore_index: int = -100, reduction: Reduction = "sum"
+        self,
+        fp32_upcast: bool = True,
+        ignore_index: int = -100,
+        reduction: Reduction = "sum",
+        compiled: bool = False,
     ) -> None:
         super().__init__()
         if reduction not in ("sum", "mean", "none"):
             raise ValueError(f"MaskedCrossEntropy.reduction={reduction!r}; use 'sum', 'mean' or 'none'")
+        if not isinstance(compiled, bool):
+            raise ValueError(f"MaskedCrossEntropy.compiled must be a bool, got {compiled!r}")
         self.fp32_upcast = fp32_upcast
         self.ignore_index = ignore_index
         self.reduction: Reduction = reduction
+        self.compiled = compiled
 
     def forward(
         self,
@@ -93,18 +111,17 @@ class MaskedCrossEntropy(nn.Module):
                     f"{tuple(labels.shape)}"
                 )
             labels = labels.masked_fill(mask == 0, self.ignore_index)
-        if self.fp32_upcast:
-            logits = logits.float()
+        reduce = "none" if self.reduction == "none" else "sum"
         if vocab_parallel:
+            if self.compiled:
+                _warn_vocab_parallel_not_compiled()
+            if self.fp32_upcast:
+                logits = logits.float()
             flat = vocab_parallel_cross_entropy(logits, labels, self.ignore_index).reshape(-1)
             flat = flat if self.reduction == "none" else flat.sum()
         else:
-            flat = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                labels.reshape(-1),
-                ignore_index=self.ignore_index,
-                reduction="none" if self.reduction == "none" else "sum",
-            )
+            token_losses = _compiled_token_losses() if self.compiled else _token_losses
+            flat = token_losses(logits, labels, self.ignore_index, reduce, self.fp32_upcast)
         if self.reduction == "none":
             if num_label_tokens is not None:
                 raise ValueError("MaskedCrossEntropy: num_label_tokens needs reduction='sum'")
@@ -119,3 +136,28 @@ class MaskedCrossEntropy(nn.Module):
         if int(num_label_tokens) == 0:
             return flat * 0.0
         return flat / num_label_tokens
+
+
+def _token_losses(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduction: str, upcast: bool
+) -> torch.Tensor:
+    """Cross entropy of plain ``logits [..., vocab]`` (upcast to fp32 first when ``upcast``)."""
+    logits = logits.float() if upcast else logits
+    flat = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+
+
+@functools.cache
+def _compiled_token_losses() -> Any:
+    """`_token_losses` under ``torch.compile``, made once per process (compiled at its first call)."""
+    return torch.compile(_token_losses)
+
+
+@functools.cache
+def _warn_vocab_parallel_not_compiled() -> None:
+    warnings.warn(
+        "MaskedCrossEntropy(compiled=True): vocabulary-parallel logits (a tensor-parallel LM head) keep "
+        "their sharded eager loss, which already holds 1/tp of the logits per rank; the compiled loss "
+        "applies to unsharded logits",
+        stacklevel=3,
+    )

@@ -120,3 +120,37 @@ def test_bad_arguments() -> None:
         MaskedCrossEntropy()(logits, labels[:, :4])
     with pytest.raises(ValueError, match="mask"):
         MaskedCrossEntropy()(logits, labels, mask=torch.ones(3, 4))
+
+
+def test_compiled_loss_matches_eager_and_saves_the_logits_not_an_fp32_copy() -> None:
+    """``compiled=True``: the same loss and gradients from bf16 logits; for backward it keeps the logits
+    in bf16 (and per-token statistics) where the eager loss keeps an fp32 copy of them."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 48, 512, generator=generator).to(torch.bfloat16)
+    labels = torch.randint(0, 512, (2, 48), generator=generator)
+    mask = (torch.rand(2, 48, generator=generator) > 0.2).long()
+    results = {}
+    for compiled in (False, True):
+        x = logits.clone().requires_grad_(True)
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ce = MaskedCrossEntropy(compiled=compiled)
+            loss = ce(x, labels, mask=mask, num_label_tokens=int(mask.sum()))
+        loss.backward()
+        assert x.grad is not None and x.grad.dtype == torch.bfloat16
+        results[compiled] = (loss.detach(), x.grad, max(saved))
+    (eager, eager_grad, eager_largest), (fused, fused_grad, fused_largest) = results[False], results[True]
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_grad.float(), eager_grad.float(), rtol=1e-2, atol=1e-4)
+    assert eager_largest == logits.numel() * 4  # the fp32 log-probabilities
+    assert fused_largest == logits.numel() * 2  # the bf16 logits themselves
+
+
+def test_compiled_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="compiled must be a bool"):
+        MaskedCrossEntropy(compiled="yes")  # type: ignore[arg-type]

@@ -23,7 +23,8 @@ FP8 and QAT failures raise instead of being logged and skipped; a QAT model that
 `ValueError` (a user error) rather than ``NotImplementedError``; a meta model is always materialised
 (never returned on meta); ``compile_config`` is honoured under FSDP2 (per block, in place) and pipeline
 parallelism instead of being ignored; a ``loss_fn`` the caller gives is never replaced (the pipeline
-stages always hand it logits; `MaskedCrossEntropy` is the default only when it is None); under expert
+stages always hand it logits; `MaskedCrossEntropy` is the default only when it is None, compiled when
+``compile_config`` is, unless its ``compile_loss`` is off); under expert
 parallelism the FSDP2 manager's own ``parallelize`` runs with the expert step plugged in, so every
 `FSDP2Config` setting (prefetch, checkpointing scope, mixed precision) holds there too.
 """
@@ -668,7 +669,15 @@ def _run_freeze(state: ApplyState) -> None:
         state.peft.freeze_base(state.model)
     if state.loss_fn is None:  # a pipeline's configured loss, else the masked cross-entropy
         configured = state.autopipeline.config.loss_fn if state.autopipeline is not None else None
-        state.loss_fn = configured if configured is not None else MaskedCrossEntropy()
+        state.loss_fn = (
+            configured if configured is not None else MaskedCrossEntropy(compiled=_compiles_loss(state))
+        )
+
+
+def _compiles_loss(state: ApplyState) -> bool:
+    """Whether the default loss is compiled: ``compile_config`` enabled with ``compile_loss``."""
+    config = state.compile_config
+    return config is not None and config.enabled and config.compile_loss
 
 
 def _run_shard(state: ApplyState) -> None:

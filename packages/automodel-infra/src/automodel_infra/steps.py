@@ -164,12 +164,16 @@ def describe_shard(job: PlannedJob) -> list[str]:
 
 
 def describe_compile(job: PlannedJob) -> list[str]:
-    """Step 5: ``torch.compile`` as the strategy does it."""
+    """Step 5: ``torch.compile`` as the strategy does it, and the default loss with ``compile_loss``."""
     if job.strategy is not None:
-        return job.strategy.describe_compile(job.compile)
-    if job.compile is not None and job.compile.enabled:
-        return ["torch.compile the whole model"]
-    return []
+        lines = job.strategy.describe_compile(job.compile)
+    elif job.compile is not None and job.compile.enabled:
+        lines = ["torch.compile the whole model"]
+    else:
+        lines = []
+    if job.compile is not None and job.compile.enabled and job.compile.compile_loss:
+        lines.append("torch.compile the default loss (MaskedCrossEntropy: no fp32 copy of the logits)")
+    return lines
 
 
 def describe_materialise(job: PlannedJob) -> list[str]:

@@ -11,6 +11,7 @@ ranks in this one process, where no collective carries data.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import pathlib
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import automodel_infra
-from automodel_distributed.config import DDPConfig, FSDP2Config
+from automodel_distributed.config import CompileConfig, DDPConfig, FSDP2Config
 from automodel_infra import infrastructure as infra
 from automodel_infra._optional import OPTIONAL_COMPONENTS, import_component
 from automodel_infra.infrastructure import apply_model_infrastructure, instantiate_infrastructure
@@ -581,3 +582,29 @@ def test_a_pipeline_or_moe_config_the_mesh_cannot_use_warns() -> None:
     messages = [str(w.message) for w in caught]
     assert "pipeline_config ignored: the mesh has pp_size=1" in messages, messages
     assert any(m.startswith("moe_config ignored: the mesh has ep_size=1") for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    ("compile_config", "compiled"),
+    [
+        (None, False),
+        (CompileConfig(enabled=True), True),
+        (CompileConfig(enabled=True, compile_loss=False), False),
+        (CompileConfig(enabled=False), False),
+    ],
+)
+def test_the_default_loss_is_compiled_with_the_compile_config(
+    compile_config: CompileConfig | None, compiled: bool
+) -> None:
+    """The loss `apply_model_infrastructure` gives a pipeline when none is set follows ``compile_loss``."""
+    from automodel_distributed.loss import MaskedCrossEntropy
+    from automodel_infra.infrastructure import ApplyState, _run_freeze
+
+    required = [
+        f.name
+        for f in dataclasses.fields(ApplyState)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    state = ApplyState(**{**dict.fromkeys(required), "compile_config": compile_config})
+    _run_freeze(state)
+    assert isinstance(state.loss_fn, MaskedCrossEntropy) and state.loss_fn.compiled is compiled

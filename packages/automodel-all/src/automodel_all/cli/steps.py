@@ -45,14 +45,16 @@ class TokenLoss(nn.Module):
 
     Args:
         denominator: ``N / dp_cp`` (label tokens of the global batch over the averaging ranks).
+        compiled: Compile the cross entropy (`MaskedCrossEntropy`'s ``compiled``; the job's
+            ``compile.compile_loss``).
     """
 
     accepts_dtensor_logits: ClassVar[bool] = MaskedCrossEntropy.accepts_dtensor_logits
 
-    def __init__(self, denominator: float) -> None:
+    def __init__(self, denominator: float, compiled: bool = False) -> None:
         super().__init__()
         self.denominator = denominator
-        self._ce = MaskedCrossEntropy(reduction="sum")
+        self._ce = MaskedCrossEntropy(reduction="sum", compiled=compiled)
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The normalised loss of ``logits [..., vocab]`` against ``labels [...]``."""

@@ -132,7 +132,8 @@ def _setup(job: JobConfig) -> TrainingRun:
         device=device,
         mesh=mesh,
     )
-    loss_fn = TokenLoss(1.0)  # the loop sets the denominator of each step (label tokens / dp_cp)
+    compiled = job.compile is not None and job.compile.enabled and job.compile.compile_loss
+    loss_fn = TokenLoss(1.0, compiled=compiled)  # the loop sets each step's denominator (tokens / dp_cp)
     path = job.model.name_or_path or ""
     model = apply_model_infrastructure(
         build_meta_model(job, model_config),
