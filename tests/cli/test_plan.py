@@ -360,8 +360,11 @@ def test_a_cluster_plans_the_gpu_job_and_a_published_run_as_a_job_predicts_as_th
     with pytest.raises(ConfigError, match=r"launch\.device=cpu contradicts --cluster"):
         plan_report(cpu, hardware=parse_cluster("8xH100"))
 
-    chosen = [r for r in published_runs() if r.shape == "llama3-8b" and r.cluster.startswith(("8x", "1x"))]
+    chosen = [
+        r for r in published_runs() if r.shape == "llama3-8b" and r.cluster.startswith(("8x", "1x", "32x"))
+    ]
     assert {bool(r.lora_dim) for r in chosen} == {True, False} and any(r.sizes.get("cp") for r in chosen)
+    assert any(r.compile_loss and r.fp8_config for r in chosen)  # the compile and fp8 sections too
     for index, run in enumerate(chosen):
         raw = published_job(run, tmp_path / str(index))
         report = plan_report(raw, hardware=parse_cluster(run.cluster), suggest=index == 0, suggestions=99)

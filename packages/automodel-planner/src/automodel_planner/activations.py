@@ -98,9 +98,19 @@ class ActivationProfile:
     loss keep them sharded over ``tp``."""
     largest_is_vocab: bool = False
     """Whether ``largest_head_tensor`` is one of those."""
+    logits: int = 0
+    """Bytes of the LM head's output (the logits in the compute dtype)."""
 
-    def head_bytes(self, tp: int) -> int:
-        """Bytes the last stage saves outside the blocks on one of ``tp`` ranks (largest's gradient too)."""
+    def head_bytes(self, tp: int, compiled_loss: bool = False) -> int:
+        """Bytes the last stage saves outside the blocks on one of ``tp`` ranks (largest's gradient too).
+
+        A compiled loss (``compiled_loss``, unsharded logits: ``tp == 1``) keeps the logits in their own
+        dtype instead of the vocabulary-wide fp32 tensors an eager loss saves, and makes their gradient
+        in that dtype (`automodel_distributed.loss.MaskedCrossEntropy`'s ``compiled``); under ``tp``
+        the vocabulary-parallel loss stays eager.
+        """
+        if compiled_loss and tp == 1:
+            return self.head - self.head_vocab + 2 * self.logits
         vocab_shards = tp if self.largest_is_vocab else 1
         return self.head - self.head_vocab + self.head_vocab // tp + self.largest_head_tensor // vocab_shards
 
@@ -179,7 +189,9 @@ class _Recorder:
             {fqn.rsplit(".", 1)[0] for fqn in styles if fqn.rsplit(".", 1)[0].startswith(prefixes)}
         )
         get_head = getattr(model, "get_output_embeddings", None)
-        self.vocab = getattr(get_head() if callable(get_head) else None, "out_features", None)
+        self.head_module = get_head() if callable(get_head) else None
+        self.vocab = getattr(self.head_module, "out_features", None)
+        self.logits = 0
         embeddings = embedding_module(model, "input")
         self.embed_fqn = self.names.get(embeddings, "\0") if embeddings is not None else "\0"
         self.scope: list[str] = []
@@ -226,7 +238,13 @@ class _Recorder:
         for index, (_fqn, block) in enumerate(blocks):
             handles.append(block.register_forward_pre_hook(partial(self._enter, index), with_kwargs=True))
             handles.append(block.register_forward_hook(self._leave))
+        if isinstance(self.head_module, nn.Module):
+            handles.append(self.head_module.register_forward_hook(self._logits))
         return handles
+
+    def _logits(self, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            self.logits = output.numel() * output.element_size()
 
     def _push(self, module: nn.Module, args: Any) -> None:
         self.scope.append(self.names[module])
@@ -281,6 +299,7 @@ class _Recorder:
             tokens=tokens,
             head_vocab=head_vocab,
             largest_is_vocab=largest_is_vocab,
+            logits=self.logits,
         )
 
 
@@ -389,6 +408,7 @@ def activation_bytes(
     sequence_parallel: bool = False,
     first_stage: bool = True,
     last_stage: bool = True,
+    compiled_loss: bool = False,
 ) -> int:
     """Peak saved-activation bytes of one rank during backward.
 
@@ -403,6 +423,7 @@ def activation_bytes(
         sequence_parallel: Whether boundary tensors are sharded over ``tp`` too.
         first_stage: Whether the rank holds the embedding.
         last_stage: Whether the rank holds the head and the loss.
+        compiled_loss: Whether the loss is compiled (`ActivationProfile.head_bytes`).
 
     Returns:
         Bytes.
@@ -419,5 +440,7 @@ def activation_bytes(
     else:
         held = sum(b.total(tp, sequence_parallel) for b in chosen)
         recompute = 0
-    outside = (profile.embedding if first_stage else 0) + (profile.head_bytes(tp) if last_stage else 0)
+    outside = (profile.embedding if first_stage else 0) + (
+        profile.head_bytes(tp, compiled_loss) if last_stage else 0
+    )
     return int(in_flight * held) + max(recompute, 0) + outside

@@ -208,6 +208,7 @@ def estimate_throughput(
         fp8=fp8,
         async_tp=bool(getattr(plan.strategy, "enable_async_tensor_parallel", False)),
         checkpointing=resolve_checkpointing_mode(plan.strategy.activation_checkpointing) or False,
+        compiled_loss=plan.compiled_loss,
     )
     return estimate_step_time(
         ranks=ranks,

@@ -41,20 +41,35 @@ class _Cast:
     """``mp_policy.param_dtype``: the all-gather's and the unsharded parameter's."""
     reduce: torch.dtype | None
     """``mp_policy.reduce_dtype``: the reduce-scatter's."""
+    float8: frozenset[str] = frozenset()
+    """Parameters all-gathered in float8 (``FP8Config.enable_fsdp_float8_all_gather``): the weights of
+    the linears FP8 training converts, which torchao casts before the all-gather; one byte each."""
 
     @classmethod
-    def of(cls, strategy: Any) -> _Cast:
-        policy = getattr(strategy, "mp_policy", None)
-        return cls(getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None))
+    def of(cls, plan: PlanInput) -> _Cast:
+        policy = getattr(plan.strategy, "mp_policy", None)
+        return cls(getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None), _float8(plan))
 
-    def sizes(self, param: nn.Parameter, local: float) -> tuple[float, float]:
-        """``local`` bytes (as stored) in the all-gather dtype and in the reduce-scatter dtype."""
+    def sizes(self, name: str, param: nn.Parameter, local: float) -> tuple[float, float]:
+        """``local`` bytes (as stored) of ``name`` in the all-gather dtype and in the reduce-scatter dtype."""
         if not param.is_floating_point():
             return local, local
         stored = param.element_size()
         gather = self.gather.itemsize if self.gather is not None else stored
         reduce = self.reduce.itemsize if self.reduce is not None else gather
+        if name in self.float8:
+            gather = torch.float8_e4m3fn.itemsize
         return local * gather / stored, local * reduce / stored
+
+
+def _float8(plan: PlanInput) -> frozenset[str]:
+    """The parameters FSDP2 all-gathers in float8 under ``plan.fp8`` (none without the setting)."""
+    fp8 = plan.fp8
+    if fp8 is None or not fp8.enabled or not fp8.enable_fsdp_float8_all_gather:
+        return frozenset()
+    from automodel_quant.fp8.plan import resolve_fp8_targets
+
+    return frozenset(f"{fqn}.weight" for fqn in resolve_fp8_targets(plan.model, fp8).convert)
 
 
 @dataclass
@@ -70,12 +85,12 @@ class _Tally:
     unit_reduce: dict[tuple[int, str], float] = field(default_factory=dict)
     reduce_separate: bool = False
 
-    def add(self, place: Placement, param: nn.Parameter, size: float, cast: _Cast) -> None:
+    def add(self, place: Placement, name: str, param: nn.Parameter, size: float, cast: _Cast) -> None:
         p_div, g_div, o_div = place.divisors
         self.params += size / p_div
         if place.gathered:
             local = size / (place.shard / place.gathered_over)  # this rank's part, unsharded over FSDP
-            gather, reduce = cast.sizes(param, local)
+            gather, reduce = cast.sizes(name, param, local)
             self.units[place.unit] = self.units.get(place.unit, 0.0) + gather
             if param.requires_grad:
                 self.unit_grads[place.unit] = self.unit_grads.get(place.unit, 0.0) + local
@@ -161,7 +176,7 @@ def _size(plan: PlanInput, param: nn.Parameter, index: int | None) -> float:
 def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
     pp = plan.layout.pp
     place = placement_rule(plan.strategy, plan.layout, plan.model, plan.dtype, outer=_outer(plan))
-    cast = _Cast.of(plan.strategy)
+    cast = _Cast.of(plan)
     census = _Census([_Tally() for _ in range(pp)])
     for name, param in plan.model.named_parameters():
         index = layer_index(name)
@@ -169,7 +184,7 @@ def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
         if pp > 1:
             outside = 0 if name.startswith(_FIRST_STAGE_PREFIX) else pp - 1
             rank = owners.get(index, 0) if index is not None else outside
-        census.tallies[rank].add(place(name), param, _size(plan, param, index), cast)
+        census.tallies[rank].add(place(name), name, param, _size(plan, param, index), cast)
         if index is None:
             continue
         if param.dim() == 2 and "lora_" not in name and name.endswith("weight"):

@@ -56,6 +56,9 @@ class PlanInput:
     attn_implementation: str | None = None
     compile: bool = False
     """Whether the blocks are compiled (``torch.compile``): the time model fuses their elementwise ops."""
+    compiled_loss: bool = False
+    """Whether the loss is compiled (`MaskedCrossEntropy` ``compiled``; ``CompileConfig.compile_loss``):
+    it saves the logits in their dtype, not an fp32 copy, and its elementwise ops are fused."""
     model_memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What the estimates compute from ``model`` alone (`model_fact`). Plans of one model, unchanged
     (not mutated) between them, may share one dict: ``automodel plan --suggest`` does for every layout

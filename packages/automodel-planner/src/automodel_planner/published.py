@@ -66,6 +66,8 @@ class PublishedRun:
     layers_per_stage: int | None = None
     checkpointing: Literal[False, "full", "selective"] = False
     compile: bool = False
+    compile_loss: bool = False
+    """The loss is compiled too (``CompileConfig.compile_loss``)."""
     fp8: bool = False
     lora_dim: int | None = None
     memory_gib: float | None = None
@@ -73,6 +75,8 @@ class PublishedRun:
     """The parameters' dtype as stored (computation follows FSDP2Config's bf16 mixed precision)."""
     strategy: Mapping[str, Any] = field(default_factory=dict)
     """Further `FSDP2Config` settings the source's job file states (``defer_fsdp_grad_sync``, ...)."""
+    fp8_config: Mapping[str, Any] = field(default_factory=dict)
+    """Further `FP8Config` settings of a ``fp8`` row (``enable_fsdp_float8_all_gather``, ...)."""
 
 
 @functools.cache
@@ -147,7 +151,7 @@ def run_plan(run: PublishedRun) -> PlanInput:
     if run.fp8:
         from automodel_quant.fp8 import FP8Config
 
-        fp8 = FP8Config(enabled=True)
+        fp8 = FP8Config(enabled=True, **run.fp8_config)
     return PlanInput(
         model=model,
         model_config=config,
@@ -162,6 +166,7 @@ def run_plan(run: PublishedRun) -> PlanInput:
         fp8=fp8,
         attn_implementation="sdpa",
         compile=run.compile,
+        compiled_loss=run.compile_loss,
     )
 
 
@@ -195,7 +200,8 @@ def fit_allocator_reserve(runs: Sequence[PublishedRun]) -> float:
     return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) - 1
 
 
-_FITTED = ("matmul", "fp8_matmul", "attention", "memory", "compiled_traffic")
+_FITTED = ("matmul", "fp8_matmul", "memory", "compiled_traffic")
+"""``attention`` and ``network`` are not fitted (`automodel_planner.step_time.Efficiency`)."""
 
 
 def fit_efficiency(
@@ -204,8 +210,9 @@ def fit_efficiency(
     """Fit the achievable fractions on ``runs`` (the calibration rows); return them and the RMS log error.
 
     A coordinate search: each round tries every fitted field at a few multiples of its value (kept in
-    (0, 1]) and keeps the best; the step shrinks each round. ``network`` stays at its default: the
-    calibration rows are single-node and cannot see it.
+    (0, 1]) and keeps the best; the step shrinks each round. ``network`` and ``attention`` stay at
+    their defaults: the calibration rows are single-node, and attention is too small a part of their
+    step to be told apart from the matmuls (the default is measured).
     """
     plans = [(run_plan(r), parse_cluster(r.cluster), r.tokens_per_s_per_gpu) for r in runs]
     caches = [_PROFILES.setdefault(r.shape, {}) for r in runs]

@@ -7,7 +7,9 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
 
 - **compute** per micro-batch pass: each matmul's FLOPs at the matmul rate (float8's for the blocks'
   linear layers under ``fp8``), the attention kernels' FLOPs (halved for the causal mask) at the
-  attention rate, every other op's bytes at the HBM rate (times the fused share under ``compile``).
+  attention rate, every other op's bytes at the HBM rate (times the fused share under ``compile``
+  inside the blocks, and outside them, where the loss's upcast and log-softmax dominate, under a
+  compiled loss only: the per-block compile leaves it eager).
   Backward is twice a trainable matmul's forward (input and weight gradients) and once a frozen one's
   (input gradient only), 2.5 times attention's (flash attention's backward runs five matmuls to the
   forward's two) and twice the memory-bound ops'. Recompute adds the blocks' forward (full
@@ -89,19 +91,22 @@ class Efficiency:
     """Achievable fractions of the hardware's peaks, per kind of op (the time model's free parameters).
 
     The defaults are `automodel_planner.published.fit_efficiency` on the calibration rows of
-    ``published_runs.toml`` (``python tools/throughput_doc.py --fit`` prints them), rounded; ``network``
-    is not fitted (the calibration rows run inside one node).
+    ``published_runs.toml`` (``python tools/throughput_doc.py --fit`` prints them), rounded, except two
+    the calibration rows cannot tell apart: ``network`` (they run inside one node) and ``attention``
+    (10-15% of their step: any value trades against ``matmul``), which is measured instead.
     """
 
-    matmul: float = 0.656
+    matmul: float = 0.692
     """Of the dense bf16 peak, by a transformer's large matmuls."""
-    fp8_matmul: float = 0.550
+    fp8_matmul: float = 0.612
     """Of the dense fp8 peak, by float8 matmuls (with their scaling)."""
-    attention: float = 0.356
-    """Of the dense bf16 peak, by flash attention (on the causal half of the score matrix)."""
-    memory: float = 0.785
+    attention: float = 0.337
+    """Of the dense bf16 peak, by flash attention (on the causal half of the score matrix): torch's SDPA
+    flash backend is FlashAttention-2, which the FlashAttention-3 paper (Shah et al., 2024, figure 5)
+    measures at 333 TFLOP/s causal forward on an H100 SXM5 (989 peak) at head dim 128 and 8k tokens."""
+    memory: float = 0.803
     """Of the HBM bandwidth, by eager elementwise kernels (norms, activations, rotary, casts, loss)."""
-    compiled_traffic: float = 0.505
+    compiled_traffic: float = 0.566
     """The share of eager's memory-bound bytes a compiled block still moves (fusion)."""
     network: float = 0.8
     """Of a link's bandwidth, by NCCL's collectives (its bus bandwidth)."""
@@ -119,6 +124,9 @@ class StepOptions:
     async_tp: bool = False
     checkpointing: Any = False
     """``False``, ``"full"`` or ``"selective"``."""
+    compiled_loss: bool = False
+    """The loss is compiled: the elementwise ops outside the blocks (the loss's upcast, log-softmax and
+    gradient dominate them) move the compiled share of their bytes; else they run eager."""
 
 
 @dataclass
@@ -218,6 +226,8 @@ class _Rates:
     memory: float
     eager_memory: float
     """The HBM rate of ops outside compiled graphs (ring attention's merges)."""
+    fused_memory: float
+    """The HBM rate of ops in a compiled graph (a compiled loss, whatever the blocks do)."""
 
     @classmethod
     def of(cls, cluster: Cluster, efficiency: Efficiency, options: StepOptions) -> _Rates:
@@ -230,6 +240,7 @@ class _Rates:
             attention=device.bf16_flops * efficiency.attention,
             memory=device.hbm_bytes_per_s * efficiency.memory / traffic,
             eager_memory=device.hbm_bytes_per_s * efficiency.memory,
+            fused_memory=device.hbm_bytes_per_s * efficiency.memory / efficiency.compiled_traffic,
         )
 
 
@@ -302,7 +313,10 @@ def _block_pass(
         elif checkpointing == "selective":
             out.recompute += seconds / 2  # every other matmul's output is saved
     attention = block.attention_flops / 2 / tp / rates.attention  # causal: half the score matrix
-    memory = block.memory_bytes / tp / rates.memory
+    # Outside the blocks (index -1) only a compiled loss fuses: the per-block compile leaves it eager.
+    outside_rate = rates.fused_memory if options.compiled_loss else rates.eager_memory
+    memory_rate = rates.memory if index >= 0 else outside_rate
+    memory = block.memory_bytes / tp / memory_rate
     out.forward += attention + memory
     out.backward += _ATTENTION_BACKWARD * attention + _MEMORY_BACKWARD * memory
     out.attention += (1 + _ATTENTION_BACKWARD) * attention

@@ -54,6 +54,8 @@ class ActivationMemory:
     profile: ActivationProfile
     strategy: StrategyMemory
     """The strategy decides what is recomputed and how tensor parallelism shards the activations."""
+    compiled_loss: bool = False
+    """Whether the loss is compiled (`PlanInput.compiled_loss`)."""
 
     def memory(self, facts: RankFacts) -> list[tuple[str, int, str]]:
         """One line: the activations at the rank's peak in backward."""
@@ -69,6 +71,7 @@ class ActivationMemory:
             sequence_parallel=sp,
             first_stage=facts.first_stage,
             last_stage=facts.last_stage,
+            compiled_loss=self.compiled_loss,
         )
         note = (
             f"{len(facts.blocks)} block(s), {mode or 'no'} checkpointing, {facts.in_flight:g} "
@@ -113,7 +116,7 @@ def _strategy_term(plan: PlanInput) -> StrategyMemory:
 def planner_terms(plan: PlanInput, profile: ActivationProfile, pipeline: Any) -> list[PlannerTerm]:
     """The terms of ``plan``, in the order their lines print (the strategy's first)."""
     strategy = _strategy_term(plan)
-    terms: list[PlannerTerm] = [strategy, ActivationMemory(profile, strategy)]
+    terms: list[PlannerTerm] = [strategy, ActivationMemory(profile, strategy, plan.compiled_loss)]
     if plan.peft is not None:
         from automodel_peft.memory import LoRAMemory
 

@@ -13,7 +13,7 @@ from automodel_distributed.config import FSDP2Config
 from automodel_mesh import MeshKind, ParallelismSizes, resolve_layout
 from automodel_planner import PlanInput
 from automodel_planner.activations import profile_step
-from automodel_planner.estimate import estimate_throughput
+from automodel_planner.estimate import estimate_peak, estimate_throughput
 from automodel_planner.hardware import DEVICES, cluster_from_mapping, parse_cluster
 from automodel_planner.step_time import DEFAULT_EFFICIENCY, model_flops_per_token, weight_kinds
 
@@ -305,3 +305,42 @@ def test_plans_of_one_model_share_what_the_planner_derives_from_it() -> None:
     assert {"outer_units", "weight_kinds"} <= set(plan.model_memo)
     fresh = dataclasses.replace(tp, model_memo={})
     assert estimate_throughput(tp, cluster).parts == estimate_throughput(fresh, cluster).parts
+
+
+def test_float8_all_gather_moves_the_converted_weights_in_one_byte() -> None:
+    """``enable_fsdp_float8_all_gather``: the blocks' linear weights are gathered in float8, the rest
+    (embedding, norms, the output head FP8 training keeps) in bf16; gradients are reduced as before."""
+    from automodel_quant.fp8 import FP8Config
+
+    plain = _plan(fp8=FP8Config(enabled=True))
+    float8 = _plan(fp8=FP8Config(enabled=True, enable_fsdp_float8_all_gather=True))
+    linear = LAYERS * H * (2 * H + 2 * KV * H // HEADS + 3 * FFN)  # q, o, k, v, gate, up, down
+    everything = sum(p.numel() for p in plain.model.parameters())
+    world = plain.layout.dp_shard
+    per_pass = {
+        name: estimate_peak(plan).communication["FSDP all-gather x2"] / 2 / ((world - 1) / world)
+        for name, plan in (("plain", plain), ("float8", float8))
+    }
+    assert per_pass["plain"] == pytest.approx(2 * everything, rel=1e-6)
+    assert per_pass["float8"] == pytest.approx(2 * everything - linear, rel=1e-6)
+    reduced = [estimate_peak(p).communication["FSDP reduce-scatter"] for p in (plain, float8)]
+    assert reduced[0] == reduced[1]
+
+
+def test_a_compiled_loss_keeps_the_logits_in_their_dtype_not_an_fp32_copy() -> None:
+    """``compiled_loss``: the head saves the bf16 logits and their bf16 gradient where the eager loss keeps
+    the fp32 log-probabilities and their fp32 gradient (`MaskedCrossEntropy`'s test measures both);
+    under TP the vocabulary-parallel loss stays eager."""
+    tokens = 2 * 512  # micro-batch x sequence
+    drop = (4 + 4 - 2 - 2) * tokens * VOCAB
+    for sizes, expected in (({}, drop), ({"tp_size": 2}, 0)):
+        eager, compiled = (
+            estimate_peak(_plan(sizes=sizes, compiled_loss=flag)).lines["activations"]
+            for flag in (False, True)
+        )
+        assert eager - compiled == expected
+    cluster = parse_cluster("8xH100")
+    times = [
+        estimate_throughput(_plan(compiled_loss=flag), cluster).parts["compute"] for flag in (False, True)
+    ]
+    assert times[1] < times[0]  # and its elementwise ops are fused

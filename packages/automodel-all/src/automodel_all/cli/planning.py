@@ -78,5 +78,6 @@ def plan_input(
         base_weight_bits=base_weight_bits,
         attn_implementation=job.model.attn_implementation,
         compile=job.compile is not None and job.compile.enabled,
+        compiled_loss=job.compile is not None and job.compile.enabled and job.compile.compile_loss,
         model_memo=model_memo if model_memo is not None else {},
     )

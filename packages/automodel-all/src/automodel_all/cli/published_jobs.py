@@ -51,8 +51,11 @@ def published_job(run: Any, folder: str | Path) -> RawJob:
         *(("distributed", key, value) for key, value in run.strategy.items()),
     ]
     settings += [("parallelism", f"{axis}_size", size) for axis, size in sizes.items() if axis != "dp_shard"]
+    if run.compile_loss:  # the compile section compiles the loss too (compile_loss is on by default)
+        settings.append(("compile", "enabled", True))
     if run.fp8:
         settings.append(("fp8", "enabled", True))
+        settings += [("fp8", key, value) for key, value in run.fp8_config.items()]
     if run.lora_dim is not None:
         settings += [
             ("peft", "target_modules", ["*_proj"]),
