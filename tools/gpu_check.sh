@@ -4,7 +4,8 @@
 #   2. tier.log   the `gpu` test tier (pytest -m gpu) and its JUnit report tier.xml;
 #   3. bench.log  benchmarks/gpu/bench_h200.py on Llama-3.1-8B widths (8 layers): plain transformers,
 #                 hand-written fully_shard, FSDP2Manager eager / compiled / compiled + FP8, LoRA at seq 4096;
-#                 full training at seq 8192 with selective checkpointing; its numbers in bench.json;
+#                 full training at seq 8192 with selective checkpointing; the loss eager against
+#                 compiled; its numbers in bench.json;
 #   4. summary.txt each step's exit code and seconds.
 # It uses the machine's own python3 (torch, transformers, peft, safetensors preinstalled), our packages
 # from their source folders, and the wheels carried in .whl/ for what the image lacks (torchao,

@@ -23,6 +23,9 @@ default 989 for an H200/H100 SXM), FLOPs counted as torchtitan counts them (6 x 
 embedding + 12 x layers x hidden x seq for attention, recompute excluded; LoRA: the frozen base's
 forward and input-gradient work, 4 x its parameters). Then the load time of a real-size checkpoint:
 `apply_model_infrastructure(load_base_model=True)` against ``AutoModelForCausalLM.from_pretrained``.
+Then the loss alone (CUDA only): `MaskedCrossEntropy` eager against ``compiled=True`` on the logits of
+``batch x seq`` tokens at the 128k vocabulary, forward and backward: time and peak memory over the
+logits' own size.
 Printed beside: NeMo AutoModel's Llama 3 8B LoRA on one H100 (seq 4096, global batch 32): 12,473
 tokens/s, 402 TFLOP/s; torchtitan's Llama 3.1 8B FSDP on 8 H100s (local batch 2, seq 8192, selective
 AC): 5,762 tokens/s/GPU, 6,667 compiled, 8,532 compiled with float8.
@@ -246,6 +249,33 @@ def time_load(config: Any, device: torch.device, folder: Path) -> dict[str, floa
     return {"ours_s": ours_s, "from_pretrained_s": theirs_s, "ratio": ours_s / theirs_s}
 
 
+def time_loss(device: torch.device, tokens: int, vocab: int, steps: int) -> dict[str, Any]:
+    """`MaskedCrossEntropy` eager and compiled on ``tokens x vocab`` bf16 logits: seconds per forward and
+    backward, and the peak allocated over the logits' own bytes (CUDA)."""
+    from automodel_distributed.loss import MaskedCrossEntropy
+
+    logits = torch.randn(tokens, vocab, device=device, dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), device=device)
+    out: dict[str, Any] = {"tokens": tokens, "vocab": vocab}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        loss_fn = MaskedCrossEntropy(compiled=compiled)
+        for step in range(steps + 2):  # two warm-up runs (the compile)
+            if step == 2:
+                _sync(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                start = time.perf_counter()
+            x = logits.detach().requires_grad_(True)
+            loss_fn(x, labels).backward()
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        out[name] = {
+            "step_s": (time.perf_counter() - start) / steps,
+            "peak_over_logits": peak / (logits.numel() * logits.element_size()),
+        }
+    return out
+
+
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -343,6 +373,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         results[variant.name] = _time_variant(variant, config, device, args)
         _free(device)
+    if "loss" not in args.skip:
+        if device.type == "cuda":
+            results["loss"] = time_loss(device, args.batch * args.seq, config.vocab_size, args.steps)
+            _free(device)
+        else:
+            print("loss: skipped: needs CUDA", flush=True)
     if "load" not in args.skip:
         from transformers import AutoModelForCausalLM
 
@@ -371,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ac", choices=["none", "full", "selective"], default="selective")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
     parser.add_argument("--tiny", action="store_true", help="tiny widths: a logic check on CPU")
-    parser.add_argument("--skip", nargs="*", default=[], help="variant names (or 'load') to skip")
+    parser.add_argument("--skip", nargs="*", default=[], help="variant names (or 'load', 'loss') to skip")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     return parser.parse_args(argv)
 
@@ -388,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("| variant | tokens/s | TFLOP/s | MFU | step (s) | max allocated (GiB) |")
         print("|---|---|---|---|---|---|")
         for name, row in results.items():
-            if not isinstance(row, dict) or name == "load":
+            if not isinstance(row, dict) or name in ("load", "loss"):
                 continue
             if "error" in row or "skipped" in row:
                 print(f"| {name} | {row.get('error') or 'skipped: ' + row['skipped']} | | | | |")
@@ -404,6 +440,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(
                 f"load of the {args.layers}-layer checkpoint: ours {load['ours_s']:.2f} s, from_pretrained "
                 f"{load['from_pretrained_s']:.2f} s, ratio {load['ratio']:.2f}"
+            )
+        if "loss" in results:
+            loss = results["loss"]
+            eager, compiled = loss["eager"], loss["compiled"]
+            print(
+                f"loss on {loss['tokens']} x {loss['vocab']} bf16 logits, forward + backward: eager "
+                f"{eager['step_s'] * 1e3:.1f} ms, peak {eager['peak_over_logits']:.2f}x the logits; "
+                f"compiled {compiled['step_s'] * 1e3:.1f} ms ({compiled['step_s'] / eager['step_s']:.2f}x), "
+                f"peak {compiled['peak_over_logits']:.2f}x"
             )
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(results, indent=2))
