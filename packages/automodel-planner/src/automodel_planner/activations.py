@@ -150,6 +150,7 @@ def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str 
     image-text-to-text model is built and runs on text alone: its tower's blocks save nothing.
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.initialization import no_init_weights
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     implementation = attn_implementation or getattr(model_config, "_attn_implementation", None) or "sdpa"
@@ -165,8 +166,10 @@ def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str 
     try:
         auto = AutoModelForImageTextToText if whole else AutoModelForCausalLM
         # dtype given: a config that once built a model remembers that model's dtype (fp32 master
-        # weights), while the profile is of the compute dtype.
-        return auto.from_config(config, attn_implementation=implementation, dtype=dtype)
+        # weights), while the profile is of the compute dtype. Fake values need no initialisation
+        # (transformers' own switch: half the build of a 126-block model goes to init kernels).
+        with no_init_weights():
+            return auto.from_config(config, attn_implementation=implementation, dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
 

@@ -296,8 +296,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry_point() -> None:
-    """Console-script entry point (``automodel``)."""
-    sys.exit(main())
+    """Console-script entry point (``automodel``).
+
+    ``automodel plan`` opens no file, process group or device, and writes nothing but its report: once
+    that is flushed the process leaves without the interpreter's teardown of torch's and transformers'
+    modules (about a second on a 2-core host), which would keep a caller reading its output
+    (``automodel plan --json | ...``) waiting for nothing.
+    """
+    code = main()
+    if sys.argv[1:2] == ["plan"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
