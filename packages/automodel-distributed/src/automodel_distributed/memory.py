@@ -336,10 +336,10 @@ class StrategyMemory:
     def _fsdp(self) -> bool:
         return not isinstance(self.config, DDPConfig)
 
-    def _deferred(self, facts: StrategyFacts) -> bool:
-        """FSDP2 keeps each micro-batch's gradients unsharded and unreduced until the last one."""
+    def deferred(self, accumulation: int) -> bool:
+        """Whether FSDP2 keeps each of ``accumulation`` passes' gradients unsharded until the last one."""
         config = self.config
-        return isinstance(config, FSDP2Config) and facts.accumulation > 1 and config.defer_fsdp_grad_sync
+        return isinstance(config, FSDP2Config) and accumulation > 1 and config.defer_fsdp_grad_sync
 
     def memory(self, facts: StrategyFacts) -> list[tuple[str, int, str]]:
         """Parameters, gradients, AdamW state, deferred gradients and the gathered FSDP units."""
@@ -348,7 +348,7 @@ class StrategyMemory:
             ("gradients", int(facts.grads), ""),
             ("optimizer", int(facts.states), "AdamW: 2 states per trainable parameter, in its dtype"),
         ]
-        if self._deferred(facts) and facts.accumulated:
+        if self.deferred(facts.accumulation) and facts.accumulated:
             note = f"unsharded, unreduced over {facts.accumulation} micro-batches (defer_fsdp_grad_sync)"
             lines.append(("accumulated gradients", int(facts.accumulated), note))
         if self._fsdp:
@@ -421,7 +421,7 @@ class StrategyMemory:
             if self.reshard:
                 out.append(Collective(name, "dp_shard_cp", gathered, passes, Overlap.BACKWARD))
             reduced = (shard - 1) / shard * facts.grads * shard
-            reductions = 1 if self._deferred(facts) or facts.pipelined else passes
+            reductions = 1 if self.deferred(facts.accumulation) or facts.pipelined else passes
             out.append(
                 Collective("FSDP reduce-scatter", "dp_shard_cp", reduced, reductions, Overlap.BACKWARD)
             )

@@ -18,10 +18,10 @@ from automodel_mesh import Collective, Overlap
 from automodel_pipelining.config import PipelineConfig
 from automodel_pipelining.costs import read_stage_costs
 from automodel_pipelining.layout import resolve_decoder_layout
-from automodel_pipelining.schedules import in_flight_microbatches, resolve_schedule
+from automodel_pipelining.schedules import in_flight_microbatches, peak_with_gradients, resolve_schedule
 from automodel_pipelining.split import split_layers_evenly
 
-__all__ = ["PipelineFacts", "PipelineMemory", "rank_blocks", "stage_layer_counts"]
+__all__ = ["PipelineFacts", "PipelineMemory", "rank_blocks", "rank_stage_blocks", "stage_layer_counts"]
 
 
 def stage_layer_counts(model: nn.Module, config: PipelineConfig, num_layers: int, stages: int) -> list[int]:
@@ -31,14 +31,22 @@ def stage_layer_counts(model: nn.Module, config: PipelineConfig, num_layers: int
     return split_layers_evenly(num_layers, stages)
 
 
-def rank_blocks(counts: Sequence[int], pp_size: int) -> list[list[int]]:
-    """Block indices of each pipeline rank: ``counts[s]`` layers on stage ``s``, stages placed in loops."""
-    owned: list[list[int]] = [[] for _ in range(pp_size)]
+def rank_stage_blocks(counts: Sequence[int], pp_size: int) -> list[list[list[int]]]:
+    """Each pipeline rank's stages, in order, as block indices (stage ``s`` on rank ``s % pp_size``).
+
+    ``counts[s]`` is the number of layers of stage ``s``.
+    """
+    owned: list[list[list[int]]] = [[] for _ in range(pp_size)]
     layer = 0
     for stage, count in enumerate(counts):
-        owned[stage % pp_size].extend(range(layer, layer + count))
+        owned[stage % pp_size].append(list(range(layer, layer + count)))
         layer += count
     return owned
+
+
+def rank_blocks(counts: Sequence[int], pp_size: int) -> list[list[int]]:
+    """Block indices of each pipeline rank (its stages' blocks together, `rank_stage_blocks`)."""
+    return [[b for stage in stages for b in stage] for stages in rank_stage_blocks(counts, pp_size)]
 
 
 class PipelineFacts(Protocol):
@@ -86,6 +94,23 @@ class PipelineMemory:
             stages_per_rank=self.stages_per_rank,
         )
         return held / self.stages_per_rank
+
+    def held_with_gradients(
+        self, rank: int, activations: Sequence[float], gradients: Sequence[float]
+    ) -> float:
+        """The most rank ``rank`` holds at once of its stages' activations and gradients.
+
+        ``activations[c]``: one micro-batch's of its stage ``c``; ``gradients[c]``: that stage's
+        accumulated unsharded gradients (`peak_with_gradients`).
+        """
+        return peak_with_gradients(
+            resolve_schedule(self.config.pp_schedule, self.config.pp_schedule_csv),
+            pp_size=self.pp_size,
+            rank=rank,
+            n_microbatches=self.config.n_microbatches,
+            activations=activations,
+            gradients=gradients,
+        )
 
     @staticmethod
     def _activation_bytes(facts: PipelineFacts) -> int:

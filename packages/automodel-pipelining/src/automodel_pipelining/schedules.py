@@ -19,6 +19,7 @@ import csv
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,6 +30,7 @@ __all__ = [
     "check_microbatches",
     "in_flight_microbatches",
     "normalize_schedule_name",
+    "peak_with_gradients",
     "read_csv_schedule",
     "resolve_schedule",
     "stage_ids_this_rank",
@@ -290,3 +292,58 @@ def in_flight_microbatches(
         return min(n_microbatches, pp_size - rank)
     warmup = (stages_per_rank - 1) * pp_size + 2 * (pp_size - 1 - rank) + 1
     return min(everything, warmup)
+
+
+_ORDERED = ("interleaved1f1b", "loopedbfs")
+"""Looped schedules whose op order `peak_with_gradients` follows; others are bounded by the sum."""
+
+
+def peak_with_gradients(
+    spec: ScheduleSpec | None,
+    *,
+    pp_size: int,
+    rank: int,
+    n_microbatches: int,
+    activations: Sequence[float],
+    gradients: Sequence[float],
+) -> float:
+    """The most a pipeline rank holds at once of its stages' activations and accumulated gradients.
+
+    ``activations[c]`` is one micro-batch's saved activations of the rank's ``c``-th stage,
+    ``gradients[c]`` that stage's unsharded gradients, which FSDP2 makes at the stage's first backward
+    and frees at its last (the one micro-batch whose backward reduces them). A looped schedule of
+    torch's (`_ORDERED`) runs forwards in rounds, each stage in turn (``pp_size`` micro-batches a round
+    for interleaved 1F1B, all of them for looped BFS), then backwards the same way from the last stage;
+    after its warm-up (`in_flight_microbatches`) it alternates one backward and one forward. So the
+    later stage's activations are partly freed, and its gradients reduced, before the earlier stage's
+    gradients exist: the peak is less than the sum of both peaks. Any other schedule (one stage per
+    rank: the gradients come at the first backward, with the warm-up's activations; GPipe; CSV) gives
+    that sum, its bound.
+    """
+    stages = len(activations)
+    assert stages == len(gradients) and stages >= 1, "one activation and one gradient size per stage"
+    held = in_flight_microbatches(
+        spec, pp_size=pp_size, rank=rank, n_microbatches=n_microbatches, stages_per_rank=stages
+    )
+    if spec is None or spec.name not in _ORDERED or stages == 1:
+        return held / stages * sum(activations) + sum(gradients)
+    per_round = n_microbatches if spec.name == "loopedbfs" else min(pp_size, n_microbatches)
+    rounds = [range(s, min(s + per_round, n_microbatches)) for s in range(0, n_microbatches, per_round)]
+    forwards = [(c, m) for r in rounds for c in range(stages) for m in r]
+    backwards = [(c, m) for r in rounds for c in reversed(range(stages)) for m in r]
+    order = [("F", op) for op in forwards[:held]]
+    for index, backward in enumerate(backwards):
+        order.append(("B", backward))
+        if held + index < len(forwards):
+            order.append(("F", forwards[held + index]))
+    alive, accumulating, peak = 0.0, set(), 0.0
+    for kind, (stage, micro) in order:
+        if kind == "F":
+            alive += activations[stage]
+            continue
+        accumulating.add(stage)
+        peak = max(peak, alive + sum(gradients[s] for s in accumulating))
+        alive -= activations[stage]
+        if micro == n_microbatches - 1:
+            accumulating.discard(stage)  # its last backward reduces and frees them
+    return peak

@@ -45,6 +45,7 @@ __all__ = [
     "BlockActivations",
     "StepProfile",
     "activation_bytes",
+    "held_per_microbatch",
     "profile_activations",
     "profile_step",
 ]
@@ -431,6 +432,35 @@ def activation_bytes(
     Returns:
         Bytes.
     """
+    held, recompute = _held_and_recompute(profile, checkpointing, blocks, tp, sequence_parallel)
+    outside = (profile.embedding if first_stage else 0) + (
+        profile.head_bytes(tp, compiled_loss) if last_stage else 0
+    )
+    return int(in_flight * held) + max(recompute, 0) + outside
+
+
+def held_per_microbatch(
+    profile: ActivationProfile,
+    *,
+    checkpointing: Checkpointing,
+    blocks: Sequence[int],
+    tp: int = 1,
+    sequence_parallel: bool = False,
+) -> int:
+    """Bytes ``blocks`` keep for backward per micro-batch: a pipeline stage's for each one in flight.
+
+    The arguments are `activation_bytes`'; the recomputed block's and the outside parts are not counted.
+    """
+    return _held_and_recompute(profile, checkpointing, blocks, tp, sequence_parallel)[0]
+
+
+def _held_and_recompute(
+    profile: ActivationProfile,
+    checkpointing: Checkpointing,
+    blocks: Sequence[int] | None,
+    tp: int,
+    sequence_parallel: bool,
+) -> tuple[int, int]:
     chosen = [profile.blocks[i] for i in (blocks if blocks is not None else range(len(profile.blocks)))]
     if not chosen:
         held = recompute = 0
@@ -443,7 +473,4 @@ def activation_bytes(
     else:
         held = sum(b.total(tp, sequence_parallel) for b in chosen)
         recompute = 0
-    outside = (profile.embedding if first_stage else 0) + (
-        profile.head_bytes(tp, compiled_loss) if last_stage else 0
-    )
-    return int(in_flight * held) + max(recompute, 0) + outside
+    return held, recompute

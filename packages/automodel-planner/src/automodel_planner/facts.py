@@ -113,6 +113,8 @@ class RankFacts:
     layout: MeshLayout
     blocks: Sequence[int]
     """The transformer blocks the rank runs."""
+    stage_blocks: Sequence[Sequence[int]]
+    """The same, per pipeline stage the rank runs, in order (one list without pipelining)."""
     first_stage: bool
     last_stage: bool
     pipelined: bool
@@ -195,15 +197,15 @@ def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
     return census
 
 
-def _owned_blocks(plan: PlanInput, pipeline: Any) -> list[list[int]]:
-    """The blocks of each pipeline rank (one list of all blocks without pipelining)."""
+def _owned_stages(plan: PlanInput, pipeline: Any) -> list[list[list[int]]]:
+    """The blocks of each pipeline rank, per stage (one stage of all blocks without pipelining)."""
     layers = plan.config_int("num_hidden_layers")
     if pipeline is None:
-        return [list(range(layers))]
-    from automodel_pipelining.memory import rank_blocks, stage_layer_counts
+        return [[list(range(layers))]]
+    from automodel_pipelining.memory import rank_stage_blocks, stage_layer_counts
 
     counts = stage_layer_counts(plan.model, pipeline.config, layers, max(pipeline.stages, 1))
-    return rank_blocks(counts, plan.layout.pp)
+    return rank_stage_blocks(counts, plan.layout.pp)
 
 
 def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: int) -> list[RankFacts]:
@@ -215,7 +217,8 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
         tokens: Tokens per micro-batch on a rank (from the activation profile).
         profiled_blocks: Blocks the activation profile found (every rank's, without pipelining).
     """
-    owned = _owned_blocks(plan, pipeline)
+    stages = _owned_stages(plan, pipeline)
+    owned = [[b for stage in rank_stages for b in stage] for rank_stages in stages]
     census = _census(plan, {b: rank for rank, blocks in enumerate(owned) for b in blocks})
     freed = always_resharded_units(plan.model, _outer(plan))
     pp, hidden = plan.layout.pp, plan.config_int("hidden_size")
@@ -230,6 +233,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
     facts = []
     for rank, tally in enumerate(census.tallies):
         blocks = owned[rank] if pp > 1 else list(range(profiled_blocks))
+        stage_blocks = stages[rank] if pp > 1 else [blocks]
         keys = sorted(tally.units)
         facts.append(
             RankFacts(
@@ -237,6 +241,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
                 index=rank,
                 layout=plan.layout,
                 blocks=blocks,
+                stage_blocks=stage_blocks,
                 first_stage=rank == 0,
                 last_stage=rank == pp - 1,
                 pipelined=pipeline is not None,

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from automodel_distributed.memory import StrategyMemory
 from automodel_mesh import Collective
-from automodel_planner.activations import ActivationProfile, activation_bytes
+from automodel_planner.activations import ActivationProfile, activation_bytes, held_per_microbatch
 from automodel_planner.facts import RankFacts
 from automodel_planner.inputs import PlanInput
 
@@ -56,6 +56,8 @@ class ActivationMemory:
     """The strategy decides what is recomputed and how tensor parallelism shards the activations."""
     compiled_loss: bool = False
     """Whether the loss is compiled (`PlanInput.compiled_loss`)."""
+    pipeline: Any = None
+    """The pipeline's term (``automodel_pipelining.memory.PipelineMemory``), or None."""
 
     def memory(self, facts: RankFacts) -> list[tuple[str, int, str]]:
         """One line: the activations at the rank's peak in backward."""
@@ -73,12 +75,39 @@ class ActivationMemory:
             last_stage=facts.last_stage,
             compiled_loss=self.compiled_loss,
         )
+        size -= self._freed_before_gradients(facts)
         note = (
             f"{len(facts.blocks)} block(s), {mode or 'no'} checkpointing, {facts.in_flight:g} "
             f"micro-batch(es) in flight, {facts.tokens} tokens/micro-batch, tp={tp}{' +SP' if sp else ''}, "
             f"cp={cp}"
         )
         return [("activations", size, note)]
+
+    def _freed_before_gradients(self, facts: RankFacts) -> int:
+        """Activations a looped pipeline schedule frees before its earlier stages' gradients exist.
+
+        The strategy's accumulated gradients and these activations are lines of their own, each at
+        its peak; a rank running several stages does not hold both peaks at once (the later stage's
+        backward frees its activations, and reduces its gradients, before the earlier stage's
+        backward makes its own: `automodel_pipelining.schedules.peak_with_gradients`). Each stage's
+        gradients are taken in proportion to its blocks. 0 for one stage per rank.
+        """
+        stages = facts.stage_blocks
+        if self.pipeline is None or len(stages) < 2 or not facts.accumulated:
+            return 0
+        if not self.strategy.deferred(facts.accumulation):
+            return 0
+        tp = facts.layout.tp
+        sp = self.strategy.sequence_parallel and tp > 1
+        mode = self.strategy.checkpointing
+        held = [
+            held_per_microbatch(self.profile, checkpointing=mode, blocks=s, tp=tp, sequence_parallel=sp)
+            for s in stages
+        ]
+        blocks = sum(len(s) for s in stages)
+        gradients = [facts.accumulated * len(s) / blocks for s in stages]
+        together = self.pipeline.held_with_gradients(facts.index, held, gradients)
+        return max(int(facts.in_flight * sum(held) + facts.accumulated - together), 0)
 
     def buffers(self, facts: RankFacts) -> dict[str, int]:
         """None: activations are not collective buffers."""
@@ -116,7 +145,7 @@ def _strategy_term(plan: PlanInput) -> StrategyMemory:
 def planner_terms(plan: PlanInput, profile: ActivationProfile, pipeline: Any) -> list[PlannerTerm]:
     """The terms of ``plan``, in the order their lines print (the strategy's first)."""
     strategy = _strategy_term(plan)
-    terms: list[PlannerTerm] = [strategy, ActivationMemory(profile, strategy, plan.compiled_loss)]
+    terms: list[PlannerTerm] = [strategy, ActivationMemory(profile, strategy, plan.compiled_loss, pipeline)]
     if plan.peft is not None:
         from automodel_peft.memory import LoRAMemory
 
