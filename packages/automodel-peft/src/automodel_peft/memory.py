@@ -12,7 +12,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["LoRAFacts", "LoRAMemory", "lora_activation_bytes"]
+__all__ = ["LoRAFacts", "LoRAMemory", "lora_activation_bytes", "lora_traffic_bytes"]
+
+
+def lora_traffic_bytes(input_bytes: float, output_bytes: float) -> tuple[float, float]:
+    """Bytes a LoRA adapter moves beyond its frozen base layer, in forward and in backward.
+
+    The adapter's matmuls are rank-``r`` thin (a few FLOPs per byte): their cost is the activations
+    they read and write. Counted op by op over peft's ``result + lora_B(lora_A(x)) * scaling`` (no
+    dropout), with ``I`` the layer's input bytes and ``O`` its output bytes on the rank:
+
+    - forward: ``A`` reads the input (``I``); ``B`` writes an output-sized tensor, the scaling reads and
+      writes it, the sum reads it and the base's output and writes the result (``6 O``);
+    - backward (``A`` and ``B`` train, the base does not): the scaling's gradient reads and writes the
+      output gradient (``2 O``), ``B``'s weight and input gradients each read it (``2 O``), ``A``'s
+      weight gradient reads the input and its input gradient writes one (``2 I``), and autograd adds
+      that to the base's input gradient (``3 I``).
+
+    The ``r``-wide tensors are left out (``r`` is a few dozen against thousands).
+    """
+    return input_bytes + 6 * output_bytes, 5 * input_bytes + 4 * output_bytes
 
 
 def lora_activation_bytes(

@@ -14,7 +14,9 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   (input gradient only), 2.5 times attention's (flash attention's backward runs five matmuls to the
   forward's two) and twice the memory-bound ops'. Recompute adds the blocks' forward (full
   checkpointing) or the half of their matmuls and the memory-bound ops selective checkpointing drops.
-  Tensor parallelism divides a block's work by ``tp``.
+  Tensor parallelism divides a block's work by ``tp``. A LoRA adapter's thin matmuls and elementwise
+  ops move activations for a few FLOPs: its layer's input and output bytes, counted op by op
+  (`automodel_peft.memory.lora_traffic_bytes`), at the HBM rate.
 - **collectives**, by what they hide behind (`automodel_mesh.Overlap`), as torch runs them: FSDP2's
   all-gathers are prefetched one unit ahead, so only the first unit's and whatever exceeds the
   forward compute is exposed; backward's all-gathers, reduce-scatters and HSDP all-reduces run behind
@@ -96,17 +98,17 @@ class Efficiency:
     (10-15% of their step: any value trades against ``matmul``), which is measured instead.
     """
 
-    matmul: float = 0.692
+    matmul: float = 0.730
     """Of the dense bf16 peak, by a transformer's large matmuls."""
-    fp8_matmul: float = 0.612
+    fp8_matmul: float = 0.598
     """Of the dense fp8 peak, by float8 matmuls (with their scaling)."""
     attention: float = 0.337
     """Of the dense bf16 peak, by flash attention (on the causal half of the score matrix): torch's SDPA
     flash backend is FlashAttention-2, which the FlashAttention-3 paper (Shah et al., 2024, figure 5)
     measures at 333 TFLOP/s causal forward on an H100 SXM5 (989 peak) at head dim 128 and 8k tokens."""
-    memory: float = 0.803
+    memory: float = 0.809
     """Of the HBM bandwidth, by eager elementwise kernels (norms, activations, rotary, casts, loss)."""
-    compiled_traffic: float = 0.566
+    compiled_traffic: float = 0.543
     """The share of eager's memory-bound bytes a compiled block still moves (fusion)."""
     network: float = 0.8
     """Of a link's bandwidth, by NCCL's collectives (its bus bandwidth)."""
@@ -180,6 +182,8 @@ class WeightKind(NamedTuple):
     """Holds weights (a rotary embedding multiplying positions does not: work, but not model FLOPs)."""
     tp_style: str | None = None
     """``"colwise"`` or ``"rowwise"`` where the model's tensor-parallel plan shards it, else None."""
+    adapted: bool = False
+    """Wrapped by a LoRA adapter (peft's ``base_layer``): `lora_traffic_bytes` adds its work."""
 
 
 WeightKinds = Callable[[int, str], WeightKind]
@@ -215,7 +219,7 @@ def _kind(module: nn.Module, tp_style: str | None) -> WeightKind:
     layer = getattr(module, "base_layer", module)
     own = list(layer.parameters(recurse=False))
     trainable = any(p.requires_grad for p in own) if own else True
-    return WeightKind(trainable, isinstance(layer, nn.Linear), bool(own), tp_style)
+    return WeightKind(trainable, isinstance(layer, nn.Linear), bool(own), tp_style, layer is not module)
 
 
 @dataclass(frozen=True)
@@ -312,6 +316,8 @@ def _block_pass(
             out.recompute += seconds
         elif checkpointing == "selective":
             out.recompute += seconds / 2  # every other matmul's output is saved
+        if kind.adapted and index >= 0:
+            _add_adapter(out, block, name, kind.tp_style, tp, rates.memory, bool(checkpointing))
     attention = block.attention_flops / 2 / tp / rates.attention  # causal: half the score matrix
     # Outside the blocks (index -1) only a compiled loss fuses: the per-block compile leaves it eager.
     outside_rate = rates.fused_memory if options.compiled_loss else rates.eager_memory
@@ -329,6 +335,32 @@ def _block_pass(
     if options.async_tp and tp > 1 and index >= 0:
         _add_partial_sums(out, segments, (1 + 1 / tp) / rates.eager_memory, checkpointing)
     return out
+
+
+def _add_adapter(
+    one: _Pass, block: BlockCompute, name: str, style: str | None, tp: int, rate: float, recomputed: bool
+) -> None:
+    """Add a LoRA adapter's traffic on the layer ``name`` to a block's pass (mutates ``one``).
+
+    ``automodel_peft.memory.lora_traffic_bytes`` of the layer's input and output on the rank: a
+    column-parallel layer reads its whole input and writes a ``1 / tp`` of its output, a row-parallel
+    one the reverse. Its elementwise part is fused under compile like the block's (``rate``); the
+    forward runs again in a recompute.
+    """
+    from automodel_peft.memory import lora_traffic_bytes
+
+    read, written = block.matmul_input_bytes.get(name, 0.0), block.matmul_output_bytes.get(name, 0.0)
+    if style == "colwise":
+        written /= tp
+    elif style == "rowwise":
+        read /= tp
+    else:
+        read, written = read / tp, written / tp
+    forward, backward = lora_traffic_bytes(read, written)
+    one.forward += forward / rate
+    one.backward += backward / rate
+    if recomputed:
+        one.recompute += forward / rate
 
 
 def _add_partial_sums(one: _Pass, segments: list[_Segment], per_byte: float, checkpointing: Any) -> None:

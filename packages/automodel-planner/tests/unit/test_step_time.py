@@ -344,3 +344,25 @@ def test_a_compiled_loss_keeps_the_logits_in_their_dtype_not_an_fp32_copy() -> N
         estimate_throughput(_plan(compiled_loss=flag), cluster).parts["compute"] for flag in (False, True)
     ]
     assert times[1] < times[0]  # and its elementwise ops are fused
+
+
+def test_a_lora_adapter_adds_the_traffic_of_its_thin_matmuls_and_elementwise_ops() -> None:
+    """Each adapted linear moves ``lora_traffic_bytes`` of its input and output at the HBM rate, on top
+    of its frozen base: the same model with its base frozen and no adapters is the difference."""
+    from automodel_peft import PeftConfig, apply_lora_to_linear_modules
+
+    adapted = _meta_model(_config())
+    apply_lora_to_linear_modules(adapted, PeftConfig(target_modules=["*_proj"], dim=8, alpha=16))
+    frozen = _meta_model(_config()).requires_grad_(False)  # what the adapters leave frozen: everything
+    cluster = parse_cluster("8xH100")
+    world = _plan(world=8)
+    seconds = {
+        label: estimate_throughput(dataclasses.replace(world, model=model), cluster).parts["compute"]
+        for label, model in (("adapted", adapted), ("frozen", frozen))
+    }
+    tokens, element = 2 * 512, 2  # micro-batch x sequence, bf16
+    inputs = 6 * H + FFN  # q, k, v, o, gate, up read H; down reads FFN
+    outputs = 2 * H + 2 * KV * H // HEADS + 2 * FFN + H  # q, o, k, v, gate, up, down
+    per_layer = tokens * element * ((inputs + 6 * outputs) + (5 * inputs + 4 * outputs))
+    rate = DEVICES["h100"].hbm_bytes_per_s * DEFAULT_EFFICIENCY.memory
+    assert seconds["adapted"] - seconds["frozen"] == pytest.approx(LAYERS * per_layer / rate, rel=1e-6)
