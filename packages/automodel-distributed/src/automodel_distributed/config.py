@@ -8,7 +8,7 @@ this module imports nothing heavy (the FSDP2 policy defaults are built lazily).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
 import torch
@@ -502,8 +502,7 @@ class CompileConfig(ConfigDict):
                 f"CompileConfig.options must be a dict or None, got {type(self.options).__name__}"
             )
         if not self.enabled:
-            settings = ["mode", "fullgraph", "dynamic", "backend", "options", "dynamo_cache_size_limit"]
-            settings.append("compile_loss")
+            settings = [f.name for f in fields(self) if f.name != "enabled"]
             self.warn_unused(self.changed_fields(settings), "enabled is False")
 
 

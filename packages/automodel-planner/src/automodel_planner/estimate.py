@@ -208,7 +208,8 @@ def estimate_throughput(
         fp8=fp8,
         async_tp=bool(getattr(plan.strategy, "enable_async_tensor_parallel", False)),
         checkpointing=resolve_checkpointing_mode(plan.strategy.activation_checkpointing) or False,
-        compiled_loss=plan.compiled_loss,
+        # Vocabulary-parallel logits (tp > 1) keep MaskedCrossEntropy's sharded eager loss.
+        compiled_loss=plan.compiled_loss and plan.layout.tp == 1,
     )
     return estimate_step_time(
         ranks=ranks,

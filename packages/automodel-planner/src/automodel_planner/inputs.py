@@ -58,7 +58,8 @@ class PlanInput:
     """Whether the blocks are compiled (``torch.compile``): the time model fuses their elementwise ops."""
     compiled_loss: bool = False
     """Whether the loss is compiled (`MaskedCrossEntropy` ``compiled``; ``CompileConfig.compile_loss``):
-    it saves the logits in their dtype, not an fp32 copy, and its elementwise ops are fused."""
+    it saves the logits in their dtype, not an fp32 copy, and its elementwise ops are fused. Under
+    tensor parallelism the vocabulary-parallel loss stays eager, as `MaskedCrossEntropy` keeps it."""
     model_memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What the estimates compute from ``model`` alone (`model_fact`). Plans of one model, unchanged
     (not mutated) between them, may share one dict: ``automodel plan --suggest`` does for every layout
