@@ -30,6 +30,7 @@ __all__ = [
     "check_microbatches",
     "in_flight_microbatches",
     "normalize_schedule_name",
+    "peak_over_order",
     "peak_with_gradients",
     "read_csv_schedule",
     "resolve_schedule",
@@ -336,6 +337,16 @@ def peak_with_gradients(
         order.append(("B", backward))
         if held + index < len(forwards):
             order.append(("F", forwards[held + index]))
+    return peak_over_order(order, n_microbatches, activations, gradients)
+
+
+def peak_over_order(
+    order: Sequence[tuple[str, tuple[int, int]]],
+    n_microbatches: int,
+    activations: Sequence[float],
+    gradients: Sequence[float],
+) -> float:
+    """`peak_with_gradients` over an explicit op order of one rank: ``("F" or "B", (stage, micro))``."""
     alive, accumulating, peak = 0.0, set(), 0.0
     for kind, (stage, micro) in order:
         if kind == "F":

@@ -19,7 +19,7 @@ def test_in_flight_microbatches_per_schedule() -> None:
     assert in_flight_microbatches(None, pp_size=2, rank=0, n_microbatches=4, stages_per_rank=2) == 8
 
 
-def _torch_order(schedule: str, pp: int, n: int, v: int, rank: int) -> list[tuple[str, int, int]]:
+def _torch_order(schedule: str, pp: int, n: int, v: int, rank: int) -> list[tuple[str, tuple[int, int]]]:
     """The op order torch computes for ``rank`` of an interleaved 1F1B schedule (no process group:
     its ``_calculate_single_rank_operations`` needs only these counts)."""
     from torch.distributed.pipelining import schedules
@@ -31,37 +31,23 @@ def _torch_order(schedule: str, pp: int, n: int, v: int, rank: int) -> list[tupl
     plan.microbatches_per_round = n // plan.number_of_rounds
     actions = [a for a in plan._calculate_single_rank_operations(rank) if a is not None]
     kinds = {schedules._ComputationType.FORWARD: "F", schedules._ComputationType.FULL_BACKWARD: "B"}
-    return [(kinds[a.computation_type], a.stage_index // pp, a.microbatch_index) for a in actions]
-
-
-def _peak_of(order: list[tuple[str, int, int]], n: int, act: list[float], grads: list[float]) -> float:
-    alive, accumulating, peak = 0.0, set(), 0.0
-    for kind, stage, micro in order:
-        if kind == "F":
-            alive += act[stage]
-            continue
-        accumulating.add(stage)
-        peak = max(peak, alive + sum(grads[s] for s in accumulating))
-        alive -= act[stage]
-        if micro == n - 1:
-            accumulating.discard(stage)
-    return peak
+    return [(kinds[a.computation_type], (a.stage_index // pp, a.microbatch_index)) for a in actions]
 
 
 def test_the_peak_with_gradients_follows_torchs_own_interleaved_order() -> None:
     """`peak_with_gradients` against the peak over the op order torch itself computes, on every rank."""
-    from automodel_pipelining.schedules import peak_with_gradients
+    from automodel_pipelining.schedules import peak_over_order, peak_with_gradients
 
     interleaved = SCHEDULES["interleaved1f1b"]
     act, grads = [1.0, 1.5], [12.0, 10.0]
     for pp, n in ((4, 8), (8, 8), (4, 4), (2, 8)):
         for rank in range(pp):
             order = _torch_order("interleaved1f1b", pp, n, 2, rank)
-            assert [k for k, _, _ in order].count("F") == 2 * n
+            assert [k for k, _ in order].count("F") == 2 * n
             ours = peak_with_gradients(
                 interleaved, pp_size=pp, rank=rank, n_microbatches=n, activations=act, gradients=grads
             )
-            assert ours == _peak_of(order, n, act, grads), (pp, n, rank)
+            assert ours == peak_over_order(order, n, act, grads), (pp, n, rank)
             assert ours < n * sum(act) + sum(grads)  # less than both peaks together
     one = SCHEDULES["1f1b"]  # one stage per rank: the warm-up's activations beside all the gradients
     peak = peak_with_gradients(one, pp_size=4, rank=1, n_microbatches=8, activations=[2.0], gradients=[9.0])
