@@ -76,4 +76,5 @@ if dist.get_rank() == 0:
     same = saved.keys() == original.keys() and all(torch.equal(saved[k], original[k]) for k in saved)
     print(f"FSDP2 and TP logits equal transformers'; saved checkpoint identical: {same}")
     assert same
+dist.barrier()  # the ranks leave together: none exits while another still uses the group
 dist.destroy_process_group()
