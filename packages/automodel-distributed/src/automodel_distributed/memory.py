@@ -290,6 +290,9 @@ class StrategyFacts(Protocol):
     """Forward/backward passes per optimizer step (gradient accumulation, or the pipeline's)."""
     forward_runs: int
     """Times each block's forward runs per pass (2 when full activation checkpointing recomputes it)."""
+    gather_runs: int
+    """Times each block's TP all-gathers run per pass (``forward_runs``, or 2 when selective checkpointing
+    does not save their outputs)."""
     pipelined: bool
 
 
@@ -433,7 +436,10 @@ class StrategyMemory:
         calls = len(facts.blocks) * passes
         if layout.tp > 1:
             tp = layout.tp
-            per_block = (2 * facts.forward_runs + 2) * 2 * (tp - 1) / tp * tokens * hidden * element
+            # Per block: two all-gathers in each of the forward's gather runs and two reduce-scatters in
+            # each of its runs (recompute included), mirrored once in backward.
+            collectives = 2 * (facts.gather_runs + facts.forward_runs) + 4
+            per_block = collectives * (tp - 1) / tp * tokens * hidden * element
             out.append(Collective("TP all-reduce (or AG+RS)", "tp", per_block, calls, Overlap.EXPOSED))
         if layout.cp > 1:
             kv, head_dim = facts.attention

@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel_distributed.activation_checkpointing import resolve_checkpointing_mode
+from automodel_distributed.activation_checkpointing import (
+    SELECTIVE_AC_ALWAYS_SAVE_OPS,
+    resolve_checkpointing_mode,
+)
 from automodel_distributed.memory import (
     OuterUnits,
     Placement,
@@ -126,6 +129,11 @@ class RankFacts:
     """Times each block's forward runs per pass: 2 under full activation checkpointing (the recompute
     issues the block's collectives again), else 1 (selective checkpointing saves collectives' outputs:
     `SELECTIVE_AC_ALWAYS_SAVE_OPS`)."""
+    gather_runs: int
+    """Times each block's TP all-gathers run per pass: ``forward_runs``, or 2 under selective
+    checkpointing whose saved ops lack the all-gather (`PlanInput.selective_save_ops`: torchtitan's):
+    its output, the gathered input of the column-parallel matmuls, is then recomputed for their weight
+    gradients, and the all-gather issued again in backward."""
     in_flight: float
     """Micro-batches whose activations of its blocks the rank holds at once."""
     tokens: int
@@ -197,6 +205,16 @@ def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
     return census
 
 
+_ALL_GATHER_OP = "_c10d_functional.all_gather_into_tensor.default"
+
+
+def _saves_all_gather(plan: PlanInput) -> bool:
+    """Whether the job's selective checkpointing saves the all-gather's output (automodel's does)."""
+    if plan.selective_save_ops is None:
+        return _ALL_GATHER_OP in SELECTIVE_AC_ALWAYS_SAVE_OPS
+    return _ALL_GATHER_OP in plan.selective_save_ops
+
+
 def _owned_stages(plan: PlanInput, pipeline: Any) -> list[list[list[int]]]:
     """The blocks of each pipeline rank, per stage (one stage of all blocks without pipelining)."""
     layers = plan.config_int("num_hidden_layers")
@@ -229,7 +247,8 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
     )
     n_micro = pipeline.config.n_microbatches if pipeline is not None else 1
     shards = plan.layout.tp if getattr(plan.strategy, "sequence_parallel", False) else 1
-    runs = 2 if resolve_checkpointing_mode(plan.strategy.activation_checkpointing) == "full" else 1
+    mode = resolve_checkpointing_mode(plan.strategy.activation_checkpointing)
+    runs = 2 if mode == "full" else 1
     facts = []
     for rank, tally in enumerate(census.tallies):
         blocks = owned[rank] if pp > 1 else list(range(profiled_blocks))
@@ -248,6 +267,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
                 n_micro=n_micro,
                 accumulation=n_micro if pipeline is not None else plan.accumulation,
                 forward_runs=runs,
+                gather_runs=2 if mode == "selective" and not _saves_all_gather(plan) else runs,
                 in_flight=pipeline.in_flight(rank) if pipeline is not None else 1.0,
                 tokens=tokens,
                 sequence_shards=shards,

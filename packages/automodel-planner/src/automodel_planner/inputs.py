@@ -60,6 +60,11 @@ class PlanInput:
     """Whether the loss is compiled (`MaskedCrossEntropy` ``compiled``; ``CompileConfig.compile_loss``):
     it saves the logits in their dtype, not an fp32 copy, and its elementwise ops are fused. Under
     tensor parallelism the vocabulary-parallel loss stays eager, as `MaskedCrossEntropy` keeps it."""
+    selective_save_ops: tuple[str, ...] | None = None
+    """The ops (``namespace.op.overload``) whose outputs selective checkpointing saves, when the job runs
+    another framework's policy (torchtitan's ``_save_list``); None: automodel's
+    (`automodel_distributed.activation_checkpointing.selective_checkpoint_policy`). The time model reads
+    whether it saves TP's all-gathers (`automodel_planner.facts.RankFacts.gather_runs`)."""
     model_memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What the estimates compute from ``model`` alone (`model_fact`). Plans of one model, unchanged
     (not mutated) between them, may share one dict: ``automodel plan --suggest`` does for every layout

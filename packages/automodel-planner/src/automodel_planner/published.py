@@ -65,6 +65,9 @@ class PublishedRun:
     pp_schedule: str | None = None
     layers_per_stage: int | None = None
     checkpointing: Literal[False, "full", "selective"] = False
+    selective_save_ops: str | None = None
+    """The ``[selective_save_ops]`` list naming the ops the source's selective checkpointing saves
+    (`PlanInput.selective_save_ops`); None: automodel's."""
     compile: bool = False
     compile_loss: bool = False
     """The loss is compiled too (``CompileConfig.compile_loss``)."""
@@ -167,6 +170,9 @@ def run_plan(run: PublishedRun) -> PlanInput:
         attn_implementation="sdpa",
         compile=run.compile,
         compiled_loss=run.compile_loss,
+        selective_save_ops=(
+            tuple(_data()["selective_save_ops"][run.selective_save_ops]) if run.selective_save_ops else None
+        ),
     )
 
 

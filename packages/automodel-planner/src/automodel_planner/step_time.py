@@ -23,7 +23,9 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   the backward still to come, exposing the last unit's and any excess (a reduction made once per step,
   under gradient accumulation or a pipeline, has only the last pass's backward); ring attention hides K/V
   passing behind the attention; TP's and EP's collectives and a stage's send/receive are exposed, and a
-  recompute under full checkpointing issues a block's forward collectives again. Under async TP each
+  recompute under full checkpointing issues a block's forward collectives again, and one under selective
+  checkpointing its all-gathers when it does not save their outputs (torchtitan's save list: the
+  column-parallel matmuls' weight gradients need the gathered input). Under async TP each
   of a block's TP collectives is micro-pipelined with the matmuls it feeds or is fed by, as torch's
   micro-pipeline pass fuses them (the all-gather before a column-parallel group, the reduce-scatter
   after a row-parallel layer, in forward, recompute and, mirrored, backward): cut in ``tp`` chunks, it
@@ -460,21 +462,27 @@ def _exposed(
 def _micro_pipelined(per_block: float, segments: list[tuple[_Segment, ...]], facts: Any) -> float:
     """Seconds one pass's TP collectives add under async TP (see the module doc).
 
-    ``per_block`` is one block's TP traffic time in a pass: two all-gathers and two reduce-scatters in
-    each forward run and in backward (the TP term's count). Each is paired with one of the block's
-    segments in forward order; one without a segment hides behind nothing, nor does the backward
-    collective of a segment torch does not fuse there (`_Segment.fused_in_backward`).
+    ``per_block`` is one block's TP traffic time in a pass: two all-gathers in each of the forward's
+    gather runs, two reduce-scatters in each of its runs, and the same four in backward (the TP term's
+    count). Each is paired with one of the block's segments in forward order; one without a segment
+    hides behind nothing, nor does the backward collective of a segment torch does not fuse there
+    (`_Segment.fused_in_backward`). A recompute hides behind the matmuls it runs again: all of them
+    under full checkpointing; under selective checkpointing, which gathers again what it did not save,
+    the half it does not save.
     """
-    tp, runs = facts.layout.tp, facts.forward_runs
-    each = per_block / (4 * (runs + 1))
+    tp = facts.layout.tp
+    runs = (facts.gather_runs, facts.forward_runs) * 2  # all-gather, reduce-scatter, in forward order
+    each = per_block / (2 * (runs[0] + runs[1]) + 4)
+    recomputed_share = 1.0 if facts.forward_runs > 1 else 0.5
     out = 0.0
     for block in segments:
         for i in range(4):
             segment = block[i] if i < len(block) else None
             hidden = segment.seconds * (tp - 1) / tp if segment is not None else 0.0
             forward = max(each - hidden, 0.0)
+            recompute = max(each - hidden * recomputed_share, 0.0)
             backward = forward if segment is not None and segment.fused_in_backward else each
-            out += runs * forward + backward
+            out += forward + (runs[i] - 1) * recompute + backward
     return out
 
 

@@ -166,8 +166,12 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
 
     h100, name = parse_cluster("8xH100"), "exposed TP all-reduce (or AG+RS)"
 
-    def tp_exposed(**strategy: Any) -> float:
-        plan = _plan(sizes={"tp_size": 2}, strategy=FSDP2Config(sequence_parallel=True, **strategy))
+    def tp_exposed(save_ops: tuple[str, ...] | None = None, **strategy: Any) -> float:
+        plan = _plan(
+            sizes={"tp_size": 2},
+            strategy=FSDP2Config(sequence_parallel=True, **strategy),
+            selective_save_ops=save_ops,
+        )
         return estimate_throughput(plan, h100).parts[name]
 
     plain = tp_exposed()
@@ -175,6 +179,10 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
     assert tp_exposed(activation_checkpointing="full") == pytest.approx(1.5 * plain)
     # Selective checkpointing saves the collectives' outputs (SELECTIVE_AC_ALWAYS_SAVE_OPS).
     assert tp_exposed(activation_checkpointing="selective") == pytest.approx(plain)
+    # torchtitan's save list has no all-gather: its two all-gathers per block run again, 8 -> 10.
+    torchtitan = ("aten.mm.default", "_c10d_functional.reduce_scatter_tensor.default")
+    assert tp_exposed(torchtitan, activation_checkpointing="selective") == pytest.approx(1.25 * plain)
+    assert tp_exposed(torchtitan) == pytest.approx(plain), "no checkpointing, nothing recomputed"
     assert 0 < tp_exposed(enable_async_tensor_parallel=True, enable_compile=True) < plain
     # Async TP sums the partial products of each row-parallel layer (o_proj, down_proj: b x s x H each,
     # bf16) in a kernel of its own: (1 + 1/tp) of them per forward. Not in backward: Llama's column-parallel
@@ -223,13 +231,17 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
             _Segment("rowwise", 0.5, 1),
         )
 
-    rank = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=1)
+    rank = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=1, gather_runs=1)
     forward = 0.425 + 0.125
     assert _micro_pipelined(8 * 0.5, [llama(3)], rank) == pytest.approx(forward + (0.5 + 0.425 + 0.5 + 0.125))
     assert _micro_pipelined(8 * 0.5, [llama(1)], rank) == pytest.approx(2 * forward), "fused in backward"
     assert _micro_pipelined(8 * 0.5, [()], rank) == pytest.approx(8 * 0.5), "unpaired: all exposed"
-    recomputed = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=2)
+    recomputed = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=2, gather_runs=2)
     assert _micro_pipelined(12 * 0.5, [llama(1)], recomputed) == pytest.approx(3 * forward)
+    # Selective checkpointing that does not save the all-gathers (torchtitan's) gathers again in
+    # backward, hidden behind the half of their matmuls it recomputes: 0.5 - 0.375 and 0.5 - 0.5 * 2.25.
+    regathered = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=1, gather_runs=2)
+    assert _micro_pipelined(10 * 0.5, [llama(1)], regathered) == pytest.approx(2 * forward + 0.125 + 0.0)
 
 
 def test_ring_attention_pays_its_merges_for_each_step_after_the_first(
