@@ -48,6 +48,8 @@ class BlockCompute:
     matmul_input_bytes: dict[str, float] = field(default_factory=dict)
     """Module FQN -> bytes of its matmuls' first operands (what a column-parallel layer's input
     gradient occupies)."""
+    matmul_weight_bytes: dict[str, float] = field(default_factory=dict)
+    """Module FQN -> bytes of its matmuls' second operands (a linear layer's weight)."""
     attention_flops: float = 0.0
     """Forward FLOPs of the attention kernels, the whole score matrix counted."""
     attention_outputs: float = 0.0
@@ -75,9 +77,14 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+def _matrices(args: tuple[Any, ...]) -> list[torch.Tensor]:
+    """A matmul's matrix operands, in order (``addmm``'s bias, a vector, is skipped)."""
+    return [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
+
+
 def _first_matrix(args: tuple[Any, ...]) -> torch.Tensor | None:
-    """A matmul's first matrix operand (``addmm``'s bias, a vector, is skipped)."""
-    return next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2), None)
+    """A matmul's first matrix operand."""
+    return next(iter(_matrices(args)), None)
 
 
 def _matmul_flops(args: tuple[Any, ...], out: Any) -> float:
@@ -126,9 +133,9 @@ class ComputeRecorder(TorchDispatchMode):
             target.matmul_flops[fqn] = target.matmul_flops.get(fqn, 0.0) + _matmul_flops(args, out)
             written = sum(t.numel() * t.element_size() for t in _tensors(out)[:1])
             target.matmul_output_bytes[fqn] = target.matmul_output_bytes.get(fqn, 0.0) + written
-            first = _first_matrix(args)
-            read = 0.0 if first is None else first.numel() * first.element_size()
+            read, weight = ([m.numel() * m.element_size() for m in _matrices(args)] + [0, 0])[:2]
             target.matmul_input_bytes[fqn] = target.matmul_input_bytes.get(fqn, 0.0) + read
+            target.matmul_weight_bytes[fqn] = target.matmul_weight_bytes.get(fqn, 0.0) + weight
         elif "scaled_dot_product" in name:
             flops, outputs = _attention_flops(args)
             target.attention_flops += flops
@@ -150,5 +157,6 @@ class ComputeRecorder(TorchDispatchMode):
                 matmul_flops=dict(blocks[source].matmul_flops),
                 matmul_output_bytes=dict(blocks[source].matmul_output_bytes),
                 matmul_input_bytes=dict(blocks[source].matmul_input_bytes),
+                matmul_weight_bytes=dict(blocks[source].matmul_weight_bytes),
             )
         return ComputeProfile(blocks=tuple(blocks), outside=self.outside, tokens=tokens)

@@ -6,7 +6,9 @@ fraction of the hardware's peaks each kind of op reaches is `Efficiency`, the mo
 parameters (fitted on published runs: `automodel_planner.published`). Per rank:
 
 - **compute** per micro-batch pass: each matmul's FLOPs at the matmul rate (float8's for the blocks'
-  linear layers under ``fp8``), the attention kernels' FLOPs (halved for the causal mask) at the
+  linear layers under ``fp8``), or its bytes (input, weight and output on the rank) at the HBM rate
+  where they take longer (a roofline: under TP a grouped key/value projection keeps a few heads and
+  reads the whole gathered input), the attention kernels' FLOPs (halved for the causal mask) at the
   attention rate, every other op's bytes at the HBM rate (times the fused share under ``compile``
   inside the blocks, and outside them, where the loss's upcast and log-softmax dominate, under a
   compiled loss only: the per-block compile leaves it eager).
@@ -303,7 +305,13 @@ def _block_pass(
     previous: str | None = None
     for name, flops in block.matmul_flops.items():
         kind = kinds(index, name)
-        seconds = flops / tp / (rates.fp8 if kind.linear and index >= 0 else rates.matmul)
+        low_precision = kind.linear and index >= 0 and options.fp8
+        # A matmul takes the longer of its FLOPs and its bytes (a roofline): a thin one (a grouped
+        # key/value projection cut by TP) is bound by the activation it reads or writes.
+        seconds = max(
+            flops / tp / (rates.fp8 if low_precision else rates.matmul),
+            _matmul_bytes(block, name, kind.tp_style, tp, low_precision) / rates.eager_memory,
+        )
         out.forward += seconds
         out.backward += seconds * (2.0 if kind.trainable else 1.0)
         if kind.tp_style == "rowwise" or (kind.tp_style == "colwise" and previous != "colwise"):
@@ -339,6 +347,32 @@ def _block_pass(
     return out
 
 
+def _rank_bytes(read: float, written: float, style: str | None, tp: int) -> tuple[float, float]:
+    """A layer's input and output bytes on one of ``tp`` ranks.
+
+    A column-parallel layer reads its whole (gathered) input and writes a ``1 / tp`` of its output, a
+    row-parallel one the reverse (its output unreduced); any other layer's work is divided like its FLOPs.
+    """
+    if style == "colwise":
+        return read, written / tp
+    if style == "rowwise":
+        return read / tp, written
+    return read / tp, written / tp
+
+
+def _matmul_bytes(block: BlockCompute, name: str, style: str | None, tp: int, low_precision: bool) -> float:
+    """Bytes one of a layer's matmuls moves on a rank.
+
+    Forward, input gradient and weight gradient each read two of input, weight and output and write the
+    third. Float8 reads its operands in one byte.
+    """
+    read, written = _rank_bytes(
+        block.matmul_input_bytes.get(name, 0.0), block.matmul_output_bytes.get(name, 0.0), style, tp
+    )
+    operands = read + block.matmul_weight_bytes.get(name, 0.0) / tp
+    return operands / 2 + written if low_precision else operands + written
+
+
 def _add_adapter(
     one: _Pass, block: BlockCompute, name: str, style: str | None, tp: int, rate: float, recomputed: bool
 ) -> None:
@@ -351,13 +385,9 @@ def _add_adapter(
     """
     from automodel_peft.memory import lora_traffic_bytes
 
-    read, written = block.matmul_input_bytes.get(name, 0.0), block.matmul_output_bytes.get(name, 0.0)
-    if style == "colwise":
-        written /= tp
-    elif style == "rowwise":
-        read /= tp
-    else:
-        read, written = read / tp, written / tp
+    read, written = _rank_bytes(
+        block.matmul_input_bytes.get(name, 0.0), block.matmul_output_bytes.get(name, 0.0), style, tp
+    )
     forward, backward = lora_traffic_bytes(read, written)
     one.forward += forward / rate
     one.backward += backward / rate

@@ -65,6 +65,50 @@ def test_the_fake_forward_counts_every_matmul_and_the_attention_exactly() -> Non
     assert all(b.attention_flops == 4 * batch * HEADS * seq * seq * (H // HEADS) for b in compute.blocks)
     assert all(b.attention_outputs == batch * HEADS * seq * (H // HEADS) for b in compute.blocks)
     assert all(b.memory_bytes > 0 for b in compute.blocks) and compute.outside.memory_bytes > 0
+    k_proj = {
+        "input": compute.blocks[0].matmul_input_bytes["self_attn.k_proj"],
+        "weight": compute.blocks[0].matmul_weight_bytes["self_attn.k_proj"],
+        "output": compute.blocks[0].matmul_output_bytes["self_attn.k_proj"],
+    }
+    assert k_proj == {
+        "input": tokens * H * 2,
+        "weight": H * KV * (H // HEADS) * 2,
+        "output": tokens * KV * (H // HEADS) * 2,
+    }
+
+
+def test_a_matmul_takes_the_longer_of_its_flops_and_its_bytes() -> None:
+    from automodel_planner.compute import BlockCompute
+    from automodel_planner.step_time import StepOptions, WeightKind, _block_pass, _Rates
+
+    h100 = parse_cluster("8xH100")
+    # A wide matmul (compute-bound) and a thin one (64 outputs per row: bound by the input it reads).
+    tokens, width = 8192, 4096
+    block = BlockCompute(
+        matmul_flops={"wide": 2.0 * tokens * width * width, "thin": 2.0 * tokens * width * 64},
+        matmul_input_bytes={"wide": tokens * width * 2.0, "thin": tokens * width * 2.0},
+        matmul_weight_bytes={"wide": width * width * 2.0, "thin": width * 64 * 2.0},
+        matmul_output_bytes={"wide": tokens * width * 2.0, "thin": tokens * 64 * 2.0},
+    )
+
+    def forward(name: str, tp: int, style: str | None, fp8: bool = False) -> float:
+        one = BlockCompute(
+            **{f: {name: getattr(block, f)[name]} for f in vars(block) if f.startswith("matmul")}
+        )
+        options = StepOptions(fp8=fp8)
+        rates = _Rates.of(h100, DEFAULT_EFFICIENCY, options)
+        kinds = lambda index, module: WeightKind(True, True, True, style)  # noqa: E731
+        return _block_pass(one, 0, kinds, rates, tp, options).forward
+
+    rates = _Rates.of(h100, DEFAULT_EFFICIENCY, StepOptions())
+    assert forward("wide", 1, None) == pytest.approx(block.matmul_flops["wide"] / rates.matmul)
+    thin = (tokens * width + width * 64 + tokens * 64) * 2.0
+    assert forward("thin", 1, None) == pytest.approx(thin / rates.eager_memory)
+    # Column-parallel: the whole gathered input, a 1/tp of the weight and output; float8 operands: 1 byte.
+    colwise = tokens * width * 2.0 + (width * 64 + tokens * 64) * 2.0 / 4
+    assert forward("thin", 4, "colwise") == pytest.approx(colwise / rates.eager_memory)
+    fp8 = (tokens * width + width * 64 / 4) + tokens * 64 * 2.0 / 4
+    assert forward("thin", 4, "colwise", fp8=True) == pytest.approx(fp8 / rates.eager_memory)
 
 
 def test_model_flops_are_torchtitans_count_and_a_frozen_weight_drops_its_weight_gradient() -> None:
