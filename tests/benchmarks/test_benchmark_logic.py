@@ -58,7 +58,7 @@ def test_every_planner_benchmark_layout_plans_and_settings_move_the_estimate(tmp
     assert "LoRA activations" in lines["LoRA r=16"]
     assert estimates["PP=2 1F1B"].rank.startswith("pp rank")
     assert "EP all-to-all" in estimates["EP=4 (MoE)"].communication
-    assert "CP ring K/V" in estimates["CP=2"].communication
+    assert "CP K/V all-gather" in estimates["CP=2"].communication
     # Every layout shards with FSDP2 and accumulates over micro-batches with the reduce-scatter deferred.
     assert all(e.buffers.get("FSDP all-gather / reduce-scatter", 0) > 0 for e in estimates.values())
     assert fsdp["accumulated gradients"] == pytest.approx(4 * fsdp["gradients"], rel=1e-6)

@@ -296,6 +296,12 @@ class StrategyFacts(Protocol):
     pipelined: bool
 
 
+def _local_kv_bytes(facts: StrategyFacts) -> float:
+    """Bytes of a rank's keys and values in one attention call: its tokens, its TP share of the heads."""
+    kv, head_dim = facts.attention
+    return 2 * facts.tokens * kv * head_dim * facts.element_size / facts.layout.tp
+
+
 @dataclass(frozen=True)
 class StrategyMemory:
     """The strategy's lines of a rank's peak, its collective buffers and its traffic (a planner term).
@@ -393,8 +399,7 @@ class StrategyMemory:
         if layout.tp > 1:
             out["TP gathered hidden states"] = facts.tokens * facts.hidden_size * facts.element_size
         if layout.cp > 1:
-            kv, head_dim = facts.attention
-            out["CP ring K/V send + receive"] = 2 * 2 * facts.tokens * kv * head_dim * facts.element_size
+            out["CP all-gathered K/V"] = int(layout.cp * _local_kv_bytes(facts))
         return out
 
     def collectives(self, facts: StrategyFacts) -> list[Collective]:
@@ -404,8 +409,11 @@ class StrategyMemory:
         forward, as they do for every micro-batch of gradient accumulation); gradients are reduced
         once per step (the last micro-batch's backward) when ``defer_fsdp_grad_sync`` defers them or a
         pipeline does, else in every micro-batch's backward. TP reduces or gathers each block's activations
-        twice in each forward (again in a recompute) and twice in backward; CP passes K/V around the
-        ring in each forward and K/V and their gradients in backward.
+        twice in each forward (again in a recompute) and twice in backward. CP runs torch's ring
+        attention with its default all-gather rotation: each attention call gathers the block's K/V
+        (in each forward run and again in backward) and waits for them after its first (local) step;
+        backward passes each chunk's fp32 K/V gradients on around the ring, one step ahead, and waits
+        for the last one right away.
         """
         layout = facts.layout
         if isinstance(self.config, DDPConfig):
@@ -442,7 +450,11 @@ class StrategyMemory:
             per_block = collectives * (tp - 1) / tp * tokens * hidden * element
             out.append(Collective("TP all-reduce (or AG+RS)", "tp", per_block, calls, Overlap.EXPOSED))
         if layout.cp > 1:
-            kv, head_dim = facts.attention
-            per_block = (facts.forward_runs + 2) * (layout.cp - 1) * 2 * tokens * kv * head_dim * element
-            out.append(Collective("CP ring K/V", "cp", per_block, calls, Overlap.ATTENTION, "p2p"))
+            cp, kv = layout.cp, _local_kv_bytes(facts)
+            gather, runs = (cp - 1) * kv, facts.forward_runs
+            out.append(Collective("CP K/V all-gather", "cp", gather, calls * runs, Overlap.RING_STEP_FORWARD))
+            out.append(Collective("CP K/V all-gather", "cp", gather, calls, Overlap.RING_STEP_BACKWARD))
+            grads, ring = kv / element * 4, (cp - 1) * calls  # accumulated and passed on in fp32
+            out.append(Collective("CP K/V gradients", "cp", grads, ring, Overlap.RING_STEP_BACKWARD, "p2p"))
+            out.append(Collective("CP K/V gradients", "cp", grads, calls, Overlap.EXPOSED, "p2p"))
         return out

@@ -24,8 +24,13 @@ class Overlap(StrEnum):
     BACKWARD = "backward"
     """Issued as backward produces gradients and hidden behind the backward still to run (FSDP2's
     reduce-scatter and HSDP's all-reduce per unit, DDP's buckets); the last unit's is exposed."""
-    ATTENTION = "attention"
-    """Hidden behind the attention of the chunk already received (ring attention's K/V passing)."""
+    RING_STEP_FORWARD = "ring step, forward"
+    """Hidden behind one step of ring attention in forward (a ``1 / cp`` of its block's attention), call
+    by call: torch's ring attention gathers K/V as its first (local) step starts and waits for them
+    when it ends."""
+    RING_STEP_BACKWARD = "ring step, backward"
+    """The same in backward: each step's K/V gradients travel to the next rank while the next step
+    computes (and the K/V, gathered again, during the first step)."""
     EXPOSED = "exposed"
     """On the critical path: the next op needs its result (TP's all-reduces or all-gather/reduce-
     scatter pairs, EP's dispatch and combine, a pipeline stage's send/receive)."""

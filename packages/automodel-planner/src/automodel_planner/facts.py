@@ -144,7 +144,7 @@ class RankFacts:
     element_size: int
     hidden_size: int
     attention: tuple[int, int]
-    """(key/value heads, head dim)."""
+    """(key/value heads the attention kernel receives, head dim)."""
     top_k: int
     """Experts each token is routed to (1 for dense models)."""
     params: float
@@ -242,7 +242,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
     pp, hidden = plan.layout.pp, plan.config_int("hidden_size")
     heads = plan.config_int("num_attention_heads", default=1)
     attention = (
-        plan.config_int("num_key_value_heads", "num_attention_heads"),
+        plan.attention_kv_heads or plan.config_int("num_key_value_heads", "num_attention_heads"),
         plan.config_int("head_dim", default=hidden // max(heads, 1)),
     )
     n_micro = pipeline.config.n_microbatches if pipeline is not None else 1

@@ -60,6 +60,10 @@ class PlanInput:
     """Whether the loss is compiled (`MaskedCrossEntropy` ``compiled``; ``CompileConfig.compile_loss``):
     it saves the logits in their dtype, not an fp32 copy, and its elementwise ops are fused. Under
     tensor parallelism the vocabulary-parallel loss stays eager, as `MaskedCrossEntropy` keeps it."""
+    attention_kv_heads: int | None = None
+    """The key/value heads the attention kernel receives, where the model repeats them to the query
+    heads before it (torchtitan's Llama); None: the config's ``num_key_value_heads`` (transformers'
+    SDPA attention passes grouped heads to the kernel). Ring attention gathers what the kernel gets."""
     selective_save_ops: tuple[str, ...] | None = None
     """The ops (``namespace.op.overload``) whose outputs selective checkpointing saves, when the job runs
     another framework's policy (torchtitan's ``_save_list``); None: automodel's

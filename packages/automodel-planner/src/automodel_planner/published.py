@@ -65,6 +65,9 @@ class PublishedRun:
     pp_schedule: str | None = None
     layers_per_stage: int | None = None
     checkpointing: Literal[False, "full", "selective"] = False
+    repeat_kv: bool = False
+    """The source's model repeats the key/value heads to the query heads before attention
+    (`PlanInput.attention_kv_heads`)."""
     selective_save_ops: str | None = None
     """The ``[selective_save_ops]`` list naming the ops the source's selective checkpointing saves
     (`PlanInput.selective_save_ops`); None: automodel's."""
@@ -170,6 +173,7 @@ def run_plan(run: PublishedRun) -> PlanInput:
         attn_implementation="sdpa",
         compile=run.compile,
         compiled_loss=run.compile_loss,
+        attention_kv_heads=config.num_attention_heads if run.repeat_kv else None,
         selective_save_ops=(
             tuple(_data()["selective_save_ops"][run.selective_save_ops]) if run.selective_save_ops else None
         ),

@@ -23,8 +23,12 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   all-gathers are prefetched one unit ahead, so only the first unit's and whatever exceeds the
   forward compute is exposed; backward's all-gathers, reduce-scatters and HSDP all-reduces run behind
   the backward still to come, exposing the last unit's and any excess (a reduction made once per step,
-  under gradient accumulation or a pipeline, has only the last pass's backward); ring attention hides K/V
-  passing behind the attention; TP's and EP's collectives and a stage's send/receive are exposed, and a
+  under gradient accumulation or a pipeline, has only the last pass's backward); ring attention (torch's,
+  all-gather rotation) gathers a block's K/V as its first, local step starts and waits for them when
+  that step ends, so each gather hides behind a ``1 / cp`` of the block's attention (in each forward run,
+  and again in backward), as each chunk's K/V gradients do, passed on one step ahead in backward but
+  the last, which is waited for at once; TP's and EP's collectives and a stage's send/receive are
+  exposed, and a
   recompute under full checkpointing issues a block's forward collectives again, and one under selective
   checkpointing its all-gathers when it does not save their outputs (torchtitan's save list: the
   column-parallel matmuls' weight gradients need the gathered input). Under async TP each
@@ -44,7 +48,8 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   memory traffic per element of the attention's output (`_RING_MERGE_FORWARD`, `_RING_MERGE_BACKWARD`).
 - **pipeline**: the slowest stage's pass times the schedule's length, ``n_micro + (pp - 1) / v`` passes
   for ``v`` stages per rank (1F1B, GPipe and interleaved schedules alike; the ``(pp - 1) / v`` is the
-  bubble).
+  bubble). A pass's length is its compute and what it waits for call by call (TP's and EP's
+  collectives, its send/receive, ring attention's excess over its steps).
 - **optimizer**: AdamW reads and writes its fp32 state, parameters and gradients once (HBM rate).
 
 Model FLOPs (for MFU) are counted as torchtitan counts them: three times the forward's matmul FLOPs of
@@ -259,8 +264,10 @@ class _Pass:
     forward: float = 0.0
     backward: float = 0.0
     recompute: float = 0.0
-    attention: float = 0.0
-    """Of forward + backward: the attention kernels (what ring attention hides behind)."""
+    attention_forward: float = 0.0
+    """Of one forward run: the attention kernels (what ring attention's steps hide behind)."""
+    attention_backward: float = 0.0
+    """Of backward: the attention kernels."""
     tp_segments: list[tuple[_Segment, ...]] = field(default_factory=list)
     """Per block: the matmuls each TP collective is micro-pipelined with under async TP (each
     column-parallel group after its all-gather, each row-parallel layer before its reduce-scatter), in
@@ -335,7 +342,8 @@ def _block_pass(
     memory = block.memory_bytes / tp / memory_rate
     out.forward += attention + memory
     out.backward += _ATTENTION_BACKWARD * attention + _MEMORY_BACKWARD * memory
-    out.attention += (1 + _ATTENTION_BACKWARD) * attention
+    out.attention_forward += attention
+    out.attention_backward += _ATTENTION_BACKWARD * attention
     if index >= 0:
         out.tp_segments.append(tuple(segments))
     if checkpointing == "full":
@@ -453,40 +461,50 @@ def _exposed(
     efficiency: Efficiency,
     one: _Pass,
     async_tp: bool,
-) -> dict[str, float]:
-    """Seconds each collective adds to the step beyond what hides behind compute (see the module doc).
+) -> tuple[dict[str, float], float]:
+    """Seconds each collective adds to the step beyond what hides behind compute, and per pass.
 
-    A collective issued in every pass hides behind that pass's compute; one issued once per step (the
-    gradient reduction under accumulation or a pipeline) only behind the last pass's.
+    See the module doc. A collective issued in every pass hides behind that pass's compute; one issued
+    once per step (the gradient reduction under accumulation or a pipeline) only behind the last pass's.
+    What is exposed call by call (TP's, EP's, a stage's send/receive, ring attention's excess over its
+    steps) lengthens every pass, and a pipeline's schedule with it: the second value is that, per pass.
     """
     passes, layout = facts.accumulation, facts.layout
-    per_pass = {
-        Overlap.FORWARD: one.forward,
-        Overlap.BACKWARD: one.backward + one.recompute,
-        Overlap.ATTENTION: one.attention,
+    per_pass = {Overlap.FORWARD: one.forward, Overlap.BACKWARD: one.backward + one.recompute}
+    # A ring attention step: a 1 / cp of one block's attention in that phase (the steps do equal work).
+    steps = max(len(facts.blocks), 1) * layout.cp
+    per_step = {
+        Overlap.RING_STEP_FORWARD: one.attention_forward / steps,
+        Overlap.RING_STEP_BACKWARD: one.attention_backward / steps,
     }
     out: dict[str, float] = {}
+    in_pass = 0.0
     pooled: dict[Overlap, list[tuple[str, float, bool]]] = {}
     for c in collectives:
         size, stride = (layout.world_size, 1) if c.axis == "world" else layout.group(c.axis)
-        seconds = c.calls * cluster.seconds(c.bytes_per_call, c.pattern, size, stride) / efficiency.network
-        if c.overlap is Overlap.EXPOSED:
+        per_call = cluster.seconds(c.bytes_per_call, c.pattern, size, stride) / efficiency.network
+        seconds = c.calls * per_call
+        if c.overlap in per_step:  # call by call: each hides behind one step only
+            seconds = c.calls * max(per_call - per_step[c.overlap], 0.0)
+        elif c.overlap is Overlap.EXPOSED:
             if async_tp and c.axis == "tp" and c.calls:  # no calls: a stage without blocks
                 seconds = _micro_pipelined(seconds / c.calls, one.tp_segments, facts) * passes
-            out[c.name] = out.get(c.name, 0.0) + seconds
         else:
             pooled.setdefault(c.overlap, []).append((c.name, seconds, c.calls >= passes))
+            continue
+        out[c.name] = out.get(c.name, 0.0) + seconds
+        in_pass += seconds / passes
     for overlap, entries in pooled.items():
         every = sum(seconds for _, seconds, each in entries if each) / passes
         once = sum(seconds for _, seconds, each in entries if not each)
         total = every * passes + once
         # FSDP's first all-gather and last reduction have nothing to hide behind: one unit's share.
-        edge = (every + once) / max(len(facts.units), 1) if overlap is not Overlap.ATTENTION else 0.0
+        edge = (every + once) / max(len(facts.units), 1)
         window = per_pass[overlap]
         exposed = (passes - 1) * max(every - window, 0.0) + max(every + once - window, 0.0) + edge
         for name, seconds, _ in entries:
             out[name] = out.get(name, 0.0) + (exposed * seconds / total if total else 0.0)
-    return {f"exposed {name}": seconds for name, seconds in out.items()}
+    return {f"exposed {name}": seconds for name, seconds in out.items()}, in_pass
 
 
 def _micro_pipelined(per_block: float, segments: list[tuple[_Segment, ...]], facts: Any) -> float:
@@ -545,9 +563,19 @@ def estimate_step_time(
     slowest: tuple[float, StepTime] | None = None
     pipelined = ranks[0].pipelined
     passes_by_rank = [_rank_pass(f, compute, kinds, rates, options) for f in ranks]
-    stage_pass = max(p.forward + p.backward + p.recompute for p in passes_by_rank)
-    for facts, one in zip(ranks, passes_by_rank, strict=True):
-        collectives = [c for term in terms for c in term.collectives(facts)]
+    exposed_by_rank = [
+        _exposed(
+            [c for term in terms for c in term.collectives(f)], f, cluster, efficiency, one, options.async_tp
+        )
+        for f, one in zip(ranks, passes_by_rank, strict=True)
+    ]
+    # A pass's length on the schedule: its compute and what it waits for on its own critical path.
+    lengths = [
+        p.forward + p.backward + p.recompute + in_pass
+        for p, (_, in_pass) in zip(passes_by_rank, exposed_by_rank, strict=True)
+    ]
+    stage_pass = max(lengths)
+    for facts, one, (exposed, _), length in zip(ranks, passes_by_rank, exposed_by_rank, lengths, strict=True):
         passes = facts.accumulation
         step = StepTime(rank=facts.label)
         step.parts["compute"] = passes * (one.forward + one.backward)
@@ -555,10 +583,8 @@ def estimate_step_time(
         if pipelined:
             bubble = (facts.layout.pp - 1) / stages_per_rank * stage_pass
             # Every rank waits for the slowest stage: its passes set the pace.
-            step.parts["pipeline bubble"] = (
-                bubble + passes * stage_pass - passes * (one.forward + one.backward + one.recompute)
-            )
-        step.parts.update(_exposed(collectives, facts, cluster, efficiency, one, options.async_tp))
+            step.parts["pipeline bubble"] = bubble + passes * (stage_pass - length)
+        step.parts.update(exposed)
         memory_rate = cluster.device.hbm_bytes_per_s * efficiency.memory
         step.parts["optimizer"] = _ADAMW_TRAFFIC * facts.states / memory_rate
         if slowest is None or step.step_seconds > slowest[0]:

@@ -324,6 +324,44 @@ def test_a_pipeline_pays_its_bubble_and_interleaving_shrinks_it() -> None:
     interleaved = piped("interleaved_1f1b", layers_per_stage=1)  # 8 stages: 2 per rank
     assert one_f_one_b > 0 and interleaved == pytest.approx(one_f_one_b / 2)
 
+    # What a pass waits for call by call (here TP's collectives) lengthens it on the schedule too.
+    config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=8, pp_microbatch_size=1)
+    plan = _plan(world=8, sizes={"pp_size": 4, "tp_size": 2}, pipeline=config, micro_batch_size=1)
+    step = estimate_throughput(plan, parse_cluster("8xH100"))
+    passes = 8
+    in_pass = sum(
+        v for k, v in step.parts.items() if k.startswith("exposed TP") or k.startswith("exposed PP")
+    )
+    assert in_pass > 0
+    busy = step.parts["compute"] + step.parts["recompute"] + in_pass  # the slowest rank's, all passes
+    assert step.parts["pipeline bubble"] >= 3 * busy / passes * (1 - 1e-9)
+
+
+def test_ring_attention_hides_each_gather_behind_one_step_of_its_attention() -> None:
+    from types import SimpleNamespace
+
+    from automodel_mesh import Collective, Overlap
+    from automodel_planner.step_time import _exposed, _Pass
+
+    cluster = parse_cluster("16xH100")
+    layout = resolve_layout(MeshKind.FSDP2, ParallelismSizes(cp_size=2), 16)
+    facts = SimpleNamespace(accumulation=1, layout=layout, blocks=[0, 1], units=[1.0])
+    size, stride = layout.group("cp")
+    gather = cluster.seconds(1e9, "ring", size, stride) / DEFAULT_EFFICIENCY.network
+    one = _Pass(attention_forward=4 * gather, attention_backward=10 * gather)  # 2 blocks x 2 steps
+    collectives = [
+        Collective("gather", "cp", 1e9, 6, Overlap.RING_STEP_FORWARD),  # 3 per block: over a step each
+        Collective("gather", "cp", 1e9, 2, Overlap.RING_STEP_BACKWARD),  # hidden by a backward step
+        Collective("last", "cp", 1e9, 2, Overlap.EXPOSED),
+    ]
+    parts, in_pass = _exposed(collectives, facts, cluster, DEFAULT_EFFICIENCY, one, async_tp=False)
+    assert parts["exposed gather"] == pytest.approx(0.0)  # a step (4 / 4 = 1 gather's time) hides each
+    one = _Pass(attention_forward=2 * gather, attention_backward=10 * gather)
+    parts, in_pass = _exposed(collectives, facts, cluster, DEFAULT_EFFICIENCY, one, async_tp=False)
+    assert parts["exposed gather"] == pytest.approx(6 * gather / 2)  # half of each forward gather shows
+    assert parts["exposed last"] == pytest.approx(2 * gather)
+    assert in_pass == pytest.approx(5 * gather)
+
 
 def test_gpus_are_found_by_the_names_cuda_reports_and_flops_per_token_is_the_time_models_count() -> None:
     from automodel_planner import device_named, flops_per_token
@@ -422,3 +460,27 @@ def test_a_lora_adapter_adds_the_traffic_of_its_thin_matmuls_and_elementwise_ops
     per_layer = tokens * element * ((inputs + 6 * outputs) + (5 * inputs + 4 * outputs))
     rate = DEVICES["h100"].hbm_bytes_per_s * DEFAULT_EFFICIENCY.memory
     assert seconds["adapted"] - seconds["frozen"] == pytest.approx(LAYERS * per_layer / rate, rel=1e-6)
+
+
+def test_context_parallel_gathers_each_blocks_keys_and_values_per_forward_run_and_again_in_backward() -> None:
+    from types import SimpleNamespace
+
+    from automodel_distributed.memory import StrategyMemory
+    from automodel_mesh import Overlap
+
+    layout = resolve_layout(MeshKind.FSDP2, ParallelismSizes(cp_size=4, tp_size=2), 8)
+    facts = SimpleNamespace(
+        layout=layout, accumulation=2, blocks=[0, 1, 2], forward_runs=2, gather_runs=2, tokens=100,
+        hidden_size=H, element_size=2, attention=(KV, H // HEADS), units=[], grads=0.0,
+        pipelined=False, unit_reduce=[], reduce_separate=False,
+    )  # fmt: skip
+    term = StrategyMemory(FSDP2Config(activation_checkpointing="full"), reshard=True)
+    cp = {(c.name, c.overlap): c for c in term.collectives(facts) if c.axis == "cp"}
+    local = 2 * 100 * KV * (H // HEADS) * 2 / 2  # K and V of 100 tokens, half the heads (tp 2), bf16
+    forward = cp[("CP K/V all-gather", Overlap.RING_STEP_FORWARD)]
+    assert (forward.bytes_per_call, forward.calls) == (3 * local, 3 * 2 * 2)  # 3 blocks x 2 passes x 2 runs
+    assert cp[("CP K/V all-gather", Overlap.RING_STEP_BACKWARD)].calls == 3 * 2
+    passed_on = cp[("CP K/V gradients", Overlap.RING_STEP_BACKWARD)]
+    assert (passed_on.bytes_per_call, passed_on.calls) == (2 * local, 3 * 2 * 3)  # fp32; cp - 1 steps
+    assert cp[("CP K/V gradients", Overlap.EXPOSED)].calls == 3 * 2  # the last, waited for at once
+    assert term.buffers(facts)["CP all-gathered K/V"] == 4 * local
