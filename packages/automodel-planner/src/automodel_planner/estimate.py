@@ -17,6 +17,7 @@ from automodel_planner.facts import RankFacts, rank_facts
 from automodel_planner.hardware import Cluster
 from automodel_planner.inputs import PlanInput
 from automodel_planner.step_time import (
+    ATTENTION_KERNEL_SPEED,
     DEFAULT_EFFICIENCY,
     Efficiency,
     StepOptions,
@@ -170,6 +171,22 @@ def estimate_peak(plan: PlanInput, *, profile_cache: ProfileCache | None = None)
     return max(estimates, key=lambda e: e.total)
 
 
+_KERNELS = {"flash_attention_3": "fa3"}
+"""The attention kernel of a transformers ``attn_implementation`` other than FlashAttention-2's: SDPA,
+flash_attention_2 and the rest run FA2 (or slower kernels the time model does not price apart)."""
+
+
+def _attention_kernel(plan: PlanInput) -> str:
+    """The attention kernel the time model prices for ``plan`` (`PlanInput.attention_kernel`)."""
+    kernel = plan.attention_kernel or _KERNELS.get(plan.attn_implementation or "", "fa2")
+    if kernel not in ATTENTION_KERNEL_SPEED:
+        raise ValueError(
+            f"attention_kernel: {kernel!r} is not one the time model prices; use one of "
+            f"{sorted(ATTENTION_KERNEL_SPEED)}"
+        )
+    return kernel
+
+
 def estimate_throughput(
     plan: PlanInput,
     cluster: Cluster,
@@ -202,6 +219,7 @@ def estimate_throughput(
             f"fp8.enabled: {cluster.device.name} has no float8 tensor cores (torchao's float8 training needs "
             "compute capability 8.9 or later: H100, H200, B200); plan it without fp8"
         )
+    kernel = _attention_kernel(plan)
     profile, pipeline, terms, ranks = _planned_ranks(plan, profile_cache)
     options = StepOptions(
         compile=plan.compile or bool(getattr(plan.strategy, "enable_compile", False)),
@@ -210,6 +228,7 @@ def estimate_throughput(
         checkpointing=resolve_checkpointing_mode(plan.strategy.activation_checkpointing) or False,
         # Vocabulary-parallel logits (tp > 1) keep MaskedCrossEntropy's sharded eager loss.
         compiled_loss=plan.compiled_loss and plan.layout.tp == 1,
+        attention_kernel=kernel,
     )
     return estimate_step_time(
         ranks=ranks,

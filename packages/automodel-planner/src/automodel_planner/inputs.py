@@ -54,6 +54,10 @@ class PlanInput:
     base_weight_bits: int | None = None
     """4 or 8 for a quantized frozen base (QLoRA), else None."""
     attn_implementation: str | None = None
+    attention_kernel: str | None = None
+    """The attention kernel the time model prices (`automodel_planner.step_time.ATTENTION_KERNEL_SPEED`:
+    ``fa2``, ``cudnn``, ``fa3``); None: ``attn_implementation``'s (``flash_attention_3``: FA3; SDPA and
+    the rest: FA2)."""
     compile: bool = False
     """Whether the blocks are compiled (``torch.compile``): the time model fuses their elementwise ops."""
     compiled_loss: bool = False

@@ -65,6 +65,8 @@ class PublishedRun:
     pp_schedule: str | None = None
     layers_per_stage: int | None = None
     checkpointing: Literal[False, "full", "selective"] = False
+    attention_kernel: str | None = None
+    """The attention kernel where the source's is not FlashAttention-2 (`PlanInput.attention_kernel`)."""
     repeat_kv: bool = False
     """The source's model repeats the key/value heads to the query heads before attention
     (`PlanInput.attention_kv_heads`)."""
@@ -171,6 +173,7 @@ def run_plan(run: PublishedRun) -> PlanInput:
         peft=peft,
         fp8=fp8,
         attn_implementation="sdpa",
+        attention_kernel=run.attention_kernel,
         compile=run.compile,
         compiled_loss=run.compile_loss,
         attention_kv_heads=config.num_attention_heads if run.repeat_kv else None,

@@ -9,9 +9,10 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   linear layers under ``fp8``), or its bytes (input, weight and output on the rank) at the HBM rate
   where they take longer (a roofline: under TP a grouped key/value projection keeps a few heads and
   reads the whole gathered input), the attention kernels' FLOPs (halved for the causal mask) at the
-  attention rate, every other op's bytes at the HBM rate (times the fused share under ``compile``
-  inside the blocks, and outside them, where the loss's upcast and log-softmax dominate, under a
-  compiled loss only: the per-block compile leaves it eager).
+  attention rate (FlashAttention-2's, times the kernel's measured speed: `ATTENTION_KERNEL_SPEED`),
+  every other op's bytes at the HBM rate (times the fused share under ``compile`` inside the blocks,
+  and outside them, where the loss's upcast and log-softmax dominate, under a compiled loss only: the
+  per-block compile leaves it eager).
   Backward is twice a trainable matmul's forward (input and weight gradients) and once a frozen one's
   (input gradient only), 2.5 times attention's (flash attention's backward runs five matmuls to the
   forward's two) and twice the memory-bound ops'. Recompute adds the blocks' forward (full
@@ -72,6 +73,7 @@ from automodel_planner.compute import BlockCompute, ComputeProfile
 from automodel_planner.hardware import Cluster
 
 __all__ = [
+    "ATTENTION_KERNEL_SPEED",
     "DEFAULT_EFFICIENCY",
     "Efficiency",
     "StepOptions",
@@ -92,6 +94,11 @@ partial steps' concatenation (~2 on average). Eager: outside any compiled graph.
 _RING_MERGE_BACKWARD = 20.0
 """The same in backward: each step's query gradient added to an fp32 accumulator (10), the key and
 value gradients accumulated in fp32 and packed for the next rank (~10 for grouped key/value heads)."""
+ATTENTION_KERNEL_SPEED: dict[str, float] = {"fa2": 1.0, "cudnn": 529 / 333, "fa3": 602 / 333}
+"""Each attention kernel's speed relative to FlashAttention-2 (``Efficiency.attention``'s kernel): the
+FlashAttention-3 paper's measurements (Shah et al., 2024, figure 5: H100 SXM5, causal forward, head
+dim 128, 8k tokens: FA2 333, cuDNN 529, FA3 602 TFLOP/s). torch's SDPA runs FA2 by default (its flash
+backend comes first in its priority order); Transformer Engine's fused attention runs cuDNN's."""
 _ADAMW_TRAFFIC = 3.5
 """AdamW's bytes moved per byte of its state: it reads and writes both moments (2x), and reads and
 writes the fp32 parameter and reads the gradient (12 bytes per 8 of state)."""
@@ -138,6 +145,8 @@ class StepOptions:
     compiled_loss: bool = False
     """The loss is compiled: the elementwise ops outside the blocks (the loss's upcast, log-softmax and
     gradient dominate them) move the compiled share of their bytes; else they run eager."""
+    attention_kernel: str = "fa2"
+    """The attention kernel: a key of `ATTENTION_KERNEL_SPEED`."""
 
 
 @dataclass
@@ -247,10 +256,11 @@ class _Rates:
         device = cluster.device
         fp8_peak = device.fp8_flops if device.fp8_flops is not None else device.bf16_flops
         traffic = efficiency.compiled_traffic if options.compile else 1.0
+        kernel = ATTENTION_KERNEL_SPEED[options.attention_kernel]
         return cls(
             matmul=device.bf16_flops * efficiency.matmul,
             fp8=fp8_peak * efficiency.fp8_matmul if options.fp8 else device.bf16_flops * efficiency.matmul,
-            attention=device.bf16_flops * efficiency.attention,
+            attention=device.bf16_flops * efficiency.attention * kernel,
             memory=device.hbm_bytes_per_s * efficiency.memory / traffic,
             eager_memory=device.hbm_bytes_per_s * efficiency.memory,
             fused_memory=device.hbm_bytes_per_s * efficiency.memory / efficiency.compiled_traffic,

@@ -484,3 +484,24 @@ def test_context_parallel_gathers_each_blocks_keys_and_values_per_forward_run_an
     assert (passed_on.bytes_per_call, passed_on.calls) == (2 * local, 3 * 2 * 3)  # fp32; cp - 1 steps
     assert cp[("CP K/V gradients", Overlap.EXPOSED)].calls == 3 * 2  # the last, waited for at once
     assert term.buffers(facts)["CP all-gathered K/V"] == 4 * local
+
+
+def test_the_attention_kernel_sets_the_attention_rate_and_an_unknown_one_is_refused() -> None:
+    from automodel_planner.estimate import _attention_kernel
+    from automodel_planner.step_time import ATTENTION_KERNEL_SPEED
+
+    h100 = parse_cluster("8xH100")
+
+    def compute(**changes: Any) -> float:
+        return estimate_throughput(_plan(seq=4096, **changes), h100).parts["compute"]
+
+    fa2, cudnn = compute(), compute(attention_kernel="cudnn")
+    assert compute(attention_kernel="fa3") < cudnn < fa2
+    assert _attention_kernel(_plan(attn_implementation="flash_attention_3")) == "fa3"
+    assert _attention_kernel(_plan(attn_implementation="flash_attention_2")) == "fa2"
+    profile = profile_step(_config(), micro_batch=2, seq_len=4096, dtype=torch.bfloat16).compute
+    attention = sum(b.attention_flops for b in profile.blocks) / 2 * 3.5  # causal; forward + backward
+    rate = h100.device.bf16_flops * DEFAULT_EFFICIENCY.attention
+    assert fa2 - cudnn == pytest.approx(attention / rate * (1 - 1 / ATTENTION_KERNEL_SPEED["cudnn"]))
+    with pytest.raises(ValueError, match="attention_kernel: 'fa9'"):
+        compute(attention_kernel="fa9")
