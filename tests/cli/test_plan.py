@@ -341,7 +341,7 @@ def test_a_cluster_plans_the_gpu_job_and_a_published_run_as_a_job_predicts_as_th
     from automodel_all.cli.published_jobs import published_job
     from automodel_all.cli.yaml_source import ConfigError, RawJob
     from automodel_planner.hardware import parse_cluster
-    from automodel_planner.published import predict, predict_memory, published_runs
+    from automodel_planner.published import as_automodel_job, predict, predict_memory, published_runs
 
     def lines(dtype: str) -> dict[str, int]:
         raw = RawJob()
@@ -368,8 +368,9 @@ def test_a_cluster_plans_the_gpu_job_and_a_published_run_as_a_job_predicts_as_th
     for index, run in enumerate(chosen):
         raw = published_job(run, tmp_path / str(index))
         report = plan_report(raw, hardware=parse_cluster(run.cluster), suggest=index == 0, suggestions=99)
-        assert report["throughput"].tokens_per_s_per_gpu == pytest.approx(predict(run).tokens_per_s_per_gpu)
-        assert report["estimate"].total == pytest.approx(predict_memory(run).total, rel=1e-3), run.id
+        ours = as_automodel_job(run)  # a job states our settings, not the source framework's internals
+        assert report["throughput"].tokens_per_s_per_gpu == pytest.approx(predict(ours).tokens_per_s_per_gpu)
+        assert report["estimate"].total == pytest.approx(predict_memory(ours).total, rel=1e-3), run.id
         assert report["resolved"].layout.dp_shard == run.sizes.get("dp_shard", 1), run.id
         if index == 0:  # fitting first, fastest first; within 0.5% of the fastest, lowest peak first
             ranked = report["suggestions"]

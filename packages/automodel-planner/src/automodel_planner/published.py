@@ -35,6 +35,7 @@ from automodel_planner.step_time import DEFAULT_EFFICIENCY, Efficiency, StepTime
 
 __all__ = [
     "PublishedRun",
+    "as_automodel_job",
     "fit_allocator_reserve",
     "fit_efficiency",
     "predict",
@@ -85,6 +86,15 @@ class PublishedRun:
     """Further `FSDP2Config` settings the source's job file states (``defer_fsdp_grad_sync``, ...)."""
     fp8_config: Mapping[str, Any] = field(default_factory=dict)
     """Further `FP8Config` settings of a ``fp8`` row (``enable_fsdp_float8_all_gather``, ...)."""
+
+
+def as_automodel_job(run: PublishedRun) -> PublishedRun:
+    """``run`` without the implementation details of its source that a job of ours does not have.
+
+    Those are its model's repeated K/V heads, its checkpointing save list and its attention kernel; the
+    rest is what ``automodel plan`` plans for the row's settings (`automodel_all.cli.published_jobs`).
+    """
+    return dataclasses.replace(run, repeat_kv=False, selective_save_ops=None, attention_kernel=None)
 
 
 @functools.cache
