@@ -290,6 +290,8 @@ class StrategyFacts(Protocol):
     """Forward/backward passes per optimizer step (gradient accumulation, or the pipeline's)."""
     forward_runs: int
     """Times each block's forward runs per pass (2 when full activation checkpointing recomputes it)."""
+    accumulated_elements: float
+    """Elements of ``accumulated`` (the trainable parameters the rank holds unsharded)."""
     gather_runs: int
     """Times each block's TP all-gathers run per pass (``forward_runs``, or 2 when selective checkpointing
     does not save their outputs)."""
@@ -401,6 +403,19 @@ class StrategyMemory:
         if layout.cp > 1:
             out["CP all-gathered K/V"] = int(layout.cp * _local_kv_bytes(facts))
         return out
+
+    def traffic(self, facts: StrategyFacts) -> float:
+        """What adding each pass's gradients into those deferred moves (`deferred`).
+
+        The first backward makes the unsharded gradients in the compute dtype, and they are cast to
+        the accumulation dtype (the parameters'); every later one adds its own to them in place
+        (autograd's AccumulateGrad: read both, write the sum). 0 when nothing is deferred.
+        """
+        if not (self.deferred(facts.accumulation) and facts.accumulated):
+            return 0.0
+        fresh = facts.accumulated_elements * facts.element_size  # one backward's, in the compute dtype
+        cast = fresh + facts.accumulated
+        return cast + (facts.accumulation - 1) * (fresh + 2 * facts.accumulated)
 
     def collectives(self, facts: StrategyFacts) -> list[Collective]:
         """What the strategy sends per step, collective by collective, with ring-algorithm factors.

@@ -52,6 +52,11 @@ class ExpertMemory:
             * facts.element_size
         }
 
+    def traffic(self, facts: ExpertFacts) -> float:
+        """None beyond the model's ops."""
+        del facts
+        return 0.0
+
     def collectives(self, facts: ExpertFacts) -> list[Collective]:
         """Dispatch and combine, in each forward (a recompute's too) and backward, in every MoE layer."""
         ep, tokens = self.ep_size, facts.tokens

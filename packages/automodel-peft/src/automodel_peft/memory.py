@@ -92,3 +92,8 @@ class LoRAMemory:
         """No collectives of their own."""
         del facts
         return []
+
+    def traffic(self, facts: LoRAFacts) -> float:
+        """None beyond the model's ops (the time model prices their work there)."""
+        del facts
+        return 0.0

@@ -132,6 +132,11 @@ class PipelineMemory:
         size = kinds * self.config.n_microbatches * self._activation_bytes(facts)
         return {"PP receive buffers": size}
 
+    def traffic(self, facts: PipelineFacts) -> float:
+        """None beyond the model's ops."""
+        del facts
+        return 0.0
+
     def collectives(self, facts: PipelineFacts) -> list[Collective]:
         """Activations sent forward and gradients sent back, per micro-batch."""
         size = 2 * self._activation_bytes(facts)

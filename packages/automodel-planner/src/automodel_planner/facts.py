@@ -83,6 +83,7 @@ class _Tally:
     grads: float = 0.0
     states: float = 0.0
     accumulated: float = 0.0
+    accumulated_elements: float = 0.0
     units: dict[tuple[int, str], float] = field(default_factory=dict)
     unit_grads: dict[tuple[int, str], float] = field(default_factory=dict)
     unit_reduce: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -100,6 +101,7 @@ class _Tally:
                 self.unit_reduce[place.unit] = self.unit_reduce.get(place.unit, 0.0) + reduce
                 self.reduce_separate = self.reduce_separate or reduce != gather
                 self.accumulated += local
+                self.accumulated_elements += local / param.element_size()
         if param.requires_grad:
             self.grads += param.numel() * param.element_size() / g_div
             # torch's AdamW keeps both moments in the parameter's dtype (zeros_like).
@@ -151,6 +153,7 @@ class RankFacts:
     grads: float
     states: float
     accumulated: float
+    accumulated_elements: float
     units: Sequence[int]
     """Each FSDP unit's parameters on the rank, unsharded, in the all-gather dtype (mixed precision's)."""
     unit_grads: Sequence[int]
@@ -279,6 +282,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
                 grads=tally.grads,
                 states=tally.states,
                 accumulated=tally.accumulated,
+                accumulated_elements=tally.accumulated_elements,
                 units=[int(tally.units[k]) for k in keys],
                 unit_grads=[int(tally.unit_grads.get(k, 0)) for k in keys],
                 unit_reduce=[int(tally.unit_reduce.get(k, 0)) for k in keys],

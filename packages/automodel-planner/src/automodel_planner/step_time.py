@@ -51,6 +51,8 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   for ``v`` stages per rank (1F1B, GPipe and interleaved schedules alike; the ``(pp - 1) / v`` is the
   bubble). A pass's length is its compute and what it waits for call by call (TP's and EP's
   collectives, its send/receive, ring attention's excess over its steps).
+- **the terms' own kernels** (`PlannerTerm.traffic`: gradients deferred over the passes are added up
+  by autograd's AccumulateGrad, reading both and writing the sum) at the HBM rate, in backward.
 - **optimizer**: AdamW reads and writes its fp32 state, parameters and gradients once (HBM rate).
 
 Model FLOPs (for MFU) are counted as torchtitan counts them: three times the forward's matmul FLOPs of
@@ -573,6 +575,9 @@ def estimate_step_time(
     slowest: tuple[float, StepTime] | None = None
     pipelined = ranks[0].pipelined
     passes_by_rank = [_rank_pass(f, compute, kinds, rates, options) for f in ranks]
+    for facts, one in zip(ranks, passes_by_rank, strict=True):
+        # The terms' own kernels (deferred gradients' accumulation), spread over the passes' backward.
+        one.backward += sum(t.traffic(facts) for t in terms) / facts.accumulation / rates.eager_memory
     exposed_by_rank = [
         _exposed(
             [c for term in terms for c in term.collectives(f)], f, cluster, efficiency, one, options.async_tp

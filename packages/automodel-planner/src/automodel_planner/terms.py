@@ -46,6 +46,13 @@ class PlannerTerm(Protocol):
         """The collectives the rank issues per optimizer step (`automodel_mesh.Collective`)."""
         ...
 
+    def traffic(self, facts: Any) -> float:
+        """Bytes per step the term's own kernels read and write in device memory, beyond the model's ops.
+
+        The time model spreads them over the step's passes.
+        """
+        ...
+
 
 @dataclass(frozen=True)
 class ActivationMemory:
@@ -113,6 +120,11 @@ class ActivationMemory:
         """None: activations are not collective buffers."""
         del facts
         return {}
+
+    def traffic(self, facts: RankFacts) -> float:
+        """None of its own: the model's ops are the time model's compute."""
+        del facts
+        return 0.0
 
     def collectives(self, facts: RankFacts) -> list[Collective]:
         """None."""

@@ -505,3 +505,27 @@ def test_the_attention_kernel_sets_the_attention_rate_and_an_unknown_one_is_refu
     assert fa2 - cudnn == pytest.approx(attention / rate * (1 - 1 / ATTENTION_KERNEL_SPEED["cudnn"]))
     with pytest.raises(ValueError, match="attention_kernel: 'fa9'"):
         compute(attention_kernel="fa9")
+
+
+def test_gradients_deferred_over_the_passes_are_added_up_in_device_memory() -> None:
+    from types import SimpleNamespace
+
+    from automodel_distributed.memory import StrategyMemory
+
+    # fp32 parameters (400 bytes, 100 elements) whose gradients come in bf16: the first backward's are
+    # cast (200 read, 400 written), each of the 3 later ones added in place (200 + 400 read, 400 written).
+    facts = SimpleNamespace(accumulation=4, accumulated=400.0, accumulated_elements=100.0, element_size=2)
+    deferred = StrategyMemory(FSDP2Config(), reshard=True)
+    assert deferred.traffic(facts) == 600 + 3 * 1000
+    assert StrategyMemory(FSDP2Config(defer_fsdp_grad_sync=False), reshard=True).traffic(facts) == 0.0
+    assert deferred.traffic(SimpleNamespace(**{**vars(facts), "accumulation": 1})) == 0.0
+
+    h100 = parse_cluster("8xH100")
+    plan = _plan(accumulation=4)
+    without = dataclasses.replace(plan, strategy=FSDP2Config(defer_fsdp_grad_sync=False))
+    added = (
+        estimate_throughput(plan, h100).parts["compute"] - estimate_throughput(without, h100).parts["compute"]
+    )
+    params = sum(p.numel() for p in plan.model.parameters())  # bf16 model: gradients in its dtype
+    rate = h100.device.hbm_bytes_per_s * DEFAULT_EFFICIENCY.memory
+    assert added == pytest.approx((4 * params + 3 * 6 * params) / rate, rel=1e-3)

@@ -69,3 +69,8 @@ class FP8Memory:
         """No collectives of their own."""
         del facts
         return []
+
+    def traffic(self, facts: FP8Facts) -> float:
+        """None beyond the model's ops (the time model prices their work there)."""
+        del facts
+        return 0.0
