@@ -1,8 +1,9 @@
 """`PlannerTerm`: the one small protocol through which each package contributes to a rank's estimate.
 
 A term reads a rank's facts (`automodel_planner.facts.RankFacts`) and returns its lines of the peak,
-the collective buffers it holds at the peak (by mechanism) and the collectives it issues per step
-(`automodel_mesh.Collective`: bytes, calls, axis and what each hides behind). Each term lives with the
+the collective buffers it holds at the peak (by mechanism), the collectives it issues per step
+(`automodel_mesh.Collective`: bytes, calls, axis and what each hides behind) and the device-memory
+traffic of its own kernels (FSDP2's accumulation of deferred gradients). Each term lives with the
 package that owns what it counts, and reads the facts structurally (its own small ``Protocol`` of the
 fields it needs), so no package imports the planner:
 
