@@ -29,11 +29,10 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   that step ends, so each gather hides behind a ``1 / cp`` of the block's attention (in each forward run,
   and again in backward), as each chunk's K/V gradients do, passed on one step ahead in backward but
   the last, which is waited for at once; TP's and EP's collectives and a stage's send/receive are
-  exposed, and a
-  recompute under full checkpointing issues a block's forward collectives again, and one under selective
-  checkpointing its all-gathers when it does not save their outputs (torchtitan's save list: the
-  column-parallel matmuls' weight gradients need the gathered input). Under async TP each
-  of a block's TP collectives is micro-pipelined with the matmuls it feeds or is fed by, as torch's
+  exposed, and a recompute under full checkpointing issues a block's forward collectives again, and
+  one under selective checkpointing its all-gathers when it does not save their outputs (torchtitan's
+  save list: the column-parallel matmuls' weight gradients need the gathered input). Under async TP
+  each of a block's TP collectives is micro-pipelined with the matmuls it feeds or is fed by, as torch's
   micro-pipeline pass fuses them (the all-gather before a column-parallel group, the reduce-scatter
   after a row-parallel layer, in forward, recompute and, mirrored, backward): cut in ``tp`` chunks, it
   hides behind all but one chunk of those matmuls, and only its excess over them is exposed; the
