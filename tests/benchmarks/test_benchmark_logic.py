@@ -1,10 +1,12 @@
-"""The logic of bench_planner.py, bench_pipeline_bubble.py and benchmarks/gpu/bench_h200.py, on CPU.
+"""The logic of the planner, plan-time, pipeline and GPU benchmarks (``benchmarks/``), on CPU.
 
 No timing is asserted.
 
 - Every layout of the planner benchmark plans (no process started), and the estimates move the way
   each setting must move them: checkpointing and sequence parallelism shrink activations, HSDP
   shards parameters over half the ranks, LoRA leaves almost no optimizer state, PP holds fewer blocks.
+- Both commands the plan-time benchmark times run: ``automodel plan`` of the 405B on 1,024 GPUs fits
+  its layout and predicts a step; the baseline builds the model on the meta device.
 - The pipeline replay gives the textbook idle for equal GPipe stages, and one late op (an op's own
   time in one step) idles exactly the ranks that wait for it.
 - The GPU check rehearses on CPU (``tools/gpu_check.sh --rehearse``): the GPU test tier is collected
@@ -63,6 +65,17 @@ def test_every_planner_benchmark_layout_plans_and_settings_move_the_estimate(tmp
     assert all(e.buffers.get("FSDP all-gather / reduce-scatter", 0) > 0 for e in estimates.values())
     assert fsdp["accumulated gradients"] == pytest.approx(4 * fsdp["gradients"], rel=1e-6)
     assert "PP receive buffers" in estimates["PP=2 1F1B"].buffers
+
+
+def test_the_plan_time_benchmark_times_a_plan_that_answers(tmp_path: Path) -> None:
+    bench = _module(BENCHMARKS / "bench_plan_time.py")
+    timed = bench.commands(bench.write_model(tmp_path))
+    results = {name: subprocess.run(cmd, capture_output=True, text=True) for name, cmd in timed.items()}
+    for name, proc in results.items():
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
+    report = results["ours"].stdout
+    assert "1024 x H100" in report and "tokens/s per GPU" in report, report[-2000:]
+    assert ": fits," in report, report[-2000:]
 
 
 def test_pipeline_replay_with_median_and_with_each_ops_own_time() -> None:
