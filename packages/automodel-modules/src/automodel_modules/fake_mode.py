@@ -51,10 +51,15 @@ class _GroupedMMInWideDtypes(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def fake_mode(**kwargs: Any) -> Iterator[Any]:
-    """``FakeTensorMode(**kwargs)``, entered, with the missing meta kernels of an older torch; yields it."""
+def fake_mode(mode: Any = None, **kwargs: Any) -> Iterator[Any]:
+    """``FakeTensorMode(**kwargs)``, entered, with the missing meta kernels of an older torch; yields it.
+
+    ``mode``: a ``FakeTensorMode`` made by an earlier call, entered again (its fake tensors, say a fake
+    model's parameters, belong to it and cannot meet another mode's); ``kwargs`` must then be empty.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode(**kwargs)
+    assert mode is None or not kwargs, "kwargs configure a new mode only"
+    mode = mode if mode is not None else FakeTensorMode(**kwargs)
     with mode, _GroupedMMInWideDtypes() if _grouped_mm_meta_refuses_fp32() else contextlib.nullcontext():
         yield mode

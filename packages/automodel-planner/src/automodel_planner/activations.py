@@ -43,8 +43,10 @@ from automodel_planner.repeated_blocks import repeated_blocks, skip_repeated
 __all__ = [
     "ActivationProfile",
     "BlockActivations",
+    "FakeModel",
     "StepProfile",
     "activation_bytes",
+    "build_fake_model",
     "held_per_microbatch",
     "profile_activations",
     "profile_step",
@@ -324,6 +326,32 @@ class StepProfile:
     compute: ComputeProfile
 
 
+@dataclass(frozen=True)
+class FakeModel:
+    """A causal LM built once under its own ``FakeTensorMode``: `profile_step` runs it at several shapes.
+
+    Its fake tensors belong to ``mode``; a profile enters that mode again. Building costs more than a
+    profile's forward (every block is built, two of each kind run), and a planner trying many layouts
+    profiles a handful of shapes of one model.
+    """
+
+    mode: Any
+    model: nn.Module
+    dtype: torch.dtype
+    attn_implementation: str | None
+
+
+def build_fake_model(
+    model_config: Any, dtype: torch.dtype, attn_implementation: str | None = None
+) -> FakeModel:
+    """The causal LM of ``model_config`` on fake tensors of ``dtype`` (`profile_step`'s; config untouched)."""
+    from automodel_modules.fake_mode import fake_mode
+
+    with fake_mode() as mode:
+        model = _fake_model(model_config, dtype, attn_implementation)
+    return FakeModel(mode, model, dtype, attn_implementation)
+
+
 def profile_step(
     model_config: Any,
     *,
@@ -333,6 +361,7 @@ def profile_step(
     cp: int = 1,
     attn_implementation: str | None = None,
     every_block: bool = False,
+    fake: FakeModel | None = None,
 ) -> StepProfile:
     """Profile one micro-batch's forward on fake tensors: what it saves for backward and what it computes.
 
@@ -348,6 +377,8 @@ def profile_step(
         cp: Context-parallel degree: each rank runs the forward on its sequence shard.
         attn_implementation: The attention implementation (default: the config's, else ``sdpa``).
         every_block: Run every block (what the repeated-block shortcut is tested against).
+        fake: `build_fake_model` of ``model_config``, ``dtype`` and ``attn_implementation``, to reuse
+            (built here when None). Its blocks are as they were when the profile returns.
 
     Returns:
         Per-block and outside-the-blocks saved bytes and work on one rank, before tensor parallelism.
@@ -363,8 +394,10 @@ def profile_step(
     if seq_len % cp:
         raise ValueError(f"seq_len={seq_len} must be divisible by cp={cp} (each CP rank holds a shard)")
     local_seq = seq_len // cp
-    with fake_mode():
-        model = _fake_model(model_config, dtype, attn_implementation)
+    fake = fake if fake is not None else build_fake_model(model_config, dtype, attn_implementation)
+    assert (fake.dtype, fake.attn_implementation) == (dtype, attn_implementation), "another model's build"
+    with fake_mode(fake.mode):
+        model = fake.model
         blocks = find_transformer_blocks(model)
         recorder = _Recorder(model, blocks, sharded_layer_kinds(model))
         compute = ComputeRecorder(len(blocks), partial(_where, recorder, blocks), recorder.parameters)

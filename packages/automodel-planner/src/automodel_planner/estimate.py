@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from automodel_mesh import traffic_of
-from automodel_planner.activations import StepProfile, profile_step
+from automodel_planner.activations import StepProfile, build_fake_model, profile_step
 from automodel_planner.facts import RankFacts, rank_facts
 from automodel_planner.hardware import Cluster
 from automodel_planner.inputs import PlanInput
@@ -94,13 +94,19 @@ def step_profile(plan: PlanInput, cache: ProfileCache | None = None) -> StepProf
     micro_batch = plan.pipeline.pp_microbatch_size if plan.pipeline is not None else plan.micro_batch_size
     key = (micro_batch, plan.seq_len, plan.layout.cp)
     if key not in cache:
+        implementation = plan.attn_implementation
+        fake = plan.model_fact(  # one build serves every shape the layouts of this model profile
+            f"fake model {plan.dtype} {implementation}",
+            lambda: build_fake_model(plan.model_config, plan.dtype, implementation),
+        )
         cache[key] = profile_step(
             plan.model_config,
             micro_batch=micro_batch,
             seq_len=plan.seq_len,
             dtype=plan.dtype,
             cp=plan.layout.cp,
-            attn_implementation=plan.attn_implementation,
+            attn_implementation=implementation,
+            fake=fake,
         )
     return cache[key]
 

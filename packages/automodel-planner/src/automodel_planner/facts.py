@@ -186,13 +186,22 @@ def _size(plan: PlanInput, param: nn.Parameter, index: int | None) -> float:
     return float(param.numel() * param.element_size())
 
 
+def _named_parameters(plan: PlanInput) -> list[tuple[str, nn.Parameter, int | None]]:
+    """The model's parameters with their block indices (a function of the model: memoized).
+
+    A walk of the modules costs more than the census of a layout itself; ``--suggest`` takes hundreds.
+    """
+    return plan.model_fact(
+        "named_parameters", lambda: [(n, p, layer_index(n)) for n, p in plan.model.named_parameters()]
+    )
+
+
 def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
     pp = plan.layout.pp
     place = placement_rule(plan.strategy, plan.layout, plan.model, plan.dtype, outer=_outer(plan))
     cast = _Cast.of(plan)
     census = _Census([_Tally() for _ in range(pp)])
-    for name, param in plan.model.named_parameters():
-        index = layer_index(name)
+    for name, param, index in _named_parameters(plan):
         rank = 0
         if pp > 1:
             outside = 0 if name.startswith(_FIRST_STAGE_PREFIX) else pp - 1

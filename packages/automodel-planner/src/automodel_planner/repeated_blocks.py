@@ -66,14 +66,28 @@ def repeated_blocks(blocks: Sequence[tuple[str, nn.Module]]) -> dict[int, int]:
     return copies
 
 
+class _ForwardRestore:
+    """A handle whose ``remove()`` gives a block back the ``forward`` it had (its own, or its class's)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.previous = block.__dict__.get("forward")
+
+    def remove(self) -> None:
+        if self.previous is None:
+            self.block.__dict__.pop("forward", None)
+        else:
+            self.block.forward = self.previous
+
+
 def skip_repeated(blocks: Sequence[tuple[str, nn.Module]], copies: dict[int, int]) -> list[Any]:
     """Make each block of ``copies`` return its model's output without running (mutates the blocks).
 
-    Returns the hook handles to remove; the skipped blocks keep their replaced ``forward`` (the model is
-    a fake one, thrown away after the profile).
+    Returns the handles to remove (``remove()`` each): the forward hooks, and one per skipped block that
+    drops its replaced ``forward``, so that one fake model serves several profiles.
     """
     outputs: dict[int, Any] = {}
-    handles = []
+    handles: list[Any] = []
     for source in set(copies.values()):
 
         def keep(module: nn.Module, args: Any, output: Any, source: int = source) -> None:
@@ -87,5 +101,6 @@ def skip_repeated(blocks: Sequence[tuple[str, nn.Module]], copies: dict[int, int
             # input must see a tensor no block has saved and that autograd tracks, as after a block that ran.
             return tree_map_only(torch.Tensor, _like, outputs[source])
 
+        handles.append(_ForwardRestore(blocks[index][1]))
         blocks[index][1].forward = forward
     return handles

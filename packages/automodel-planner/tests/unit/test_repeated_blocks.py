@@ -1,4 +1,8 @@
-"""Running two blocks of each kind gives the counts of the full fake forward, for mixed-layer families."""
+"""Running two blocks of each kind gives the counts of the full fake forward, for mixed-layer families.
+
+One fake model (`build_fake_model`) profiled at several shapes, the shortcut's runs and full runs in
+turn, gives what a model built for each profile gives.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from automodel_planner.activations import profile_step
+from automodel_planner.activations import build_fake_model, profile_step
 
 # Families whose layers differ: sliding and full attention (gemma3_text, gpt_oss, cohere2), linear and
 # full attention (qwen3_next), convolution and attention (lfm2), dense layers before MoE ones
@@ -45,3 +49,27 @@ def test_repeated_blocks_take_the_counts_they_would_have(model_type: str) -> Non
     # Two runs of the full forward agree too: each saved storage is counted once (none reuses the key of
     # a freed one), which MoE blocks, whose routing temporaries come and go, used to break.
     assert profile_step(config, every_block=True, **sizes).activations == full.activations
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "gemma3_text"])
+def test_one_fake_model_serves_every_shape(model_type: str) -> None:
+    from automodel_testing.tiny import derive_tiny_config
+
+    config = derive_tiny_config(model_type, **FAMILIES[model_type])
+    config.num_hidden_layers = 6
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i % 2] for i in range(6)]
+    fake = build_fake_model(config, torch.float32)
+    shapes = [(2, 16, 1, False), (1, 32, 2, False), (2, 16, 1, True), (1, 32, 2, False)]
+    for micro_batch, seq_len, cp, every_block in shapes:
+        sizes: dict[str, Any] = {
+            "micro_batch": micro_batch,
+            "seq_len": seq_len,
+            "dtype": torch.float32,
+            "cp": cp,
+        }
+        reused = profile_step(config, every_block=every_block, fake=fake, **sizes)
+        fresh = profile_step(config, every_block=every_block, **sizes)
+        assert reused == fresh, (micro_batch, seq_len, cp, every_block)
+    # The shortcut's replaced forwards are gone: every block runs its class's own again.
+    assert not any("forward" in vars(block) for block in fake.model.modules())

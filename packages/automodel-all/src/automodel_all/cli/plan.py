@@ -434,12 +434,13 @@ def _time_and_suggestion_lines(report: dict[str, Any], hardware: Cluster | None)
     if suggestions is not None:
         order = "fitting first, fastest first" if hardware is not None else "lowest peak, then least traffic"
         lines += ["", f"suggested layouts for {report['world_size']} rank(s) ({order}):"]
+        width = max((len(entry["layout"]) for entry in suggestions), default=0)  # one column for all
         for i, entry in enumerate(suggestions, start=1):
             biggest = max(entry["lines"], key=entry["lines"].get)
             speed = entry.get("throughput")
             rate = f"{speed['tokens_per_s_per_gpu']:10.0f} tokens/s/GPU, " if speed is not None else ""
             lines.append(
-                f"  {i}. {entry['layout']:<28} {rate}peak {entry['peak_bytes'] / _MIB:10.2f} MiB, "
+                f"  {i}. {entry['layout']:<{width}} {rate}peak {entry['peak_bytes'] / _MIB:10.2f} MiB, "
                 f"traffic {entry['communication_total_bytes'] / _MIB:10.2f} MiB/step "
                 f"(largest line: {biggest})"
             )

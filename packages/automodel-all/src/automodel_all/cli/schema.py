@@ -36,7 +36,19 @@ def field_names(cls: type[Any]) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
 
 
+_HINTS: dict[type[Any], dict[str, Any]] = {}
+"""`_type_hints` per class (read-only to callers): ``automodel plan --suggest`` builds a job per layout
+it tries, hundreds on a large cluster, and resolving the annotations was most of a build."""
+
+
 def _type_hints(cls: type[Any]) -> dict[str, Any]:
+    """Resolved field annotations, kept in `_HINTS`."""
+    if cls not in _HINTS:
+        _HINTS[cls] = _resolved_hints(cls)
+    return _HINTS[cls]
+
+
+def _resolved_hints(cls: type[Any]) -> dict[str, Any]:
     """Resolved field annotations; names imported only for type checking are supplied here."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
