@@ -7,8 +7,9 @@ torchtitan's 405B layout (TP 8 with sequence parallelism, PP 8, full activation 
 batch 8 of 8,192-token rows in micro-batches of 1). The baseline, in the same rounds, is the least any
 planner of a transformers model pays: a fresh process that imports transformers and builds the same
 model on the meta device (``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``), then
-exits the same way (``os._exit``: neither process waits for the interpreter's teardown). Rounds of the
-two, interleaved, after a warm-up round that fills the bytecode caches; the median of each is kept, and
+exits the same way (``os._exit``: neither process waits for the interpreter's teardown). Beside them,
+the same job's ``--suggest``, which ranks every valid layout of the 1,024 GPUs. Rounds of the three,
+interleaved, after a warm-up round that fills the bytecode caches; the median of each is kept, and
 the CPU time (user + system) beside it.
 
     uv run --all-packages python benchmarks/bench_plan_time.py [--repeats 5]
@@ -43,7 +44,7 @@ LAYOUT = ("--tp", "8", "--pp", "8", "--sequence-parallel")
 # torchtitan's 405B job: local batch 8 on each of the 16 data-parallel ranks, micro-batches of one row.
 JOB = ("--activation-checkpointing", "--seq-len", "8192", "--global-batch-size", "128")
 JOB += ("--micro-batch-size", "1")
-LABEL = "Llama 3.1 405B on 1,024 H100s, TP 8 + SP x PP 8"
+LABEL = "Llama 3.1 405B on 1,024 H100s"
 
 _META_BUILD = (
     "import os, sys, torch\n"
@@ -78,17 +79,22 @@ def _run(command: list[str]) -> tuple[float, float]:
 
 
 def commands(model: Path) -> dict[str, list[str]]:
-    """The two timed commands: ``ours`` (``automodel plan``) and ``baseline`` (the meta build)."""
+    """The timed commands: ``ours`` (``automodel plan``), ``suggest`` (the same job's ``--suggest``,
+    every layout of the cluster's GPUs) and ``baseline`` (the meta build)."""
     script = Path(sys.executable).parent / "automodel"
-    plan = [str(script), "plan", "--model", str(model), "--cluster", CLUSTER, *LAYOUT, *JOB]
-    return {"ours": plan, "baseline": [sys.executable, "-c", _META_BUILD, str(model)]}
+    plan = [str(script), "plan", "--model", str(model), "--cluster", CLUSTER, *JOB]
+    return {
+        "ours": [*plan, *LAYOUT],
+        "suggest": [*plan, "--sequence-parallel", "--suggest"],
+        "baseline": [sys.executable, "-c", _META_BUILD, str(model)],
+    }
 
 
 def measure(repeats: int = 5) -> dict[str, dict[str, Any]]:
     """Median wall and CPU seconds of each command over ``repeats`` interleaved rounds (after a warm-up).
 
-    Returns ``{"ours": {...}, "baseline": {...}}``, each with ``wall_s``, ``cpu_s`` (medians) and
-    ``walls`` (every round's wall time).
+    Returns ``{"ours": {...}, "suggest": {...}, "baseline": {...}}``, each with ``wall_s``, ``cpu_s``
+    (medians) and ``walls`` (every round's wall time).
     """
     with tempfile.TemporaryDirectory() as tmp:
         timed = commands(write_model(Path(tmp)))
@@ -116,7 +122,8 @@ def main() -> None:
     for name, figures in result.items():
         walls = ", ".join(f"{w:.2f}" for w in figures["walls"])
         print(f"{name:9s} wall {figures['wall_s']:.2f} s (rounds: {walls}), CPU {figures['cpu_s']:.2f} s")
-    print(f"{LABEL}: plan / meta build = {result['ours']['wall_s'] / result['baseline']['wall_s']:.2f}")
+    for name in ("ours", "suggest"):
+        print(f"{LABEL}: {name} / meta build = {result[name]['wall_s'] / result['baseline']['wall_s']:.2f}")
 
 
 if __name__ == "__main__":

@@ -67,10 +67,14 @@ def test_every_planner_benchmark_layout_plans_and_settings_move_the_estimate(tmp
     assert "PP receive buffers" in estimates["PP=2 1F1B"].buffers
 
 
+_TIMED = ("ours", "baseline")
+
+
 def test_the_plan_time_benchmark_times_a_plan_that_answers(tmp_path: Path) -> None:
     bench = _module(BENCHMARKS / "bench_plan_time.py")
     timed = bench.commands(bench.write_model(tmp_path))
-    results = {name: subprocess.run(cmd, capture_output=True, text=True) for name, cmd in timed.items()}
+    # --suggest (the third command) ranks every layout of the 1,024 GPUs: 15 s; tests/cli covers it.
+    results = {name: subprocess.run(timed[name], capture_output=True, text=True) for name in _TIMED}
     for name, proc in results.items():
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
     report = results["ours"].stdout
