@@ -41,9 +41,9 @@ LLAMA_405B: dict[str, Any] = {
 }
 CLUSTER = "1024xH100"
 LAYOUT = ("--tp", "8", "--pp", "8", "--sequence-parallel")
-# torchtitan's 405B job: local batch 8 on each of the 16 data-parallel ranks, micro-batches of one row.
-JOB = ("--activation-checkpointing", "--seq-len", "8192", "--global-batch-size", "128")
-JOB += ("--micro-batch-size", "1")
+JOB = ("--activation-checkpointing", "--seq-len", "8192", "--micro-batch-size", "1")
+# torchtitan's 405B job: local batch 8 on each of the 16 data-parallel ranks of TP 8 x PP 8.
+BATCH = ("--global-batch-size", "128")
 LABEL = "Llama 3.1 405B on 1,024 H100s"
 
 _META_BUILD = (
@@ -81,11 +81,13 @@ def _run(command: list[str]) -> tuple[float, float]:
 def commands(model: Path) -> dict[str, list[str]]:
     """The timed commands: ``ours`` (``automodel plan``), ``suggest`` (the same job's ``--suggest``,
     every layout of the cluster's GPUs) and ``baseline`` (the meta build)."""
-    script = Path(sys.executable).parent / "automodel"
-    plan = [str(script), "plan", "--model", str(model), "--cluster", CLUSTER, *JOB]
+    script = str(Path(sys.executable).parent / "automodel")
+    plan = [script, "plan", "--model", str(model), "--cluster", CLUSTER]
+    # --suggest starts from the job without a layout (FSDP over all 1,024 GPUs): one row per GPU at least.
+    suggest = [*plan, *JOB, "--global-batch-size", "1024", "--sequence-parallel", "--suggest"]
     return {
-        "ours": [*plan, *LAYOUT],
-        "suggest": [*plan, "--sequence-parallel", "--suggest"],
+        "ours": [*plan, *JOB, *BATCH, *LAYOUT],
+        "suggest": suggest,
         "baseline": [sys.executable, "-c", _META_BUILD, str(model)],
     }
 
