@@ -17,7 +17,8 @@ No process group, no mesh axes: pure functions of the model config and the sizes
 transformers treats a fake tensor as tracing, it takes its traceable path (a few more saved tensors;
 in older releases an explicit causal mask too), so the profile errs a few percent high against an
 eager forward (``tests/unit/test_activations.py`` bounds it at 10%). Without a padding mask the
-transformers this workspace locks calls SDPA with ``is_causal``, as on a GPU: no ``s x s`` mask.
+transformers this workspace locks calls SDPA with ``is_causal``, as on a GPU: no ``s x s`` mask. SDPA
+calls the CPU would compute by its math path run in the kernel a GPU takes (`CudaSdpaChoice`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from automodel_distributed.blocks import find_transformer_blocks
 from automodel_modules import embedding_module
 from automodel_planner.compute import ComputeProfile, ComputeRecorder
 from automodel_planner.repeated_blocks import repeated_blocks, skip_repeated
+from automodel_planner.sdpa_choice import CudaSdpaChoice
 
 __all__ = [
     "ActivationProfile",
@@ -407,7 +409,7 @@ def profile_step(
         device = next(model.parameters()).device  # wherever transformers built the fake model
         ids = torch.zeros(micro_batch, local_seq, dtype=torch.long, device=device)
         saved = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
-        with compute, recorder.producers, saved:
+        with compute, recorder.producers, saved, CudaSdpaChoice():
             model(input_ids=ids, labels=ids)
         for handle in handles:
             handle.remove()

@@ -9,9 +9,9 @@ to the rest of the model, block ``-1``):
   weight's matmul, whose backward is twice its forward, from a frozen one's, whose backward computes the
   input gradient only), and the bytes of their first operand and output (what async TP's reductions
   read);
-- attention kernels (the ``scaled_dot_product`` family): ``4 b h s_q s_k d`` FLOPs, as torch's flop
-  counter counts them (the whole score matrix; the time model halves it for a causal mask), and the
-  ``b h s_q d`` elements of their output (what ring attention merges after each step);
+- attention kernels (the ``scaled_dot_product`` family): ``2 b h s_q s_k (d + d_v)`` FLOPs, as torch's
+  flop counter counts them (the whole score matrix; the time model halves it for a causal mask), and
+  the ``b h s_q d_v`` elements of their output (what ring attention merges after each step);
 - everything else that moves data (not views): the bytes of its tensor inputs and outputs, the traffic
   an eager kernel sends through HBM.
 
@@ -97,16 +97,17 @@ def _matmul_flops(args: tuple[Any, ...], out: Any) -> float:
 
 
 def _attention_flops(args: tuple[Any, ...]) -> tuple[float, float]:
-    """``4 b h s_q s_k d``: attention's two matmuls over the whole score matrix; its ``b h s_q d`` outputs.
+    """``2 b h s_q s_k (d + d_v)``: attention's two matmuls over the whole scores; ``b h s_q d_v`` outputs.
 
-    Query ``[b, h, s_q, d]`` and key ``[b, h_kv, s_k, d]`` are the op's first two tensors. torch's flop
-    counter counts ``scaled_dot_product_attention`` so; counted here so that every torch version and
-    every attention kernel's op count the same (older flop counters miss the CPU kernels).
+    Query ``[b, h, s_q, d]``, key ``[b, h_kv, s_k, d]`` and value ``[b, h_kv, s_k, d_v]`` are the op's
+    first three tensors (``4 b h s_q s_k d`` where ``d_v == d``). torch's flop counter counts
+    ``scaled_dot_product_attention`` so; counted here so that every torch version and every attention
+    kernel's op count the same (older flop counters miss the CPU kernels).
     """
-    query, key = [a for a in args if isinstance(a, torch.Tensor)][:2]
+    query, key, value = [a for a in args if isinstance(a, torch.Tensor)][:3]
     batch, heads, s_q, head_dim = query.shape
-    outputs = float(batch * heads * s_q * head_dim)
-    return 4.0 * outputs * key.shape[-2], outputs
+    outputs = float(batch * heads * s_q * value.shape[-1])
+    return 2.0 * batch * heads * s_q * key.shape[-2] * (head_dim + value.shape[-1]), outputs
 
 
 class ComputeRecorder(TorchDispatchMode):

@@ -1,0 +1,91 @@
+"""The profile runs SDPA as a GPU does where the CPU would take its math path (`CudaSdpaChoice`).
+
+- Multi-head latent attention (DeepSeek-V3's query and key wider than its values) profiles as one
+  memory-efficient attention kernel: ``2 b h s^2 (d + d_v)`` FLOPs, no score matmuls, no ``s x s``
+  tensor saved, where the CPU's math path showed all three.
+- SDPA's argument handling is kept: grouped key/value heads, a boolean mask, the scale, positional or
+  keyword arguments give the math path's output shape and dtype; calls the CPU's flash kernel takes
+  are left to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from automodel_planner.activations import profile_step
+from automodel_planner.sdpa_choice import CudaSdpaChoice
+
+SEQ = 1024  # long enough that one s x s score matrix outweighs everything a block saves
+
+
+def _mla_config() -> Any:
+    from automodel_testing.tiny import derive_tiny_config
+
+    # DeepSeek-V3's shape of attention: query and key 24 wide (16 + 8 rotary), values 8 wide.
+    return derive_tiny_config("deepseek_v3", qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=8)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_latent_attention_profiles_as_one_fused_kernel() -> None:
+    config = _mla_config()
+    heads, qk, v = config.num_attention_heads, 24, config.v_head_dim
+    profile = profile_step(config, micro_batch=1, seq_len=SEQ, dtype=torch.bfloat16)
+    scores = heads * SEQ * SEQ * 2  # one bf16 score matrix of a block
+    for block, saved in zip(profile.compute.blocks, profile.activations.blocks, strict=True):
+        assert block.attention_flops == 2.0 * heads * SEQ * SEQ * (qk + v)
+        assert block.attention_outputs == heads * SEQ * v
+        # The math path's two matmuls ran outside any linear layer, under the attention module.
+        assert "self_attn" not in block.matmul_flops, block.matmul_flops
+        assert saved.boundary + saved.interior < scores, saved
+
+
+def test_the_math_path_is_what_it_replaces() -> None:
+    # Without the mode the CPU's math path runs: score matmuls and a saved s x s softmax.
+    with FakeTensorMode():
+        q, k = (torch.empty(1, 4, SEQ, 24, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        v = torch.empty(1, 4, SEQ, 8, dtype=torch.bfloat16, requires_grad=True)
+        fused = {"_scaled_dot_product_efficient_attention"}
+        for mode, expected in ((None, {"bmm"}), (CudaSdpaChoice(), fused)):
+            ops = _Ops()
+            with ops, mode if mode is not None else torch.enable_grad():
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            assert expected <= set(ops.names), ops.names
+            assert out.shape == (1, 4, SEQ, 8) and out.dtype == torch.bfloat16
+
+
+def test_sdpa_arguments_keep_their_meaning() -> None:
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 32, 24, dtype=torch.bfloat16)
+        k = torch.empty(2, 2, 48, 24, dtype=torch.bfloat16)  # grouped: 4 query heads per key head
+        v = torch.empty(2, 2, 48, 8, dtype=torch.bfloat16)
+        mask = torch.ones(2, 1, 32, 48, dtype=torch.bool)
+        calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+            ((q, k, v), {"attn_mask": mask, "scale": 0.5, "enable_gqa": True}),
+            ((q, k, v, mask, 0.0, False), {"scale": 0.5, "enable_gqa": True}),
+        ]
+        for args, kwargs in calls:
+            math = F.scaled_dot_product_attention(*args, **kwargs)
+            ops = _Ops()
+            with ops, CudaSdpaChoice():
+                fused = F.scaled_dot_product_attention(*args, **kwargs)
+            assert "_scaled_dot_product_efficient_attention" in ops.names
+            assert (fused.shape, fused.dtype) == (math.shape, math.dtype) == ((2, 8, 32, 8), torch.bfloat16)
+        # One head size for all three: the CPU's flash kernel takes it, untouched.
+        ops = _Ops()
+        with ops, CudaSdpaChoice():
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        assert "_scaled_dot_product_flash_attention_for_cpu" in ops.names
