@@ -13,6 +13,7 @@ Pure arithmetic over a meta model and the layout's sizes; no process group, noth
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class Placement:
     """Whether it is part of a unit's gathered parameters at all."""
 
 
+@functools.lru_cache(maxsize=65536)  # a planner places the same names for every layout it tries
 def layer_index(name: str) -> int | None:
     """The decoder-layer index in a parameter name (``model.layers.3.mlp.weight`` -> 3), else None."""
     parts = name.split(".")

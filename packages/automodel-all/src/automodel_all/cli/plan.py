@@ -221,6 +221,7 @@ def suggest_layouts(
     cache: ProfileCache = {}
     memo: dict[str, Any] = {}  # what the planner derives from the model alone, for every layout
     ranked: list[tuple[Any, dict[str, Any]]] = []
+    unranked: dict[int, Any] = {}  # layouts that do not fit: their time only if they are listed
     for sizes in _candidates(world, moe):
         trial = copy.deepcopy(raw)
         for key in _LAYOUT_KEYS:
@@ -238,15 +239,23 @@ def suggest_layouts(
         entry = {"layout": _layout_name(sizes), "sizes": sizes, **estimate.as_dict()}
         order: tuple[float, ...] = (estimate.total, estimate.communication_total)
         if hardware is not None:
-            speed = estimate_throughput(planned, hardware, profile_cache=cache)
-            entry["throughput"] = speed.as_dict()
-            fits = estimate.total <= hardware.device.memory_bytes
-            entry["fits"] = fits
-            order = (0 if fits else 1, -speed.tokens_per_s_per_gpu if fits else estimate.total)
+            entry["fits"] = estimate.total <= hardware.device.memory_bytes
+            if entry["fits"]:
+                speed = estimate_throughput(planned, hardware, profile_cache=cache)
+                entry["throughput"] = speed.as_dict()
+                order = (0, -speed.tokens_per_s_per_gpu)
+            else:  # ranked by peak: the time model runs only for those listed
+                unranked[id(entry)] = resolved
+                order = (1, estimate.total)
         ranked.append((order, entry))
     ranked.sort(key=lambda item: item[0])
     entries = [entry for _, entry in ranked]
-    return (_ties_by_memory(entries) if hardware is not None else entries)[:limit]
+    listed = (_ties_by_memory(entries) if hardware is not None else entries)[:limit]
+    for entry in listed:
+        if id(entry) in unranked and hardware is not None:
+            planned = plan_input(unranked[id(entry)], model, model_config, base_weight_bits, memo)
+            entry["throughput"] = estimate_throughput(planned, hardware, profile_cache=cache).as_dict()
+    return listed
 
 
 _TIED = 0.005
