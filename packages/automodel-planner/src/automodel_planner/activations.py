@@ -23,8 +23,10 @@ calls the CPU would compute by its math path run in the kernel a GPU takes (`Cud
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -158,7 +160,9 @@ def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str 
     from transformers.initialization import no_init_weights
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    implementation = attn_implementation or getattr(model_config, "_attn_implementation", None) or "sdpa"
+    # None: transformers' own default, as the trainer builds the model (SDPA where the family supports
+    # it, else its eager attention).
+    implementation = attn_implementation or getattr(model_config, "_attn_implementation", None)
     get_text = getattr(model_config, "get_text_config", None)
     text = get_text() if callable(get_text) else model_config
     whole = text is not model_config and text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -346,12 +350,48 @@ class FakeModel:
 def build_fake_model(
     model_config: Any, dtype: torch.dtype, attn_implementation: str | None = None
 ) -> FakeModel:
-    """The causal LM of ``model_config`` on fake tensors of ``dtype`` (`profile_step`'s; config untouched)."""
+    """The causal LM of ``model_config`` on fake tensors of ``dtype`` (`profile_step`'s; config untouched).
+
+    Built under ``FakeTensorMode``; a family whose layers move themselves while being built (``.to()`` in
+    ``__init__``: DeepSeek-V4, Hunyuan V4, Inkling 2), which torch cannot do to a fake parameter, is
+    built on the meta device and its parameters and buffers then made fake (`_fake_from_meta`).
+
+    Raises:
+        ValueError: The model cannot be built either way (the family and the cause named).
+    """
     from automodel_modules.fake_mode import fake_mode
 
-    with fake_mode() as mode:
-        model = _fake_model(model_config, dtype, attn_implementation)
+    try:
+        try:
+            with fake_mode() as mode:
+                model = _fake_model(model_config, dtype, attn_implementation)
+        except RuntimeError:  # "_apply(): Couldn't swap <module>.weight"
+            with torch.device("meta"):
+                model = _fake_model(model_config, dtype, attn_implementation)
+            with fake_mode() as mode:
+                _fake_from_meta(model)
+    except _FAKE_FAILURES as exc:
+        raise _unprofilable(model_config, "building it", exc) from exc
     return FakeModel(mode, model, dtype, attn_implementation)
+
+
+def _fake_from_meta(model: nn.Module) -> None:
+    """Replace ``model``'s meta parameters and buffers by fake CPU ones of the same shapes (in place).
+
+    Preconditions: the fake mode is active. A parameter shared by two modules (tied embeddings) stays
+    shared; requires_grad is kept.
+    """
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in made:
+                    fresh = torch.empty(param.shape, dtype=param.dtype)
+                    made[id(param)] = nn.Parameter(fresh, requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype)
 
 
 def profile_step(
@@ -409,12 +449,52 @@ def profile_step(
         device = next(model.parameters()).device  # wherever transformers built the fake model
         ids = torch.zeros(micro_batch, local_seq, dtype=torch.long, device=device)
         saved = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
-        with compute, recorder.producers, saved, CudaSdpaChoice():
-            model(input_ids=ids, labels=ids)
-        for handle in handles:
-            handle.remove()
+        try:
+            with compute, recorder.producers, saved, CudaSdpaChoice(), _fake_tensor_log_quiet():
+                model(input_ids=ids, labels=ids)
+        except _FAKE_FAILURES as exc:
+            what = f"its forward on {micro_batch} x {local_seq} tokens"
+            raise _unprofilable(model_config, what, exc, seq_len) from exc
+        finally:  # a fake model kept for other shapes must come back as it was
+            for handle in handles:
+                handle.remove()
     tokens = micro_batch * local_seq
     return StepProfile(recorder.profile(len(blocks), tokens, copies), compute.profile(tokens, copies))
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_quiet() -> Iterator[None]:
+    """Hold back torch's log of a failed fake op (a whole traceback): `_unprofilable` says what failed."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+_FAKE_FAILURES = (RuntimeError, ValueError, TypeError, AttributeError, IndexError, NotImplementedError)
+"""What a model's build or forward raises on fake tensors where it cannot run there (`_unprofilable`)."""
+
+
+def _unprofilable(model_config: Any, what: str, exc: Exception, seq_len: int | None = None) -> ValueError:
+    """The planner's error for a model it cannot run on fake tensors: the model, the step, the cause.
+
+    ``seq_len``: the sequence the forward ran, named when it exceeds the model's positions.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    name = getattr(model_config, "model_type", type(model_config).__name__)
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)):
+        cause = f"it reads tensor values to decide shapes ({exc}), which a forward on fake tensors cannot"
+    else:
+        cause = f"{type(exc).__name__}: {exc}"
+    message = f"the planner cannot profile {name} ({what}): {cause}"
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if seq_len is not None and isinstance(positions, int) and seq_len > positions:
+        message += f" (seq_len {seq_len} exceeds its max_position_embeddings {positions}: lower seq_len)"
+    return ValueError(message)
 
 
 def profile_activations(

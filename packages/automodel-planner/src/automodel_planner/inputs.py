@@ -112,9 +112,24 @@ class PlanInput:
         return rows * self.layout.dp * self.seq_len
 
     def config_int(self, *names: str, default: int = 0) -> int:
-        """The first of ``names`` the model config sets to a positive int, else ``default``."""
+        """The first of ``names`` the model config sets to a positive int, else ``default``.
+
+        An attribute that varies per layer (transformers' heterogeneous configs, e.g. Gemma 4's
+        ``head_dim``) counts at its largest layer's value.
+        """
         for name in names:
-            value = getattr(self.model_config, name, None)
+            value = _config_value(self.model_config, name)
             if isinstance(value, int) and value > 0:
                 return value
         return default
+
+
+def _config_value(config: Any, name: str) -> Any:
+    """``config.<name>`` (None when unset); for a per-layer attribute, the largest layer's int value."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: it varies per layer
+        layers = getattr(config, "per_layer_config", None)
+        values = [getattr(layers[i], name, None) for i in range(len(layers))] if layers is not None else []
+        ints = [v for v in values if isinstance(v, int)]
+        return max(ints) if ints else None

@@ -420,7 +420,7 @@ def resolve_job(job: JobConfig, world_size: int, model_config: Any = None) -> Re
         )
     if layout.cp > 1:
         _divisible(raw, "data", "seq_len", job.data.seq_len, 2 * layout.cp, f"2 * cp_size = {2 * layout.cp}")
-        if job.model.attn_implementation != "sdpa":
+        if job.model.attn_implementation not in (None, "sdpa"):  # None: sdpa where the family has it
             raise ConfigError(f"{raw.where('model', 'attn_implementation')}: context parallelism needs sdpa")
         if layout.pp > 1 and job.data.packing == "packed":
             raise ConfigError(

@@ -95,14 +95,24 @@ def build_meta_model(job: JobConfig, config: Any) -> torch.nn.Module:
     """The model of ``config`` on the meta device (no memory), in the job's dtype.
 
     ``AutoModelForImageTextToText`` for a vision-language config, else ``AutoModelForCausalLM``.
+
+    Raises:
+        ConfigError: transformers cannot build the model from ``config`` (its error quoted).
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto = AutoModelForImageTextToText if is_image_text_model(config) else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(
-            config, dtype=model_dtype(job), attn_implementation=job.model.attn_implementation
-        )
+    try:
+        with torch.device("meta"):
+            model = auto.from_config(
+                config, dtype=model_dtype(job), attn_implementation=job.model.attn_implementation
+            )
+    except (AttributeError, TypeError, ValueError, RuntimeError) as exc:  # transformers' own refusal
+        raise ConfigError(
+            f"model: transformers cannot build {type(config).__name__} from its config "
+            f"({type(exc).__name__}: {exc}); check model.name_or_path's config.json and "
+            "model.config_overrides, or model.attn_implementation"
+        ) from None
     return model
 
 

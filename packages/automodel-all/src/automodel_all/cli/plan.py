@@ -362,7 +362,10 @@ def plan_report(
         raise ConfigError("--qlora-bits needs LoRA adapters (--lora): only a frozen base is quantized")
     planned = plan_input(resolved, model, model_config, base_weight_bits)
     cache: ProfileCache = {}
-    estimate = estimate_peak(planned, profile_cache=cache)
+    try:
+        estimate = estimate_peak(planned, profile_cache=cache)
+    except ValueError as exc:  # the model or the job cannot be planned: say why, no traceback
+        raise ConfigError(str(exc)) from None
     if hardware is not None:  # GPUs: torch's caching allocator holds more than the tensors
         estimate = with_allocator_reserve(estimate)
     throughput, calibration = None, None

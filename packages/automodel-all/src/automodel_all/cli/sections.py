@@ -32,8 +32,10 @@ class ModelSection:
     (a small Llama-style model built from a ``LlamaConfig``, randomly initialised)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the model (QAT needs ``bfloat16``)."""
-    attn_implementation: str = "sdpa"
-    """transformers attention implementation (context and sequence parallelism need ``sdpa``)."""
+    attn_implementation: str | None = None
+    """transformers attention implementation. ``None``: transformers' default for the family (``sdpa``
+    where the family supports it, else its ``eager`` attention), as ``from_config`` chooses; context
+    parallelism needs ``sdpa``."""
     load_weights: bool = True
     """With ``name_or_path``: load its weights (``False``: same architecture, random initialisation)."""
     config_overrides: dict[str, Any] = field(default_factory=dict)

@@ -51,8 +51,10 @@ class Utilization:
             model, _ = planning_model(job, model_config)
             plan = plan_input(resolved, model, model_config)
             # The job's own attention, never the one a parallelism switched the config to (context
-            # parallelism's runs collectives, which this rank alone must not enter): same FLOPs.
-            plan = dataclasses.replace(plan, attn_implementation=job.model.attn_implementation or "sdpa")
+            # parallelism's runs collectives, which this rank alone must not enter): same FLOPs. None:
+            # transformers' default, SDPA where the family has it.
+            default = "sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager"
+            plan = dataclasses.replace(plan, attn_implementation=job.model.attn_implementation or default)
             flops = flops_per_token(plan)
         except Exception as exc:  # reported, never fatal: a metric, not the training
             warn(f"no TFLOP/s or MFU in the metrics: counting the model's FLOPs failed ({exc})")
