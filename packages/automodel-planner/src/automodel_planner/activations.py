@@ -149,7 +149,7 @@ class _Producers(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
-    """The causal LM of ``model_config`` built under the active ``FakeTensorMode`` (config untouched).
+    """The causal LM of ``model_config`` built under the active ``FakeTensorMode`` or device (config kept).
 
     A vision-language config is profiled by its language model (``get_text_config()``): image tokens
     count as text tokens, and the vision tower's own activations are not modelled. Where transformers
@@ -386,12 +386,12 @@ def _fake_from_meta(model: nn.Module) -> None:
         for name, param in module._parameters.items():
             if param is not None:
                 if id(param) not in made:
-                    fresh = torch.empty(param.shape, dtype=param.dtype)
+                    fresh = torch.empty(param.shape, dtype=param.dtype, device="cpu")  # as a fake build's
                     made[id(param)] = nn.Parameter(fresh, requires_grad=param.requires_grad)
                 module._parameters[name] = made[id(param)]
         for name, buffer in module._buffers.items():
             if buffer is not None:
-                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype)
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
 
 
 def profile_step(
