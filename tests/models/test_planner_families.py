@@ -1,0 +1,49 @@
+"""``automodel plan`` on every decoder family transformers ships: it plans, or refuses with the reason.
+
+Each family's tiny config (`automodel_testing.tiny`) is saved and planned in-process on 2 x H100 (memory
+and the time model): exit 0 with a predicted step, or exit 2 with the one reason listed for that family
+in `REFUSED` and no traceback. A family newly refused, or one that now plans, fails here until the
+list says so. The ``models`` nox session runs it (not a default: 143 plans, a few minutes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from automodel_all.cli.main import main
+from automodel_testing.families import decoder_families
+
+REFUSED: dict[str, str] = {
+    # Their forward reads tensor values to choose shapes (patching, routing): no fake forward runs it.
+    "blt": "reads tensor values to decide shapes",
+    "jetmoe": "reads tensor values to decide shapes",
+    "longcat_flash": "reads tensor values to decide shapes",
+    "qwen4_exp_text": "reads tensor values to decide shapes",
+    # Tiny configs with fewer learned positions than the job's rows.
+    "gpt_neo": "exceeds its max_position_embeddings",
+    "openai-gpt": "exceeds its max_position_embeddings",
+    # Its kernel mixes fp32 and bf16 operands in the planned dtype.
+    "xlstm": "expected scalar type",
+    # transformers itself cannot build its tiny config (DbrxAttentionConfig lacks rope_theta).
+    "dbrx": "transformers cannot build",
+}
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("model_type", [f.model_type for f in decoder_families()])
+def test_every_decoder_family_plans_or_is_refused_with_its_reason(
+    model_type: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from automodel_testing.tiny import derive_tiny_config
+
+    derive_tiny_config(model_type).save_pretrained(tmp_path)
+    code = main(["plan", "--model", str(tmp_path), "--world-size", "2", "--cluster", "2xH100"])
+    out, err = capsys.readouterr()
+    if model_type in REFUSED:
+        assert code == 2 and REFUSED[model_type] in err, err[-2000:]
+        assert "Traceback" not in err
+    else:
+        assert code == 0, err[-2000:]
+        assert "tokens/s per GPU" in out
