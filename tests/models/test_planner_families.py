@@ -3,7 +3,7 @@
 Each family's tiny config (`automodel_testing.tiny`) is saved and planned in-process on 2 x H100 (memory
 and the time model): exit 0 with a predicted step, or exit 2 with the one reason listed for that family
 in `REFUSED` and no traceback. A family newly refused, or one that now plans, fails here until the
-list says so. The ``models`` nox session runs it (not a default: 143 plans, a few minutes).
+list says so. The ``models`` nox session runs it (not a default: 143 plans, about a minute).
 """
 
 from __future__ import annotations
