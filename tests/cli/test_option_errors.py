@@ -58,6 +58,11 @@ TRAIN_CASES: dict[str, tuple[list[str], str]] = {
     "ep on a dense model": (["--ep", "2"], "needs a mixture-of-experts model"),
     "pp-schedule": (["--pp", "2", "--pp-schedule", "foo"], "known schedules: 1f1b"),
     "lora-rank": (["--lora-rank", "0"], "must be a positive int (the LoRA rank)"),
+    "activation-checkpointing": (["--activation-checkpointing", "partial"], "invalid choice: 'partial'"),
+    "async-tp without sequence parallelism": (
+        ["--async-tp", "--set", "distributed.sequence_parallel=false"],
+        "enable_async_tensor_parallel=True needs FSDP2Config.sequence_parallel=True",
+    ),
     "steps": (["--steps", "0"], "steps must be >= 1"),
     "global-batch-size zero": (["--global-batch-size", "0"], "global_batch_size must be >= 1"),
     "global-batch-size indivisible": (["--global-batch-size", "3"], "not divisible by the data-parallel"),

@@ -334,6 +334,33 @@ def test_a_cluster_gives_the_step_time_and_suggestions_by_throughput(
         assert fragment in capsys.readouterr().err
 
 
+def test_checkpointing_modes_and_async_tp_are_plan_options(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    def breakdown(*argv: str) -> dict[str, float]:
+        assert main(["plan", "--cluster", "8xH100", "--tp", "2", "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)["throughput"]["breakdown_seconds"]
+
+    full, bare = breakdown("--activation-checkpointing", "full"), breakdown("--activation-checkpointing")
+    selective = breakdown("--activation-checkpointing", "selective")
+    assert bare == full, "the flag alone means full checkpointing"
+    # Selective checkpointing keeps the matmuls' outputs: it recomputes less than the whole blocks.
+    assert 0 < selective["recompute"] < full["recompute"]
+
+    sync = breakdown("--sequence-parallel", "--set", "distributed.enable_compile=true")
+    overlapped = breakdown("--async-tp")  # implies sequence parallelism and the blocks' compile
+    tp = "exposed TP all-reduce (or AG+RS)"
+    assert overlapped[tp] < sync[tp] and overlapped["compute"] >= sync["compute"]
+    args = build_parser().parse_args(["plan", "--tp", "2", "--async-tp", "--activation-checkpointing"])
+    distributed = job_from_args(args).sections["distributed"]
+    assert distributed == {
+        "activation_checkpointing": "full",
+        "enable_async_tensor_parallel": True,
+        "sequence_parallel": True,
+        "enable_compile": True,
+    }
+
+
 def test_a_cluster_plans_the_gpu_job_and_a_published_run_as_a_job_predicts_as_the_table(
     tmp_path: Path,
 ) -> None:

@@ -304,7 +304,12 @@ class FSDP2Config(ConfigDict):
         lines = []
         if layout.tp > 1:
             sp = " with sequence parallelism" if self.sequence_parallel else ""
-            lines.append(f"tensor-parallel plan over tp={layout.tp}{sp}")
+            overlap = (
+                ", its collectives overlapped with the matmuls (async TP)"
+                if self.enable_async_tensor_parallel
+                else ""
+            )
+            lines.append(f"tensor-parallel plan over tp={layout.tp}{sp}{overlap}")
         if layout.ep > 1:
             where = (
                 f"experts sharded over ep_shard={layout.ep_shard}"

@@ -35,6 +35,10 @@ class _Option:
     key: str
     kind: Callable[[str], Any] | None  # None: a switch that sets True
     help: str
+    choices: tuple[str, ...] = ()
+    """An optional value: the flag alone means the first choice, or it names one of them."""
+    implies: tuple[str, ...] = ()
+    """Further ``distributed`` switches the option turns on: what it cannot work without."""
 
 
 _OPTIONS: tuple[_Option, ...] = (
@@ -74,7 +78,20 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option(("--sequence-parallel",), "distributed", "sequence_parallel", None, "sequence parallelism (TP)"),
     _Option(("--pp-schedule",), "pipeline", "pp_schedule", str, "gpipe, 1f1b, interleaved_1f1b, ..."),
     _Option(
-        ("--activation-checkpointing",), "distributed", "activation_checkpointing", None, "recompute blocks"
+        ("--activation-checkpointing",),
+        "distributed",
+        "activation_checkpointing",
+        str,
+        "recompute whole blocks (full, the default) or keep their matmuls' outputs (selective)",
+        choices=("full", "selective"),
+    ),
+    _Option(
+        ("--async-tp",),
+        "distributed",
+        "enable_async_tensor_parallel",
+        None,
+        "overlap TP's collectives with the matmuls they feed (implies --sequence-parallel, compiled blocks)",
+        implies=("sequence_parallel", "enable_compile"),
     ),
     # adapters and precision
     _Option(
@@ -140,6 +157,16 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
         if option.kind is None:
             parser.add_argument(
                 *option.flags, dest=_dest(option), action="store_true", default=None, help=option.help
+            )
+        elif option.choices:
+            parser.add_argument(
+                *option.flags,
+                dest=_dest(option),
+                nargs="?",
+                const=option.choices[0],
+                choices=option.choices,
+                default=None,
+                help=option.help,
             )
         else:
             parser.add_argument(
@@ -224,6 +251,8 @@ def job_from_args(args: argparse.Namespace) -> RawJob:
             raw.set(
                 option.section, option.key, True if option.kind is None else _convert(option, value), flag
             )
+        for key in option.implies:
+            raw.set(option.section, key, True, flag)
         if option.section == "fp8" and "emulate" not in raw.sections["fp8"]:
             import torch
 
