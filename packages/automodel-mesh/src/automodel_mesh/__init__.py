@@ -1,7 +1,7 @@
 """automodel-mesh: device meshes, parallel sizes and axis names (depends on torch only)."""
 
 from automodel_mesh.axes import DENSE_AXES, FLATTENED_AXES, MOE_AXES, MeshAxisName
-from automodel_mesh.collectives import Collective, Overlap, traffic_of
+from automodel_mesh.collectives import Collective, NodeFanout, Overlap, traffic_of
 from automodel_mesh.context import MeshContext
 from automodel_mesh.layout import MeshKind, MeshLayout, MeshStrategy, mesh_kind_of, resolve_layout
 from automodel_mesh.sizes import ParallelismSizes
@@ -19,6 +19,7 @@ __all__ = [
     "MeshKind",
     "MeshLayout",
     "MeshStrategy",
+    "NodeFanout",
     "Overlap",
     "ParallelismSizes",
     "__version__",

@@ -11,9 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-__all__ = ["Collective", "Overlap", "traffic_of"]
+__all__ = ["Collective", "NodeFanout", "Overlap", "traffic_of"]
+
+
+class NodeFanout(Protocol):
+    """How an all-to-all that crosses the network once per destination node spreads its data.
+
+    Such a dispatch (DeepEP's) sends each unit once to every node holding one of its destinations and
+    forwards it to those ranks over NVLink there, instead of once per destination rank.
+    """
+
+    def network_share(self, ranks_per_node: int) -> float:
+        """The copies crossing the network per copy sent to another rank.
+
+        For a group laid ``ranks_per_node`` consecutive ranks to a node.
+        """
+        ...
 
 
 class Overlap(StrEnum):
@@ -50,6 +65,10 @@ class Collective(NamedTuple):
     pattern: str = "ring"
     """How the bytes move: ``ring`` (all-gather, reduce-scatter, all-reduce: every byte passes every
     rank), ``all_to_all`` (each rank sends to each other one directly) or ``p2p`` (to a neighbour)."""
+    node_fanout: NodeFanout | None = None
+    """An ``all_to_all`` that crosses the network once per destination node and forwards inside it: its
+    NVLink carries every copy (``bytes_per_call``), the network `NodeFanout.network_share` of them.
+    None: each copy travels straight to its rank, evenly over the group's ranks."""
 
     @property
     def total(self) -> float:

@@ -236,7 +236,7 @@ def estimate_throughput(
         compiled_loss=plan.compiled_loss and plan.layout.tp == 1,
         attention_kernel=kernel,
     )
-    return estimate_step_time(
+    step = estimate_step_time(
         ranks=ranks,
         terms=terms,
         compute=profile.compute,
@@ -247,6 +247,12 @@ def estimate_throughput(
         stages_per_rank=pipeline.stages_per_rank if pipeline is not None else 1,
         efficiency=efficiency,
     )
+    if pipeline is not None and plan.pipeline_runs > 1:  # each run: its passes, bubble and reduction
+        step.parts = {
+            part: seconds * (1 if part == "optimizer" else plan.pipeline_runs)
+            for part, seconds in step.parts.items()
+        }
+    return step
 
 
 def flops_per_token(plan: PlanInput, *, profile_cache: ProfileCache | None = None) -> float:
@@ -260,12 +266,21 @@ def flops_per_token(plan: PlanInput, *, profile_cache: ProfileCache | None = Non
 
 
 def _weight_kinds(plan: PlanInput) -> WeightKinds:
-    """`weight_kinds` of ``plan``'s model (a function of the model: memoized)."""
+    """`weight_kinds` of ``plan``'s model, memoized (a function of the model and of expert parallelism).
+
+    Under expert parallelism the experts modules are marked: a rank's matmuls read its experts only.
+    """
     from automodel_distributed.blocks import find_transformer_blocks
 
-    return plan.model_fact(
-        "weight_kinds", lambda: weight_kinds(plan.model, find_transformer_blocks(plan.model))
-    )
+    def kinds() -> WeightKinds:
+        experts: frozenset[str] = frozenset()
+        if plan.layout.ep > 1:
+            from automodel_moe import find_experts
+
+            experts = frozenset(site.fqn for site in find_experts(plan.model))
+        return weight_kinds(plan.model, find_transformer_blocks(plan.model), experts)
+
+    return plan.model_fact("weight_kinds" if plan.layout.ep == 1 else "weight_kinds, ep", kinds)
 
 
 def calibrate_efficiency(

@@ -14,7 +14,10 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from automodel_mesh import NodeFanout
 
 __all__ = ["DEVICES", "Cluster", "Device", "cluster_from_mapping", "device_named", "parse_cluster"]
 
@@ -126,7 +129,9 @@ class Cluster:
         """Nodes the GPUs fill (the last one may be partly used)."""
         return -(-self.count // self.gpus_per_node)
 
-    def seconds(self, sent: float, pattern: str, size: int, stride: int) -> float:
+    def seconds(
+        self, sent: float, pattern: str, size: int, stride: int, fanout: NodeFanout | None = None
+    ) -> float:
         """Seconds one rank takes to send ``sent`` bytes in a collective of ``size`` ranks ``stride`` apart.
 
         At full link speed (the caller applies NCCL's efficiency). A group inside one node runs on
@@ -135,7 +140,9 @@ class Cluster:
         chunk but one passes each ring's way into a node, so each link carries ``sent / m`` (NCCL runs
         all-gather and reduce-scatter as rings) while NVLink carries ``sent``: the slower counts; an
         all-to-all sends the share bound off-node over the rank's own link; a send to a neighbour uses
-        the network when the group leaves the node. Groups are taken to start at a node boundary.
+        the network when the group leaves the node; an all-to-all with a ``fanout`` (`NodeFanout`:
+        once per destination node, forwarded inside it) puts all of ``sent`` on NVLink and its network
+        share on the rank's link. Groups are taken to start at a node boundary.
         """
         intra, inter = self.device.intra_node_bytes_per_s, self.device.inter_node_bytes_per_s
         per_node = max(1, min(size, self.gpus_per_node // stride)) if stride <= self.gpus_per_node else 1
@@ -144,6 +151,8 @@ class Cluster:
             return sent / intra
         if pattern == "p2p":
             return sent / inter
+        if pattern == "all_to_all" and fanout is not None:
+            return max(sent * fanout.network_share(per_node) / inter, sent / intra)
         if pattern == "all_to_all":
             off_node = sent * (size - per_node) / (size - 1)
             return max(off_node / inter, (sent - off_node) / intra)

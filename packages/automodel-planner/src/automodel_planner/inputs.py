@@ -15,6 +15,7 @@ from automodel_mesh import MeshLayout
 
 if TYPE_CHECKING:
     from automodel_moe.config import MoEParallelizerConfig
+    from automodel_moe.memory import ExpertExchange
     from automodel_peft import PeftConfig
     from automodel_pipelining.config import PipelineConfig
     from automodel_quant.fp8 import FP8Config
@@ -48,7 +49,15 @@ class PlanInput:
     """Forward/backward passes per optimizer step outside pipelining."""
     pipeline: PipelineConfig | None = None
     """The pipeline config with its batch sizes filled in; None without pipeline parallelism."""
+    pipeline_runs: int = 1
+    """Under pipelining: the schedule's runs per optimizer step, each of ``pipeline.pp_batch_size`` rows
+    and each with its bubble and gradient reduction (a loop of `AutoPipeline.step` calls before the
+    optimizer step, as NeMo AutoModel's recipe runs its local batches); automodel's trainer runs one."""
     moe: MoEParallelizerConfig | None = None
+    expert_exchange: ExpertExchange | None = None
+    """How expert parallelism moves tokens, where the job runs another framework's exchange (DeepEP's
+    one copy per destination rank: `automodel_moe.memory.ExpertExchange`); None: automodel's, one copy
+    per routed expert."""
     peft: PeftConfig | None = None
     fp8: FP8Config | None = None
     base_weight_bits: int | None = None
@@ -105,7 +114,7 @@ class PlanInput:
     def tokens_per_step(self) -> int:
         """Tokens of the global batch: every data-parallel replica's rows times the sequence length."""
         rows = (
-            self.pipeline.pp_batch_size
+            self.pipeline.pp_batch_size * self.pipeline_runs
             if self.pipeline is not None
             else self.micro_batch_size * self.accumulation
         )

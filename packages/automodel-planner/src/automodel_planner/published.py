@@ -60,6 +60,9 @@ class PublishedRun:
     local_batch: int
     micro_batch: int
     tokens_per_s_per_gpu: float
+    pipeline_runs: int = 1
+    """The source runs its pipeline schedule this many times per optimizer step, on ``local_batch /
+    pipeline_runs`` rows each (`PlanInput.pipeline_runs`: NeMo AutoModel's gradient accumulation)."""
     sizes: Mapping[str, int] = field(default_factory=dict)
     sequence_parallel: bool = False
     async_tp: bool = False
@@ -71,6 +74,12 @@ class PublishedRun:
     repeat_kv: bool = False
     """The source's model repeats the key/value heads to the query heads before attention
     (`PlanInput.attention_kv_heads`)."""
+    expert_dispatch: Literal["per_expert", "per_rank"] = "per_expert"
+    """The source's expert-parallel exchange (`automodel_moe.memory.ExpertExchange.dispatch`):
+    ``per_rank`` for DeepEP's."""
+    expert_routing: Literal["uniform", "consecutive"] = "uniform"
+    """Where the source's router sends a token's experts (`ExpertExchange.routing`): ``consecutive``
+    for NeMo AutoModel's ``FakeBalancedGate``."""
     selective_save_ops: str | None = None
     """The ``[selective_save_ops]`` list naming the ops the source's selective checkpointing saves
     (`PlanInput.selective_save_ops`); None: automodel's."""
@@ -91,10 +100,19 @@ class PublishedRun:
 def as_automodel_job(run: PublishedRun) -> PublishedRun:
     """``run`` without the implementation details of its source that a job of ours does not have.
 
-    Those are its model's repeated K/V heads, its checkpointing save list and its attention kernel; the
-    rest is what ``automodel plan`` plans for the row's settings (`automodel_all.cli.published_jobs`).
+    Those are its model's repeated K/V heads, its checkpointing save list, its attention kernel, its
+    expert exchange and router and its pipeline runs per step; the rest is what ``automodel plan``
+    plans for the row's settings (`automodel_all.cli.published_jobs`).
     """
-    return dataclasses.replace(run, repeat_kv=False, selective_save_ops=None, attention_kernel=None)
+    return dataclasses.replace(
+        run,
+        repeat_kv=False,
+        selective_save_ops=None,
+        attention_kernel=None,
+        expert_dispatch="per_expert",
+        expert_routing="uniform",
+        pipeline_runs=1,
+    )
 
 
 @functools.cache
@@ -161,7 +179,7 @@ def run_plan(run: PublishedRun) -> PlanInput:
 
         pipeline = PipelineConfig(
             pp_schedule=run.pp_schedule,
-            pp_batch_size=run.local_batch,
+            pp_batch_size=run.local_batch // run.pipeline_runs,
             pp_microbatch_size=run.micro_batch,
             layers_per_stage=run.layers_per_stage,
         )
@@ -170,6 +188,13 @@ def run_plan(run: PublishedRun) -> PlanInput:
         from automodel_quant.fp8 import FP8Config
 
         fp8 = FP8Config(enabled=True, **run.fp8_config)
+    exchange = None
+    if run.expert_dispatch != "per_expert":
+        from automodel_moe import find_experts
+        from automodel_moe.memory import ExpertExchange
+
+        experts = find_experts(model)[0].num_experts  # the model's own experts modules say how many
+        exchange = ExpertExchange(run.expert_dispatch, run.expert_routing, experts)
     return PlanInput(
         model=model,
         model_config=config,
@@ -180,8 +205,10 @@ def run_plan(run: PublishedRun) -> PlanInput:
         micro_batch_size=run.micro_batch,
         accumulation=max(run.local_batch // run.micro_batch, 1),
         pipeline=pipeline,
+        pipeline_runs=run.pipeline_runs if pipeline is not None else 1,
         peft=peft,
         fp8=fp8,
+        expert_exchange=exchange,
         attn_implementation="sdpa",
         attention_kernel=run.attention_kernel,
         compile=run.compile,

@@ -8,7 +8,8 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
 - **compute** per micro-batch pass: each matmul's FLOPs at the matmul rate (float8's for the blocks'
   linear layers under ``fp8``), or its bytes (input, weight and output on the rank) at the HBM rate
   where they take longer (a roofline: under TP a grouped key/value projection keeps a few heads and
-  reads the whole gathered input), the attention kernels' FLOPs (halved for the causal mask) at the
+  reads the whole gathered input; under expert parallelism an experts module's matmuls read the rank's
+  ``1 / ep`` of its stacked weights), the attention kernels' FLOPs (halved for the causal mask) at the
   attention rate (FlashAttention-2's, times the kernel's measured speed: `ATTENTION_KERNEL_SPEED`),
   every other op's bytes at the HBM rate (times the fused share under ``compile`` inside the blocks,
   and outside them, where the loss's upcast and log-softmax dominate, under a compiled loss only: the
@@ -46,10 +47,17 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
 - **ring attention** (context parallelism) merges each ring step's output into the running one in
   fp32 after every step but the first, and accumulates the gradients likewise in backward: eager
   memory traffic per element of the attention's output (`_RING_MERGE_FORWARD`, `_RING_MERGE_BACKWARD`).
+- **expert parallelism**'s dispatch and combine (`automodel_moe.memory.ExpertExchange`) are exposed;
+  automodel's exchange sends a token once per routed expert, evenly over the ``ep`` ranks; DeepEP's
+  (which other frameworks run) once per destination rank, crossing the network once per destination
+  node and forwarded over NVLink there, so its bytes follow from where the router puts a token's
+  experts (any ``top_k`` alike, or NeMo AutoModel's fake balanced gate: consecutive experts).
 - **pipeline**: the slowest stage's pass times the schedule's length, ``n_micro + (pp - 1) / v`` passes
   for ``v`` stages per rank (1F1B, GPipe and interleaved schedules alike; the ``(pp - 1) / v`` is the
-  bubble). A pass's length is its compute and what it waits for call by call (TP's and EP's
-  collectives, its send/receive, ring attention's excess over its steps).
+  bubble), once per run of the schedule (`PlanInput.pipeline_runs`: a loop of runs before the
+  optimizer step pays each run's bubble and gradient reduction). A pass's length is its compute and
+  what it waits for call by call (TP's and EP's collectives, its send/receive, ring attention's excess
+  over its steps).
 - **the terms' own kernels** (`PlannerTerm.traffic`: gradients deferred over the passes are added up
   by autograd's AccumulateGrad, reading both and writing the sum) at the HBM rate, in backward.
 - **optimizer**: AdamW reads and writes its fp32 state, parameters and gradients once (HBM rate).
@@ -63,7 +71,7 @@ gradient only. No process group, no device.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -203,20 +211,26 @@ class WeightKind(NamedTuple):
     """``"colwise"`` or ``"rowwise"`` where the model's tensor-parallel plan shards it, else None."""
     adapted: bool = False
     """Wrapped by a LoRA adapter (peft's ``base_layer``): `lora_traffic_bytes` adds its work."""
+    experts: bool = False
+    """An experts module sharded by expert parallelism: a rank's matmuls read its ``1 / ep`` of the
+    stacked weights."""
 
 
 WeightKinds = Callable[[int, str], WeightKind]
 """``(block or -1, module name in it) -> WeightKind``."""
 
 
-def weight_kinds(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> WeightKinds:
+def weight_kinds(
+    model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], experts: Collection[str] = ()
+) -> WeightKinds:
     """What the time model needs of each matmul's module in ``model`` (the job's, adapters applied).
 
     Returns a lookup by block index and the module's name inside the block (``self_attn.q_proj``), or
     by the whole name for modules outside the blocks (block ``-1``). A module wrapped by an adapter
     (peft's ``base_layer``) is judged by the wrapped layer. Unknown names count as trainable linears
     outside any tensor-parallel plan. The plan's styles are the model's own
-    (`automodel_distributed.tensor_parallel.sharded_layer_kinds`).
+    (`automodel_distributed.tensor_parallel.sharded_layer_kinds`); ``experts`` names the experts
+    modules expert parallelism shards (`automodel_moe.find_experts`).
     """
     from automodel_distributed.tensor_parallel import sharded_layer_kinds
 
@@ -224,9 +238,10 @@ def weight_kinds(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> W
     kinds: dict[tuple[int, str], WeightKind] = {}
     for index, (prefix, block) in enumerate(blocks):
         for name, module in block.named_modules():
-            kinds[(index, name)] = _kind(module, styles.get(f"{prefix}.{name}" if name else prefix))
+            fqn = f"{prefix}.{name}" if name else prefix
+            kinds[(index, name)] = _kind(module, styles.get(fqn), fqn in experts)
     for name, module in model.named_modules():
-        kinds.setdefault((-1, name), _kind(module, styles.get(name)))
+        kinds.setdefault((-1, name), _kind(module, styles.get(name), name in experts))
 
     def lookup(block: int, name: str) -> WeightKind:
         return kinds.get((block, name), WeightKind(True, True, True))
@@ -234,11 +249,12 @@ def weight_kinds(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> W
     return lookup
 
 
-def _kind(module: nn.Module, tp_style: str | None) -> WeightKind:
+def _kind(module: nn.Module, tp_style: str | None, experts: bool) -> WeightKind:
     layer = getattr(module, "base_layer", module)
     own = list(layer.parameters(recurse=False))
     trainable = any(p.requires_grad for p in own) if own else True
-    return WeightKind(trainable, isinstance(layer, nn.Linear), bool(own), tp_style, layer is not module)
+    linear = isinstance(layer, nn.Linear)
+    return WeightKind(trainable, linear, bool(own), tp_style, layer is not module, experts)
 
 
 @dataclass(frozen=True)
@@ -316,6 +332,7 @@ def _block_pass(
     rates: _Rates,
     tp: int,
     options: StepOptions,
+    ep: int = 1,
 ) -> _Pass:
     out = _Pass()
     checkpointing = options.checkpointing if index >= 0 else False
@@ -328,7 +345,8 @@ def _block_pass(
         # key/value projection cut by TP) is bound by the activation it reads or writes.
         seconds = max(
             flops / tp / (rates.fp8 if low_precision else rates.matmul),
-            _matmul_bytes(block, name, kind.tp_style, tp, low_precision) / rates.eager_memory,
+            _matmul_bytes(block, name, kind.tp_style, tp, low_precision, ep if kind.experts else 1)
+            / rates.eager_memory,
         )
         out.forward += seconds
         out.backward += seconds * (2.0 if kind.trainable else 1.0)
@@ -379,16 +397,19 @@ def _rank_bytes(read: float, written: float, style: str | None, tp: int) -> tupl
     return read / tp, written / tp
 
 
-def _matmul_bytes(block: BlockCompute, name: str, style: str | None, tp: int, low_precision: bool) -> float:
+def _matmul_bytes(
+    block: BlockCompute, name: str, style: str | None, tp: int, low_precision: bool, ep: int = 1
+) -> float:
     """Bytes one of a layer's matmuls moves on a rank.
 
     Forward, input gradient and weight gradient each read two of input, weight and output and write the
-    third. Float8 reads its operands in one byte.
+    third. Float8 reads its operands in one byte. ``ep``: the shards of the weight beyond ``tp`` (an
+    experts module's under expert parallelism: the rank's tokens meet its experts only).
     """
     read, written = _rank_bytes(
         block.matmul_input_bytes.get(name, 0.0), block.matmul_output_bytes.get(name, 0.0), style, tp
     )
-    operands = read + block.matmul_weight_bytes.get(name, 0.0) / tp
+    operands = read + block.matmul_weight_bytes.get(name, 0.0) / tp / ep
     return operands / 2 + written if low_precision else operands + written
 
 
@@ -443,7 +464,7 @@ def _rank_pass(
         parts.append((compute.outside, -1))
     for block, index in parts:
         scaled = dataclasses.replace(block, attention_flops=block.attention_flops * cp)
-        one = _block_pass(scaled, index, kinds, rates, tp, options)
+        one = _block_pass(scaled, index, kinds, rates, tp, options, facts.layout.ep)
         if cp > 1 and index >= 0:
             _add_ring_merges(one, (cp - 1) * block.attention_outputs / tp / rates.eager_memory, options)
         for name in vars(total):
@@ -493,7 +514,9 @@ def _exposed(
     pooled: dict[Overlap, list[tuple[str, float, bool]]] = {}
     for c in collectives:
         size, stride = (layout.world_size, 1) if c.axis == "world" else layout.group(c.axis)
-        per_call = cluster.seconds(c.bytes_per_call, c.pattern, size, stride) / efficiency.network
+        per_call = (
+            cluster.seconds(c.bytes_per_call, c.pattern, size, stride, c.node_fanout) / efficiency.network
+        )
         seconds = c.calls * per_call
         if c.overlap in per_step:  # call by call: each hides behind one step only
             seconds = c.calls * max(per_call - per_step[c.overlap], 0.0)

@@ -172,5 +172,8 @@ def planner_terms(plan: PlanInput, profile: ActivationProfile, pipeline: Any) ->
     if plan.layout.ep > 1:
         from automodel_moe.memory import ExpertMemory
 
-        terms.append(ExpertMemory(plan.layout.ep))
+        if plan.expert_exchange is None:
+            terms.append(ExpertMemory(plan.layout.ep))
+        else:
+            terms.append(ExpertMemory(plan.layout.ep, plan.expert_exchange))
     return terms

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -145,6 +146,10 @@ def test_clusters_parse_and_groups_inside_a_node_use_nvlink() -> None:
     assert cluster.seconds(sent, "ring", 8, 2) == pytest.approx(sent / (4 * network))
     assert cluster.seconds(sent, "all_to_all", 16, 1) == pytest.approx(sent * 8 / 15 / network)
     assert cluster.seconds(sent, "p2p", 2, 8) == sent / network
+    # DeepEP's exchange (a `NodeFanout`): every copy on NVLink, its network share on the rank's link.
+    fanout = SimpleNamespace(network_share=lambda ranks_per_node: 0.25 if ranks_per_node < 16 else 0.0)
+    assert cluster.seconds(sent, "all_to_all", 16, 1, fanout) == pytest.approx(sent * 0.25 / network)
+    assert cluster.seconds(sent, "all_to_all", 8, 1, fanout) == sent / nvlink  # one node
     own = cluster_from_mapping({"gpus": 4, "device": "A100", "gpus_per_node": 4, "inter_node_gbps": 200})
     assert own.device.inter_node_bytes_per_s == 25e9 and own.gpus_per_node == 4
     for bad, fragment in (
@@ -529,3 +534,50 @@ def test_gradients_deferred_over_the_passes_are_added_up_in_device_memory() -> N
     params = sum(p.numel() for p in plan.model.parameters())  # bf16 model: gradients in its dtype
     rate = h100.device.hbm_bytes_per_s * DEFAULT_EFFICIENCY.memory
     assert added == pytest.approx((4 * params + 3 * 6 * params) / rate, rel=1e-3)
+
+
+def _moe_plan(ep: int) -> PlanInput:
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        hidden_size=H, intermediate_size=FFN, moe_intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=H // HEADS, num_experts=64,
+        num_experts_per_tok=2, vocab_size=VOCAB, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return PlanInput(
+        model=model,
+        model_config=config,
+        layout=resolve_layout(MeshKind.FSDP2, ParallelismSizes(ep_size=ep), 8),
+        strategy=FSDP2Config(),
+        dtype=torch.bfloat16,
+        seq_len=32,
+        micro_batch_size=1,
+    )
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts_weights() -> None:
+    # 32 tokens meet 64 experts: the experts' matmuls are bound by reading the stacked weights.
+    cluster = parse_cluster("8xH100")
+    whole, sharded = (estimate_throughput(_moe_plan(ep), cluster) for ep in (1, 8))
+    experts = 2 * 64 * 3 * H * 512 * 2  # two layers' gate, up and down weights, bf16
+    rate = cluster.device.hbm_bytes_per_s * DEFAULT_EFFICIENCY.memory
+    # Each layer's experts matmuls read the weights in forward and twice in backward (trainable).
+    saved = 3 * experts * (1 - 1 / 8) / rate
+    assert whole.parts["compute"] - sharded.parts["compute"] == pytest.approx(saved, rel=0.05)
+
+
+def test_a_loop_of_pipeline_runs_pays_each_runs_bubble_and_reduction() -> None:
+    from automodel_pipelining.config import PipelineConfig
+
+    config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=8, pp_microbatch_size=1)
+    one = _plan(world=8, sizes={"pp_size": 4}, pipeline=config, micro_batch_size=1)
+    cluster = parse_cluster("8xH100")
+    single, looped = (estimate_throughput(dataclasses.replace(one, pipeline_runs=n), cluster) for n in (1, 3))
+    assert looped.tokens_per_step == 3 * single.tokens_per_step == 3 * 8 * 2 * 512
+    for part, seconds in single.parts.items():
+        assert looped.parts[part] == pytest.approx(seconds * (1 if part == "optimizer" else 3)), part
+    # One run of three times the rows spreads one bubble over them: faster than three runs.
+    longer = dataclasses.replace(one, pipeline=dataclasses.replace(config, pp_batch_size=24))
+    assert estimate_throughput(longer, cluster).tokens_per_s_per_gpu > looped.tokens_per_s_per_gpu
