@@ -62,6 +62,9 @@ class Placement:
     """Ranks its unit gathers it over (1: never gathered)."""
     gathered: bool
     """Whether it is part of a unit's gathered parameters at all."""
+    axis: str = "dp_shard_cp"
+    """The mesh axis its unit gathers and reduces over: ``dp_shard_cp``, or ``ep_shard`` for experts
+    under expert parallelism."""
 
 
 @functools.lru_cache(maxsize=65536)  # a planner places the same names for every layout it tries
@@ -157,7 +160,8 @@ def placement_rule(
                 ((order, fqn) for fqn, (order, _) in outer.items() if name.startswith(fqn + ".")), _ROOT
             )
         gathered = over > 1 or (experts and experts_gathered)
-        return Placement(_divisors(config, shard, tp), shard, unit, over, gathered)
+        axis = "ep_shard" if experts and layout.ep > 1 else "dp_shard_cp"
+        return Placement(_divisors(config, shard, tp), shard, unit, over, gathered, axis)
 
     return place
 
@@ -281,6 +285,8 @@ class StrategyFacts(Protocol):
     unit_grads: Sequence[int]
     unit_reduce: Sequence[int]
     """Each unit's reduce-scatter input bytes (its trainable parameters in the reduction dtype)."""
+    unit_axes: Sequence[str]
+    """Each unit's FSDP axis (`Placement.axis`): ``dp_shard_cp``, or ``ep_shard`` for experts."""
     reduce_separate: bool
     """Whether the reduction dtype differs from the all-gather's (separate reduce-scatter buffers)."""
     units_freed: Sequence[bool]
@@ -419,6 +425,24 @@ class StrategyMemory:
         cast = fresh + facts.accumulated
         return cast + (facts.accumulation - 1) * (fresh + 2 * facts.accumulated)
 
+    def _fsdp_collectives(self, facts: StrategyFacts, axis: str) -> list[Collective]:
+        """FSDP's all-gathers and reduce-scatters of the units sharded over ``axis`` (see `collectives`)."""
+        layout = facts.layout
+        shard = layout.dp_shard * layout.cp if axis == "dp_shard_cp" else layout.ep_shard
+        members = [i for i, unit_axis in enumerate(facts.unit_axes) if unit_axis == axis]
+        if shard == 1 or not members:
+            return []
+        passes, gathers = facts.accumulation, 2 if self.reshard else 1
+        name = f"FSDP all-gather x{gathers}"
+        gathered = (shard - 1) / shard * sum(facts.units[i] for i in members)
+        out = [Collective(name, axis, gathered, passes if self.reshard else 1, Overlap.FORWARD)]
+        if self.reshard:
+            out.append(Collective(name, axis, gathered, passes, Overlap.BACKWARD))
+        reduced = (shard - 1) / shard * sum(facts.unit_reduce[i] for i in members)
+        reductions = 1 if self.deferred(facts.accumulation) or facts.pipelined else passes
+        out.append(Collective("FSDP reduce-scatter", axis, reduced, reductions, Overlap.BACKWARD))
+        return out
+
     def collectives(self, facts: StrategyFacts) -> list[Collective]:
         """What the strategy sends per step, collective by collective, with ring-algorithm factors.
 
@@ -439,26 +463,13 @@ class StrategyMemory:
                 return []
             reduced = 2 * (world - 1) / world * facts.grads
             return [Collective("all-reduce gradients (DDP)", "world", reduced, 1, Overlap.BACKWARD)]
-        out, shard = [], layout.dp_shard * layout.cp
-        passes = facts.accumulation
-        if shard > 1:
-            gathers = 2 if self.reshard else 1
-            name, gathered = f"FSDP all-gather x{gathers}", (shard - 1) / shard * sum(facts.units)
-            forward_calls = passes if self.reshard else 1
-            out.append(Collective(name, "dp_shard_cp", gathered, forward_calls, Overlap.FORWARD))
-            if self.reshard:
-                out.append(Collective(name, "dp_shard_cp", gathered, passes, Overlap.BACKWARD))
-            reduced = (shard - 1) / shard * facts.grads * shard
-            reductions = 1 if self.deferred(facts.accumulation) or facts.pipelined else passes
-            out.append(
-                Collective("FSDP reduce-scatter", "dp_shard_cp", reduced, reductions, Overlap.BACKWARD)
-            )
+        out = [c for axis in ("dp_shard_cp", "ep_shard") for c in self._fsdp_collectives(facts, axis)]
         if layout.dp_replicate > 1:
             r = layout.dp_replicate
             reduced = 2 * (r - 1) / r * facts.grads
             out.append(Collective("HSDP all-reduce", "dp_replicate", reduced, 1, Overlap.BACKWARD))
         tokens, hidden, element = facts.tokens, facts.hidden_size, facts.element_size
-        calls = len(facts.blocks) * passes
+        calls = len(facts.blocks) * facts.accumulation
         if layout.tp > 1:
             tp = layout.tp
             # Per block: two all-gathers in each of the forward's gather runs and two reduce-scatters in

@@ -87,6 +87,7 @@ class _Tally:
     units: dict[tuple[int, str], float] = field(default_factory=dict)
     unit_grads: dict[tuple[int, str], float] = field(default_factory=dict)
     unit_reduce: dict[tuple[int, str], float] = field(default_factory=dict)
+    unit_axes: dict[tuple[int, str], str] = field(default_factory=dict)
     reduce_separate: bool = False
 
     def add(self, place: Placement, name: str, param: nn.Parameter, size: float, cast: _Cast) -> None:
@@ -96,6 +97,7 @@ class _Tally:
             local = size / (place.shard / place.gathered_over)  # this rank's part, unsharded over FSDP
             gather, reduce = cast.sizes(name, param, local)
             self.units[place.unit] = self.units.get(place.unit, 0.0) + gather
+            self.unit_axes[place.unit] = place.axis
             if param.requires_grad:
                 self.unit_grads[place.unit] = self.unit_grads.get(place.unit, 0.0) + local
                 self.unit_reduce[place.unit] = self.unit_reduce.get(place.unit, 0.0) + reduce
@@ -160,6 +162,8 @@ class RankFacts:
     """Each unit's trainable parameters, unsharded, as stored."""
     unit_reduce: Sequence[int]
     """Each unit's reduce-scatter input: its trainable parameters in the reduction dtype."""
+    unit_axes: Sequence[str]
+    """Each unit's FSDP axis: ``dp_shard_cp``, or ``ep_shard`` for experts under expert parallelism."""
     reduce_separate: bool
     """The reduction dtype differs from the all-gather's: reduce-scatter inputs are buffers of their own."""
     units_freed: Sequence[bool]
@@ -295,6 +299,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
                 units=[int(tally.units[k]) for k in keys],
                 unit_grads=[int(tally.unit_grads.get(k, 0)) for k in keys],
                 unit_reduce=[int(tally.unit_reduce.get(k, 0)) for k in keys],
+                unit_axes=[tally.unit_axes[k] for k in keys],
                 reduce_separate=tally.reduce_separate,
                 units_freed=[k[1] in freed for k in keys],
                 linear_shapes=census.linear_shapes,

@@ -477,7 +477,7 @@ def test_context_parallel_gathers_each_blocks_keys_and_values_per_forward_run_an
     facts = SimpleNamespace(
         layout=layout, accumulation=2, blocks=[0, 1, 2], forward_runs=2, gather_runs=2, tokens=100,
         hidden_size=H, element_size=2, attention=(KV, H // HEADS), units=[], grads=0.0,
-        pipelined=False, unit_reduce=[], reduce_separate=False,
+        pipelined=False, unit_reduce=[], unit_axes=[], reduce_separate=False,
     )  # fmt: skip
     term = StrategyMemory(FSDP2Config(activation_checkpointing="full"), reshard=True)
     cp = {(c.name, c.overlap): c for c in term.collectives(facts) if c.axis == "cp"}
@@ -581,3 +581,26 @@ def test_a_loop_of_pipeline_runs_pays_each_runs_bubble_and_reduction() -> None:
     # One run of three times the rows spreads one bubble over them: faster than three runs.
     longer = dataclasses.replace(one, pipeline=dataclasses.replace(config, pp_batch_size=24))
     assert estimate_throughput(longer, cluster).tokens_per_s_per_gpu > looped.tokens_per_s_per_gpu
+
+
+def test_fsdp_reduces_experts_over_ep_shard_and_the_rest_over_dp_shard() -> None:
+    from automodel_distributed.memory import StrategyMemory
+    from automodel_planner.estimate import _planned_ranks
+
+    def reductions(ep: int) -> dict[str, float]:
+        plan = _moe_plan(ep)
+        _, _, terms, ranks = _planned_ranks(plan, {})
+        strategy = next(t for t in terms if isinstance(t, StrategyMemory))
+        return {c.axis: c.total for c in strategy.collectives(ranks[0]) if c.name == "FSDP reduce-scatter"}
+
+    plan = _moe_plan(1)
+    experts = sum(p.numel() for n, p in plan.model.named_parameters() if ".experts." in n)
+    rest = sum(p.numel() for p in plan.model.parameters()) - experts
+    fp32 = 4  # FSDP2Config's default policy reduces in fp32
+    # ep 8 = dp_shard 8: each expert lives on one rank, nothing reduces it; the rest over dp_shard.
+    assert reductions(8) == {"dp_shard_cp": pytest.approx(7 / 8 * rest * fp32)}
+    # ep 4: ep_shard 2 shards a rank's quarter of the experts; it reduces them over its two ranks.
+    assert reductions(4) == {
+        "dp_shard_cp": pytest.approx(7 / 8 * rest * fp32),
+        "ep_shard": pytest.approx(1 / 2 * experts / 4 * fp32),
+    }
