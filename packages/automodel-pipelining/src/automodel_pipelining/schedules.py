@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 __all__ = [
     "SCHEDULES",
     "CsvSchedule",
@@ -329,15 +331,46 @@ def peak_with_gradients(
     if spec is None or spec.name not in _ORDERED or stages == 1:
         return held / stages * sum(activations) + sum(gradients)
     per_round = n_microbatches if spec.name == "loopedbfs" else min(pp_size, n_microbatches)
-    rounds = [range(s, min(s + per_round, n_microbatches)) for s in range(0, n_microbatches, per_round)]
-    forwards = [(c, m) for r in rounds for c in range(stages) for m in r]
-    backwards = [(c, m) for r in rounds for c in reversed(range(stages)) for m in r]
-    order = [("F", op) for op in forwards[:held]]
-    for index, backward in enumerate(backwards):
-        order.append(("B", backward))
-        if held + index < len(forwards):
-            order.append(("F", forwards[held + index]))
-    return peak_over_order(order, n_microbatches, activations, gradients)
+    return _looped_peak(per_round, held, n_microbatches, activations, gradients)
+
+
+def _looped_peak(
+    per_round: int, held: int, n_microbatches: int, activations: Sequence[float], gradients: Sequence[float]
+) -> float:
+    """`peak_over_order` of a looped schedule's order, computed in closed form over tensors.
+
+    The order: forwards in rounds of ``per_round`` micro-batches (round by round, stage by stage,
+    micro-batch by micro-batch), backwards the same from the last stage; ``held`` forwards first,
+    then one backward and one forward in turn. Before the ``i``-th backward the rank holds the
+    activations of ``min(held + i, every)`` forwards less those of ``i`` backwards, and the gradients of
+    every stage between its first backward and its last (its last micro-batch's). ``automodel plan
+    --suggest`` prices thousands of such orders, some of tens of thousands of ops: a Python walk of each
+    was most of its time.
+    """
+    cpu = torch.device("cpu")
+    stages, every = len(activations), len(activations) * n_microbatches
+    micro = torch.arange(n_microbatches, device=cpu)
+    start = micro // per_round * per_round  # each micro-batch's round, by its first micro-batch
+    size = torch.clamp(n_microbatches - start, max=per_round)  # the round's micro-batches
+    stage = torch.arange(stages, device=cpu).unsqueeze(1)
+    base = start * stages + micro - start  # the round's block begins after every earlier round's ops
+    forward_at = (base + stage * size).flatten()
+    backward_at = base + (stages - 1 - stage) * size  # [stage, micro]: the later stages go first
+    sizes = torch.tensor(activations, dtype=torch.float64, device=cpu).repeat_interleave(n_microbatches)
+
+    def done(at: torch.Tensor) -> torch.Tensor:
+        """Activations of the first ``k`` ops, for every ``k`` (the ops' sizes placed at ``at``)."""
+        placed = torch.zeros(every + 1, dtype=torch.float64, device=cpu)
+        placed[1:].index_copy_(0, at, sizes)
+        return placed.cumsum(0)
+
+    step = torch.arange(every, device=cpu)
+    alive = done(forward_at)[torch.clamp(held + step, max=every)] - done(backward_at.flatten())[step]
+    grads = torch.tensor(gradients, dtype=torch.float64, device=cpu)
+    change = torch.zeros(every + 1, dtype=torch.float64, device=cpu)
+    change.index_add_(0, backward_at[:, 0], grads)  # made at the stage's first backward
+    change.index_add_(0, backward_at[:, -1] + 1, -grads)  # reduced and freed after its last
+    return float((alive + change.cumsum(0)[:-1]).max())
 
 
 def peak_over_order(
@@ -347,14 +380,19 @@ def peak_over_order(
     gradients: Sequence[float],
 ) -> float:
     """`peak_with_gradients` over an explicit op order of one rank: ``("F" or "B", (stage, micro))``."""
-    alive, accumulating, peak = 0.0, set(), 0.0
+    # The gradients held are kept as a running total: `automodel plan --suggest` walks thousands of
+    # orders, and summing the accumulating stages at every backward made this quadratic in the stages.
+    alive, accumulating, held, peak = 0.0, set(), 0.0, 0.0
     for kind, (stage, micro) in order:
         if kind == "F":
             alive += activations[stage]
             continue
-        accumulating.add(stage)
-        peak = max(peak, alive + sum(gradients[s] for s in accumulating))
+        if stage not in accumulating:
+            accumulating.add(stage)
+            held += gradients[stage]
+        peak = max(peak, alive + held)
         alive -= activations[stage]
         if micro == n_microbatches - 1:
             accumulating.discard(stage)  # its last backward reduces and frees them
+            held -= gradients[stage]
     return peak

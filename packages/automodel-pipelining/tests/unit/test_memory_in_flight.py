@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from automodel_pipelining.schedules import SCHEDULES, in_flight_microbatches
 
 
@@ -52,3 +54,40 @@ def test_the_peak_with_gradients_follows_torchs_own_interleaved_order() -> None:
     one = SCHEDULES["1f1b"]  # one stage per rank: the warm-up's activations beside all the gradients
     peak = peak_with_gradients(one, pp_size=4, rank=1, n_microbatches=8, activations=[2.0], gradients=[9.0])
     assert peak == 3 * 2.0 + 9.0
+
+
+def _looped_order(stages: int, n: int, per_round: int, held: int) -> list[tuple[str, tuple[int, int]]]:
+    """The op order `peak_with_gradients` describes, written out op by op."""
+    rounds = [range(s, min(s + per_round, n)) for s in range(0, n, per_round)]
+    forwards = [(c, m) for r in rounds for c in range(stages) for m in r]
+    backwards = [(c, m) for r in rounds for c in reversed(range(stages)) for m in r]
+    order = [("F", op) for op in forwards[:held]]
+    for index, backward in enumerate(backwards):
+        order.append(("B", backward))
+        if held + index < len(forwards):
+            order.append(("F", forwards[held + index]))
+    return order
+
+
+def test_the_looped_peak_is_the_peak_over_the_written_out_order() -> None:
+    """The closed form against a walk of the order, with partial rounds, both looped schedules, any sizes."""
+    import random
+
+    from automodel_pipelining.schedules import in_flight_microbatches, peak_over_order, peak_with_gradients
+
+    rng = random.Random(0)
+    for name in ("interleaved1f1b", "loopedbfs"):
+        spec = SCHEDULES[name]
+        for pp, n, stages in ((4, 8, 2), (4, 10, 3), (2, 7, 4), (8, 8, 2), (3, 1, 2), (2, 33, 5)):
+            act = [rng.uniform(0.5, 3.0) for _ in range(stages)]
+            grads = [rng.uniform(1.0, 20.0) for _ in range(stages)]
+            for rank in range(pp):
+                held = in_flight_microbatches(
+                    spec, pp_size=pp, rank=rank, n_microbatches=n, stages_per_rank=stages
+                )
+                per_round = n if name == "loopedbfs" else min(pp, n)
+                expected = peak_over_order(_looped_order(stages, n, per_round, held), n, act, grads)
+                ours = peak_with_gradients(
+                    spec, pp_size=pp, rank=rank, n_microbatches=n, activations=act, gradients=grads
+                )
+                assert ours == pytest.approx(expected, rel=1e-12), (name, pp, n, stages, rank)
