@@ -446,11 +446,13 @@ class StrategyMemory:
     def collectives(self, facts: StrategyFacts) -> list[Collective]:
         """What the strategy sends per step, collective by collective, with ring-algorithm factors.
 
-        FSDP gathers every unit in each forward (and again in backward when units reshard after
-        forward, as they do for every micro-batch of gradient accumulation); gradients are reduced
-        once per step (the last micro-batch's backward) when ``defer_fsdp_grad_sync`` defers them or a
-        pipeline does, else in every micro-batch's backward. TP reduces or gathers each block's activations
-        twice in each forward (again in a recompute) and twice in backward. CP runs torch's ring
+        FSDP gathers every unit over the unit's own axis (experts under expert parallelism over
+        ``ep_shard``, the rest over ``dp_shard_cp``) in each forward (and again in backward when units
+        reshard after forward, as they do for every micro-batch of gradient accumulation); gradients
+        are reduce-scattered over the same axis in the reduction dtype, once per step (the last
+        micro-batch's backward) when ``defer_fsdp_grad_sync`` defers them or a pipeline does, else in
+        every micro-batch's backward. TP reduces or gathers each block's activations twice in each
+        forward (again in a recompute) and twice in backward. CP runs torch's ring
         attention with its default all-gather rotation: each attention call gathers the block's K/V
         (in each forward run and again in backward) and waits for them after its first (local) step;
         backward passes each chunk's fp32 K/V gradients on around the ring, one step ahead, and waits
