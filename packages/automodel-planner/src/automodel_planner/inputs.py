@@ -87,6 +87,13 @@ class PlanInput:
     (not mutated) between them, may share one dict: ``automodel plan --suggest`` does for every layout
     it tries."""
 
+    def __post_init__(self) -> None:
+        if self.pipeline_runs < 1 or (self.pipeline is None and self.pipeline_runs != 1):
+            raise ValueError(
+                f"PlanInput.pipeline_runs={self.pipeline_runs}: the schedule's runs per step are at least 1, "
+                "and more than 1 needs a pipeline (PlanInput.pipeline); without one, use accumulation"
+            )
+
     @functools.cached_property
     def memo(self) -> dict[Any, Any]:
         """What the estimates compute from this plan alone, kept for its next estimate (it is frozen)."""

@@ -205,7 +205,7 @@ def run_plan(run: PublishedRun) -> PlanInput:
         micro_batch_size=run.micro_batch,
         accumulation=max(run.local_batch // run.micro_batch, 1),
         pipeline=pipeline,
-        pipeline_runs=run.pipeline_runs if pipeline is not None else 1,
+        pipeline_runs=run.pipeline_runs,
         peft=peft,
         fp8=fp8,
         expert_exchange=exchange,

@@ -170,10 +170,7 @@ def planner_terms(plan: PlanInput, profile: ActivationProfile, pipeline: Any) ->
     if pipeline is not None:
         terms.append(pipeline)
     if plan.layout.ep > 1:
-        from automodel_moe.memory import ExpertMemory
+        from automodel_moe.memory import ExpertExchange, ExpertMemory
 
-        if plan.expert_exchange is None:
-            terms.append(ExpertMemory(plan.layout.ep))
-        else:
-            terms.append(ExpertMemory(plan.layout.ep, plan.expert_exchange))
+        terms.append(ExpertMemory(plan.layout.ep, plan.expert_exchange or ExpertExchange()))
     return terms

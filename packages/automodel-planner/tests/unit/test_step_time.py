@@ -578,6 +578,8 @@ def test_a_loop_of_pipeline_runs_pays_each_runs_bubble_and_reduction() -> None:
     assert looped.tokens_per_step == 3 * single.tokens_per_step == 3 * 8 * 2 * 512
     for part, seconds in single.parts.items():
         assert looped.parts[part] == pytest.approx(seconds * (1 if part == "optimizer" else 3)), part
+    with pytest.raises(ValueError, match="more than 1 needs a pipeline"):
+        _plan(pipeline_runs=2)
     # One run of three times the rows spreads one bubble over them: faster than three runs.
     longer = dataclasses.replace(one, pipeline=dataclasses.replace(config, pp_batch_size=24))
     assert estimate_throughput(longer, cluster).tokens_per_s_per_gpu > looped.tokens_per_s_per_gpu
