@@ -59,6 +59,7 @@ TRAIN_CASES: dict[str, tuple[list[str], str]] = {
     "pp-schedule": (["--pp", "2", "--pp-schedule", "foo"], "known schedules: 1f1b"),
     "lora-rank": (["--lora-rank", "0"], "must be a positive int (the LoRA rank)"),
     "activation-checkpointing": (["--activation-checkpointing", "partial"], "invalid choice: 'partial'"),
+    "async-tp on cpu": (["--tp", "2", "--async-tp"], "enable_async_tensor_parallel=true needs CUDA GPUs"),
     "async-tp without sequence parallelism": (
         ["--async-tp", "--set", "distributed.sequence_parallel=false"],
         "enable_async_tensor_parallel=True needs FSDP2Config.sequence_parallel=True",

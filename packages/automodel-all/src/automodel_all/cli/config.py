@@ -393,6 +393,12 @@ def resolve_job(job: JobConfig, world_size: int, model_config: Any = None) -> Re
             f"{raw.where('distributed', 'strategy')}: distributed.strategy=megatron_fsdp needs CUDA GPUs "
             "(Megatron-FSDP hard-codes CUDA streams); use fsdp2 on CPU"
         )
+    if getattr(job.distributed, "enable_async_tensor_parallel", False) and job.device_type != "cuda":
+        raise ConfigError(
+            f"{raw.where('distributed', 'enable_async_tensor_parallel')}: "
+            "distributed.enable_async_tensor_parallel=true needs CUDA GPUs (its collectives run on "
+            "symmetric memory); leave it off on CPU"
+        )
     dp = layout.dp
     if "micro_batch_size" not in raw.sections.get("train", {}):
         job.train = dataclasses.replace(train, micro_batch_size=_default_micro_batch(job, layout, dp))
