@@ -38,7 +38,7 @@ class _Option:
     choices: tuple[str, ...] = ()
     """An optional value: the flag alone means the first choice, or it names one of them."""
     implies: tuple[str, ...] = ()
-    """Further ``distributed`` switches the option turns on: what it cannot work without."""
+    """Further switches of the option's section it turns on: what it cannot work without."""
 
 
 _OPTIONS: tuple[_Option, ...] = (
