@@ -380,8 +380,8 @@ def peak_over_order(
     gradients: Sequence[float],
 ) -> float:
     """`peak_with_gradients` over an explicit op order of one rank: ``("F" or "B", (stage, micro))``."""
-    # The gradients held are kept as a running total: `automodel plan --suggest` walks thousands of
-    # orders, and summing the accumulating stages at every backward made this quadratic in the stages.
+    # The gradients held are a running total: summing the accumulating stages at every backward made
+    # the walk quadratic in the stages.
     alive, accumulating, held, peak = 0.0, set(), 0.0, 0.0
     for kind, (stage, micro) in order:
         if kind == "F":
