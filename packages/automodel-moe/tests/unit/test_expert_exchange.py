@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -65,6 +66,6 @@ def test_the_collective_carries_the_copies_and_the_network_share_of_its_exchange
         ({"dispatch": "per_rank"}, "ExpertExchange.num_experts must be the routed expert count"),
     ],
 )
-def test_a_bad_exchange_is_refused_with_the_field(changes: dict[str, object], fragment: str) -> None:
+def test_a_bad_exchange_is_refused_with_the_field(changes: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
-        ExpertExchange(**changes)  # type: ignore[arg-type]
+        ExpertExchange(**changes)
