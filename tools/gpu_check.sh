@@ -5,7 +5,8 @@
 #   3. bench.log  benchmarks/gpu/bench_h200.py on Llama-3.1-8B widths (8 layers): plain transformers,
 #                 hand-written fully_shard, FSDP2Manager eager / compiled / compiled + FP8, LoRA at seq 4096;
 #                 full training at seq 8192 with selective checkpointing; the loss eager against
-#                 compiled; its numbers in bench.json;
+#                 compiled; what the process holds outside torch's allocator (CUDA context, NCCL), against
+#                 the planner's figure; its numbers in bench.json;
 #   4. summary.txt each step's exit code and seconds.
 # It uses the machine's own python3 (torch, transformers, peft, safetensors preinstalled), our packages
 # from their source folders, and the wheels carried in .whl/ for what the image lacks (torchao,
@@ -71,5 +72,5 @@ fi
 step tier 100 "$python" -m pytest packages tests "${tier_args[@]}" -p no:cacheprovider -q --timeout 90 \
     --junit-xml="$out/tier.xml"
 step bench 180 "$python" benchmarks/gpu/bench_h200.py "${bench_args[@]}" --json "$out/bench.json"
-tail -n 14 "$out/bench.log"
+tail -n 15 "$out/bench.log"
 exit "$status"

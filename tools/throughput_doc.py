@@ -166,6 +166,8 @@ def _memory(peak: Any, published_gib: float | None) -> dict[str, Any]:
 
 def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
     """The memory section: every row that publishes its memory, the prediction and the error."""
+    from automodel_planner.runtime_memory import CUDA_CONTEXT_BYTES, NCCL_CONNECTION_BYTES
+
     lines = [
         "",
         "## Memory against the published figures",
@@ -177,8 +179,12 @@ def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
         "torchtitan's loss parallel), each rank's slice of the sequence between pipeline stages under SP, "
         "and, as the published peaks are torch's reserved memory, the caching allocator's reserve over the "
         "live tensors (`ALLOCATOR_RESERVE`, one fraction fitted on the calibration rows: "
-        "`fit_allocator_reserve`); the CUDA context and NCCL's buffers are outside torch's allocator and "
-        "the published peaks, and are not counted. Nothing else is fitted.",
+        "`fit_allocator_reserve`). Nothing else is fitted. The CUDA context and NCCL's buffers are "
+        "outside torch's allocator and the published peaks, so they are not in this comparison; "
+        "`automodel plan` adds them to a GPU job's peak before it says whether the job fits "
+        "(`automodel_planner.runtime_memory`: a context of "
+        f"{CUDA_CONTEXT_BYTES / 1e6:.0f} MB, and {NCCL_CONNECTION_BYTES / 2**20:.2f} MiB per channel "
+        "and peer of each communicator, the channels per device below).",
         "",
         "| run | published GiB | predicted GiB | error | largest lines (GiB) |",
         "| --- | ---: | ---: | ---: | --- |",
@@ -275,8 +281,8 @@ def render(rows: list[dict[str, Any]], efficiency: Any, suggested: list[dict[str
         "## Devices (`automodel_planner.hardware.DEVICES`)",
         "",
         "| device | dense bf16 TFLOP/s | dense fp8 TFLOP/s | HBM TB/s | memory GiB "
-        "| NVLink GB/s per direction | network GB/s per GPU | source |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| NVLink GB/s per direction | network GB/s per GPU | NCCL channels per peer in a node | source |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for device in DEVICES.values():
         fp8 = f"{device.fp8_flops / 1e12:,.0f}" if device.fp8_flops else "-"
@@ -284,7 +290,7 @@ def render(rows: list[dict[str, Any]], efficiency: Any, suggested: list[dict[str
             f"| {device.name} | {device.bf16_flops / 1e12:,.0f} | {fp8} "
             f"| {device.hbm_bytes_per_s / 1e12:.2f} | "
             f"{device.memory_bytes / 2**30:.1f} | {device.intra_node_bytes_per_s / 1e9:.0f} | "
-            f"{device.inter_node_bytes_per_s / 1e9:.0f} | {device.source} |"
+            f"{device.inter_node_bytes_per_s / 1e9:.0f} | {device.nccl_channels} | {device.source} |"
         )
     return "\n".join(lines) + "\n"
 

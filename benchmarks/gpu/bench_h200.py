@@ -391,7 +391,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _free(device)
             dist.barrier()
             results["load"] = time_load(config, device, Path(tmp))
+    if device.type == "cuda":
+        results["outside_allocator_bytes"] = outside_allocator_bytes(device)
     return results
+
+
+def outside_allocator_bytes(device: torch.device) -> int:
+    """What the process holds on ``device`` beyond torch's caching allocator: its CUDA context with the
+    kernels every variant loaded, and NCCL's one-rank communicator. Compared with
+    ``automodel_planner.runtime_memory.CUDA_CONTEXT_BYTES``, the planner's figure for the context."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free - torch.cuda.memory_reserved(device))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -449,6 +460,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{eager['step_s'] * 1e3:.1f} ms, peak {eager['peak_over_logits']:.2f}x the logits; "
                 f"compiled {compiled['step_s'] * 1e3:.1f} ms ({compiled['step_s'] / eager['step_s']:.2f}x), "
                 f"peak {compiled['peak_over_logits']:.2f}x"
+            )
+        if "outside_allocator_bytes" in results:
+            from automodel_planner.runtime_memory import CUDA_CONTEXT_BYTES
+
+            outside = results["outside_allocator_bytes"]
+            print(
+                f"outside torch's allocator: {outside / 1e6:.0f} MB (the planner's CUDA context: "
+                f"{CUDA_CONTEXT_BYTES / 1e6:.0f} MB, ratio {outside / CUDA_CONTEXT_BYTES:.2f})"
             )
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(results, indent=2))

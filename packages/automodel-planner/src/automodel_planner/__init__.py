@@ -4,7 +4,9 @@
 job's configs) and returns a `PeakEstimate`: parameters, gradients, optimizer state, FSDP's gathered
 units, activations (profiled from the model's own forward on fake tensors), LoRA and FP8 extras and
 collective buffers, line by line, for the rank that holds the most, and the bytes each collective sends
-per step. Each line comes from the package that owns it, through one protocol (`PlannerTerm`).
+per step; on GPUs (`with_allocator_reserve`, `with_process_memory`) also the caching allocator's
+reserve, the CUDA context and NCCL's buffers. Each line comes from the package that owns it, through
+one protocol (`PlannerTerm`).
 `estimate_throughput` adds the hardware (`Cluster`, `parse_cluster`: ``128xH100``) and returns a
 `StepTime`: the step's compute, recompute, exposed collectives, pipeline bubble and optimizer, tokens/s
 per GPU and MFU; its achievable fractions (`Efficiency`) are fitted on published runs
@@ -50,6 +52,7 @@ from automodel_planner.published import (
     published_runs,
     run_plan,
 )
+from automodel_planner.runtime_memory import with_process_memory
 from automodel_planner.step_time import DEFAULT_EFFICIENCY, Efficiency, StepOptions, StepTime
 from automodel_planner.terms import ActivationMemory, PlannerTerm, planner_terms
 
@@ -99,4 +102,5 @@ __all__ = [
     "rank_facts",
     "run_plan",
     "with_allocator_reserve",
+    "with_process_memory",
 ]

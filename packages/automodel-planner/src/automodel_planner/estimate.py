@@ -64,6 +64,9 @@ class PeakEstimate:
     """Collective -> bytes a rank sends per optimizer step."""
     buffers: dict[str, int] = field(default_factory=dict)
     """Mechanism -> bytes of the ``communication buffers`` line."""
+    groups: dict[str, frozenset[str]] = field(default_factory=dict)
+    """Mesh axis -> how the rank's collectives over it move bytes (`automodel_mesh.Collective.pattern`):
+    the process groups, hence NCCL communicators, it uses (`automodel_planner.runtime_memory`)."""
 
     @property
     def total(self) -> int:
@@ -141,7 +144,10 @@ def _rank_estimate(facts: RankFacts, terms: list[PlannerTerm]) -> PeakEstimate:
             if note:
                 estimate.notes[name] = note
         estimate.buffers.update(term.buffers(facts))
-        estimate.communication.update(traffic_of(term.collectives(facts)))
+        collectives = term.collectives(facts)
+        estimate.communication.update(traffic_of(collectives))
+        for c in collectives:
+            estimate.groups[c.axis] = estimate.groups.get(c.axis, frozenset()) | {c.pattern}
     if estimate.buffers:
         estimate.lines["communication buffers"] = sum(estimate.buffers.values())
         estimate.notes["communication buffers"] = ", ".join(estimate.buffers)
@@ -151,8 +157,8 @@ def _rank_estimate(facts: RankFacts, terms: list[PlannerTerm]) -> PeakEstimate:
 def with_allocator_reserve(estimate: PeakEstimate, fraction: float = ALLOCATOR_RESERVE) -> PeakEstimate:
     """``estimate`` on a GPU: a new estimate with the caching allocator's reserve as a line of its own.
 
-    The CUDA context and NCCL's buffers are outside torch's allocator (and the published peaks): not
-    counted.
+    The CUDA context and NCCL's buffers are outside torch's allocator (and the published peaks, which are
+    its reserved memory): `automodel_planner.runtime_memory.with_process_memory` adds them after this.
     """
     out = dataclasses.replace(estimate, lines=dict(estimate.lines), notes=dict(estimate.notes))
     out.lines["allocator reserve"] = int(fraction * estimate.total)

@@ -42,6 +42,9 @@ class Device:
     gpus_per_node: int = 8
     inter_node_bytes_per_s: float = 50 * _GB
     """Scale-out network per GPU and direction (400 Gb/s InfiniBand or RoCE)."""
+    nccl_channels: int = 32
+    """Channels NCCL opens between two GPUs of a node, each with its own buffers
+    (`automodel_planner.runtime_memory`): 32 on an NVSwitch node of H100s (NVIDIA/nccl#1685's log)."""
     source: str = ""
 
 
@@ -65,6 +68,7 @@ DEVICES: dict[str, Device] = {
             2.0e12,
             81_559 * _MIB,
             64 * _GB,
+            nccl_channels=4,  # NCCL's log on GPUs joined by PCIe alone (NVIDIA/nccl#1706)
             source="NVIDIA H100 datasheet (PCIe): 756 TFLOPS bf16, 1,513 fp8 (dense), 2 TB/s, "
             "PCIe Gen5 128 GB/s",
         ),
@@ -107,6 +111,7 @@ DEVICES: dict[str, Device] = {
             2.039e12,
             81_251 * _MIB,
             300 * _GB,
+            nccl_channels=24,  # NCCL's log on NVLink A100s (NVIDIA/nccl#1785)
             source="NVIDIA A100 datasheet (80 GB SXM): 312 TFLOPS bf16 (dense), 2,039 GB/s, NVLink 600 GB/s",
         ),
     )
@@ -129,6 +134,13 @@ class Cluster:
         """Nodes the GPUs fill (the last one may be partly used)."""
         return -(-self.count // self.gpus_per_node)
 
+    def ranks_per_node(self, size: int, stride: int) -> int:
+        """How many of a group's ``size`` ranks, ``stride`` global ranks apart, share a node.
+
+        Groups are taken to start at a node boundary.
+        """
+        return max(1, min(size, self.gpus_per_node // stride)) if stride <= self.gpus_per_node else 1
+
     def seconds(
         self, sent: float, pattern: str, size: int, stride: int, fanout: NodeFanout | None = None
     ) -> float:
@@ -145,7 +157,7 @@ class Cluster:
         share on the rank's link. Groups are taken to start at a node boundary.
         """
         intra, inter = self.device.intra_node_bytes_per_s, self.device.inter_node_bytes_per_s
-        per_node = max(1, min(size, self.gpus_per_node // stride)) if stride <= self.gpus_per_node else 1
+        per_node = self.ranks_per_node(size, stride)
         nodes = -(-size // per_node)
         if nodes == 1 or size < 2:
             return sent / intra

@@ -29,9 +29,10 @@ from automodel_all.cli.yaml_source import ConfigError, RawJob
 from automodel_distributed.fsdp2_units import frozen_towers
 from automodel_infra.infrastructure import APPLY_STEPS
 from automodel_infra.steps import PlannedJob, describe_steps
-from automodel_planner import PeakEstimate, ProfileCache, device_memory_bytes, estimate_peak
+from automodel_planner import PeakEstimate, PlanInput, ProfileCache, device_memory_bytes, estimate_peak
 from automodel_planner.estimate import calibrate_efficiency, estimate_throughput, with_allocator_reserve
 from automodel_planner.hardware import Cluster, cluster_from_mapping, parse_cluster
+from automodel_planner.runtime_memory import with_process_memory
 from automodel_planner.step_time import DEFAULT_EFFICIENCY, StepTime
 
 __all__ = [
@@ -208,12 +209,13 @@ def suggest_layouts(
     limit: int = 5,
     base_weight_bits: int | None = None,
     hardware: Cluster | None = None,
+    device_memory: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every valid layout of ``world`` ranks for the job, best first.
 
     Without ``hardware``: lowest peak, then least traffic. With it: the layouts whose peak fits the
-    device first, fastest (predicted tokens/s per GPU) first, those within ``_TIED`` of the fastest by
-    lowest peak, then those that do not fit. A layout is
+    device (``device_memory`` bytes, by default its own) first, fastest (predicted tokens/s per GPU)
+    first, those within ``_TIED`` of the fastest by lowest peak, then those that do not fit. A layout is
     valid when `resolve_job` accepts it (sizes divide, heads and layers suffice, batch splits). The
     job's own layout settings are replaced; everything else is kept.
     """
@@ -234,12 +236,13 @@ def suggest_layouts(
             continue
         planned = plan_input(resolved, model, model_config, base_weight_bits, memo)
         estimate = estimate_peak(planned, profile_cache=cache)
-        if hardware is not None:  # GPUs: torch's caching allocator holds more than the tensors
-            estimate = with_allocator_reserve(estimate)
+        if hardware is not None:
+            estimate = _on_gpus_estimate(estimate, planned, hardware)
         entry = {"layout": _layout_name(sizes), "sizes": sizes, **estimate.as_dict()}
         order: tuple[float, ...] = (estimate.total, estimate.communication_total)
         if hardware is not None:
-            entry["fits"] = estimate.total <= hardware.device.memory_bytes
+            capacity = device_memory if device_memory is not None else hardware.device.memory_bytes
+            entry["fits"] = estimate.total <= capacity
             if entry["fits"]:
                 speed = estimate_throughput(planned, hardware, profile_cache=cache)
                 entry["throughput"] = speed.as_dict()
@@ -275,6 +278,15 @@ def _ties_by_memory(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     tied = [e for e in fitting if e["throughput"]["tokens_per_s_per_gpu"] >= fastest * (1 - _TIED)]
     rest = [entry for entry in entries if all(entry is not t for t in tied)]
     return sorted(tied, key=lambda entry: entry["peak_bytes"]) + rest
+
+
+def _on_gpus_estimate(estimate: PeakEstimate, planned: PlanInput, hardware: Cluster) -> PeakEstimate:
+    """The peak on ``hardware``'s GPUs.
+
+    torch's caching allocator holds more than the tensors, and the process holds its CUDA context and
+    NCCL's buffers beside them.
+    """
+    return with_process_memory(with_allocator_reserve(estimate), planned.layout, hardware)
 
 
 def _config_has_experts(config: Any) -> bool:
@@ -366,8 +378,8 @@ def plan_report(
         estimate = estimate_peak(planned, profile_cache=cache)
     except ValueError as exc:  # the model or the job cannot be planned: say why, no traceback
         raise ConfigError(str(exc)) from None
-    if hardware is not None:  # GPUs: torch's caching allocator holds more than the tensors
-        estimate = with_allocator_reserve(estimate)
+    if hardware is not None:
+        estimate = _on_gpus_estimate(estimate, planned, hardware)
     throughput, calibration = None, None
     if hardware is not None:
         try:
@@ -404,6 +416,7 @@ def plan_report(
             limit=suggestions,
             base_weight_bits=base_weight_bits,
             hardware=hardware,
+            device_memory=device_memory,
         )
     return report
 
