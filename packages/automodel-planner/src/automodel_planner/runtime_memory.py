@@ -57,14 +57,13 @@ NCCL_CHANNELS_PER_NET_PEER = 2
 def _peer_channels(cluster: Cluster, size: int, stride: int, peers: int, ring: bool) -> int:
     """Channels a rank opens to ``peers`` of its group of ``size`` ranks ``stride`` apart.
 
-    A ring reaches its predecessor on every channel, through the network when the group leaves the node;
-    the other patterns reach each peer in the node on the node's channels and each other one on the
-    network's.
+    A ring reaches its predecessor on each of the communicator's channels (as many whether the ring
+    stays in the node or not); the other patterns reach each peer in the node on the node's channels
+    and each other one on the network's.
     """
-    per_node = cluster.ranks_per_node(size, stride)
     if ring:
         return cluster.device.nccl_channels
-    near = min(peers, per_node - 1)
+    near = min(peers, cluster.ranks_per_node(size, stride) - 1)
     return near * cluster.device.nccl_channels + (peers - near) * NCCL_CHANNELS_PER_NET_PEER
 
 

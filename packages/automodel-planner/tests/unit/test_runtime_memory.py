@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from automodel_mesh import MeshKind, ParallelismSizes, resolve_layout
+from automodel_mesh import MeshKind, MeshLayout, ParallelismSizes, resolve_layout
 from automodel_planner.estimate import PeakEstimate
 from automodel_planner.hardware import parse_cluster
 from automodel_planner.runtime_memory import (
@@ -18,8 +18,8 @@ from automodel_planner.runtime_memory import (
 _CONNECTION = NCCL_CONNECTION_BYTES
 
 
-def _layout(world: int, kind: MeshKind = MeshKind.FSDP2, **sizes: int):  # type: ignore[no-untyped-def]
-    return resolve_layout(kind, ParallelismSizes(**sizes), world)  # type: ignore[arg-type]
+def _layout(world: int, kind: MeshKind = MeshKind.FSDP2, **sizes: int) -> MeshLayout:
+    return resolve_layout(kind, ParallelismSizes(**sizes), world)
 
 
 def test_each_pattern_connects_the_peers_nccl_connects() -> None:
