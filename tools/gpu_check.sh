@@ -7,10 +7,12 @@
 #                 full training at seq 8192 with selective checkpointing; the loss eager against
 #                 compiled; what the process holds outside torch's allocator (CUDA context, NCCL), against
 #                 the planner's figure; its numbers in bench.json;
-#   4. summary.txt each step's exit code and seconds.
+#   4. calibration.log  tools/gpu_calibration.py: the planner's time model calibrated on the eager run,
+#                 its error on the others (not in the rehearsal: a CPU has nothing to calibrate against);
+#   5. summary.txt each step's exit code and seconds.
 # It uses the machine's own python3 (torch, transformers, peft, safetensors preinstalled), our packages
 # from their source folders, and the wheels carried in .whl/ for what the image lacks (torchao,
-# megatron-fsdp, ...; 64 MiB travels in all). At most 5 minutes; at most 6 files under $OUT.
+# megatron-fsdp, ...; 64 MiB travels in all). At most 6 minutes; at most 7 files under $OUT.
 #
 # --rehearse runs the same steps on CPU with a tiny model, so any machine can tell that the script works:
 # the tier's tests skip ("needs CUDA"), each CUDA-only benchmark variant prints one "skipped: needs CUDA"
@@ -73,4 +75,8 @@ step tier 100 "$python" -m pytest packages tests "${tier_args[@]}" -p no:cachepr
     --junit-xml="$out/tier.xml"
 step bench 180 "$python" benchmarks/gpu/bench_h200.py "${bench_args[@]}" --json "$out/bench.json"
 tail -n 15 "$out/bench.log"
+if [[ $rehearse == 0 ]]; then
+    step calibration 60 "$python" tools/gpu_calibration.py "$out/bench.json"
+    cat "$out/calibration.log"
+fi
 exit "$status"

@@ -138,6 +138,12 @@ def test_the_gpu_check_rehearses_on_cpu(tmp_path: Path) -> None:
         assert printed.count(f"{name}: skipped: needs CUDA") == 1, printed
     assert "12,473 tokens/s" in printed and "5,762 tokens/s/GPU" in printed
     assert results["load"]["ours_s"] > 0 and results["load"]["from_pretrained_s"] > 0
+    # What a GPU run's bench.json feeds: tools/gpu_calibration.py reads this very file (as if measured on
+    # an H200: on a CPU there is nothing to calibrate against) and plans each of automodel's runs.
+    calibration = load_script(BENCHMARKS.parent / "tools" / "gpu_calibration.py")
+    rows = calibration.calibrate({**results, "device_name": "NVIDIA H200"})
+    assert [row["run"] for row in rows] == ["FSDP2Manager", "FSDP2Manager + LoRA"]
+    assert rows[0]["after"] == pytest.approx(results["FSDP2Manager"]["tokens_per_s"], rel=1e-3)
 
 
 def test_gpu_flop_count_is_torchtitans() -> None:

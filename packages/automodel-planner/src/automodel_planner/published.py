@@ -135,11 +135,11 @@ def shape_config(shape: str) -> Any:
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def _build(shape: str, dtype: str = "bfloat16") -> tuple[torch.nn.Module, Any]:
-    """The published widths of ``shape`` as a causal LM in ``dtype`` on the meta device, and its config."""
+def _build(shape: str, dtype: str = "bfloat16", config: Any = None) -> tuple[torch.nn.Module, Any]:
+    """A causal LM of ``config`` (default: ``shape``'s widths) in ``dtype`` on meta, and the config."""
     from transformers import AutoModelForCausalLM
 
-    config = shape_config(shape)
+    config = config if config is not None else shape_config(shape)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     return model, config
@@ -149,17 +149,24 @@ _meta_model = functools.cache(_build)
 """`_build`, shared by the runs that do not change the model (no adapters)."""
 
 
-def run_plan(run: PublishedRun) -> PlanInput:
-    """The job of ``run`` as the planner sees it (a fresh meta model when the run adapts it)."""
+def run_plan(run: PublishedRun, model_config: Any = None) -> PlanInput:
+    """The job of ``run`` as the planner sees it (a fresh meta model when the run adapts it).
+
+    ``model_config`` replaces the widths of ``run.shape`` (a measured run of a cut-down model:
+    ``tools/gpu_calibration.py``).
+    """
     from automodel_distributed.config import FSDP2Config
     from automodel_mesh import MeshKind, ParallelismSizes, resolve_layout
 
-    model, config = _meta_model(run.shape, run.dtype)
+    if model_config is None:
+        model, config = _meta_model(run.shape, run.dtype)
+    else:
+        model, config = _build(run.shape, run.dtype, model_config)
     peft = None
     if run.lora_dim is not None:
         from automodel_peft import PeftConfig, apply_lora_to_linear_modules
 
-        model, _ = _build(run.shape, run.dtype)
+        model, _ = _build(run.shape, run.dtype, config)
         peft = PeftConfig(target_modules=["*_proj"], dim=run.lora_dim, alpha=2 * run.lora_dim)
         apply_lora_to_linear_modules(model, peft)
     world = parse_cluster(run.cluster).count
