@@ -34,7 +34,8 @@ REFUSED: dict[str, str] = {
 
 FAST_SLICE = (
     "mamba",  # no SDPA in transformers: built with the family's default (eager) attention
-    "deepseek_v4",  # layers that move themselves in __init__ (.to()): built on meta, then made fake
+    "deepseek_v4",  # layers that move themselves in __init__ (.to()), which no fake build can
+    "diffllama",  # torch.normal in __init__ ignores the meta device: real tensors, then made fake
     "gemma4_text",  # head_dim differs per layer: counted at the largest layer's
     "jetmoe",  # its forward reads routing values to choose shapes: refused
     "gpt_neo",  # learned positions shorter than the job's rows: refused, naming them

@@ -148,8 +148,8 @@ class _Producers(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
-    """The causal LM of ``model_config`` built under the active ``FakeTensorMode`` or device (config kept).
+def _causal_lm(model_config: Any, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
+    """The causal LM of ``model_config`` built on the active device (config kept).
 
     A vision-language config is profiled by its language model (``get_text_config()``): image tokens
     count as text tokens, and the vision tower's own activations are not modelled. Where transformers
@@ -176,7 +176,7 @@ def _fake_model(model_config: Any, dtype: torch.dtype, attn_implementation: str 
         auto = AutoModelForImageTextToText if whole else AutoModelForCausalLM
         # dtype given: a config that once built a model remembers that model's dtype (fp32 master
         # weights), while the profile is of the compute dtype. Fake values need no initialisation
-        # (transformers' own switch: half the build of a 126-block model goes to init kernels).
+        # (transformers' own switch skips its per-module init walk too).
         with no_init_weights():
             return auto.from_config(config, attn_implementation=implementation, dtype=dtype)
     finally:
@@ -334,11 +334,13 @@ class StepProfile:
 
 @dataclass(frozen=True)
 class FakeModel:
-    """A causal LM built once under its own ``FakeTensorMode``: `profile_step` runs it at several shapes.
+    """A causal LM built once for `profile_step`, which runs it at several shapes under ``mode``.
 
-    Its fake tensors belong to ``mode``; a profile enters that mode again. Building costs more than a
-    profile's forward (every block is built, two of each kind run), and a planner trying many layouts
-    profiles a handful of shapes of one model.
+    Built on the meta device; the parameters and buffers a profile reads (outside the blocks, and in the
+    blocks that run: two of each kind, `repeated_blocks`) are then fake tensors of ``mode``, the rest
+    stay on meta until a profile runs every block. A 405B Llama's 126 blocks are built in a fraction of
+    the time fake parameters for all of them take, and a planner trying many layouts profiles a handful
+    of shapes of one model.
     """
 
     mode: Any
@@ -350,48 +352,66 @@ class FakeModel:
 def build_fake_model(
     model_config: Any, dtype: torch.dtype, attn_implementation: str | None = None
 ) -> FakeModel:
-    """The causal LM of ``model_config`` on fake tensors of ``dtype`` (`profile_step`'s; config untouched).
+    """The causal LM of ``model_config``, fake tensors of ``dtype`` where a profile runs (config untouched).
 
-    Built under ``FakeTensorMode``; a family whose layers move themselves while being built (``.to()`` in
-    ``__init__``: DeepSeek-V4, Hunyuan V4, Inkling 2), which torch cannot do to a fake parameter, is
-    built on the meta device and its parameters and buffers then made fake (`_fake_from_meta`).
+    Built on the meta device, as the trainer builds it (a family whose layers move themselves while
+    being built, ``.to()`` in ``__init__``, builds there too), then what a profile runs made fake
+    (`_make_fake`).
 
     Raises:
-        ValueError: The model cannot be built either way (the family and the cause named).
+        ValueError: The model cannot be built (the family and the cause named).
     """
     from automodel_modules.fake_mode import fake_mode
 
     try:
-        try:
-            with fake_mode() as mode:
-                model = _fake_model(model_config, dtype, attn_implementation)
-        except RuntimeError:  # "_apply(): Couldn't swap <module>.weight"
-            with torch.device("meta"):
-                model = _fake_model(model_config, dtype, attn_implementation)
-            with fake_mode() as mode:
-                _fake_from_meta(model)
+        with torch.device("meta"):
+            model = _causal_lm(model_config, dtype, attn_implementation)
+        blocks = find_transformer_blocks(model)
+        with fake_mode() as mode:
+            _make_fake(model, skip=[blocks[index][1] for index in repeated_blocks(blocks)])
     except _FAKE_FAILURES as exc:
         raise _unprofilable(model_config, "building it", exc) from exc
     return FakeModel(mode, model, dtype, attn_implementation)
 
 
-def _fake_from_meta(model: nn.Module) -> None:
-    """Replace ``model``'s meta parameters and buffers by fake CPU ones of the same shapes (in place).
+def _make_fake(model: nn.Module, skip: Sequence[nn.Module] = ()) -> None:
+    """Replace the parameters and buffers of ``model`` that are not fake by fake CPU ones (in place).
 
-    Preconditions: the fake mode is active. A parameter shared by two modules (tied embeddings) stays
-    shared; requires_grad is kept.
+    They are meta tensors of a meta build, or real ones a family makes whatever the default device
+    (DiffLlama's ``torch.normal``). Preconditions: the fake mode is active. Only tensors a module outside
+    ``skip`` holds are replaced (in every module holding them, so a parameter shared with a skipped block
+    stays shared). Tied parameters stay tied; requires_grad is kept.
     """
-    made: dict[int, nn.Parameter] = {}
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    run: list[nn.Module] = []
+    stack, seen = [model], set(map(id, skip))
+    while stack:  # the modules reachable without entering a skipped one
+        module = stack.pop()
+        if id(module) not in seen:
+            seen.add(id(module))
+            run.append(module)
+            stack.extend(child for child in module._modules.values() if child is not None)
+    wanted = {
+        id(tensor)
+        for module in run
+        for tensor in (*module._parameters.values(), *module._buffers.values())
+        if tensor is not None and not isinstance(tensor, FakeTensor)
+    }
+    params: dict[int, nn.Parameter] = {}
+    buffers: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, param in module._parameters.items():
-            if param is not None:
-                if id(param) not in made:
+            if param is not None and id(param) in wanted:
+                if id(param) not in params:
                     fresh = torch.empty(param.shape, dtype=param.dtype, device="cpu")  # as a fake build's
-                    made[id(param)] = nn.Parameter(fresh, requires_grad=param.requires_grad)
-                module._parameters[name] = made[id(param)]
+                    params[id(param)] = nn.Parameter(fresh, requires_grad=param.requires_grad)
+                module._parameters[name] = params[id(param)]
         for name, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
+            if buffer is not None and id(buffer) in wanted:
+                if id(buffer) not in buffers:
+                    buffers[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
+                module._buffers[name] = buffers[id(buffer)]
 
 
 def profile_step(
@@ -420,7 +440,8 @@ def profile_step(
         attn_implementation: The attention implementation (default: the config's, else ``sdpa``).
         every_block: Run every block (what the repeated-block shortcut is tested against).
         fake: `build_fake_model` of ``model_config``, ``dtype`` and ``attn_implementation``, to reuse
-            (built here when None). Its blocks are as they were when the profile returns.
+            (built here when None). Its blocks are as they were when the profile returns, but for
+            ``every_block``, which leaves none of its tensors on meta.
 
     Returns:
         Per-block and outside-the-blocks saved bytes and work on one rank, before tensor parallelism.
@@ -441,6 +462,8 @@ def profile_step(
     with fake_mode(fake.mode):
         model = fake.model
         blocks = find_transformer_blocks(model)
+        if every_block:  # the blocks the build left on meta run too
+            _make_fake(model)
         recorder = _Recorder(model, blocks, sharded_layer_kinds(model))
         compute = ComputeRecorder(len(blocks), partial(_where, recorder, blocks), recorder.parameters)
         handles = recorder.hooks(model, blocks)

@@ -73,3 +73,28 @@ def test_one_fake_model_serves_every_shape(model_type: str) -> None:
         assert reused == fresh, (micro_batch, seq_len, cp, every_block)
     # The shortcut's replaced forwards are gone: every block runs its class's own again.
     assert not any("forward" in vars(block) for block in fake.model.modules())
+
+
+def test_only_the_blocks_a_profile_runs_are_made_fake_until_every_block_runs() -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from automodel_distributed.blocks import find_transformer_blocks
+    from automodel_planner.repeated_blocks import repeated_blocks
+    from automodel_testing.tiny import derive_tiny_config
+
+    config = derive_tiny_config("llama")
+    config.num_hidden_layers = 5
+    fake = build_fake_model(config, torch.float32)
+    blocks = find_transformer_blocks(fake.model)
+    skipped = repeated_blocks(blocks)
+    assert sorted(skipped) == [2, 3, 4]
+    for index, (_, block) in enumerate(blocks):
+        on_meta = {p.is_meta for p in block.parameters()}
+        assert on_meta == {index in skipped}, index
+    outside = [fake.model.get_output_embeddings().weight, fake.model.get_input_embeddings().weight]
+    assert all(isinstance(weight, FakeTensor) for weight in outside)
+    quick = profile_step(config, micro_batch=2, seq_len=16, dtype=torch.float32, fake=fake)
+    full = profile_step(config, micro_batch=2, seq_len=16, dtype=torch.float32, fake=fake, every_block=True)
+    assert not any(p.is_meta for p in fake.model.parameters())
+    assert all(isinstance(b, FakeTensor) for b in fake.model.buffers())
+    assert quick.activations == full.activations and quick.compute == full.compute
