@@ -52,12 +52,12 @@ def measured_runs(bench: dict[str, Any]) -> list[Any]:
             f"bench.json: device_name {bench.get('device_name')!r} is not a GPU of "
             "automodel_planner.DEVICES; calibrate on a run measured on one of them"
         )
+    checkpointing = bench.get("ac", "none")
     rows = []
     for name, settings in _OURS.items():
         row = bench.get(name)
         if not isinstance(row, dict) or "tokens_per_s" not in row:
             continue  # not run, skipped or failed: bench.log says why
-        checkpointing = bench.get("ac", "none")
         fields: dict[str, Any] = {
             "id": name,
             "source": "tools/gpu_check.sh bench.json",
