@@ -12,8 +12,10 @@ Test tiers, disjoint so that each test runs once in the default run:
 
 - ``unit(package=...)``: ``-m "not gpu and not distributed and not models"`` over one package's tests, in an
   environment holding only that package, its declared dependencies and its ``test`` group;
-- ``distributed``: ``-m "distributed and not gpu and not faults"`` over every package's tests and
-  ``tests/``, in the whole workspace;
+- ``distributed``: ``-m "distributed and not gpu and not faults and not extended"`` over every package's
+  tests and ``tests/``, in the whole workspace;
+- ``distributed_extended``: the ``extended`` multi-process checks (4 and 8 ranks where 2-rank tests of the
+  default run cover the mechanism, further ``automodel train`` jobs); not a default;
 - ``e2e``: ``tests/`` (cross-package), ``-m "not gpu and not distributed and not faults"``, whole workspace;
 - ``faults``: ``tests/faults/`` (``-m "faults and not gpu and not slow_faults"``): property tests of
   every config and mesh layout, the bad-configuration corpus, faults injected into real gloo ranks and
@@ -314,21 +316,32 @@ def _check_slim_environment(session: nox.Session, package: str) -> None:
     session.log(f"  absent, as its dependencies say: {', '.join(sorted(watched - installed)) or '-'}")
 
 
-@nox.session(venv_backend="none")
-@_timed
-def distributed(session: nox.Session) -> None:
-    """Multi-process tests: real gloo process groups of 2 to 8 ranks, launched by run_distributed."""
+def _distributed(session: nox.Session, marker: str) -> None:
     workspace = _workspace(session)
     folders = [*sorted(ROOT.glob("packages/*/tests")), ROOT / "tests"]
     _pytest(
         session,
         folders,
-        "distributed and not gpu and not faults",
+        marker,
         allow_empty=True,
         what="the distributed tier",
         why_empty="no test is marked `distributed` yet",
         workspace=workspace,
     )
+
+
+@nox.session(venv_backend="none")
+@_timed
+def distributed(session: nox.Session) -> None:
+    """Multi-process tests on real gloo process groups (run_distributed), all but the ``extended`` ones."""
+    _distributed(session, "distributed and not gpu and not faults and not extended")
+
+
+@nox.session(default=False, venv_backend="none")
+@_timed
+def distributed_extended(session: nox.Session) -> None:
+    """The multi-process checks beyond the default slice (``extended``: 4 and 8 ranks, further train jobs)."""
+    _distributed(session, "distributed and extended and not gpu and not faults")
 
 
 @nox.session(venv_backend="none")

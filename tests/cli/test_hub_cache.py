@@ -59,6 +59,7 @@ def _automodel(cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=540, check=False)
 
 
+@pytest.mark.extended  # a whole train job; the refusals below run by default
 def test_model_tokenizer_and_data_come_from_the_cache(hub_cache: Path, tmp_path: Path) -> None:
     output = tmp_path / "run"
     job = [

@@ -69,6 +69,7 @@ def _dropped(run: Path, folder: Path, names: list[str]) -> set[str]:
     return {"step_00000010"} & set(names) if folder == run / "checkpoints" else set()
 
 
+@pytest.mark.extended  # resume exactness runs by default in tests/faults (the flipped byte's fallback resume)
 @pytest.mark.parametrize("hf_checkpoints", ["none", "only"])
 def test_train_saves_a_loadable_model_and_resumes_exactly(tmp_path: Path, hf_checkpoints: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.distributed, pytest.mark.extended, pytest.mark.timeout(600)]
 
 STEPS = 16
 SLOTS = 8

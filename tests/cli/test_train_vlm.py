@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.distributed, pytest.mark.extended, pytest.mark.timeout(600)]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft_qwen2_5_vl_frozen_tower.yaml"
 

@@ -26,9 +26,9 @@ pick the moment; nothing of ours is patched.
   both ranks, the step-1 checkpoint is finite and is the last; with ``train.on_nonfinite: skip`` the job
   finishes, counting 3 skipped steps, and its final checkpoint is finite.
 
-Each case records itself in the faults ledger (docs/faults.md). The two simulated nodes and the
-skip-on-NaN job carry ``slow_faults`` (the non-default ``faults_slow`` session): together they cost
-about 100 s of a shared 2-core machine.
+Each case records itself in the faults ledger (docs/faults.md). The elastic restart, the preemption,
+the two simulated nodes and the skip-on-NaN job carry ``slow_faults`` (the non-default ``faults_slow``
+session): together they cost about 220 s of a shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -161,6 +161,7 @@ def _seed_folder(reference: Path, target: Path) -> None:
 # ------------------------------------------------------------------------------------------------ cases
 
 
+@pytest.mark.slow_faults  # a minute of a shared 2-core machine
 def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(
     reference: tuple[Path, dict[int, float]], tmp_path: Path, fault_ledger: Any
 ) -> None:
@@ -206,6 +207,7 @@ def _saving(output: Path, step: int, inner: str = "") -> Callable[[], bool]:
     return lambda: (staging / inner).is_dir()
 
 
+@pytest.mark.slow_faults  # three launches: a minute of a shared 2-core machine
 def test_sigterm_and_sigusr1_checkpoint_exit_0_and_resume_exactly(
     reference: tuple[Path, dict[int, float]], tmp_path: Path, fault_ledger: Any
 ) -> None:

@@ -24,7 +24,8 @@ fails the reference run that way: in bf16 for a bf16 layout), or **fails** (anyt
 exception, a difference, a refusal on some ranks only). A failure fails the test: there is no silent
 difference. The default run (``distributed`` marker) runs `FAST_FAMILIES` under every layout without
 experts (`BF16_FAST_FAMILIES` under the bf16 ones) and `EP_FAST_FAMILIES` under
-`EP_FAST_LAYOUTS`, one launch per layout; ``uvx nox -s models``
+`EP_FAST_LAYOUTS`, one launch per layout, the layouts of two ranks only; ``uvx nox -s
+distributed_extended`` adds the 4-rank layouts and `MORE_FAST_FAMILIES` (``extended``); ``uvx nox -s models``
 runs every family (``models`` marker; the expert-parallel layouts over the MoE families) and writes the
 JSON that ``tools/models_doc.py`` turns into docs/models.md and the table of docs/moe.md. A run in chunks
 selects families with `FAMILIES_ENV` and layouts with ``-k``, each chunk into its own report.
@@ -94,14 +95,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FAST_FAMILIES: tuple[str, ...] = (
     "llama",  # the plain decoder
     "gemma2",  # scaled embeddings, soft-capped logits and attention, sliding/global layers
+    "deepseek_v3",  # MLA attention, grouped top-k routing with a correction-bias buffer, dense+MoE
+    "qwen3_next",  # linear-attention layers beside full attention, shared experts
+)
+"""Families of the default run's slice: the mechanisms most layouts have had to learn."""
+
+MORE_FAST_FAMILIES: tuple[str, ...] = (
     "cohere2",  # per-layer sliding/global attention with rotary only on sliding layers
     "olmo3",  # per-layer-type rotary embeddings
-    "deepseek_v3",  # MLA attention, grouped top-k routing with a correction-bias buffer, dense+MoE
     "gpt2",  # Conv1D projections, learned positions, tied-only naming
-    "qwen3_next",  # linear-attention layers beside full attention, shared experts
     "granite",  # embedding, residual and logit multipliers
 )
-"""Families of the default run's slice: one of each mechanism the fixes of the matrix are about."""
+"""The slice's other mechanisms, under the same layouts in ``uvx nox -s distributed_extended``."""
 
 BF16_FAST_FAMILIES: tuple[str, ...] = (
     "llama",  # the plain decoder
@@ -837,12 +842,12 @@ def fast_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
     return prepare_checkpoints(prepare_family, families, tmp_path_factory.mktemp("matrix_fast"))
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    "layout_name", [name for name, layout in LAYOUTS.items() if not layout.moe or name in EP_FAST_LAYOUTS]
-)
-def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
+@pytest.fixture(scope="module")
+def more_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return prepare_checkpoints(prepare_family, MORE_FAST_FAMILIES, tmp_path_factory.mktemp("matrix_more"))
+
+
+def _fast_slice(layout_name: str, checkpoints: dict[str, str]) -> None:
     from automodel_cpu.ring_attention_kernel import cpu_ring_attention_available
 
     ring, why = cpu_ring_attention_available()
@@ -850,9 +855,33 @@ def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
     ring_layout = sizes.get("cp_size", 1) > sizes.get("cp_ulysses_degree", 1)
     if ring_layout and not ring:  # an older torch (`oldest`)
         pytest.skip(f"CP on CPU needs the ring kernel's torch internals: {why}")
+    assert_no_failure(run_matrix(layout_name, checkpoints))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "layout_name",
+    [
+        pytest.param(name, marks=[pytest.mark.extended] if layout.world_size > 2 else [])
+        for name, layout in LAYOUTS.items()
+        if not layout.moe or name in EP_FAST_LAYOUTS
+    ],
+)
+def test_fast_slice(layout_name: str, fast_checkpoints: dict[str, str]) -> None:
     layout = LAYOUTS[layout_name]
     families = EP_FAST_FAMILIES if layout.moe else BF16_FAST_FAMILIES if layout.bf16 else FAST_FAMILIES
-    assert_no_failure(run_matrix(layout_name, {f: fast_checkpoints[f] for f in families}))
+    _fast_slice(layout_name, {f: fast_checkpoints[f] for f in families})
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "layout_name", [n for n, layout in LAYOUTS.items() if not layout.moe and not layout.bf16]
+)
+def test_fast_slice_more_families(layout_name: str, more_checkpoints: dict[str, str]) -> None:
+    _fast_slice(layout_name, more_checkpoints)
 
 
 def _selected(families: Sequence[Any]) -> list[Any]:

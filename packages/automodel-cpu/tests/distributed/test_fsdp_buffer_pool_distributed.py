@@ -62,7 +62,7 @@ def _chunked_collectives() -> dict[str, Any]:
     return {"failures": failures, "calls": calls, "shapes": shapes, "world": world}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_gloo_collectives_in_pieces_equal_the_whole_collectives(world: int) -> None:
     """Pooled all-gather / reduce-scatter above ``chunk_bytes`` on gloo: same results, piece-sized staging."""
     for result in run_distributed(_chunked_collectives, world, timeout_s=120):

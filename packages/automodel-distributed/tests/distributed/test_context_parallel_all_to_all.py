@@ -211,6 +211,7 @@ def _ring_controls(mesh: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.extended  # 4 ranks; the model matrix's cp_a2a layout runs all-to-all CP on 2 by default
 def test_all_to_all_context_parallelism_matches_one_process() -> None:
     results = run_distributed(_rank_main, 4, timeout_s=400)
     for rank, result in enumerate(results):

@@ -366,7 +366,7 @@ def _run(world: int) -> dict[str, Any]:
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_fsdp2_manager_parity(world: int) -> None:
     per_rank = run_distributed(_run, world, world, timeout_s=900, pg_timeout_s=120)
     atol = {f"{label}/{family}": tol for label, family, _, _, tol in EXTRAS[world]}

@@ -419,6 +419,7 @@ def test_two_ranks(results_2: list[dict[str, dict[str, Any]]], case: Case) -> No
     _check(results_2, case)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("case", CASES_4, ids=lambda c: c.label)
 def test_four_ranks(results_4: list[dict[str, dict[str, Any]]], case: Case) -> None:
     _check(results_4, case)

@@ -661,6 +661,7 @@ def test_ep2_parity_activation_checkpointing_bf16_checkpoint_and_errors(tmp_path
         assert load["max_over_ranks"] == [2, 0, 1, 0], load
 
 
+@pytest.mark.extended  # 4 ranks; ep 2 runs by default (above and in the model matrix)
 def test_ep4_and_ep2_by_ep_shard2_parity() -> None:
     per_rank = run_distributed(_four_ranks, 4, timeout_s=900)
     for family in EP4_FAMILIES:

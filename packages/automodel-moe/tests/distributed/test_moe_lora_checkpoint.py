@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from automodel_testing import make_batch, run_distributed
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.extended]  # 4 ranks
 
 SEQ = 16
 

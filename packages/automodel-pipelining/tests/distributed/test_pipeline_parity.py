@@ -406,6 +406,7 @@ def test_every_schedule_on_two_pipeline_ranks() -> None:
     assert layers_per_rank == [5, 1], layers_per_rank
 
 
+@pytest.mark.extended  # the schedules' mechanism is proved on two ranks above
 def test_every_schedule_on_four_ranks_and_pp_x_fsdp_x_tp() -> None:
     cases = [Case(f"pp4 {s} llama-9", "llama", s, layers=9, batch=8) for s in SCHEDULES_2]
     cases += [
@@ -526,6 +527,7 @@ def test_every_schedule_on_four_ranks_and_pp_x_fsdp_x_tp() -> None:
         assert 0 < q.reduce_scatters < p.reduce_scatters == n_mb * q.reduce_scatters, (p, q)
 
 
+@pytest.mark.extended
 def test_pp_x_fsdp_x_tp_on_eight_ranks() -> None:
     cases = [
         Case(
