@@ -12,12 +12,17 @@ the same job's ``--suggest``, which ranks every valid layout of the 1,024 GPUs. 
 interleaved, after a warm-up round that fills the bytecode caches; the median of each is kept, and
 the CPU time (user + system) beside it.
 
-    uv run --all-packages python benchmarks/bench_plan_time.py [--repeats 5]
+    uv run --all-packages python benchmarks/bench_plan_time.py [--repeats 5] [--no-suggest]
+
+Where the packages are on ``PYTHONPATH`` without their console scripts (``tools/gpu_check.sh`` on a lent
+GPU machine, whose host is the kind users plan from), the plan runs as ``python -m automodel_all.cli``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -78,28 +83,27 @@ def _run(command: list[str]) -> tuple[float, float]:
     return wall, cpu
 
 
-def commands(model: Path) -> dict[str, list[str]]:
+def commands(model: Path, suggest: bool = True) -> dict[str, list[str]]:
     """The timed commands: ``ours`` (``automodel plan``), ``suggest`` (the same job's ``--suggest``,
-    every layout of the cluster's GPUs) and ``baseline`` (the meta build)."""
-    script = str(Path(sys.executable).parent / "automodel")
-    plan = [script, "plan", "--model", str(model), "--cluster", CLUSTER]
-    # --suggest starts from the job without a layout (FSDP over all 1,024 GPUs): one row per GPU at least.
-    suggest = [*plan, *JOB, "--global-batch-size", "1024", "--sequence-parallel", "--suggest"]
-    return {
-        "ours": [*plan, *JOB, *BATCH, *LAYOUT],
-        "suggest": suggest,
-        "baseline": [sys.executable, "-c", _META_BUILD, str(model)],
-    }
+    every layout of the cluster's GPUs; left out without ``suggest``) and ``baseline`` (the meta build)."""
+    script = Path(sys.executable).parent / "automodel"
+    automodel = [str(script)] if script.is_file() else [sys.executable, "-m", "automodel_all.cli"]
+    plan = [*automodel, "plan", "--model", str(model), "--cluster", CLUSTER]
+    timed = {"ours": [*plan, *JOB, *BATCH, *LAYOUT]}
+    if suggest:
+        # From the job without a layout (FSDP over all 1,024 GPUs): one row per GPU at least.
+        timed["suggest"] = [*plan, *JOB, "--global-batch-size", "1024", "--sequence-parallel", "--suggest"]
+    return {**timed, "baseline": [sys.executable, "-c", _META_BUILD, str(model)]}
 
 
-def measure(repeats: int = 5) -> dict[str, dict[str, Any]]:
+def measure(repeats: int = 5, suggest: bool = True) -> dict[str, dict[str, Any]]:
     """Median wall and CPU seconds of each command over ``repeats`` interleaved rounds (after a warm-up).
 
-    Returns ``{"ours": {...}, "suggest": {...}, "baseline": {...}}``, each with ``wall_s``, ``cpu_s``
-    (medians) and ``walls`` (every round's wall time).
+    Returns ``{"ours": {...}, "suggest": {...}, "baseline": {...}}`` (no ``suggest`` without it), each
+    with ``wall_s``, ``cpu_s`` (medians) and ``walls`` (every round's wall time).
     """
     with tempfile.TemporaryDirectory() as tmp:
-        timed = commands(write_model(Path(tmp)))
+        timed = commands(write_model(Path(tmp)), suggest)
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in timed}
         for round_index in range(repeats + 1):
             for name, command in timed.items():
@@ -119,12 +123,15 @@ def measure(repeats: int = 5) -> dict[str, dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-suggest", action="store_true", help="time the plan and the baseline only")
     args = parser.parse_args()
-    result = measure(args.repeats)
+    result = measure(args.repeats, suggest=not args.no_suggest)
+    host = platform.processor() or platform.machine()
+    print(f"host: {host}, {os.cpu_count()} cores; Python {platform.python_version()}")
     for name, figures in result.items():
         walls = ", ".join(f"{w:.2f}" for w in figures["walls"])
         print(f"{name:9s} wall {figures['wall_s']:.2f} s (rounds: {walls}), CPU {figures['cpu_s']:.2f} s")
-    for name in ("ours", "suggest"):
+    for name in [n for n in ("ours", "suggest") if n in result]:
         print(f"{LABEL}: {name} / meta build = {result[name]['wall_s'] / result['baseline']['wall_s']:.2f}")
 
 

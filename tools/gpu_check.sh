@@ -9,10 +9,13 @@
 #                 the planner's figure; its numbers in bench.json;
 #   4. calibration.log  tools/gpu_calibration.py: the planner's time model calibrated on the eager run,
 #                 its error on the others (not in the rehearsal: a CPU has nothing to calibrate against);
-#   5. summary.txt each step's exit code and seconds.
+#   5. plan_time.log  benchmarks/bench_plan_time.py --no-suggest: `automodel plan` for a 405B model on
+#                 1,024 H100s, fresh processes, on the kind of host users plan from (not in the rehearsal:
+#                 tests/benchmarks runs that benchmark's commands);
+#   6. summary.txt each step's exit code and seconds.
 # It uses the machine's own python3 (torch, transformers, peft, safetensors preinstalled), our packages
 # from their source folders, and the wheels carried in .whl/ for what the image lacks (torchao,
-# megatron-fsdp, ...; 64 MiB travels in all). At most 6 minutes; at most 7 files under $OUT.
+# megatron-fsdp, ...; 64 MiB travels in all). At most 7 minutes; at most 8 files under $OUT.
 #
 # --rehearse runs the same steps on CPU with a tiny model, so any machine can tell that the script works:
 # the tier's tests skip ("needs CUDA"), each CUDA-only benchmark variant prints one "skipped: needs CUDA"
@@ -78,5 +81,7 @@ tail -n 15 "$out/bench.log"
 if [[ $rehearse == 0 ]]; then
     step calibration 60 "$python" tools/gpu_calibration.py "$out/bench.json"
     cat "$out/calibration.log"
+    step plan_time 60 "$python" benchmarks/bench_plan_time.py --repeats 3 --no-suggest
+    cat "$out/plan_time.log"
 fi
 exit "$status"

@@ -80,6 +80,8 @@ def test_the_plan_time_benchmark_times_a_plan_that_answers(tmp_path: Path) -> No
     report = results["ours"].stdout
     assert "1024 x H100" in report and "tokens/s per GPU" in report, report[-2000:]
     assert ": fits," in report, report[-2000:]
+    # Without the console script (a lent GPU machine's PYTHONPATH install) the plan runs as a module.
+    assert list(bench.commands(tmp_path, suggest=False)) == ["ours", "baseline"]
 
 
 def test_pipeline_replay_with_median_and_with_each_ops_own_time() -> None:
