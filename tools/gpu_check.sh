@@ -19,7 +19,7 @@
 #
 # --rehearse runs the same steps on CPU with a tiny model, so any machine can tell that the script works:
 # the tier's tests skip ("needs CUDA"), each CUDA-only benchmark variant prints one "skipped: needs CUDA"
-# line. CI runs the rehearsal (tests/benchmarks/test_benchmark_logic.py, in the default e2e session).
+# line. CI runs the rehearsal (tests/benchmarks/test_gpu_check.py, in the default e2e session).
 #
 # Usage: OUT=/some/folder tools/gpu_check.sh [--rehearse]
 set -uo pipefail

@@ -75,7 +75,7 @@ def _run() -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("allocator", ["mimalloc", "glibc"])
+@pytest.mark.parametrize("allocator", ["mimalloc", pytest.param("glibc", marks=pytest.mark.extended)])
 def test_the_cpu_runtime_changes_no_number(allocator: str) -> None:
     from automodel_cpu.mimalloc_preload import worker_environment
 

@@ -186,6 +186,7 @@ def _deferred_copy_in() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.extended  # the opt-in CPU runtime; the pooled collectives above run by default
 def test_a_deferred_copy_in_trains_as_fsdp2_and_never_fills_the_input() -> None:
     """Reduce-scatter inputs above the pool's bound stay unwritten; pieces come from the gradients."""
     for result in run_distributed(_deferred_copy_in, 2, timeout_s=180):
