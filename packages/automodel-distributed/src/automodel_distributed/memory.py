@@ -4,7 +4,8 @@ Pure arithmetic over a meta model and the layout's sizes; no process group, noth
 
 - `placement_rule`: how the strategy places each parameter: what it divides the parameter, its
   gradient and its AdamW state by on one rank, and which FSDP unit gathers it over how many ranks
-  (the units `plan_fsdp_units` makes, experts on their own mesh, frozen towers kept whole);
+  (the units `plan_fsdp_units` makes, experts on their own mesh, frozen towers kept whole); its
+  `PlacementRule.key` tells which parameters every layout places alike;
 - `fsdp_buffer_bytes` / `fsdp_comm_buffer_bytes`: FSDP2's gathered units and collective buffers;
 - `StrategyMemory`: the planner term of the strategy, with tensor and context parallelism: parameters,
   gradients, optimizer state, the unreduced gradients of deferred reduction, the gathered units, the
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +36,8 @@ from automodel_mesh import Collective, MeshLayout, Overlap
 __all__ = [
     "OuterUnits",
     "Placement",
+    "PlacementKey",
+    "PlacementRule",
     "StrategyFacts",
     "StrategyMemory",
     "always_resharded_units",
@@ -120,6 +123,60 @@ def _divisors(config: DistributedConfig, shard: int, tp: int) -> tuple[float, fl
     return (shard, shard, shard)
 
 
+PlacementKey = tuple[int | None, bool, bool, tuple[int, str]]
+"""What a placement reads of a parameter's name: (block index, an experts parameter, inside a frozen
+tower kept whole, its FSDP unit)."""
+
+
+@dataclass(frozen=True)
+class PlacementRule:
+    """How the strategy places each named parameter of one model on one layout (see `placement_rule`).
+
+    Call it with a parameter's name. `key` is the part of the name the placement reads: it depends on
+    the model and the strategy's kept-whole towers only, not on the layout, so a planner trying many
+    layouts groups the parameters by it once and places one name of each group per layout.
+    """
+
+    config: DistributedConfig
+    layout: MeshLayout
+    experts_gathered: bool
+    """Whether experts join FSDP units (they stay out on a one-rank ``ep_shard`` under FSDP2 unless
+    their dtype is cast for compute)."""
+    whole: tuple[str, ...]
+    """Prefixes of the frozen towers every rank keeps whole (`_replicated_prefixes`)."""
+    outer: OuterUnits
+
+    def key(self, name: str) -> PlacementKey:
+        """The parts of ``name`` its placement depends on (equal keys, equal placements)."""
+        index = layer_index(name)
+        experts = ".experts." in name
+        replicated = bool(self.whole) and name.startswith(self.whole)
+        if index is not None:
+            unit = (2 + 2 * index + (1 if experts else 0), f"block{index}" + (".experts" if experts else ""))
+        else:
+            unit = next(
+                ((order, fqn) for fqn, (order, _) in self.outer.items() if name.startswith(fqn + ".")), _ROOT
+            )
+        return index, experts, replicated, unit
+
+    def of_key(self, key: PlacementKey) -> Placement:
+        """The placement of every parameter whose name has ``key``."""
+        _, experts, replicated, unit = key
+        layout, fsdp = self.layout, not isinstance(self.config, DDPConfig)
+        dense = layout.dp_shard * layout.cp * layout.tp if fsdp else 1
+        shard = (layout.ep * layout.ep_shard * layout.tp if layout.ep > 1 else dense) if experts else dense
+        over = (layout.ep_shard if experts else layout.dp_shard * layout.cp) if fsdp else 1
+        if replicated:
+            shard, over = 1, 1
+        gathered = over > 1 or (experts and self.experts_gathered)
+        axis = "ep_shard" if experts and layout.ep > 1 else "dp_shard_cp"
+        return Placement(_divisors(self.config, shard, layout.tp), shard, unit, over, gathered, axis)
+
+    def __call__(self, name: str) -> Placement:
+        """The placement of the parameter named ``name``."""
+        return self.of_key(self.key(name))
+
+
 def placement_rule(
     config: DistributedConfig,
     layout: MeshLayout,
@@ -127,7 +184,7 @@ def placement_rule(
     dtype: torch.dtype,
     *,
     outer: OuterUnits | None = None,
-) -> Callable[[str], Placement]:
+) -> PlacementRule:
     """How the strategy places each named parameter of ``model`` on ``layout`` (see `Placement`).
 
     FSDP (FSDP2, Megatron-FSDP) shards dense parameters over ``dp_shard x cp x tp`` and experts over
@@ -135,35 +192,12 @@ def placement_rule(
     unless their dtype is cast for compute (`automodel_distributed.one_rank_units`). ``outer``:
     `outer_units` of ``model``, when the caller has it (computed here otherwise).
     """
-    tp, fsdp = layout.tp, not isinstance(config, DDPConfig)
-    dense = layout.dp_shard * layout.cp * tp if fsdp else 1
-    expert_shard = layout.ep * layout.ep_shard * tp if layout.ep > 1 else dense
-    fsdp_axis = layout.dp_shard * layout.cp
     policy = (config.mp_policy if isinstance(config, FSDP2Config) else None) or default_mp_policy()
     experts_gathered = (
         not isinstance(config, FSDP2Config) or layout.ep_shard > 1 or policy.param_dtype not in (None, dtype)
     )
-    whole = _replicated_prefixes(config, model)
     outer = outer if outer is not None else outer_units(model)
-
-    def place(name: str) -> Placement:
-        index = layer_index(name)
-        experts = ".experts." in name
-        shard = expert_shard if experts else dense
-        over = (layout.ep_shard if experts else fsdp_axis) if fsdp else 1
-        if whole and name.startswith(whole):
-            shard, over = 1, 1
-        if index is not None:
-            unit = (2 + 2 * index + (1 if experts else 0), f"block{index}" + (".experts" if experts else ""))
-        else:
-            unit = next(
-                ((order, fqn) for fqn, (order, _) in outer.items() if name.startswith(fqn + ".")), _ROOT
-            )
-        gathered = over > 1 or (experts and experts_gathered)
-        axis = "ep_shard" if experts and layout.ep > 1 else "dp_shard_cp"
-        return Placement(_divisors(config, shard, tp), shard, unit, over, gathered, axis)
-
-    return place
+    return PlacementRule(config, layout, experts_gathered, _replicated_prefixes(config, model), outer)
 
 
 def always_resharded_units(model: nn.Module, outer: OuterUnits | None = None) -> set[str]:
