@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
@@ -59,7 +59,8 @@ def _automodel(cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=540, check=False)
 
 
-@pytest.mark.extended  # a whole train job; the refusals below run by default
+@pytest.mark.distributed  # a whole train job of 2 workers; the refusals below start none
+@pytest.mark.extended
 def test_model_tokenizer_and_data_come_from_the_cache(hub_cache: Path, tmp_path: Path) -> None:
     output = tmp_path / "run"
     job = [
