@@ -10,10 +10,11 @@ sharing its memo.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3MoeConfig
 
 from automodel_distributed.config import FSDP2Config
 from automodel_distributed.memory import layer_index, placement_rule
@@ -25,8 +26,11 @@ H, FFN, LAYERS, HEADS, KV, VOCAB = 64, 176, 4, 4, 2, 512
 
 
 def _model(moe: bool) -> torch.nn.Module:
-    shape = dict(hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                 num_key_value_heads=KV, vocab_size=VOCAB, tie_word_embeddings=False)  # fmt: skip
+    shape: dict[str, Any] = dict(
+        hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV, vocab_size=VOCAB, tie_word_embeddings=False,
+    )  # fmt: skip
+    config: PretrainedConfig
     if moe:
         config = Qwen3MoeConfig(**shape, head_dim=H // HEADS, moe_intermediate_size=32, num_experts=8,
                                 num_experts_per_tok=2, mlp_only_layers=[0])  # fmt: skip
@@ -40,13 +44,13 @@ def _plan(model: torch.nn.Module, sizes: dict[str, int], **changes: object) -> P
     plan = PlanInput(
         model=model,
         model_config=model.config,
-        layout=resolve_layout(MeshKind.FSDP2, ParallelismSizes(**sizes), 8),  # type: ignore[arg-type]
+        layout=resolve_layout(MeshKind.FSDP2, ParallelismSizes(**sizes), 8),
         strategy=FSDP2Config(),
         dtype=torch.bfloat16,
         seq_len=32,
         micro_batch_size=1,
     )
-    return dataclasses.replace(plan, **changes)  # type: ignore[arg-type]
+    return dataclasses.replace(plan, **changes)
 
 
 def _one_at_a_time(plan: PlanInput, owners: dict[int, int]) -> list[_Tally]:
