@@ -2,19 +2,23 @@
 
 The planner profiles the model's own forward on fake CPU tensors (`automodel_planner.activations`).
 ``F.scaled_dot_product_attention`` picks its kernel by device: on CPU, its flash kernel needs one head
-size for query, key and value, and anything else takes the math path, which materialises the ``s x s``
-scores and probabilities in fp32 (and the causal mask) as ordinary matmuls and softmax, and saves them
-for backward. A GPU runs such calls (multi-head latent attention's 192-wide query and key against
-128-wide values: DeepSeek-V2/V3, MiniCPM3, Kimi and the other MLA families) in the memory-efficient
-kernel, which takes a value head size of its own. Profiled through the math path, those models
-showed each block tens of GB of attention traffic and saved scores no GPU keeps: a planned DeepSeek-V3
-ran at 3% MFU.
+size for query, key and value and no dropout, and anything else takes the math path, which
+materialises the ``s x s`` scores and probabilities in fp32 (and the causal mask) as ordinary matmuls
+and softmax, and saves them for backward. A GPU runs such calls in a fused kernel: multi-head latent
+attention's 192-wide query and key against 128-wide values (DeepSeek-V2/V3, MiniCPM3, Kimi and the
+other MLA families) in the memory-efficient kernel, which takes a value head size of its own; attention
+dropout (GPT-2's ``attn_pdrop``, StarCoder's, BioGPT's, in training) inside the flash or
+memory-efficient kernel, both of which draw the dropout mask in-kernel. Profiled through the math path,
+those models showed each block tens of GB of attention traffic and saved scores no GPU keeps: a planned
+DeepSeek-V3 ran at 3% MFU, a GPT-2 of 7B at 15% where the published run of its widths reached 46%.
 
-`CudaSdpaChoice`, a ``TorchFunctionMode`` active during the profile, sends such calls to the op a GPU
-takes, ``aten._scaled_dot_product_efficient_attention`` (its meta kernel serves fake CPU tensors), with
-SDPA's own argument handling: grouped key/value heads repeated, a boolean mask turned into an additive
-bias. The dispatch recorders then see one attention kernel, its FLOPs and what it saves (query, key,
-value, output and log-sum-exp), as on the GPU. Calls the CPU's flash kernel takes are left alone.
+`CudaSdpaChoice`, a ``TorchFunctionMode`` active during the profile, sends such calls to
+``aten._scaled_dot_product_efficient_attention`` (its meta kernel serves fake CPU tensors; CUDA's
+flash kernel, where it is the one taken, does the same FLOPs and saves the same tensors), with SDPA's
+own argument handling: grouped key/value heads repeated, a boolean mask turned into an additive bias,
+the dropout probability passed on. The dispatch recorders then see one attention kernel, its FLOPs and
+what it saves (query, key, value, output, log-sum-exp and the dropout's seed), as on the GPU. Calls the
+CPU's flash kernel takes are left alone.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class CudaSdpaChoice(TorchFunctionMode):
         kwargs = kwargs or {}
         if _is_sdpa(func):
             call = _bound(args, kwargs)
-            if call["query"].shape[-1] != call["value"].shape[-1]:  # the CPU flash kernel's one head size
+            # The CPU's flash kernel takes one head size and no dropout; CUDA's fused kernels take both.
+            if call["query"].shape[-1] != call["value"].shape[-1] or call["dropout_p"] > 0:
                 return _efficient_attention(call)
         return func(*args, **kwargs)

@@ -3,6 +3,9 @@
 - Multi-head latent attention (DeepSeek-V3's query and key wider than its values) profiles as one
   memory-efficient attention kernel: ``2 b h s^2 (d + d_v)`` FLOPs, no score matmuls, no ``s x s``
   tensor saved, where the CPU's math path showed all three.
+- Attention dropout (GPT-2's ``attn_pdrop``), which the CPU's flash kernel does not take and CUDA's
+  fused kernels do, profiles as that one kernel too: the same FLOPs and saved bytes as without dropout
+  but the dropout's own seed.
 - SDPA's argument handling is kept: grouped key/value heads, a boolean mask, the scale, positional or
   keyword arguments give the math path's output shape and dtype; calls the CPU's flash kernel takes
   are left to it.
@@ -53,6 +56,26 @@ def test_latent_attention_profiles_as_one_fused_kernel() -> None:
         assert saved.boundary + saved.interior < scores, saved
 
 
+def test_attention_dropout_profiles_as_the_fused_kernel() -> None:
+    from automodel_testing.tiny import derive_tiny_config
+
+    profiles = [
+        profile_step(
+            derive_tiny_config("gpt2", attn_pdrop=p), micro_batch=1, seq_len=SEQ, dtype=torch.bfloat16
+        )
+        for p in (0.0, 0.1)
+    ]
+    plain, dropped = profiles
+    width = derive_tiny_config("gpt2").n_embd
+    pairs = zip(plain.compute.blocks, plain.activations.blocks, strict=True)
+    dropped_pairs = zip(dropped.compute.blocks, dropped.activations.blocks, strict=True)
+    for (block, saved), (dropped_block, dropped_saved) in zip(pairs, dropped_pairs, strict=True):
+        assert block.attention_flops == dropped_block.attention_flops == 4.0 * SEQ * SEQ * width
+        assert dropped_block.matmul_flops == block.matmul_flops  # no score matmuls under "attn"
+        # What dropout adds to what a block saves is the kernel's seed and offset, not an s x s mask.
+        assert dropped_saved.boundary + dropped_saved.interior < saved.boundary + saved.interior + 64
+
+
 def test_the_math_path_is_what_it_replaces() -> None:
     # Without the mode the CPU's math path runs: score matmuls and a saved s x s softmax.
     with FakeTensorMode():
@@ -65,6 +88,14 @@ def test_the_math_path_is_what_it_replaces() -> None:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             assert expected <= set(ops.names), ops.names
             assert out.shape == (1, 4, SEQ, 8) and out.dtype == torch.bfloat16
+        # One head size but dropout: the CPU's math path again (bmm, bernoulli), the GPU's fused kernel.
+        for mode, expected in ((None, {"bmm", "bernoulli_"}), (CudaSdpaChoice(), fused)):
+            ops = _Ops()
+            with ops, mode if mode is not None else torch.enable_grad():
+                out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+            assert expected <= set(ops.names), ops.names
+            assert "bmm" not in ops.names or mode is None
+            assert out.shape == (1, 4, SEQ, 24) and out.dtype == torch.bfloat16
 
 
 def test_sdpa_arguments_keep_their_meaning() -> None:
