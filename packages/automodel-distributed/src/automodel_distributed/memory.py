@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,6 +41,7 @@ __all__ = [
     "StrategyFacts",
     "StrategyMemory",
     "always_resharded_units",
+    "decoder_block_indices",
     "fsdp_buffer_bytes",
     "fsdp_comm_buffer_bytes",
     "layer_index",
@@ -71,13 +72,48 @@ class Placement:
 
 
 @functools.lru_cache(maxsize=65536)  # a planner places the same names for every layout it tries
-def layer_index(name: str) -> int | None:
-    """The decoder-layer index in a parameter name (``model.layers.3.mlp.weight`` -> 3), else None."""
+def _named_layer(name: str) -> int | None:
+    """``i`` of a name that says ``layers.<i>``, else None."""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part == "layers" and parts[i + 1].isdigit():
             return int(parts[i + 1])
     return None
+
+
+def layer_index(name: str, blocks: Mapping[str, int] | None = None) -> int | None:
+    """The decoder-layer index of a parameter name, else None.
+
+    ``model.layers.3.mlp.weight`` -> 3; a name that does not say ``layers.<i>`` (GPT-2's, Falcon's,
+    Bloom's ``transformer.h.3.mlp.c_fc.weight``) is looked up in ``blocks``, the decoder blocks found
+    from the model's structure (`decoder_block_indices`).
+    """
+    index = _named_layer(name)
+    if index is not None or not blocks:
+        return index
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        index = blocks.get(".".join(parts[:end]))
+        if index is not None:
+            return index
+    return None
+
+
+def decoder_block_indices(model: nn.Module) -> dict[str, int]:
+    """FQN -> index of the language model's decoder blocks, found from the model's structure.
+
+    `find_transformer_blocks` (``_no_split_modules``, else the repeated layers of a known container),
+    the vision, audio and multimodal towers' blocks left out. Empty where no block is found. Mutates
+    nothing.
+    """
+    from automodel_distributed.blocks import block_group, find_transformer_blocks
+
+    try:
+        blocks = find_transformer_blocks(model)
+    except ValueError:
+        return {}
+    language = [fqn for fqn, _ in blocks if block_group(fqn) == "language"]
+    return {fqn: index for index, fqn in enumerate(language)}
 
 
 OuterUnits = dict[str, tuple[int, bool]]
@@ -145,10 +181,12 @@ class PlacementRule:
     whole: tuple[str, ...]
     """Prefixes of the frozen towers every rank keeps whole (`_replicated_prefixes`)."""
     outer: OuterUnits
+    blocks: Mapping[str, int]
+    """The decoder blocks (`decoder_block_indices`), for names that do not say ``layers.<i>``."""
 
     def key(self, name: str) -> PlacementKey:
         """The parts of ``name`` its placement depends on (equal keys, equal placements)."""
-        index = layer_index(name)
+        index = layer_index(name, self.blocks)
         experts = ".experts." in name
         replicated = bool(self.whole) and name.startswith(self.whole)
         if index is not None:
@@ -184,20 +222,24 @@ def placement_rule(
     dtype: torch.dtype,
     *,
     outer: OuterUnits | None = None,
+    blocks: Mapping[str, int] | None = None,
 ) -> PlacementRule:
     """How the strategy places each named parameter of ``model`` on ``layout`` (see `Placement`).
 
     FSDP (FSDP2, Megatron-FSDP) shards dense parameters over ``dp_shard x cp x tp`` and experts over
     ``ep x ep_shard x tp``; DDP shards nothing. Experts on a one-rank ``ep_shard`` stay out of FSDP
-    unless their dtype is cast for compute (`automodel_distributed.one_rank_units`). ``outer``:
-    `outer_units` of ``model``, when the caller has it (computed here otherwise).
+    unless their dtype is cast for compute (`automodel_distributed.one_rank_units`). ``outer`` and
+    ``blocks``: `outer_units` and `decoder_block_indices` of ``model``, when the caller has them
+    (computed here otherwise).
     """
     policy = (config.mp_policy if isinstance(config, FSDP2Config) else None) or default_mp_policy()
     experts_gathered = (
         not isinstance(config, FSDP2Config) or layout.ep_shard > 1 or policy.param_dtype not in (None, dtype)
     )
     outer = outer if outer is not None else outer_units(model)
-    return PlacementRule(config, layout, experts_gathered, _replicated_prefixes(config, model), outer)
+    blocks = blocks if blocks is not None else decoder_block_indices(model)
+    whole = _replicated_prefixes(config, model)
+    return PlacementRule(config, layout, experts_gathered, whole, outer, blocks)
 
 
 def always_resharded_units(model: nn.Module, outer: OuterUnits | None = None) -> set[str]:

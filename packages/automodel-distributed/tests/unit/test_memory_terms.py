@@ -69,3 +69,25 @@ def test_placement_follows_the_strategy_and_its_units() -> None:
     )
     kept = ddp("model.layers.0.mlp.up_proj.weight")
     assert kept.divisors == (1, 1, 1) and not kept.gathered  # every rank holds everything
+
+
+def test_blocks_not_named_layers_are_found_from_the_models_structure() -> None:
+    """GPT-2's blocks are ``transformer.h.<i>``: each is its own FSDP unit, as `plan_fsdp_units` makes it."""
+    from transformers import GPT2Config
+
+    from automodel_distributed.fsdp2_units import plan_fsdp_units
+
+    config = GPT2Config(
+        n_embd=64, n_head=4, n_layer=3, n_positions=32, vocab_size=128, bos_token_id=0, eos_token_id=0,
+        use_cache=False,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    layout = MeshContext.resolve(FSDP2Config(), None, world_size=4)
+    place = placement_rule(FSDP2Config(), layout, model, torch.float32)
+    for index in range(3):
+        assert place(f"transformer.h.{index}.mlp.c_fc.weight").unit == (2 + 2 * index, f"block{index}")
+        assert place.key(f"transformer.h.{index}.attn.c_attn.bias")[0] == index
+    assert place("transformer.wte.weight").unit == (0, "root")  # tied to the head: the root's, as at runtime
+    units = {place(name).unit for name, _ in model.named_parameters()}
+    planned = [plan.fqn for plan in plan_fsdp_units(model, reshard_after_forward=None)]
+    assert len(units) == len(planned) + 1  # each unit the runtime makes, and the root (the final norm)

@@ -30,6 +30,7 @@ from automodel_distributed.memory import (
     PlacementKey,
     PlacementRule,
     always_resharded_units,
+    decoder_block_indices,
     layer_index,
     outer_units,
     placement_rule,
@@ -246,7 +247,7 @@ def _block_linears(plan: PlanInput) -> tuple[list[tuple[int, int]], dict[int, li
         shapes: list[tuple[int, int]] = []
         adapted: dict[int, list[int]] = {}
         for name, param in plan.model.named_parameters():
-            index = layer_index(name)
+            index = layer_index(name, _blocks(plan))
             if index is None:
                 continue
             if param.dim() == 2 and "lora_" not in name and name.endswith("weight"):
@@ -260,7 +261,9 @@ def _block_linears(plan: PlanInput) -> tuple[list[tuple[int, int]], dict[int, li
 
 def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
     pp = plan.layout.pp
-    rule = placement_rule(plan.strategy, plan.layout, plan.model, plan.dtype, outer=_outer(plan))
+    rule = placement_rule(
+        plan.strategy, plan.layout, plan.model, plan.dtype, outer=_outer(plan), blocks=_blocks(plan)
+    )
     cast = _Cast.of(plan)
     census = _Census([_Tally() for _ in range(pp)])
     for group in _param_groups(plan, rule, cast.float8):
@@ -368,3 +371,8 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
 def _outer(plan: PlanInput) -> OuterUnits:
     """The FSDP units outside the blocks of ``plan``'s model (a function of the model: memoized)."""
     return plan.model_fact("outer_units", lambda: outer_units(plan.model))
+
+
+def _blocks(plan: PlanInput) -> dict[str, int]:
+    """The decoder blocks of ``plan``'s model by its structure (a function of the model: memoized)."""
+    return plan.model_fact("decoder_blocks", lambda: decoder_block_indices(plan.model))
