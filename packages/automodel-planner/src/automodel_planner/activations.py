@@ -42,7 +42,7 @@ from automodel_distributed.blocks import find_transformer_blocks
 from automodel_modules import embedding_module
 from automodel_planner.compute import ComputeProfile, ComputeRecorder
 from automodel_planner.repeated_blocks import repeated_blocks, skip_repeated
-from automodel_planner.sdpa_choice import CudaSdpaChoice
+from automodel_planner.sdpa_choice import CudaSdpaChoice, unpacked_rows
 
 __all__ = [
     "ActivationProfile",
@@ -473,7 +473,14 @@ def profile_step(
         ids = torch.zeros(micro_batch, local_seq, dtype=torch.long, device=device)
         saved = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
         try:
-            with compute, recorder.producers, saved, CudaSdpaChoice(), _fake_tensor_log_quiet():
+            with (
+                compute,
+                recorder.producers,
+                saved,
+                CudaSdpaChoice(),
+                unpacked_rows(),
+                _fake_tensor_log_quiet(),
+            ):
                 model(input_ids=ids, labels=ids)
         except _FAKE_FAILURES as exc:
             what = f"its forward on {micro_batch} x {local_seq} tokens"

@@ -43,7 +43,7 @@ __all__ = [
 ProfileCache = dict[tuple[int, int, int], StepProfile]
 """Profiles of the fake forward reused across layouts, by (micro-batch, sequence length, cp)."""
 
-ALLOCATOR_RESERVE = 0.074
+ALLOCATOR_RESERVE = 0.080
 """What torch's CUDA caching allocator reserves beyond the live tensors at the peak, as a fraction of them:
 blocks cached for reuse and the unused tails of split segments, which ``max_memory_reserved`` (what a
 job must fit in, what torchtitan reports) counts and the tensors do not. One number for every job,

@@ -23,12 +23,14 @@ CPU's flash kernel takes are left alone.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaSdpaChoice"]
+__all__ = ["CudaSdpaChoice", "unpacked_rows"]
 
 _PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None}
@@ -82,3 +84,29 @@ class CudaSdpaChoice(TorchFunctionMode):
             if call["query"].shape[-1] != call["value"].shape[-1] or call["dropout_p"] > 0:
                 return _efficient_attention(call)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def unpacked_rows() -> Iterator[None]:
+    """Tell transformers' mask builder that no row of the forward packs several sequences, as a GPU run sees.
+
+    Without an attention mask, transformers looks for packed sequences in the position ids
+    (``masking_utils.find_packed_sequence_indices``) and, finding none, passes SDPA no mask and
+    ``is_causal=True``: the fused kernel, nothing ``s x s`` made or saved. It cannot read a fake tensor,
+    so in a fake forward it assumes packing and builds the whole ``s x s`` mask, which SDPA turns into
+    an additive bf16 mask in every block and saves for backward: 2 bytes per score of each block (8 GiB
+    a block at 64k tokens) that no GPU run of the planner's rows (one sequence each) holds. Mutates
+    transformers' ``masking_utils`` for the duration of the context only; a transformers without the
+    lookup is left alone.
+    """
+    from transformers import masking_utils
+
+    lookup = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if lookup is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = lookup

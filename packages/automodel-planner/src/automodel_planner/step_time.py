@@ -123,17 +123,17 @@ class Efficiency:
     (10-15% of their step: any value trades against ``matmul``), which is measured instead.
     """
 
-    matmul: float = 0.730
+    matmul: float = 0.713
     """Of the dense bf16 peak, by a transformer's large matmuls."""
-    fp8_matmul: float = 0.598
+    fp8_matmul: float = 0.579
     """Of the dense fp8 peak, by float8 matmuls (with their scaling)."""
     attention: float = 0.337
     """Of the dense bf16 peak, by flash attention (on the causal half of the score matrix): torch's SDPA
     flash backend is FlashAttention-2, which the FlashAttention-3 paper (Shah et al., 2024, figure 5)
     measures at 333 TFLOP/s causal forward on an H100 SXM5 (989 peak) at head dim 128 and 8k tokens."""
-    memory: float = 0.809
+    memory: float = 0.770
     """Of the HBM bandwidth, by eager elementwise kernels (norms, activations, rotary, casts, loss)."""
-    compiled_traffic: float = 0.543
+    compiled_traffic: float = 0.530
     """The share of eager's memory-bound bytes a compiled block still moves (fusion)."""
     network: float = 0.8
     """Of a link's bandwidth, by NCCL's collectives (its bus bandwidth)."""

@@ -6,6 +6,8 @@
 - Attention dropout (GPT-2's ``attn_pdrop``), which the CPU's flash kernel does not take and CUDA's
   fused kernels do, profiles as that one kernel too: the same FLOPs and saved bytes as without dropout
   but the dropout's own seed.
+- A row of one sequence profiles without the ``s x s`` mask transformers builds when it cannot read
+  fake position ids (`unpacked_rows`): what a block saves is linear in the sequence, as on a GPU.
 - SDPA's argument handling is kept: grouped key/value heads, a boolean mask, the scale, positional or
   keyword arguments give the math path's output shape and dtype; calls the CPU's flash kernel takes
   are left to it.
@@ -21,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from automodel_planner.activations import profile_step
-from automodel_planner.sdpa_choice import CudaSdpaChoice
+from automodel_planner.sdpa_choice import CudaSdpaChoice, unpacked_rows
 
 SEQ = 1024  # long enough that one s x s score matrix outweighs everything a block saves
 
@@ -120,3 +122,22 @@ def test_sdpa_arguments_keep_their_meaning() -> None:
         with ops, CudaSdpaChoice():
             F.scaled_dot_product_attention(q, q, q, is_causal=True)
         assert "_scaled_dot_product_flash_attention_for_cpu" in ops.names
+
+
+def test_one_sequence_rows_profile_without_a_materialised_mask() -> None:
+    from transformers import masking_utils
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    config = derive_tiny_config("llama")
+    small, large = (
+        profile_step(config, micro_batch=1, seq_len=length, dtype=torch.bfloat16) for length in (SEQ, 2 * SEQ)
+    )
+    for short, long in zip(small.activations.blocks, large.activations.blocks, strict=True):
+        # Linear in the sequence: no s x s additive mask saved per block (the fake forward's, not a GPU's).
+        assert long.boundary + long.interior == 2 * (short.boundary + short.interior)
+    lookup = masking_utils.find_packed_sequence_indices
+    with unpacked_rows():
+        assert masking_utils.find_packed_sequence_indices(torch.tensor([[0, 1, 0, 1]])) is None
+    assert masking_utils.find_packed_sequence_indices is lookup
+    assert lookup(torch.tensor([[0, 1, 0, 1]])) is not None  # the real lookup sees the packing
