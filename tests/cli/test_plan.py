@@ -108,9 +108,10 @@ def test_peak_lines_device_fit_json_and_suggestions(capsys: pytest.CaptureFixtur
     for line in (*lines, "total"):
         assert _mib(report, line) > 0, line
     assert _mib(report, "total") == pytest.approx(sum(_mib(report, line) for line in lines), abs=0.05)
-    # Full checkpointing keeps each block's input only: the activations shrink.
+    # Full checkpointing keeps each block's input, and one block's interior while it is recomputed: of
+    # the 4 blocks' interiors three go, about half of the activations.
     ac = _plan("--world-size", "4", "--activation-checkpointing")
-    assert _mib(ac, "activations") < _mib(report, "activations") / 2
+    assert _mib(ac, "activations") < 0.55 * _mib(report, "activations")
 
     assert parse_device_memory("h100") == DEVICE_PRESETS["h100"]
     assert parse_device_memory("80GiB") == 80 * 2**30 and parse_device_memory("40GB") == 40 * 10**9
@@ -404,7 +405,7 @@ def test_a_cluster_plans_the_gpu_job_and_a_published_run_as_a_job_predicts_as_th
     assert any(r.compile_loss and r.fp8_config for r in chosen)  # the compile and fp8 sections too
     for index, run in enumerate(chosen):
         raw = published_job(run, tmp_path / str(index))
-        report = plan_report(raw, hardware=parse_cluster(run.cluster), suggest=index == 0, suggestions=99)
+        report = plan_report(raw, hardware=run.hardware(), suggest=index == 0, suggestions=99)
         ours = as_automodel_job(run)  # a job states our settings, not the source framework's internals
         assert report["throughput"].tokens_per_s_per_gpu == pytest.approx(predict(ours).tokens_per_s_per_gpu)
         # The published peaks are torch's reserved memory; the plan's also holds what a GPU process keeps
