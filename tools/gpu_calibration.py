@@ -82,7 +82,6 @@ def calibrate(bench: dict[str, Any]) -> list[dict[str, Any]]:
         ValueError: No eager run to calibrate on, or the device is not in the table.
     """
     from automodel_planner.estimate import calibrate_efficiency, estimate_throughput
-    from automodel_planner.hardware import parse_cluster
     from automodel_planner.published import run_plan, shape_config
 
     runs = measured_runs(bench)
@@ -90,7 +89,7 @@ def calibrate(bench: dict[str, Any]) -> list[dict[str, Any]]:
         raise ValueError(f"bench.json: no measured {CALIBRATED_ON!r} run to calibrate on")
     config = shape_config("llama3-8b")
     config.num_hidden_layers = int(bench["layers"])  # the measured model keeps this many blocks
-    plans = {run.id: (run, run_plan(run, config), parse_cluster(run.cluster)) for run in runs}
+    plans = {run.id: (run, run_plan(run, config), run.hardware()) for run in runs}
     caches: dict[str, Any] = {run.id: {} for run in runs}  # a profile per model (LoRA adapts its own)
     run, plan, cluster = plans[CALIBRATED_ON]
     measured = run.seq_len * run.local_batch / run.tokens_per_s_per_gpu

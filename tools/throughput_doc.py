@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -50,7 +51,9 @@ def predictions() -> list[dict[str, Any]]:
                 "id": run.id,
                 "role": run.role,
                 "source": run.source,
-                "cluster": run.cluster,
+                "cluster": run.cluster
+                + (f" ({run.network_gbps:g} Gb/s per GPU)" if run.network_gbps is not None else ""),
+                "device": run.hardware().device.name,
                 "published": run.tokens_per_s_per_gpu,
                 "predicted": predicted,
                 "error": predicted / run.tokens_per_s_per_gpu - 1,
@@ -74,7 +77,6 @@ def suggestions() -> list[dict[str, Any]]:
 
     from automodel_all.cli.plan import plan_report
     from automodel_all.cli.published_jobs import published_job
-    from automodel_planner.hardware import parse_cluster
     from automodel_planner.published import published_runs
 
     out = []
@@ -83,7 +85,7 @@ def suggestions() -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as folder:
             report = plan_report(
                 published_job(run, folder),
-                hardware=parse_cluster(run.cluster),
+                hardware=run.hardware(),
                 suggest=True,
                 suggestions=10**6,
             )
@@ -213,6 +215,39 @@ def _model_description() -> list[str]:
     return text.splitlines()
 
 
+def _page(source: str) -> str:
+    """``owner/repo file`` of a GitHub address."""
+    parts = source.split("/")
+    return f"{parts[3]}/{parts[4]} {parts[-1]}" if "github.com" in source else source
+
+
+def _by_source(rows: list[dict[str, Any]]) -> list[str]:
+    """The evaluation rows' errors per benchmark page and device: where the model holds and where not."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for row in rows:
+        if row["role"] == "evaluation":
+            key = (row["source"].split(" ")[0], row["device"])
+            groups.setdefault(key, []).append(row["error"])
+    lines = [
+        "",
+        "Evaluation rows by benchmark page and device. The pages' software differs: llm-foundry's MPT "
+        "sweep (2023) ran torch 2.1's FSDP, eager kernels and flash-attn's Triton attention; torchtitan's "
+        "and NeMo AutoModel's runs (2024-2026) FSDP2, torch.compile or Transformer Engine, and "
+        "FlashAttention-2 or cuDNN attention. The achievable fractions are fitted on the latter's "
+        "calibration rows.",
+        "",
+        "| page | device | rows | within 10% | median error | RMS log error |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for (source, device), errors in groups.items():
+        rms = math.sqrt(sum(math.log1p(e) ** 2 for e in errors) / len(errors))
+        lines.append(
+            f"| [{_page(source)}]({source}) | {device} | {len(errors)} "
+            f"| {sum(abs(e) <= 0.10 for e in errors)} | {statistics.median(errors):+.1%} | {rms:.3f} |"
+        )
+    return lines
+
+
 def render(rows: list[dict[str, Any]], efficiency: Any, suggested: list[dict[str, Any]]) -> str:
     """The page."""
     from automodel_planner.hardware import DEVICES
@@ -257,6 +292,7 @@ def render(rows: list[dict[str, Any]], efficiency: Any, suggested: list[dict[str
                 f"{role.capitalize()} rows: {within} of {len(errors)} within 10%, largest error "
                 f"{max(errors):.1%}, RMS log error {rms:.3f}."
             )
+    lines += _by_source(rows)
     lines += _memory_table(rows)
     lines += _suggestion_table(suggested)
     lines += [

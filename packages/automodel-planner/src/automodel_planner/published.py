@@ -29,7 +29,7 @@ from automodel_planner.estimate import (
     estimate_throughput,
     with_allocator_reserve,
 )
-from automodel_planner.hardware import parse_cluster
+from automodel_planner.hardware import Cluster, cluster_from_mapping, parse_cluster
 from automodel_planner.inputs import PlanInput
 from automodel_planner.step_time import DEFAULT_EFFICIENCY, Efficiency, StepTime
 
@@ -93,8 +93,23 @@ class PublishedRun:
     """The parameters' dtype as stored (computation follows FSDP2Config's bf16 mixed precision)."""
     strategy: Mapping[str, Any] = field(default_factory=dict)
     """Further `FSDP2Config` settings the source's job file states (``defer_fsdp_grad_sync``, ...)."""
+    network_gbps: float | None = None
+    """Each GPU's inter-node network in Gb/s where the source states one other than the device's
+    (`Device.inter_node_bytes_per_s`): a RoCE fabric of 1,600 Gb/s per node of 8 is 200."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """Config fields of the row's model beyond its shape's (an MPT's learned position table:
+    ``n_positions``, the row's sequence length)."""
     fp8_config: Mapping[str, Any] = field(default_factory=dict)
     """Further `FP8Config` settings of a ``fp8`` row (``enable_fsdp_float8_all_gather``, ...)."""
+
+    def hardware(self) -> Cluster:
+        """The row's cluster: ``cluster`` (``NxDEVICE``), on ``network_gbps`` where the source states it."""
+        cluster = parse_cluster(self.cluster)
+        if self.network_gbps is None:
+            return cluster
+        return cluster_from_mapping(
+            {"gpus": cluster.count, "device": cluster.device.name, "inter_node_gbps": self.network_gbps}
+        )
 
 
 def as_automodel_job(run: PublishedRun) -> PublishedRun:
@@ -127,11 +142,14 @@ def published_runs(role: str | None = None) -> list[PublishedRun]:
     return [r for r in rows if role is None or r.role == role]
 
 
-def shape_config(shape: str) -> Any:
-    """The transformers config of ``shape`` (a ``[shapes.*]`` table: the published model's widths)."""
+def shape_config(shape: str, **overrides: Any) -> Any:
+    """The transformers config of ``shape`` (a ``[shapes.*]`` table: the published model's widths).
+
+    ``overrides`` (a row's `PublishedRun.config`) are set over the shape's fields.
+    """
     from transformers import AutoConfig
 
-    fields = dict(_data()["shapes"][shape])
+    fields = dict(_data()["shapes"][shape]) | overrides
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
@@ -158,6 +176,8 @@ def run_plan(run: PublishedRun, model_config: Any = None) -> PlanInput:
     from automodel_distributed.config import FSDP2Config
     from automodel_mesh import MeshKind, ParallelismSizes, resolve_layout
 
+    if model_config is None and run.config:
+        model_config = shape_config(run.shape, **run.config)
     if model_config is None:
         model, config = _meta_model(run.shape, run.dtype)
     else:
@@ -169,7 +189,7 @@ def run_plan(run: PublishedRun, model_config: Any = None) -> PlanInput:
         model, _ = _build(run.shape, run.dtype, config)
         peft = PeftConfig(target_modules=["*_proj"], dim=run.lora_dim, alpha=2 * run.lora_dim)
         apply_lora_to_linear_modules(model, peft)
-    world = parse_cluster(run.cluster).count
+    world = run.hardware().count
     # dp_shard is what the other sizes leave of the world (resolve_layout infers it).
     sizes = {f"{k}_size": v for k, v in run.sizes.items() if k != "dp_shard"}
     layout = resolve_layout(MeshKind.FSDP2, ParallelismSizes(**sizes), world)
@@ -234,9 +254,7 @@ _PROFILES: dict[str, ProfileCache] = {}
 def predict(run: PublishedRun, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
     """The time model's step for ``run`` on its cluster."""
     cache = _PROFILES.setdefault(run.shape, {})
-    return estimate_throughput(
-        run_plan(run), parse_cluster(run.cluster), efficiency=efficiency, profile_cache=cache
-    )
+    return estimate_throughput(run_plan(run), run.hardware(), efficiency=efficiency, profile_cache=cache)
 
 
 def predict_memory(run: PublishedRun, reserve: float = ALLOCATOR_RESERVE) -> PeakEstimate:
@@ -271,7 +289,7 @@ def fit_efficiency(
     their defaults: the calibration rows are single-node, and attention is too small a part of their
     step to be told apart from the matmuls (the default is measured).
     """
-    plans = [(run_plan(r), parse_cluster(r.cluster), r.tokens_per_s_per_gpu) for r in runs]
+    plans = [(run_plan(r), r.hardware(), r.tokens_per_s_per_gpu) for r in runs]
     caches = [_PROFILES.setdefault(r.shape, {}) for r in runs]
 
     def error(eff: Efficiency) -> float:

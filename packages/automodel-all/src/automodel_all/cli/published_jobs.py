@@ -28,12 +28,11 @@ def published_job(run: Any, folder: str | Path) -> RawJob:
         run: The published row.
         folder: An empty or missing folder for the model's ``config.json``.
     """
-    from automodel_planner.hardware import parse_cluster
     from automodel_planner.published import shape_config
 
-    shape_config(run.shape).save_pretrained(folder)
+    shape_config(run.shape, **run.config).save_pretrained(folder)
     sizes = dict(run.sizes)
-    world = parse_cluster(run.cluster).count
+    world = run.hardware().count
     model_parallel = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
     dp = world // model_parallel
     raw = RawJob()
