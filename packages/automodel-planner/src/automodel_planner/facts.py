@@ -241,19 +241,24 @@ def _param_groups(plan: PlanInput, rule: PlacementRule, float8: frozenset[str]) 
 
 
 def _block_linears(plan: PlanInput) -> tuple[list[tuple[int, int]], dict[int, list[int]]]:
-    """Every block's linear weights (out, in), and the input widths of each block's adapted layers."""
+    """Every block's ``nn.Linear`` weights (out, in), and the input widths of each block's adapted layers.
+
+    Linear layers only (what float8 converts): GPT-2's ``Conv1D`` stores its weight (in, out) and stays
+    in bf16.
+    """
 
     def walk() -> tuple[list[tuple[int, int]], dict[int, list[int]]]:
+        blocks = _blocks(plan)
         shapes: list[tuple[int, int]] = []
         adapted: dict[int, list[int]] = {}
-        for name, param in plan.model.named_parameters():
-            index = layer_index(name, _blocks(plan))
+        for fqn, module in plan.model.named_modules():
+            index = layer_index(f"{fqn}.weight", blocks) if isinstance(module, nn.Linear) else None
             if index is None:
                 continue
-            if param.dim() == 2 and "lora_" not in name and name.endswith("weight"):
-                shapes.append((int(param.shape[0]), int(param.shape[1])))
-            if "lora_A" in name:
-                adapted.setdefault(index, []).append(int(param.shape[1]))
+            if "lora_" not in fqn:
+                shapes.append((module.out_features, module.in_features))
+            elif "lora_A" in fqn:
+                adapted.setdefault(index, []).append(module.in_features)
         return shapes, adapted
 
     return plan.model_fact("block_linears", walk)

@@ -110,3 +110,26 @@ def _check(label: str, plan: PlanInput, owners: dict[int, int]) -> None:
                 assert got_units[unit] == pytest.approx(value, rel=1e-12), (label, field, unit)
         assert got.unit_axes == want.unit_axes and got.reduce_separate == want.reduce_separate, label
     assert sum(t.params for t in census.tallies) > 0, label
+
+
+def test_the_float8_layer_shapes_are_the_blocks_linear_layers() -> None:
+    """What `FP8Memory` sizes its casts by: the blocks' ``nn.Linear`` layers, as torchao converts them."""
+    from transformers import GPT2Config
+
+    from automodel_planner.facts import _block_linears
+
+    moe = _plan(_model(moe=True), {})
+    linears = [
+        (m.out_features, m.in_features)
+        for fqn, m in moe.model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".layers." in fqn
+    ]
+    shapes, _ = _block_linears(moe)
+    assert shapes == linears
+    assert (8, H) not in shapes  # the router keeps an (experts, hidden) weight of no linear layer
+    # GPT-2's blocks (``transformer.h.<i>``, found by structure) hold Conv1D, (in, out), never converted.
+    config = GPT2Config(n_embd=H, n_head=HEADS, n_layer=2, n_positions=64, vocab_size=VOCAB, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    with torch.device("meta"):
+        gpt2 = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert _block_linears(_plan(gpt2, {}))[0] == []
