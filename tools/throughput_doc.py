@@ -11,7 +11,7 @@ efficiencies on the calibration rows (`fit_efficiency`) and prints them (paste t
 shows is what ``automodel plan`` predicts. Each row gives the published and predicted tokens/s per GPU,
 the error, and the largest parts of the predicted step; then what ``automodel plan --suggest`` picks for
 each run's cluster and batch beside the published layout (every valid layout of 512 GPUs is planned: a
-few minutes in all).
+few minutes in all); then two of the runs planned from 8 to 1,024 GPUs.
 """
 
 from __future__ import annotations
@@ -105,6 +105,71 @@ def suggestions() -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+SCALING: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("torchtitan 8B, 128 GPUs, FSDP", {}),
+    ("llm-foundry MPT-1b, 512 H100s, seq 2048, micro-batch 12 x 1", {"local_batch": 2, "micro_batch": 2}),
+)
+"""Published runs replanned from 8 to 1,024 GPUs (`scaling`): the row's id and what changes in it."""
+SCALING_GPUS = (8, 64, 256, 1024)
+
+
+def scaling() -> list[dict[str, Any]]:
+    """Each `SCALING` run at each of `SCALING_GPUS`, sharded over every GPU (FSDP) or within a node (HSDP).
+
+    The same job per GPU (batch, sequence, settings) on H100 nodes of 8; what grows is the groups its
+    collectives span, and with them NCCL's latency per operation.
+    """
+    from automodel_planner.published import predict, published_runs
+
+    runs = {run.id: run for run in published_runs()}
+    out = []
+    for run_id, changes in SCALING:
+        base = dataclasses.replace(runs[run_id], **changes)
+        for gpus in SCALING_GPUS:
+            layouts = {"FSDP": {"dp_shard": gpus}}
+            if gpus > 8:
+                layouts["HSDP (8 x replicas)"] = {"dp_shard": 8, "dp_replicate": gpus // 8}
+            for layout, sizes in layouts.items():
+                run = dataclasses.replace(base, cluster=f"{gpus}xH100", sizes=sizes, network_gbps=None)
+                step = predict(run)
+                parts = sorted(step.parts.items(), key=lambda item: -item[1])[:3]
+                out.append(
+                    {
+                        "model": f"{run.shape}, micro-batch {run.micro_batch} x {run.seq_len}",
+                        "gpus": gpus,
+                        "layout": layout,
+                        "tokens_per_s_per_gpu": step.tokens_per_s_per_gpu,
+                        "parts": {name: seconds / step.step_seconds for name, seconds in parts},
+                    }
+                )
+    return out
+
+
+def _scaling_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "",
+        "## From 8 to 1,024 GPUs",
+        "",
+        "Two of the published jobs (the same batch, sequence and settings per GPU) planned on 8 to 1,024 "
+        "H100s (8 per node), sharded over every GPU (FSDP) or inside each node and replicated across "
+        "them (HSDP). Each NCCL operation pays the latency NCCL's own tuner gives its ring or tree "
+        "(`automodel_planner.hardware.NCCL_ALGORITHMS`): a ring all-gather over 1,024 GPUs runs 1,023 "
+        "steps, 127 of them across the network, for each FSDP unit in each pass, while HSDP's "
+        "all-gathers stay inside a node and its all-reduce crosses the network once per unit per step, "
+        "as a tree.",
+        "",
+        "| model | GPUs | layout | predicted tokens/s/GPU | largest parts |",
+        "| --- | ---: | --- | ---: | --- |",
+    ]
+    for row in rows:
+        parts = ", ".join(f"{name} {share:.0%}" for name, share in row["parts"].items())
+        lines.append(
+            f"| {row['model']} | {row['gpus']:,} | {row['layout']} | {row['tokens_per_s_per_gpu']:,.0f} "
+            f"| {parts} |"
+        )
+    return lines
 
 
 def _suggestion_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -248,7 +313,9 @@ def _by_source(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def render(rows: list[dict[str, Any]], efficiency: Any, suggested: list[dict[str, Any]]) -> str:
+def render(
+    rows: list[dict[str, Any]], efficiency: Any, suggested: list[dict[str, Any]], scaled: list[dict[str, Any]]
+) -> str:
     """The page."""
     from automodel_planner.hardware import DEVICES
 
@@ -295,6 +362,7 @@ def render(rows: list[dict[str, Any]], efficiency: Any, suggested: list[dict[str
     lines += _by_source(rows)
     lines += _memory_table(rows)
     lines += _suggestion_table(suggested)
+    lines += _scaling_table(scaled)
     lines += [
         "",
         "## Achievable fractions (`automodel_planner.step_time.DEFAULT_EFFICIENCY`)",
@@ -357,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     suggested = suggestions()
     for entry in suggested:
         print(f"rank {entry['rank']:3d} of {entry['layouts']:4d}  {entry['id']}  ({entry['seconds']:.1f} s)")
-    Path(args.output).write_text(render(rows, DEFAULT_EFFICIENCY, suggested), encoding="utf-8")
+    scaled = scaling()
+    Path(args.output).write_text(render(rows, DEFAULT_EFFICIENCY, suggested, scaled), encoding="utf-8")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2), encoding="utf-8")
     return 0

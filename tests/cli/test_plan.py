@@ -442,7 +442,9 @@ def test_calibrating_on_a_measured_log_reproduces_its_step_time(
     document = json.loads(capsys.readouterr().out)
     assert document["calibration"]["measured_step_seconds"] == pytest.approx(2 * predicted)
     assert document["throughput"]["step_seconds"] == pytest.approx(2 * predicted, rel=1e-6)
-    assert 0.3 < document["calibration"]["factor"] < 0.6  # the compute slows; the collectives do not
+    # The compute slows; the collectives do not. This small model's step is mostly NCCL's latency per
+    # FSDP unit, so its compute must slow by far more than twice.
+    assert 0 < document["calibration"]["factor"] < 0.3
 
     short = tmp_path / "short.jsonl"
     short.write_text(json.dumps({"step": 1, "seconds": 1.0}) + "\n")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -382,6 +383,15 @@ class StrategyFacts(Protocol):
     pipelined: bool
 
 
+_DDP_BUCKET_MIB = 25.0
+"""torch DDP's bucket size when ``bucket_cap_mb`` is None."""
+
+
+def _ddp_bucket_bytes(config: DDPConfig) -> float:
+    """Bytes of gradients DDP all-reduces in one NCCL operation (one bucket)."""
+    return (config.bucket_cap_mb or _DDP_BUCKET_MIB) * 2**20
+
+
 def _local_kv_bytes(facts: StrategyFacts) -> float:
     """Bytes of a rank's keys and values in one attention call: its tokens, its TP share of the heads."""
     kv, head_dim = facts.attention
@@ -509,7 +519,7 @@ class StrategyMemory:
         if shard == 1 or not members:
             return []
         passes, gathers = facts.accumulation, 2 if self.reshard else 1
-        name = f"FSDP all-gather x{gathers}"
+        name, ops = f"FSDP all-gather x{gathers}", len(members)  # a call: every unit's, one by one
         gathered = (shard - 1) / shard * sum(facts.units[i] for i in members)
         out = [Collective(name, axis, gathered, passes if self.reshard else 1, Overlap.FORWARD)]
         if self.reshard:
@@ -517,7 +527,7 @@ class StrategyMemory:
         reduced = (shard - 1) / shard * sum(facts.unit_reduce[i] for i in members)
         reductions = 1 if self.deferred(facts.accumulation) or facts.pipelined else passes
         out.append(Collective("FSDP reduce-scatter", axis, reduced, reductions, Overlap.BACKWARD))
-        return out
+        return [c._replace(operations=ops) for c in out]
 
     def collectives(self, facts: StrategyFacts) -> list[Collective]:
         """What the strategy sends per step, collective by collective, with ring-algorithm factors.
@@ -540,12 +550,15 @@ class StrategyMemory:
             if world == 1:
                 return []
             reduced = 2 * (world - 1) / world * facts.grads
-            return [Collective("all-reduce gradients (DDP)", "world", reduced, 1, Overlap.BACKWARD)]
+            buckets = max(math.ceil(facts.grads / _ddp_bucket_bytes(self.config)), 1)
+            ddp = Collective("all-reduce gradients (DDP)", "world", reduced, 1, Overlap.BACKWARD)
+            return [ddp._replace(operations=buckets, all_reduce=True)]  # an all-reduce per bucket
         out = [c for axis in ("dp_shard_cp", "ep_shard") for c in self._fsdp_collectives(facts, axis)]
         if layout.dp_replicate > 1:
             r = layout.dp_replicate
             reduced = 2 * (r - 1) / r * facts.grads
-            out.append(Collective("HSDP all-reduce", "dp_replicate", reduced, 1, Overlap.BACKWARD))
+            hsdp = Collective("HSDP all-reduce", "dp_replicate", reduced, 1, Overlap.BACKWARD)
+            out.append(hsdp._replace(operations=len(facts.units), all_reduce=True))  # one per unit
         tokens, hidden, element = facts.tokens, facts.hidden_size, facts.element_size
         calls = len(facts.blocks) * facts.accumulation
         if layout.tp > 1:
@@ -554,7 +567,8 @@ class StrategyMemory:
             # each of its runs (recompute included), mirrored once in backward.
             collectives = 2 * (facts.gather_runs + facts.forward_runs) + 4
             per_block = collectives * (tp - 1) / tp * tokens * hidden * element
-            out.append(Collective("TP all-reduce (or AG+RS)", "tp", per_block, calls, Overlap.EXPOSED))
+            tp_call = Collective("TP all-reduce (or AG+RS)", "tp", per_block, calls, Overlap.EXPOSED)
+            out.append(tp_call._replace(operations=collectives))  # an all-reduce as its two halves
         if layout.cp > 1:
             cp, kv = layout.cp, _local_kv_bytes(facts)
             gather, runs = (cp - 1) * kv, facts.forward_runs

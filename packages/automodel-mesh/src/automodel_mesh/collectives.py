@@ -2,9 +2,9 @@
 
 Each package that issues collectives states them through its planner term (``collectives(facts)``): the
 axis whose groups carry it (`MeshLayout.group` says how its ranks lie on the nodes), the bytes one
-rank sends per call with the ring algorithm's factor applied, the calls per optimizer step and what it
-hides behind (`Overlap`). A term's traffic is the sum of its collectives (`traffic_of`); the planner's
-time model applies the overlap rules.
+rank sends per call with the ring algorithm's factor applied, the calls per optimizer step, the NCCL
+operations each call is made of (each pays a latency) and what it hides behind (`Overlap`). A term's
+traffic is the sum of its collectives (`traffic_of`); the planner's time model applies the overlap rules.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ class Collective(NamedTuple):
     """An ``all_to_all`` that crosses the network once per destination node and forwards inside it: its
     NVLink carries every copy (``bytes_per_call``), the network `NodeFanout.network_share` of them.
     None: each copy travels straight to its rank, evenly over the group's ranks."""
+    operations: float = 1.0
+    """NCCL operations one call is made of (``bytes_per_call`` is their sum), each paying NCCL's
+    latency: an FSDP unit's all-gather, a DDP bucket's all-reduce."""
+    all_reduce: bool = False
+    """Each operation is an all-reduce (NCCL runs twice a gather's ring steps, or a tree across nodes)."""
 
     @property
     def total(self) -> float:

@@ -11,6 +11,7 @@ what fraction of these peaks a job reaches is `automodel_planner.step_time.Effic
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,10 +20,62 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from automodel_mesh import NodeFanout
 
-__all__ = ["DEVICES", "Cluster", "Device", "cluster_from_mapping", "device_named", "parse_cluster"]
+__all__ = [
+    "DEVICES",
+    "NCCL_ALGORITHMS",
+    "Cluster",
+    "Device",
+    "NcclAlgorithm",
+    "cluster_from_mapping",
+    "device_named",
+    "parse_cluster",
+]
 
 _GB = 1e9
 _MIB = 2**20
+_US = 1e-6
+
+
+@dataclass(frozen=True)
+class NcclAlgorithm:
+    """One of NCCL's algorithms under one of its protocols, as NCCL's tuner models its time (microseconds)."""
+
+    algorithm: str
+    """``ring`` (every collective) or ``tree`` (all-reduce across nodes)."""
+    protocol: str
+    base: float
+    """Latency of one operation, whatever its size."""
+    nvlink_step: float
+    """Latency of each step between two GPUs of a node joined by NVLink."""
+    pcie_step: float
+    """The same over PCIe."""
+    network_step: float
+    """Latency of each step that crosses the network."""
+    lone_network_step: float
+    """The same when each node holds one rank of the group: NCCL then takes the tree's for either
+    algorithm (nothing inside a node hides the network's latency)."""
+    bandwidth: float
+    """Of the ring's bandwidth under the Simple protocol."""
+    nvlink_only: bool = False
+    """Run only inside NVLink nodes (NCCL enables LL128 by default only where every GPU's intra-node
+    path is NVLink)."""
+
+
+NCCL_ALGORITHMS: tuple[NcclAlgorithm, ...] = (
+    NcclAlgorithm("ring", "Simple", 8.4, 3.4, 5.7, 14.0, 14.0, 1.0),
+    NcclAlgorithm("ring", "LL128", 14.0, 1.9, 2.5, 4.0, 8.5, 120 / 128, nvlink_only=True),
+    NcclAlgorithm("tree", "Simple", 8.4, 4.0, 4.0, 14.0, 14.0, 0.92),
+    NcclAlgorithm("tree", "LL128", 14.0, 1.25, 1.9, 8.5, 8.5, 0.92 * 120 / 128, nvlink_only=True),
+)
+"""NCCL's ring and tree as its tuner models them (``ncclTunerConstantsDefaults`` and
+``ncclTopoTuneModel`` in ``src/graph/tuning.cc``, NVIDIA/nccl 5067397, 2026-06): each one's base
+latency, each step's latency on NVLink, PCIe and the network, and its bandwidth (LL128 moves 120 data
+bytes in each 128; the tree's all-reduce reaches 0.92 of its links). NCCL gives each operation the
+algorithm and protocol its model finds fastest; so does `Cluster.nccl_latency`. Left out: LL (half the
+bandwidth, for messages of a few KiB: no collective of a training step is that small), NVLink SHARP and
+CollNet (switch offload, where the fabric has it), PAT (one GPU per node), and NCCL's raising of a
+multi-node ring's intra-node step to its network overhead (1 us, 3 under Simple, on Intel hosts), below
+the steps here."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +98,9 @@ class Device:
     nccl_channels: int = 32
     """Channels NCCL opens between two GPUs of a node, each with its own buffers
     (`automodel_planner.runtime_memory`): 32 on an NVSwitch node of H100s (NVIDIA/nccl#1685's log)."""
+    nvlink: bool = True
+    """The GPUs of a node are joined by NVLink (False: PCIe alone), which sets NCCL's per-step latency
+    and whether it runs its LL128 protocol (`NCCL_ALGORITHMS`)."""
     source: str = ""
 
 
@@ -69,6 +125,7 @@ DEVICES: dict[str, Device] = {
             81_559 * _MIB,
             64 * _GB,
             nccl_channels=4,  # NCCL's log on GPUs joined by PCIe alone (NVIDIA/nccl#1706)
+            nvlink=False,
             source="NVIDIA H100 datasheet (PCIe): 756 TFLOPS bf16, 1,513 fp8 (dense), 2 TB/s, "
             "PCIe Gen5 128 GB/s",
         ),
@@ -169,6 +226,39 @@ class Cluster:
             off_node = sent * (size - per_node) / (size - 1)
             return max(off_node / inter, (sent - off_node) / intra)
         return max(sent / (per_node * inter), sent / intra if per_node > 1 else 0.0)
+
+    def nccl_latency(self, size: int, stride: int, transfer: float, all_reduce: bool = False) -> float:
+        """Seconds NCCL's latency adds to one operation over ``size`` ranks ``stride`` apart.
+
+        A ring on ``N`` nodes runs ``size - 1`` steps for an all-gather or a reduce-scatter (twice that
+        for an all-reduce), ``N - 1`` (twice) of them across the network; an all-reduce across nodes may
+        instead run as a tree: a chain through each node's ranks and ``log2 N`` network levels, down and
+        up. ``transfer``: the operation's seconds on the ring under the Simple protocol. NCCL picks what
+        its model finds fastest (`NCCL_ALGORITHMS`: latency plus transfer at that choice's bandwidth);
+        the result is that time less ``transfer``.
+        """
+        if size < 2:
+            return 0.0
+        per_node = self.ranks_per_node(size, stride)
+        nodes = -(-size // per_node)
+        rounds = 2 if all_reduce else 1
+        best = float("inf")
+        for choice in NCCL_ALGORITHMS:
+            if choice.nvlink_only and not self.device.nvlink:
+                continue
+            local = choice.nvlink_step if self.device.nvlink else choice.pcie_step
+            network = choice.network_step if per_node > 1 else choice.lone_network_step
+            if choice.algorithm == "ring":
+                crossings = rounds * (nodes - 1)
+                steps = (rounds * (size - 1) - crossings) * local + crossings * network
+                seconds = transfer
+            elif all_reduce and nodes > 1:
+                steps = 2 * ((per_node - 1) * local + int(math.log2(nodes)) * network)
+                seconds = transfer * size / (size - 1)  # sends the whole buffer, not a ring's share
+            else:
+                continue
+            best = min(best, (choice.base + steps) * _US + seconds / choice.bandwidth)
+        return best - transfer
 
     def describe(self) -> str:
         """``8 x H100 (1 node of 8)``."""

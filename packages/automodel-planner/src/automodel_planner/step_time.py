@@ -43,7 +43,11 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   (q, k, v; gate, up) sums their input gradients first, and its reduce-scatter stays exposed. A
   collective's time is its group's links'
   (`Cluster.seconds`, from `MeshLayout.group`): NVLink inside a node; across nodes one ring per
-  network link the group has in a node, each carrying a rank's share into the node.
+  network link the group has in a node, each carrying a rank's share into the node; and each of its
+  NCCL operations (an FSDP unit's all-gather, one of a TP block's collectives, an HSDP unit's
+  all-reduce) adds the latency NCCL's own tuner gives its ranks and nodes under the algorithm and
+  protocol it picks (`Cluster.nccl_latency`: a base, and a latency per ring step, NVLink's or the
+  network's, or per tree level).
 - **ring attention** (context parallelism) merges each ring step's output into the running one in
   fp32 after every step but the first, and accumulates the gradients likewise in backward: eager
   memory traffic per element of the attention's output (`_RING_MERGE_FORWARD`, `_RING_MERGE_BACKWARD`).
@@ -517,6 +521,9 @@ def _exposed(
         per_call = (
             cluster.seconds(c.bytes_per_call, c.pattern, size, stride, c.node_fanout) / efficiency.network
         )
+        if c.pattern == "ring" and c.operations > 0:  # each NCCL operation's latency
+            each = per_call / c.operations
+            per_call += c.operations * cluster.nccl_latency(size, stride, each, c.all_reduce)
         seconds = c.calls * per_call
         if c.overlap in per_step:  # call by call: each hides behind one step only
             seconds = c.calls * max(per_call - per_step[c.overlap], 0.0)

@@ -165,6 +165,47 @@ def test_clusters_parse_and_groups_inside_a_node_use_nvlink() -> None:
         cluster_from_mapping({"gpus": 8, "device": "H100", "nvlink": 1})
 
 
+def test_each_nccl_operation_pays_the_latency_nccls_tuner_gives_it() -> None:
+    from automodel_planner.estimate import _planned_ranks
+    from automodel_planner.step_time import _exposed, _Pass
+
+    us = 1e-6
+    cluster = parse_cluster("16xH100")  # two NVLink nodes: 14 ring steps inside, 1 across the network
+    simple, ll128 = (8.4 + 14 * 3.4 + 14.0) * us, (14.0 + 14 * 1.9 + 4.0) * us
+    assert cluster.nccl_latency(16, 1, 1e-6) == pytest.approx(ll128 + 1e-6 * (128 / 120 - 1))  # small: LL128
+    assert cluster.nccl_latency(16, 1, 1.0) == pytest.approx(simple)  # large: Simple's full bandwidth
+    assert cluster.nccl_latency(2, 8, 1.0) == pytest.approx((8.4 + 14.0) * us)  # one rank per node
+    assert cluster.nccl_latency(1, 1, 1.0) == 0.0
+    pcie = parse_cluster("8xH100-PCIe")  # no LL128 off NVLink; PCIe's step
+    assert pcie.nccl_latency(8, 1, 1e-6) == pytest.approx((8.4 + 7 * 5.7) * us)
+    # An all-reduce over 64 nodes, a rank in each: a ring's 126 network steps or a tree's 6 levels each
+    # way; the tree's LL128 wins a small one, the ring's Simple (its whole bandwidth) a large one.
+    big = parse_cluster("512xH100")
+    tree = (14.0 + 2 * 6 * 8.5) * us
+    assert big.nccl_latency(64, 8, 1e-6, all_reduce=True) == pytest.approx(
+        tree + 1e-6 * (64 / 63 / (0.92 * 120 / 128) - 1)
+    )
+    assert big.nccl_latency(64, 8, 1.0, all_reduce=True) == pytest.approx((8.4 + 126 * 14.0) * us)
+
+    # The time model pays it per operation: FSDP's per unit, TP's per collective of a block.
+    plan = _plan(world=16, sizes={"tp_size": 2})
+    step = estimate_throughput(plan, cluster)
+    _, _, terms, (facts,) = _planned_ranks(plan, None)
+    collectives = [c for term in terms for c in term.collectives(facts)]
+    fsdp = next(c for c in collectives if c.name.startswith("FSDP all-gather"))
+    tp = next(c for c in collectives if c.name.startswith("TP"))
+    assert fsdp.operations == len(facts.units) > LAYERS  # a unit per block, and those outside them
+    assert tp.operations == 2 * (1 + 1) + 4  # two all-gathers and two reduce-scatters each way
+    size, stride = plan.layout.group("tp")
+    exposed, _ = _exposed([tp], facts, cluster, DEFAULT_EFFICIENCY, _Pass(), async_tp=False)
+    each = cluster.seconds(tp.bytes_per_call / tp.operations, "ring", size, stride)
+    each /= DEFAULT_EFFICIENCY.network
+    latency = cluster.nccl_latency(size, stride, each)
+    assert latency > 0
+    assert exposed[f"exposed {tp.name}"] == pytest.approx(tp.calls * tp.operations * (each + latency))
+    assert step.parts[f"exposed {tp.name}"] == pytest.approx(tp.calls * tp.operations * (each + latency))
+
+
 def test_each_setting_moves_the_step_the_way_the_hardware_says() -> None:
     h100 = parse_cluster("8xH100")
     base = estimate_throughput(_plan(), h100)
@@ -179,7 +220,8 @@ def test_each_setting_moves_the_step_the_way_the_hardware_says() -> None:
     from automodel_quant.fp8 import FP8Config
 
     fp8 = FP8Config(enabled=True)
-    assert estimate_throughput(_plan(fp8=fp8), h100).step_seconds < base.step_seconds
+    # This small model's step waits on its all-gathers (NCCL's latency per unit), whatever float8 saves.
+    assert estimate_throughput(_plan(fp8=fp8), h100).parts["compute"] < base.parts["compute"]
     a100 = parse_cluster("8xA100")
     assert estimate_throughput(_plan(), a100).step_seconds > base.step_seconds
     with pytest.raises(ValueError, match="float8 tensor cores"):  # torchao's float8 cannot run there
@@ -352,7 +394,8 @@ def test_ring_attention_hides_each_gather_behind_one_step_of_its_attention() -> 
     layout = resolve_layout(MeshKind.FSDP2, ParallelismSizes(cp_size=2), 16)
     facts = SimpleNamespace(accumulation=1, layout=layout, blocks=[0, 1], units=[1.0])
     size, stride = layout.group("cp")
-    gather = cluster.seconds(1e9, "ring", size, stride) / DEFAULT_EFFICIENCY.network
+    transfer = cluster.seconds(1e9, "ring", size, stride) / DEFAULT_EFFICIENCY.network
+    gather = transfer + cluster.nccl_latency(size, stride, transfer)  # one NCCL operation each
     one = _Pass(attention_forward=4 * gather, attention_backward=10 * gather)  # 2 blocks x 2 steps
     collectives = [
         Collective("gather", "cp", 1e9, 6, Overlap.RING_STEP_FORWARD),  # 3 per block: over a step each
