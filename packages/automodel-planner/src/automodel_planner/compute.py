@@ -10,8 +10,10 @@ to the rest of the model, block ``-1``):
   input gradient only), and the bytes of their first operand and output (what async TP's reductions
   read);
 - attention kernels (the ``scaled_dot_product`` family): ``2 b h s_q s_k (d + d_v)`` FLOPs, as torch's
-  flop counter counts them (the whole score matrix; the time model halves it for a causal mask), and
-  the ``b h s_q d_v`` elements of their output (what ring attention merges after each step);
+  flop counter counts them (the whole score matrix), those of the calls made causal without a mask
+  apart (a GPU's fused kernels skip their upper triangle; a call with a mask, a sliding window's, or
+  a bidirectional one computes every score), and the ``b h s_q d_v`` elements of their output (what
+  ring attention merges after each step);
 - everything else that moves data (not views): the bytes of its tensor inputs and outputs, the traffic
   an eager kernel sends through HBM.
 
@@ -52,6 +54,9 @@ class BlockCompute:
     """Module FQN -> bytes of its matmuls' second operands (a linear layer's weight)."""
     attention_flops: float = 0.0
     """Forward FLOPs of the attention kernels, the whole score matrix counted."""
+    causal_attention_flops: float = 0.0
+    """Of ``attention_flops``, the calls made with ``is_causal`` and no mask: the whole matrix counted,
+    of which a GPU's fused kernels compute the lower triangle only."""
     attention_outputs: float = 0.0
     """Elements of the attention kernels' outputs (``b h s_q d``)."""
     memory_bytes: float = 0.0
@@ -110,6 +115,14 @@ def _attention_flops(args: tuple[Any, ...]) -> tuple[float, float]:
     return 2.0 * batch * heads * s_q * key.shape[-2] * (head_dim + value.shape[-1]), outputs
 
 
+def _causal(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether an attention kernel's call is causal without a mask (by its schema's argument names)."""
+    names = [argument.name for argument in func._schema.arguments]
+    bound = dict(zip(names, args, strict=False)) | dict(kwargs)
+    mask = bound.get("attn_mask", bound.get("attn_bias"))
+    return bool(bound.get("is_causal", False)) and mask is None
+
+
 class ComputeRecorder(TorchDispatchMode):
     """Counts FLOPs and bytes per block; ``where()`` says (block index or -1, innermost module FQN)."""
 
@@ -140,6 +153,7 @@ class ComputeRecorder(TorchDispatchMode):
         elif "scaled_dot_product" in name:
             flops, outputs = _attention_flops(args)
             target.attention_flops += flops
+            target.causal_attention_flops += flops if _causal(func, args, kwargs) else 0.0
             target.attention_outputs += outputs
         else:
             target.memory_bytes += sum(

@@ -9,7 +9,8 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   linear layers under ``fp8``), or its bytes (input, weight and output on the rank) at the HBM rate
   where they take longer (a roofline: under TP a grouped key/value projection keeps a few heads and
   reads the whole gathered input; under expert parallelism an experts module's matmuls read the rank's
-  ``1 / ep`` of its stacked weights), the attention kernels' FLOPs (halved for the causal mask) at the
+  ``1 / ep`` of its stacked weights), the attention kernels' FLOPs (halved for a causal call without
+  a mask; a masked one, a sliding window's, computes every score in SDPA's fused kernels) at the
   attention rate (FlashAttention-2's, times the kernel's measured speed: `ATTENTION_KERNEL_SPEED`),
   every other op's bytes at the HBM rate (times the fused share under ``compile`` inside the blocks,
   and outside them, where the loss's upcast and log-softmax dominate, under a compiled loss only: the
@@ -368,7 +369,8 @@ def _block_pass(
             out.recompute += seconds / 2  # every other matmul's output is saved
         if kind.adapted and index >= 0:
             _add_adapter(out, block, name, kind.tp_style, tp, rates.memory, bool(checkpointing))
-    attention = block.attention_flops / 2 / tp / rates.attention  # causal: half the score matrix
+    # A causal call without a mask computes half its score matrix; any other call all of it.
+    attention = (block.attention_flops - block.causal_attention_flops / 2) / tp / rates.attention
     # Outside the blocks (index -1) only a compiled loss fuses: the per-block compile leaves it eager.
     outside_rate = rates.fused_memory if options.compiled_loss else rates.eager_memory
     memory_rate = rates.memory if index >= 0 else outside_rate
@@ -467,7 +469,11 @@ def _rank_pass(
     if facts.last_stage:
         parts.append((compute.outside, -1))
     for block, index in parts:
-        scaled = dataclasses.replace(block, attention_flops=block.attention_flops * cp)
+        scaled = dataclasses.replace(
+            block,
+            attention_flops=block.attention_flops * cp,
+            causal_attention_flops=block.causal_attention_flops * cp,
+        )
         one = _block_pass(scaled, index, kinds, rates, tp, options, facts.layout.ep)
         if cp > 1 and index >= 0:
             _add_ring_merges(one, (cp - 1) * block.attention_outputs / tp / rates.eager_memory, options)

@@ -64,6 +64,7 @@ def test_the_fake_forward_counts_every_matmul_and_the_attention_exactly() -> Non
     assert matmuls == 2 * _non_embedding_params(config) * tokens
     assert compute.blocks[0].matmul_flops["self_attn.q_proj"] == 2 * tokens * H * H
     assert all(b.attention_flops == 4 * batch * HEADS * seq * seq * (H // HEADS) for b in compute.blocks)
+    assert all(b.causal_attention_flops == b.attention_flops for b in compute.blocks)  # is_causal, no mask
     assert all(b.attention_outputs == batch * HEADS * seq * (H // HEADS) for b in compute.blocks)
     assert all(b.memory_bytes > 0 for b in compute.blocks) and compute.outside.memory_bytes > 0
     k_proj = {
@@ -163,6 +164,36 @@ def test_clusters_parse_and_groups_inside_a_node_use_nvlink() -> None:
         cluster_from_mapping({"device": "H100"})
     with pytest.raises(ValueError, match="unknown key"):
         cluster_from_mapping({"gpus": 8, "device": "H100", "nvlink": 1})
+
+
+def test_a_masked_attention_call_computes_its_whole_score_matrix() -> None:
+    from transformers import MistralConfig
+
+    # A sliding window shorter than the sequence: transformers hands SDPA a mask, and SDPA's fused
+    # kernels compute every score of a masked call; a causal call without one, half of them.
+    fields = {
+        "hidden_size": H,
+        "intermediate_size": FFN,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HEADS,
+    }
+    fields |= {"num_key_value_heads": KV, "vocab_size": VOCAB}
+    sliding = MistralConfig(**fields, sliding_window=128)
+    causal = MistralConfig(**fields, sliding_window=None)
+    profiles = [
+        profile_step(c, micro_batch=2, seq_len=512, dtype=torch.bfloat16).compute for c in (sliding, causal)
+    ]
+    assert [b.causal_attention_flops for b in profiles[0].blocks] == [0.0, 0.0]
+    assert all(b.causal_attention_flops == b.attention_flops > 0 for b in profiles[1].blocks)
+    assert profiles[0].blocks[0].attention_flops == profiles[1].blocks[0].attention_flops
+
+    from automodel_planner.hardware import Cluster
+    from automodel_planner.step_time import StepOptions, _block_pass, _Rates
+
+    rates = _Rates.of(Cluster(DEVICES["h100"], 1, 8), DEFAULT_EFFICIENCY, StepOptions())
+    kinds = weight_kinds(_meta_model(_config()), [])  # no block weights: the attention alone
+    masked, unmasked = (_block_pass(p.blocks[0], -1, kinds, rates, 1, StepOptions()) for p in profiles)
+    assert masked.attention_forward == pytest.approx(2 * unmasked.attention_forward)
 
 
 def test_each_nccl_operation_pays_the_latency_nccls_tuner_gives_it() -> None:
