@@ -8,6 +8,7 @@ pass the first checks train the embedded default's tokenizer there (under a seco
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 from pathlib import Path
@@ -91,6 +92,11 @@ TRAIN_CASES: dict[str, tuple[list[str], str]] = {
     "set unknown key": (["--set", "train.nosuch=1"], "unknown key 'nosuch' in section 'train'"),
     "set syntax": (["--set", "nodot=1"], "expected SECTION.KEY=VALUE"),
 }
+if importlib.util.find_spec("flash_attn") is None:  # this machine lacks flash-attn, as a CPU host does
+    TRAIN_CASES["set attn_implementation without its package"] = (
+        ["--set", "model.attn_implementation=flash_attention_2"],
+        "'flash_attention_2' needs a package this machine lacks",
+    )
 
 PLAN_CASES: dict[str, tuple[list[str], str]] = {
     "model missing": (["--model", MISSING], "does not exist"),

@@ -372,6 +372,25 @@ def test_checkpointing_modes_and_async_tp_are_plan_options(capsys: pytest.Captur
     }
 
 
+def test_a_job_on_a_gpu_only_attention_kernel_plans_on_any_host(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    def plan(kernel: str) -> dict[str, object]:
+        argv = ["plan", "--cluster", "8xH100", "--json", "--set", f"model.attn_implementation={kernel}"]
+        assert main(argv) == 0, kernel  # flash-attn is not installed here, nor runs FlexAttention on CPU
+        return json.loads(capsys.readouterr().out)
+
+    sdpa, flash, flex, fa3 = (
+        plan(k) for k in ("sdpa", "flash_attention_2", "flex_attention", "flash_attention_3")
+    )
+    # The embedded model is causal without a window: the same FLOPs and saved tensors as SDPA's kernel.
+    assert flash["throughput"] == flex["throughput"] == sdpa["throughput"]
+    assert flash["peak"] == sdpa["peak"]
+    assert (
+        fa3["throughput"]["breakdown_seconds"]["compute"] < sdpa["throughput"]["breakdown_seconds"]["compute"]
+    )
+
+
 def test_a_cluster_plans_the_gpu_job_and_a_published_run_as_a_job_predicts_as_the_table(
     tmp_path: Path,
 ) -> None:

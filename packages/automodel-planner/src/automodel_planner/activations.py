@@ -42,7 +42,7 @@ from automodel_distributed.blocks import find_transformer_blocks
 from automodel_modules import embedding_module
 from automodel_planner.compute import ComputeProfile, ComputeRecorder
 from automodel_planner.repeated_blocks import repeated_blocks, skip_repeated
-from automodel_planner.sdpa_choice import CudaSdpaChoice, unpacked_rows
+from automodel_planner.sdpa_choice import CudaSdpaChoice, profiled_attention, unpacked_rows
 
 __all__ = [
     "ActivationProfile",
@@ -158,22 +158,24 @@ def _causal_lm(model_config: Any, dtype: torch.dtype, attn_implementation: str |
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.initialization import no_init_weights
+    from transformers.models.auto.auto_factory import _get_model_class  # the class from_config builds
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     # None: transformers' own default, as the trainer builds the model (SDPA where the family supports
     # it, else its eager attention).
-    implementation = attn_implementation or getattr(model_config, "_attn_implementation", None)
     get_text = getattr(model_config, "get_text_config", None)
     text = get_text() if callable(get_text) else model_config
     whole = text is not model_config and text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     config = copy.deepcopy(model_config if whole else text)
+    auto = AutoModelForImageTextToText if whole else AutoModelForCausalLM
+    requested = attn_implementation or getattr(model_config, "_attn_implementation", None)
+    implementation = profiled_attention(requested, _get_model_class(config, auto._model_mapping))
     config.use_cache = False
     if whole:
         config.get_text_config().use_cache = False
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        auto = AutoModelForImageTextToText if whole else AutoModelForCausalLM
         # dtype given: a config that once built a model remembers that model's dtype (fp32 master
         # weights), while the profile is of the compute dtype. Fake values need no initialisation
         # (transformers' own switch skips its per-module init walk too).

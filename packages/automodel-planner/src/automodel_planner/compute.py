@@ -31,6 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from automodel_planner.sdpa_choice import current_window
+
 __all__ = ["BlockCompute", "ComputeProfile", "ComputeRecorder"]
 
 _MATMULS = frozenset(
@@ -57,6 +59,11 @@ class BlockCompute:
     causal_attention_flops: float = 0.0
     """Of ``attention_flops``, the calls made with ``is_causal`` and no mask: the whole matrix counted,
     of which a GPU's fused kernels compute the lower triangle only."""
+    window_attention_flops: float = 0.0
+    """Of ``causal_attention_flops``, the calls of a kernel that honours a sliding window narrower than
+    their keys (flash-attn's, FlexAttention's: `automodel_planner.sdpa_choice.current_window`)."""
+    window_band_flops: float = 0.0
+    """What those calls compute: the band of scores inside each query's window."""
     attention_outputs: float = 0.0
     """Elements of the attention kernels' outputs (``b h s_q d``)."""
     memory_bytes: float = 0.0
@@ -115,6 +122,18 @@ def _attention_flops(args: tuple[Any, ...]) -> tuple[float, float]:
     return 2.0 * batch * heads * s_q * key.shape[-2] * (head_dim + value.shape[-1]), outputs
 
 
+def _band_share(queries: int, keys: int, window: int) -> float:
+    """Of a causal self-attention's whole ``queries x keys`` scores, those within ``window`` of their query.
+
+    The queries are the last ``queries`` of the ``keys`` positions; the one at position ``p`` sees
+    ``min(p + 1, window)`` keys. The tiles a kernel computes whole at the band's edges are left out.
+    """
+    first, last = keys - queries + 1, min(window, keys)  # the keys seen, ``p + 1``, from first on
+    inside = (first + last) * (last - first + 1) / 2 if first <= last else 0.0  # sum of p + 1 up to window
+    capped = (keys - max(last, first - 1)) * window  # each later query sees the window only
+    return (inside + capped) / (queries * keys)
+
+
 def _causal(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """Whether an attention kernel's call is causal without a mask (by its schema's argument names)."""
     names = [argument.name for argument in func._schema.arguments]
@@ -153,7 +172,13 @@ class ComputeRecorder(TorchDispatchMode):
         elif "scaled_dot_product" in name:
             flops, outputs = _attention_flops(args)
             target.attention_flops += flops
-            target.causal_attention_flops += flops if _causal(func, args, kwargs) else 0.0
+            causal = _causal(func, args, kwargs)
+            target.causal_attention_flops += flops if causal else 0.0
+            window, query, key = current_window(), *_tensors(args)[:2]
+            queries, keys = query.shape[-2], key.shape[-2]
+            if causal and window is not None and window < keys:
+                target.window_attention_flops += flops
+                target.window_band_flops += flops * _band_share(queries, keys, window)
             target.attention_outputs += outputs
         else:
             target.memory_bytes += sum(

@@ -19,18 +19,26 @@ own argument handling: grouped key/value heads repeated, a boolean mask turned i
 the dropout probability passed on. The dispatch recorders then see one attention kernel, its FLOPs and
 what it saves (query, key, value, output, log-sum-exp and the dropout's seed), as on the GPU. Calls the
 CPU's flash kernel takes are left alone.
+
+A job whose attention runs a fused kernel only a GPU has (``flash_attention_2`` and ``_3``,
+``flex_attention``, a hub kernel) is profiled through `FUSED_ATTENTION`, an attention function
+registered with transformers' own interface: SDPA's fused kernel with the call's causal flag and no
+mask, as those kernels take it (the same FLOPs and saved tensors: query, key, value, output,
+log-sum-exp), with the layer's sliding window, which they honour by skipping the tiles outside it,
+told to the FLOP count (`current_window`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaSdpaChoice", "unpacked_rows"]
+__all__ = ["FUSED_ATTENTION", "CudaSdpaChoice", "current_window", "profiled_attention", "unpacked_rows"]
 
 _PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None}
@@ -110,3 +118,91 @@ def unpacked_rows() -> Iterator[None]:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = lookup
+
+
+FUSED_ATTENTION = "automodel_planner_fused"
+"""The attention implementation a job's GPU-only fused kernel is profiled as (`profiled_attention`)."""
+_WINDOW: contextvars.ContextVar[int | None] = contextvars.ContextVar("automodel_planner_window", default=None)
+
+
+def current_window() -> int | None:
+    """The sliding window of the `FUSED_ATTENTION` call in progress (None: none, or no such call)."""
+    return _WINDOW.get()
+
+
+def _gpu_only(implementation: str) -> bool:
+    """flash-attn's kernels (``flash_attention_2`` on), FlexAttention's, and hub kernels (``org/repo``)."""
+    return (
+        implementation.startswith("flash_attention_")
+        or implementation == "flex_attention"
+        or "/" in implementation
+    )
+
+
+def profiled_attention(implementation: str | None, model_class: type | None = None) -> str | None:
+    """The attention implementation the fake forward runs for a job's ``implementation``.
+
+    For a kernel only a GPU runs (no CPU runs flash-attn's kernels or FlexAttention's backward):
+    `FUSED_ATTENTION`, registered with transformers on first use, where ``model_class`` dispatches
+    through transformers' attention interface; SDPA where it picks an attention class by name
+    (Falcon's), the same FLOPs. Any other implementation (SDPA, eager, None: transformers' default)
+    is the job's own.
+
+    Raises:
+        ValueError: ``model_class`` does not support the kernel (transformers' own flag says so).
+    """
+    if implementation is None or not _gpu_only(implementation):
+        return implementation
+    if model_class is not None:
+        flag = "_supports_flex_attn" if implementation == "flex_attention" else "_supports_flash_attn"
+        if not getattr(model_class, flag, False):
+            raise ValueError(
+                f"{model_class.__name__} does not support {implementation!r} (transformers' {flag} is "
+                "False): choose sdpa or eager"
+            )
+        if not getattr(model_class, "_supports_attention_backend", False):
+            return "sdpa" if getattr(model_class, "_supports_sdpa", False) else None
+    from transformers import AttentionInterface
+
+    if FUSED_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(FUSED_ATTENTION, _fused_attention)
+    return FUSED_ATTENTION
+
+
+def _fused_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A flash-attn or FlexAttention call as transformers makes it, run by SDPA's fused kernel.
+
+    transformers builds no mask for an implementation its mask interface does not know, as for these
+    kernels, which take the causal flag and the sliding window instead (rows are not packed in a
+    plan); grouped key/value heads go to the kernel as they are. Softcapping and attention sinks,
+    which some of these kernels apply, change no FLOP count or saved tensor. Mutates nothing.
+    """
+    del attention_mask  # None: transformers makes no mask for an implementation it has none for
+    causal = query.shape[2] > 1 and (
+        is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    )
+    window = kwargs.get("sliding_window")
+    token = _WINDOW.set(window if causal and isinstance(window, int) and window > 0 else None)
+    try:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            dropout_p=dropout,
+            is_causal=causal,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+    finally:
+        _WINDOW.reset(token)
+    return out.transpose(1, 2).contiguous(), None

@@ -10,11 +10,11 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   where they take longer (a roofline: under TP a grouped key/value projection keeps a few heads and
   reads the whole gathered input; under expert parallelism an experts module's matmuls read the rank's
   ``1 / ep`` of its stacked weights), the attention kernels' FLOPs (halved for a causal call without
-  a mask; a masked one, a sliding window's, computes every score in SDPA's fused kernels) at the
-  attention rate (FlashAttention-2's, times the kernel's measured speed: `ATTENTION_KERNEL_SPEED`),
-  every other op's bytes at the HBM rate (times the fused share under ``compile`` inside the blocks,
-  and outside them, where the loss's upcast and log-softmax dominate, under a compiled loss only: the
-  per-block compile leaves it eager).
+  a mask; a masked one, a sliding window's, computes every score in SDPA's fused kernels, and
+  flash-attn's and FlexAttention's the window's band only) at the attention rate (FlashAttention-2's,
+  times the kernel's measured speed: `ATTENTION_KERNEL_SPEED`), every other op's bytes at the HBM rate
+  (times the fused share under ``compile`` inside the blocks, and outside them, where the loss's upcast
+  and log-softmax dominate, under a compiled loss only: the per-block compile leaves it eager).
   Backward is twice a trainable matmul's forward (input and weight gradients) and once a frozen one's
   (input gradient only), 2.5 times attention's (flash attention's backward runs five matmuls to the
   forward's two) and twice the memory-bound ops'. Recompute adds the blocks' forward (full
@@ -369,8 +369,11 @@ def _block_pass(
             out.recompute += seconds / 2  # every other matmul's output is saved
         if kind.adapted and index >= 0:
             _add_adapter(out, block, name, kind.tp_style, tp, rates.memory, bool(checkpointing))
-    # A causal call without a mask computes half its score matrix; any other call all of it.
-    attention = (block.attention_flops - block.causal_attention_flops / 2) / tp / rates.attention
+    # A causal call without a mask computes half its score matrix (a windowed one its band); any other
+    # call all of it.
+    flops = block.attention_flops - block.causal_attention_flops / 2
+    flops += block.window_band_flops - block.window_attention_flops / 2
+    attention = flops / tp / rates.attention
     # Outside the blocks (index -1) only a compiled loss fuses: the per-block compile leaves it eager.
     outside_rate = rates.fused_memory if options.compiled_loss else rates.eager_memory
     memory_rate = rates.memory if index >= 0 else outside_rate
@@ -469,7 +472,7 @@ def _rank_pass(
     if facts.last_stage:
         parts.append((compute.outside, -1))
     for block, index in parts:
-        scaled = dataclasses.replace(
+        scaled = dataclasses.replace(  # each query meets cp times the keys of the rank's shard
             block,
             attention_flops=block.attention_flops * cp,
             causal_attention_flops=block.causal_attention_flops * cp,

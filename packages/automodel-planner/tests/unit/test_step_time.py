@@ -195,6 +195,18 @@ def test_a_masked_attention_call_computes_its_whole_score_matrix() -> None:
     masked, unmasked = (_block_pass(p.blocks[0], -1, kinds, rates, 1, StepOptions()) for p in profiles)
     assert masked.attention_forward == pytest.approx(2 * unmasked.attention_forward)
 
+    # flash-attn's kernel (and FlexAttention's) takes the window and skips the tiles outside it: the
+    # band of 128 keys before each of 512 queries (the first 128 see fewer).
+    flash = profile_step(
+        sliding, micro_batch=2, seq_len=512, dtype=torch.bfloat16, attn_implementation="flash_attention_2"
+    )
+    band = (128 * 129 / 2 + (512 - 128) * 128) / 512**2
+    for block in flash.compute.blocks:
+        assert block.window_attention_flops == block.causal_attention_flops == block.attention_flops
+        assert block.window_band_flops == pytest.approx(band * block.attention_flops)
+    windowed = _block_pass(flash.compute.blocks[0], -1, kinds, rates, 1, StepOptions())
+    assert windowed.attention_forward == pytest.approx(2 * band * unmasked.attention_forward)
+
 
 def test_each_nccl_operation_pays_the_latency_nccls_tuner_gives_it() -> None:
     from automodel_planner.estimate import _planned_ranks

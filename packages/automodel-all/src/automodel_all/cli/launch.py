@@ -32,6 +32,7 @@ from automodel_all.cli.data import prepare_data, prepare_stream
 from automodel_all.cli.default_job import builtin_corpus, train_tokenizer
 from automodel_all.cli.model import (
     adapt_experts_too,
+    build_meta_model,
     load_model_config,
     load_processor,
     model_dtype,
@@ -150,6 +151,7 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
     _ensure_initial_weights(raw, job)
     job = build_job(raw)
     model_config = load_model_config(job)
+    _check_attention_kernel(raw, job, model_config)
     job = adapt_experts_too(raw, job, model_config)
     _prepare_data(raw, job, model_config)
     job = build_job(raw)
@@ -163,6 +165,22 @@ def prepare_job(raw: RawJob, *, world_size: int | None = None) -> tuple[Resolved
         raw.where("train", "micro_batch_size"),
     )
     return resolved, raw.to_plain()
+
+
+def _check_attention_kernel(raw: RawJob, job: JobConfig, model_config: Any) -> None:
+    """Refuse, before any worker starts, an attention kernel transformers cannot load here.
+
+    A GPU-only kernel (flash-attn's, a hub kernel) is checked by transformers when it builds the
+    model: built here once on the meta device, as each worker will.
+
+    Raises:
+        ConfigError: The kernel's package is missing or the model does not support it (its reason).
+    """
+    from automodel_planner.sdpa_choice import profiled_attention
+
+    name = job.model.attn_implementation
+    if name is not None and profiled_attention(name) != name:
+        build_meta_model(job, model_config, where=raw.where("model", "attn_implementation"))
 
 
 def _resolve_hub_datasets(raw: RawJob, job: JobConfig) -> JobConfig:

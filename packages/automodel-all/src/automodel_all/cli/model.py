@@ -16,6 +16,7 @@ __all__ = [
     "is_image_text_model",
     "load_model_config",
     "load_processor",
+    "model_class",
     "model_dtype",
     "text_tokenizer",
 ]
@@ -91,22 +92,47 @@ def text_tokenizer(tokenizer_or_processor: Any) -> Any:
     return getattr(tokenizer_or_processor, "tokenizer", tokenizer_or_processor)
 
 
-def build_meta_model(job: JobConfig, config: Any) -> torch.nn.Module:
+def _auto_class(config: Any) -> Any:
+    """``AutoModelForImageTextToText`` for a vision-language config, else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_image_text_model(config) else AutoModelForCausalLM
+
+
+def model_class(config: Any) -> type | None:
+    """The transformers class `build_meta_model` builds for ``config`` (None: no class for it)."""
+    from transformers.models.auto.auto_factory import _get_model_class  # the class from_config builds
+
+    try:
+        cls: type = _get_model_class(config, _auto_class(config)._model_mapping)
+    except KeyError:
+        return None
+    return cls
+
+
+def build_meta_model(
+    job: JobConfig, config: Any, where: str = "model.attn_implementation"
+) -> torch.nn.Module:
     """The model of ``config`` on the meta device (no memory), in the job's dtype.
 
     ``AutoModelForImageTextToText`` for a vision-language config, else ``AutoModelForCausalLM``.
+    ``where``: how an error names the attention implementation (the job file's line or the option).
 
     Raises:
-        ConfigError: transformers cannot build the model from ``config`` (its error quoted).
+        ConfigError: transformers cannot build the model from ``config`` (its error quoted), or the
+            attention implementation's package is missing.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    auto = AutoModelForImageTextToText if is_image_text_model(config) else AutoModelForCausalLM
+    auto = _auto_class(config)
     try:
         with torch.device("meta"):
             model = auto.from_config(
                 config, dtype=model_dtype(job), attn_implementation=job.model.attn_implementation
             )
+    except ImportError as exc:  # the attention kernel's package (flash-attn's) is not installed here
+        raise ConfigError(
+            f"{where}: {job.model.attn_implementation!r} needs a package this machine "
+            f"lacks ({exc}); install it, or choose sdpa"
+        ) from None
     except (AttributeError, TypeError, ValueError, RuntimeError) as exc:  # transformers' own refusal
         raise ConfigError(
             f"model: transformers cannot build {type(config).__name__} from its config "

@@ -6,13 +6,15 @@ token of its TFLOP/s and MFU), so both count the same model.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from automodel_all.cli.config import JobConfig, ResolvedJob
-from automodel_all.cli.model import build_meta_model, model_dtype
+from automodel_all.cli.model import build_meta_model, model_class, model_dtype
+from automodel_all.cli.yaml_source import ConfigError
 
 if TYPE_CHECKING:
     from automodel_planner import PlanInput
@@ -25,8 +27,22 @@ def planning_model(job: JobConfig, model_config: Any) -> tuple[nn.Module, int]:
 
     Returns:
         The model and the number of layers LoRA adapts (0 without ``peft``).
+
+    Raises:
+        ConfigError: The model does not support the job's attention kernel.
     """
-    model = build_meta_model(job, model_config)
+    from automodel_planner.sdpa_choice import profiled_attention
+
+    # The planner reads the model's structure, not its attention kernel: a kernel only a GPU runs (and
+    # this host may not have installed) is built as the planner profiles it.
+    try:
+        kernel = profiled_attention(job.model.attn_implementation, model_class(model_config))
+    except ValueError as exc:
+        raise ConfigError(f"model.attn_implementation: {exc}") from None
+    model = build_meta_model(
+        dataclasses.replace(job, model=dataclasses.replace(job.model, attn_implementation=kernel)),
+        model_config,
+    )
     if job.freeze_config is not None:
         from automodel_distributed.multimodal import apply_freeze_config
 
