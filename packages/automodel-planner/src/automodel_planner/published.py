@@ -71,6 +71,9 @@ class PublishedRun:
     checkpointing: Literal[False, "full", "selective"] = False
     attention_kernel: str | None = None
     """The attention kernel where the source's is not FlashAttention-2 (`PlanInput.attention_kernel`)."""
+    attn_implementation: str = "sdpa"
+    """The transformers attention implementation of the source's model (``flex_attention``:
+    FlexAttention, which computes a sliding window's band only)."""
     repeat_kv: bool = False
     """The source's model repeats the key/value heads to the query heads before attention
     (`PlanInput.attention_kv_heads`)."""
@@ -236,7 +239,7 @@ def run_plan(run: PublishedRun, model_config: Any = None) -> PlanInput:
         peft=peft,
         fp8=fp8,
         expert_exchange=exchange,
-        attn_implementation="sdpa",
+        attn_implementation=run.attn_implementation,
         attention_kernel=run.attention_kernel,
         compile=run.compile,
         compiled_loss=run.compile_loss,

@@ -51,6 +51,7 @@ COMMITTED: dict[str, tuple[float, float | None]] = {
     "NeMo AutoModel Qwen2.5 32B LoRA, 16 GPUs, TP 2": (+0.086, None),
     "NeMo AutoModel Llama 3 70B, 64 GPUs, FSDP 32 x CP 2": (+0.087, None),
     "NeMo AutoModel Qwen3 MoE 30B, 8 GPUs, EP 8": (-0.004, None),
+    "NeMo AutoModel GPT-OSS 20B, 8 GPUs, EP 8": (-0.001, None),
     "NeMo AutoModel DeepSeek V3 671B, 1024 GPUs, PP 4 x EP 64": (+0.351, None),
     "NeMo AutoModel DeepSeek V3 671B, 256 GPUs, PP 4 x EP 64": (+0.174, None),
     "NeMo AutoModel Kimi K2, 256 GPUs, PP 8 x EP 32": (+0.257, None),

@@ -39,7 +39,7 @@ def published_job(run: Any, folder: str | Path) -> RawJob:
     settings: list[tuple[str, str, Any]] = [
         ("model", "name_or_path", str(folder)),
         ("model", "dtype", run.dtype),
-        ("model", "attn_implementation", "sdpa"),
+        ("model", "attn_implementation", run.attn_implementation),
         ("data", "seq_len", run.seq_len),
         ("train", "global_batch_size", run.local_batch * dp),
         ("train", "micro_batch_size", run.micro_batch),
