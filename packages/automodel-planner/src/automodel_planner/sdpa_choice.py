@@ -38,7 +38,14 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FUSED_ATTENTION", "CudaSdpaChoice", "current_window", "profiled_attention", "unpacked_rows"]
+__all__ = [
+    "FUSED_ATTENTION",
+    "CudaSdpaChoice",
+    "current_window",
+    "profiled_attention",
+    "runs_on_gpu_only",
+    "unpacked_rows",
+]
 
 _PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None}
@@ -130,13 +137,10 @@ def current_window() -> int | None:
     return _WINDOW.get()
 
 
-def _gpu_only(implementation: str) -> bool:
+def runs_on_gpu_only(implementation: str | None) -> bool:
     """flash-attn's kernels (``flash_attention_2`` on), FlexAttention's, and hub kernels (``org/repo``)."""
-    return (
-        implementation.startswith("flash_attention_")
-        or implementation == "flex_attention"
-        or "/" in implementation
-    )
+    name = implementation or ""
+    return name.startswith("flash_attention_") or name == "flex_attention" or "/" in name
 
 
 def profiled_attention(implementation: str | None, model_class: type | None = None) -> str | None:
@@ -145,13 +149,13 @@ def profiled_attention(implementation: str | None, model_class: type | None = No
     For a kernel only a GPU runs (no CPU runs flash-attn's kernels or FlexAttention's backward):
     `FUSED_ATTENTION`, registered with transformers on first use, where ``model_class`` dispatches
     through transformers' attention interface; SDPA where it picks an attention class by name
-    (Falcon's), the same FLOPs. Any other implementation (SDPA, eager, None: transformers' default)
-    is the job's own.
+    (Falcon's), the same FLOPs, or else its default. Any other implementation (SDPA, eager, None:
+    transformers' default) is the job's own.
 
     Raises:
         ValueError: ``model_class`` does not support the kernel (transformers' own flag says so).
     """
-    if implementation is None or not _gpu_only(implementation):
+    if implementation is None or not runs_on_gpu_only(implementation):
         return implementation
     if model_class is not None:
         flag = "_supports_flex_attn" if implementation == "flex_attention" else "_supports_flash_attn"

@@ -176,10 +176,9 @@ def _check_attention_kernel(raw: RawJob, job: JobConfig, model_config: Any) -> N
     Raises:
         ConfigError: The kernel's package is missing or the model does not support it (its reason).
     """
-    from automodel_planner.sdpa_choice import profiled_attention
+    from automodel_planner.sdpa_choice import runs_on_gpu_only
 
-    name = job.model.attn_implementation
-    if name is not None and profiled_attention(name) != name:
+    if runs_on_gpu_only(job.model.attn_implementation):
         build_meta_model(job, model_config, where=raw.where("model", "attn_implementation"))
 
 
