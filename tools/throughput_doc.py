@@ -36,6 +36,17 @@ def _commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def _largest_parts(step: Any) -> dict[str, float]:
+    """The three largest parts of a predicted step, as shares of it."""
+    parts = sorted(step.parts.items(), key=lambda item: -item[1])[:3]
+    return {name: seconds / step.step_seconds for name, seconds in parts}
+
+
+def _parts_text(parts: dict[str, float]) -> str:
+    """``compute 85%, recompute 14%, ...``."""
+    return ", ".join(f"{name} {share:.0%}" for name, share in parts.items())
+
+
 def predictions() -> list[dict[str, Any]]:
     """One entry per published run: the row, the prediction and its error."""
     from automodel_planner.published import predict, predict_memory, published_runs
@@ -45,7 +56,6 @@ def predictions() -> list[dict[str, Any]]:
         start = time.perf_counter()
         step = predict(run)
         predicted = step.tokens_per_s_per_gpu
-        parts = sorted(step.parts.items(), key=lambda item: -item[1])
         rows.append(
             {
                 "id": run.id,
@@ -59,7 +69,7 @@ def predictions() -> list[dict[str, Any]]:
                 "error": predicted / run.tokens_per_s_per_gpu - 1,
                 "mfu": step.mfu,
                 "step_seconds": step.step_seconds,
-                "parts": {name: seconds / step.step_seconds for name, seconds in parts[:3]},
+                "parts": _largest_parts(step),
                 "plan_seconds": time.perf_counter() - start,
                 **_memory(predict_memory(run) if run.memory_gib is not None else None, run.memory_gib),
             }
@@ -134,14 +144,13 @@ def scaling() -> list[dict[str, Any]]:
             for layout, sizes in layouts.items():
                 run = dataclasses.replace(base, cluster=f"{gpus}xH100", sizes=sizes, network_gbps=None)
                 step = predict(run)
-                parts = sorted(step.parts.items(), key=lambda item: -item[1])[:3]
                 out.append(
                     {
                         "model": f"{run.shape}, micro-batch {run.micro_batch} x {run.seq_len}",
                         "gpus": gpus,
                         "layout": layout,
                         "tokens_per_s_per_gpu": step.tokens_per_s_per_gpu,
-                        "parts": {name: seconds / step.step_seconds for name, seconds in parts},
+                        "parts": _largest_parts(step),
                     }
                 )
     return out
@@ -164,7 +173,7 @@ def _scaling_table(rows: list[dict[str, Any]]) -> list[str]:
         "| --- | ---: | --- | ---: | --- |",
     ]
     for row in rows:
-        parts = ", ".join(f"{name} {share:.0%}" for name, share in row["parts"].items())
+        parts = _parts_text(row["parts"])
         lines.append(
             f"| {row['model']} | {row['gpus']:,} | {row['layout']} | {row['tokens_per_s_per_gpu']:,.0f} "
             f"| {parts} |"
@@ -343,7 +352,7 @@ def render(
         "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for row in rows:
-        parts = ", ".join(f"{name} {share:.0%}" for name, share in row["parts"].items())
+        parts = _parts_text(row["parts"])
         lines.append(
             f"| [{row['id']}]({row['source'].split(' ')[0]}) | {row['role']} | {row['cluster']} | "
             f"{row['published']:,.0f} | {row['predicted']:,.0f} | {row['error']:+.1%} | {row['mfu']:.1%} "
