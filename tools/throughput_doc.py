@@ -181,6 +181,48 @@ def _scaling_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _scale_out_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The published pairs of one job at two cluster sizes: the change of tokens/s per GPU, both ways."""
+    from automodel_planner.published import published_runs, scale_out_pairs
+
+    by_id = {row["id"]: row for row in rows}
+    lines = [
+        "",
+        "## One job at two scales",
+        "",
+        "The rows that publish one job on two cluster sizes (`automodel_planner.published.scale_out_pairs`: "
+        "the same page, device, model, sequence, micro-batch, model-parallel sizes and settings; more "
+        "data-parallel replicas, and the batch each takes per step as its source ran it), each larger one "
+        "beside its "
+        "group's smallest: how tokens/s per GPU changes, published and predicted. It sets aside what one "
+        "cluster size cannot tell (the achievable fractions of a page's software) and checks what the "
+        "model says grows with the cluster: the collectives' groups, links and NCCL latency, and the SMs "
+        "their kernels hold while compute runs beside them. llm-foundry's pairs from 8 to 128 or more "
+        "GPUs span its two H100 tables, run three months apart (attention kernel and all).",
+        "",
+        "| run | GPUs | published tokens/s/GPU | published change | predicted change | error of the change |",
+        "| --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    errors = []
+    for small, large in scale_out_pairs(published_runs()):
+        before, after = by_id[small.id], by_id[large.id]
+        published = after["published"] / before["published"]
+        predicted = after["predicted"] / before["predicted"]
+        errors.append(predicted / published - 1)
+        lines.append(
+            f"| {large.id} | {small.hardware().count:,} -> {large.hardware().count:,} "
+            f"| {before['published']:,.0f} -> {after['published']:,.0f} | {published - 1:+.1%} "
+            f"| {predicted - 1:+.1%} | {errors[-1]:+.1%} |"
+        )
+    lines += [
+        "",
+        f"{sum(abs(e) <= 0.10 for e in errors)} of {len(errors)} pairs within 10%; median error of the "
+        f"change {statistics.median(errors):+.1%} (the model keeps more of a small cluster's speed than "
+        "the published runs do where it is positive).",
+    ]
+    return lines
+
+
 def _suggestion_table(rows: list[dict[str, Any]]) -> list[str]:
     """The `--suggest` section: its first pick for each run, beside the published layout."""
     lines = [
@@ -369,6 +411,7 @@ def render(
                 f"{max(errors):.1%}, RMS log error {rms:.3f}."
             )
     lines += _by_source(rows)
+    lines += _scale_out_table(rows)
     lines += _memory_table(rows)
     lines += _suggestion_table(suggested)
     lines += _scaling_table(scaled)
@@ -394,8 +437,9 @@ def render(
         "## Devices (`automodel_planner.hardware.DEVICES`)",
         "",
         "| device | dense bf16 TFLOP/s | dense fp8 TFLOP/s | HBM TB/s | memory GiB "
-        "| NVLink GB/s per direction | network GB/s per GPU | NCCL channels per peer in a node | source |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| NVLink GB/s per direction | network GB/s per GPU | NCCL channels per peer in a node | SMs "
+        "| source |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for device in DEVICES.values():
         fp8 = f"{device.fp8_flops / 1e12:,.0f}" if device.fp8_flops else "-"
@@ -403,7 +447,8 @@ def render(
             f"| {device.name} | {device.bf16_flops / 1e12:,.0f} | {fp8} "
             f"| {device.hbm_bytes_per_s / 1e12:.2f} | "
             f"{device.memory_bytes / 2**30:.1f} | {device.intra_node_bytes_per_s / 1e9:.0f} | "
-            f"{device.inter_node_bytes_per_s / 1e9:.0f} | {device.nccl_channels} | {device.source} |"
+            f"{device.inter_node_bytes_per_s / 1e9:.0f} | {device.nccl_channels} | {device.sm_count} "
+            f"| {device.source} |"
         )
     return "\n".join(lines) + "\n"
 

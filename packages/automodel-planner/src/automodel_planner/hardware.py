@@ -101,6 +101,10 @@ class Device:
     nvlink: bool = True
     """The GPUs of a node are joined by NVLink (False: PCIe alone), which sets NCCL's per-step latency
     and whether it runs its LL128 protocol (`NCCL_ALGORITHMS`)."""
+    sm_count: int = 132
+    """Streaming multiprocessors (``torch.cuda.get_device_properties(...).multi_processor_count``; 132:
+    the H100 SXM's and H200's, NVIDIA's H100 architecture whitepaper): a NCCL kernel holds one per
+    channel while it runs (`automodel_planner.step_time`)."""
     source: str = ""
 
 
@@ -126,6 +130,7 @@ DEVICES: dict[str, Device] = {
             64 * _GB,
             nccl_channels=4,  # NCCL's log on GPUs joined by PCIe alone (NVIDIA/nccl#1706)
             nvlink=False,
+            sm_count=114,  # NVIDIA H100 Tensor Core GPU Architecture whitepaper: 114 SMs on the PCIe part
             source="NVIDIA H100 datasheet (PCIe): 756 TFLOPS bf16, 1,513 fp8 (dense), 2 TB/s, "
             "PCIe Gen5 128 GB/s",
         ),
@@ -158,6 +163,7 @@ DEVICES: dict[str, Device] = {
             8.0e12,
             183_359 * _MIB,
             900 * _GB,
+            sm_count=148,  # the device properties CUDA reports (pytorch/ao#4002)
             source="NVIDIA HGX B200 datasheet: 2.25 PFLOPS bf16, 4.5 fp8 (dense) per GPU, 8 TB/s, "
             "NVLink 1.8 TB/s",
         ),
@@ -169,6 +175,7 @@ DEVICES: dict[str, Device] = {
             81_251 * _MIB,
             300 * _GB,
             nccl_channels=24,  # NCCL's log on NVLink A100s (NVIDIA/nccl#1785)
+            sm_count=108,  # NVIDIA A100 Tensor Core GPU Architecture whitepaper
             source="NVIDIA A100 datasheet (80 GB SXM): 312 TFLOPS bf16 (dense), 2,039 GB/s, NVLink 600 GB/s",
         ),
     )

@@ -5,7 +5,8 @@ on the meta device, its layout, adapters, pipeline, float8 and compile settings)
 time model's `StepTime` for it on the row's cluster, `predict_memory` the memory model's peak.
 `fit_efficiency` fits the time model's achievable fractions (`automodel_planner.step_time.Efficiency`)
 on the calibration rows only, by a coordinate search on the squared log error of tokens/s; the
-evaluation rows never move them. No process group.
+evaluation rows never move them. `scale_out_pairs` finds the rows that publish one job at two cluster
+sizes. No process group.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "predict_memory",
     "published_runs",
     "run_plan",
+    "scale_out_pairs",
     "shape_config",
 ]
 
@@ -131,6 +133,39 @@ def as_automodel_job(run: PublishedRun) -> PublishedRun:
         expert_routing="uniform",
         pipeline_runs=1,
     )
+
+
+_SCALE = frozenset({"id", "source", "role", "cluster", "sizes", "local_batch", "pipeline_runs"})
+"""What may differ between two rows of one job at two scales (besides what they publish): the cluster
+size and with it the data-parallel degrees, and the batch each replica takes per step."""
+_PUBLISHED = frozenset({"tokens_per_s_per_gpu", "memory_gib"})
+
+
+def scale_out_pairs(runs: Sequence[PublishedRun]) -> list[tuple[PublishedRun, PublishedRun]]:
+    """``(smallest, larger)`` pairs of rows of one benchmark page that run one job on two cluster sizes.
+
+    One job: the same device, model, sequence, micro-batch, model-parallel sizes (``tp``, ``pp``, ``cp``,
+    ``ep``) and every setting; only the GPU count, the data-parallel degrees and the batch per replica
+    (``local_batch``, ``pipeline_runs``) differ. Each larger row is paired with the group's smallest, so
+    that the published change of tokens/s per GPU between them can be set beside the predicted one.
+    """
+
+    def job(run: PublishedRun) -> str:
+        same = {
+            f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name not in _SCALE | _PUBLISHED
+        }
+        model_parallel = sorted((k, v) for k, v in run.sizes.items() if not k.startswith("dp_"))
+        return repr((run.source.split(" ")[0], run.hardware().device.name, model_parallel, same))
+
+    groups: dict[str, list[PublishedRun]] = {}
+    for run in runs:
+        groups.setdefault(job(run), []).append(run)
+    pairs = []
+    for group in groups.values():
+        smallest = min(group, key=lambda r: r.hardware().count)
+        count = smallest.hardware().count
+        pairs += [(smallest, r) for r in group if r.hardware().count > count]
+    return pairs
 
 
 @functools.cache

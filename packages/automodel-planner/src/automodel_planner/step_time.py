@@ -49,6 +49,12 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   all-reduce) adds the latency NCCL's own tuner gives its ranks and nodes under the algorithm and
   protocol it picks (`Cluster.nccl_latency`: a base, and a latency per ring step, NVLink's or the
   network's, or per tree level).
+- **collectives beside compute**: a NCCL kernel runs one CTA per channel (``src/enqueue.cc``), each
+  holding an SM for as long as the collective runs, latency included; the compute beside it gets the
+  rest. For every second a collective hides (an FSDP or HSDP one's hidden share, a ring attention
+  gather inside its step), compute loses ``Device.nccl_channels / Device.sm_count`` of a second
+  (`OVERLAP_PART`; 32 of an H100's 132 SMs). Async TP's micro-pipelined collectives run on
+  symmetric memory, not NCCL, and are not counted; nor is the HBM bandwidth NCCL's copies take.
 - **ring attention** (context parallelism) merges each ring step's output into the running one in
   fp32 after every step but the first, and accumulates the gradients likewise in backward: eager
   memory traffic per element of the attention's output (`_RING_MERGE_FORWARD`, `_RING_MERGE_BACKWARD`).
@@ -89,6 +95,7 @@ from automodel_planner.hardware import Cluster
 __all__ = [
     "ATTENTION_KERNEL_SPEED",
     "DEFAULT_EFFICIENCY",
+    "OVERLAP_PART",
     "Efficiency",
     "StepOptions",
     "StepTime",
@@ -113,6 +120,8 @@ ATTENTION_KERNEL_SPEED: dict[str, float] = {"fa2": 1.0, "cudnn": 529 / 333, "fa3
 FlashAttention-3 paper's measurements (Shah et al., 2024, figure 5: H100 SXM5, causal forward, head
 dim 128, 8k tokens: FA2 333, cuDNN 529, FA3 602 TFLOP/s). torch's SDPA runs FA2 by default (its flash
 backend comes first in its priority order); Transformer Engine's fused attention runs cuDNN's."""
+OVERLAP_PART = "SMs held by overlapped NCCL kernels"
+"""The step part of the compute slowed while collectives run beside it (`StepTime.parts`)."""
 _ADAMW_TRAFFIC = 3.5
 """AdamW's bytes moved per byte of its state: it reads and writes both moments (2x), and reads and
 writes the fp32 parameter and reads the gradient (12 bytes per 8 of state)."""
@@ -130,15 +139,15 @@ class Efficiency:
 
     matmul: float = 0.713
     """Of the dense bf16 peak, by a transformer's large matmuls."""
-    fp8_matmul: float = 0.579
+    fp8_matmul: float = 0.587
     """Of the dense fp8 peak, by float8 matmuls (with their scaling)."""
     attention: float = 0.337
     """Of the dense bf16 peak, by flash attention (on the causal half of the score matrix): torch's SDPA
     flash backend is FlashAttention-2, which the FlashAttention-3 paper (Shah et al., 2024, figure 5)
     measures at 333 TFLOP/s causal forward on an H100 SXM5 (989 peak) at head dim 128 and 8k tokens."""
-    memory: float = 0.770
+    memory: float = 0.794
     """Of the HBM bandwidth, by eager elementwise kernels (norms, activations, rotary, casts, loss)."""
-    compiled_traffic: float = 0.530
+    compiled_traffic: float = 0.534
     """The share of eager's memory-bound bytes a compiled block still moves (fusion)."""
     network: float = 0.8
     """Of a link's bandwidth, by NCCL's collectives (its bus bandwidth)."""
@@ -499,6 +508,17 @@ def _add_ring_merges(one: _Pass, per_byte: float, options: StepOptions) -> None:
         one.recompute += _RING_MERGE_FORWARD * per_byte
 
 
+class _Exposure(NamedTuple):
+    """What a rank's collectives cost beyond its compute (`_exposed`)."""
+
+    parts: dict[str, float]
+    """``exposed <collective>`` -> seconds the step waits for it."""
+    in_pass: float
+    """Seconds exposed call by call, per pass: they lengthen each pass on a pipeline's schedule."""
+    overlapped: float
+    """Seconds NCCL kernels run beside compute (the hidden share of the collectives that hide)."""
+
+
 def _exposed(
     collectives: list[Collective],
     facts: Any,
@@ -506,13 +526,14 @@ def _exposed(
     efficiency: Efficiency,
     one: _Pass,
     async_tp: bool,
-) -> tuple[dict[str, float], float]:
-    """Seconds each collective adds to the step beyond what hides behind compute, and per pass.
+) -> _Exposure:
+    """Seconds each collective adds to the step beyond what hides behind compute, and what hides.
 
     See the module doc. A collective issued in every pass hides behind that pass's compute; one issued
     once per step (the gradient reduction under accumulation or a pipeline) only behind the last pass's.
     What is exposed call by call (TP's, EP's, a stage's send/receive, ring attention's excess over its
-    steps) lengthens every pass, and a pipeline's schedule with it: the second value is that, per pass.
+    steps) lengthens every pass, and a pipeline's schedule with it. Async TP's micro-pipelined
+    collectives are not counted as overlapped NCCL kernels: torch runs them on symmetric memory.
     """
     passes, layout = facts.accumulation, facts.layout
     per_pass = {Overlap.FORWARD: one.forward, Overlap.BACKWARD: one.backward + one.recompute}
@@ -523,7 +544,7 @@ def _exposed(
         Overlap.RING_STEP_BACKWARD: one.attention_backward / steps,
     }
     out: dict[str, float] = {}
-    in_pass = 0.0
+    in_pass = overlapped = 0.0
     pooled: dict[Overlap, list[tuple[str, float, bool]]] = {}
     for c in collectives:
         size, stride = (layout.world_size, 1) if c.axis == "world" else layout.group(c.axis)
@@ -536,6 +557,7 @@ def _exposed(
         seconds = c.calls * per_call
         if c.overlap in per_step:  # call by call: each hides behind one step only
             seconds = c.calls * max(per_call - per_step[c.overlap], 0.0)
+            overlapped += c.calls * min(per_call, per_step[c.overlap])
         elif c.overlap is Overlap.EXPOSED:
             if async_tp and c.axis == "tp" and c.calls:  # no calls: a stage without blocks
                 seconds = _micro_pipelined(seconds / c.calls, one.tp_segments, facts) * passes
@@ -552,9 +574,10 @@ def _exposed(
         edge = (every + once) / max(len(facts.units), 1)
         window = per_pass[overlap]
         exposed = (passes - 1) * max(every - window, 0.0) + max(every + once - window, 0.0) + edge
+        overlapped += max(total - exposed, 0.0)
         for name, seconds, _ in entries:
             out[name] = out.get(name, 0.0) + (exposed * seconds / total if total else 0.0)
-    return {f"exposed {name}": seconds for name, seconds in out.items()}, in_pass
+    return _Exposure({f"exposed {name}": seconds for name, seconds in out.items()}, in_pass, overlapped)
 
 
 def _micro_pipelined(per_block: float, segments: list[tuple[_Segment, ...]], facts: Any) -> float:
@@ -624,11 +647,16 @@ def estimate_step_time(
     ]
     # A pass's length on the schedule: its compute and what it waits for on its own critical path.
     lengths = [
-        p.forward + p.backward + p.recompute + in_pass
-        for p, (_, in_pass) in zip(passes_by_rank, exposed_by_rank, strict=True)
+        p.forward + p.backward + p.recompute + e.in_pass
+        for p, e in zip(passes_by_rank, exposed_by_rank, strict=True)
     ]
     stage_pass = max(lengths)
-    for facts, one, (exposed, _), length in zip(ranks, passes_by_rank, exposed_by_rank, lengths, strict=True):
+    # A NCCL kernel holds one SM per channel for as long as it runs (one CTA per channel, NVIDIA/nccl
+    # src/enqueue.cc): the compute beside it does that share less of its work meanwhile.
+    held = cluster.device.nccl_channels / cluster.device.sm_count
+    for facts, one, (exposed, _, overlapped), length in zip(
+        ranks, passes_by_rank, exposed_by_rank, lengths, strict=True
+    ):
         passes = facts.accumulation
         step = StepTime(rank=facts.label)
         step.parts["compute"] = passes * (one.forward + one.backward)
@@ -638,6 +666,7 @@ def estimate_step_time(
             # Every rank waits for the slowest stage: its passes set the pace.
             step.parts["pipeline bubble"] = bubble + passes * (stage_pass - length)
         step.parts.update(exposed)
+        step.parts[OVERLAP_PART] = overlapped * held
         memory_rate = cluster.device.hbm_bytes_per_s * efficiency.memory
         step.parts["optimizer"] = _ADAMW_TRAFFIC * facts.states / memory_rate
         if slowest is None or step.step_seconds > slowest[0]:

@@ -240,7 +240,7 @@ def test_each_nccl_operation_pays_the_latency_nccls_tuner_gives_it() -> None:
     assert fsdp.operations == len(facts.units) > LAYERS  # a unit per block, and those outside them
     assert tp.operations == 2 * (1 + 1) + 4  # two all-gathers and two reduce-scatters each way
     size, stride = plan.layout.group("tp")
-    exposed, _ = _exposed([tp], facts, cluster, DEFAULT_EFFICIENCY, _Pass(), async_tp=False)
+    exposed, _, _ = _exposed([tp], facts, cluster, DEFAULT_EFFICIENCY, _Pass(), async_tp=False)
     each = cluster.seconds(tp.bytes_per_call / tp.operations, "ring", size, stride)
     each /= DEFAULT_EFFICIENCY.network
     latency = cluster.nccl_latency(size, stride, each)
@@ -445,13 +445,40 @@ def test_ring_attention_hides_each_gather_behind_one_step_of_its_attention() -> 
         Collective("gather", "cp", 1e9, 2, Overlap.RING_STEP_BACKWARD),  # hidden by a backward step
         Collective("last", "cp", 1e9, 2, Overlap.EXPOSED),
     ]
-    parts, in_pass = _exposed(collectives, facts, cluster, DEFAULT_EFFICIENCY, one, async_tp=False)
+    parts, in_pass, overlapped = _exposed(
+        collectives, facts, cluster, DEFAULT_EFFICIENCY, one, async_tp=False
+    )
     assert parts["exposed gather"] == pytest.approx(0.0)  # a step (4 / 4 = 1 gather's time) hides each
+    assert overlapped == pytest.approx(8 * gather)  # every hidden gather runs beside a step
     one = _Pass(attention_forward=2 * gather, attention_backward=10 * gather)
-    parts, in_pass = _exposed(collectives, facts, cluster, DEFAULT_EFFICIENCY, one, async_tp=False)
+    parts, in_pass, overlapped = _exposed(
+        collectives, facts, cluster, DEFAULT_EFFICIENCY, one, async_tp=False
+    )
     assert parts["exposed gather"] == pytest.approx(6 * gather / 2)  # half of each forward gather shows
     assert parts["exposed last"] == pytest.approx(2 * gather)
     assert in_pass == pytest.approx(5 * gather)
+    assert overlapped == pytest.approx(6 * gather / 2 + 2 * gather)  # what shows does not run beside
+
+
+def test_compute_beside_a_hidden_collective_loses_the_sms_its_nccl_kernels_hold() -> None:
+    from automodel_mesh import Collective, Overlap
+    from automodel_planner.step_time import OVERLAP_PART, _exposed, _Pass
+
+    cluster = parse_cluster("16xH100")
+    layout = resolve_layout(MeshKind.FSDP2, ParallelismSizes(), 16)
+    facts = SimpleNamespace(accumulation=1, layout=layout, blocks=[0, 1], units=[1.0, 1.0])
+    gather = Collective("all-gather", "dp_shard", 1e9, 2, Overlap.FORWARD)
+    exposure = _exposed([gather], facts, cluster, DEFAULT_EFFICIENCY, _Pass(forward=10.0), async_tp=False)
+    # The first unit's gather has nothing to hide behind; the other one's runs beside the forward.
+    assert exposure.overlapped == pytest.approx(exposure.parts["exposed all-gather"])
+    assert estimate_throughput(_plan(world=1), parse_cluster("1xH100")).parts[OVERLAP_PART] == 0.0
+    plan = _plan(world=16)
+    step = estimate_throughput(plan, cluster)
+    assert step.parts[OVERLAP_PART] > 0
+    for changes in ({"nccl_channels": 16}, {"sm_count": 264}):  # the share of the SMs NCCL holds
+        device = dataclasses.replace(cluster.device, **changes)
+        halved = estimate_throughput(plan, dataclasses.replace(cluster, device=device))
+        assert halved.parts[OVERLAP_PART] == pytest.approx(step.parts[OVERLAP_PART] / 2)
 
 
 def test_gpus_are_found_by_the_names_cuda_reports_and_flops_per_token_is_the_time_models_count() -> None:
