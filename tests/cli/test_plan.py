@@ -361,7 +361,8 @@ def test_checkpointing_modes_and_async_tp_are_plan_options(capsys: pytest.Captur
     sync = breakdown("--sequence-parallel", "--set", "distributed.enable_compile=true")
     overlapped = breakdown("--async-tp")  # implies sequence parallelism and the blocks' compile
     tp = "exposed TP all-reduce (or AG+RS)"
-    assert overlapped[tp] < sync[tp] and overlapped["compute"] >= sync["compute"]
+    # Its fused kernels move the sequence dim themselves: fewer layout copies than the partial sums add.
+    assert overlapped[tp] < sync[tp] and overlapped["compute"] < sync["compute"]
     args = build_parser().parse_args(["plan", "--tp", "2", "--async-tp", "--activation-checkpointing"])
     distributed = job_from_args(args).sections["distributed"]
     assert distributed == {

@@ -344,6 +344,8 @@ class StrategyFacts(Protocol):
     layout: MeshLayout
     tokens: int
     """Tokens per micro-batch on the rank."""
+    rows: int
+    """Sequences per micro-batch."""
     hidden_size: int
     element_size: int
     """Bytes per activation value."""
@@ -499,6 +501,10 @@ class StrategyMemory:
         return out
 
     def traffic(self, facts: StrategyFacts) -> float:
+        """Bytes the strategy's own kernels move per step: deferred gradients' sums, SP's layout copies."""
+        return self._accumulation_traffic(facts) + self._sequence_parallel_copies(facts)
+
+    def _accumulation_traffic(self, facts: StrategyFacts) -> float:
         """What adding each pass's gradients into those deferred moves (`deferred`).
 
         The first backward makes the unsharded gradients in the compute dtype, and they are cast to
@@ -510,6 +516,30 @@ class StrategyMemory:
         fresh = facts.accumulated_elements * facts.element_size  # one backward's, in the compute dtype
         cast = fresh + facts.accumulated
         return cast + (facts.accumulation - 1) * (fresh + 2 * facts.accumulated)
+
+    def _sequence_parallel_copies(self, facts: StrategyFacts) -> float:
+        """What moving the sequence dim to and from NCCL's rank-major layout copies under SP.
+
+        NCCL gathers and scatters along a tensor's first dim; sequence parallelism shards the second
+        (``[batch, seq, hidden]``). So torch's functional collectives copy the whole gathered tensor
+        (read and written) into place after each all-gather unless a micro-batch holds one sequence
+        (``_maybe_view_chunk_cat`` returns a view then), and before each reduce-scatter always
+        (``_chunk_or_narrow_cat``); torch.compile keeps both as copy kernels. Per block and pass: the
+        forward's two of each per run, mirrored once in backward. Under async TP the fused matmuls move
+        the layout themselves (a ``1 / tp`` shard); only backward's two reduce-scatters of a
+        column-parallel group's summed input gradient stay plain collectives.
+        """
+        if facts.layout.tp == 1 or not self.sequence_parallel:
+            return 0.0
+        assert isinstance(self.config, FSDP2Config), "sequence parallelism is an FSDP2Config setting"
+        if self.config.enable_async_tensor_parallel:
+            copies = 2
+        else:
+            copies = 2 * facts.forward_runs + 2
+            if facts.rows > 1:
+                copies += 2 * facts.gather_runs + 2
+        gathered = facts.tokens * facts.hidden_size * facts.element_size
+        return copies * 2 * gathered * len(facts.blocks) * facts.accumulation
 
     def _fsdp_collectives(self, facts: StrategyFacts, axis: str) -> list[Collective]:
         """FSDP's all-gathers and reduce-scatters of the units sharded over ``axis`` (see `collectives`)."""

@@ -151,6 +151,8 @@ class RankFacts:
     """Micro-batches whose activations of its blocks the rank holds at once."""
     tokens: int
     """Tokens per micro-batch on the rank."""
+    rows: int
+    """Sequences per micro-batch (``PlanInput.micro_batch_size``)."""
     sequence_shards: int
     """Slices the stream between blocks (and between pipeline stages) is cut in: ``tp`` under
     sequence parallelism, else 1."""
@@ -350,6 +352,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
                 gather_runs=2 if mode == "selective" and not _saves_all_gather(plan) else runs,
                 in_flight=pipeline.in_flight(rank) if pipeline is not None else 1.0,
                 tokens=tokens,
+                rows=plan.micro_batch_size,
                 sequence_shards=shards,
                 element_size=plan.element_size,
                 hidden_size=hidden,

@@ -70,7 +70,9 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   what it waits for call by call (TP's and EP's collectives, its send/receive, ring attention's excess
   over its steps).
 - **the terms' own kernels** (`PlannerTerm.traffic`: gradients deferred over the passes are added up
-  by autograd's AccumulateGrad, reading both and writing the sum) at the HBM rate, in backward.
+  by autograd's AccumulateGrad, reading both and writing the sum; under sequence parallelism, the
+  copies that move the sequence dim to and from the rank-major layout NCCL gathers and scatters in,
+  torch's own in eager and compiled code alike) at the HBM rate, in backward.
 - **optimizer**: AdamW reads and writes its fp32 state, parameters and gradients once (HBM rate).
 
 Model FLOPs (for MFU) are counted as torchtitan counts them: three times the forward's matmul FLOPs of

@@ -332,7 +332,10 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
         estimate_throughput(plan, h100).parts["compute"]
         - estimate_throughput(synchronous, h100).parts["compute"]
     )
-    assert added == pytest.approx(sums, rel=1e-6)  # forward only
+    # ... and moves the sequence dim in its fused kernels: of the plain collectives' 8 layout copies per
+    # block (read and write the gathered b x s x H), backward's 2 grouped reduce-scatters' stay.
+    copies = LAYERS * 6 * 2 * (2 * 512 * H * 2) / rate
+    assert added == pytest.approx(sums - copies, rel=1e-6)
     # A fused projection (one matmul in its column-parallel group: Phi-3's qkv_proj) is fused in
     # backward too, and sums its input gradient there.
     one = _Pass()
@@ -632,7 +635,10 @@ def test_gradients_deferred_over_the_passes_are_added_up_in_device_memory() -> N
 
     # fp32 parameters (400 bytes, 100 elements) whose gradients come in bf16: the first backward's are
     # cast (200 read, 400 written), each of the 3 later ones added in place (200 + 400 read, 400 written).
-    facts = SimpleNamespace(accumulation=4, accumulated=400.0, accumulated_elements=100.0, element_size=2)
+    layout = resolve_layout(MeshKind.FSDP2, ParallelismSizes(), 8)
+    facts = SimpleNamespace(
+        accumulation=4, accumulated=400.0, accumulated_elements=100.0, element_size=2, layout=layout
+    )
     deferred = StrategyMemory(FSDP2Config(), reshard=True)
     assert deferred.traffic(facts) == 600 + 3 * 1000
     assert StrategyMemory(FSDP2Config(defer_fsdp_grad_sync=False), reshard=True).traffic(facts) == 0.0
@@ -647,6 +653,40 @@ def test_gradients_deferred_over_the_passes_are_added_up_in_device_memory() -> N
     params = sum(p.numel() for p in plan.model.parameters())  # bf16 model: gradients in its dtype
     rate = h100.device.hbm_bytes_per_s * DEFAULT_EFFICIENCY.memory
     assert added == pytest.approx((4 * params + 3 * 6 * params) / rate, rel=1e-3)
+
+
+def test_sequence_parallel_copies_each_gathered_tensor_to_and_from_the_rank_major_layout() -> None:
+    from automodel_distributed.memory import StrategyMemory
+
+    layout = resolve_layout(MeshKind.FSDP2, ParallelismSizes(tp_size=8), 8)
+    runs = {"forward_runs": 1, "gather_runs": 1}
+    facts = SimpleNamespace(
+        layout=layout, tokens=100, rows=2, hidden_size=10, element_size=2, blocks=[0, 1], accumulation=3,
+        accumulated=0.0, **runs,
+    )  # fmt: skip
+    copy, per_step = 2 * 100 * 10 * 2, 2 * 3  # read and write the gathered tensor; 2 blocks x 3 passes
+
+    def traffic(facts: SimpleNamespace, **strategy: Any) -> float:
+        config = FSDP2Config(defer_fsdp_grad_sync=False, **strategy)
+        return StrategyMemory(config, reshard=True).traffic(facts)
+
+    # Two all-gathers and two reduce-scatters per block in forward, mirrored in backward.
+    assert traffic(facts, sequence_parallel=True) == 8 * copy * per_step
+    one_row = SimpleNamespace(**{**vars(facts), "rows": 1})  # the all-gathers' result is a view
+    assert traffic(one_row, sequence_parallel=True) == 4 * copy * per_step
+    recomputed = SimpleNamespace(**{**vars(facts), "forward_runs": 2, "gather_runs": 2})
+    assert traffic(recomputed, sequence_parallel=True) == 12 * copy * per_step
+    fused = {"sequence_parallel": True, "enable_async_tensor_parallel": True, "enable_compile": True}
+    assert traffic(facts, **fused) == 2 * copy * per_step  # backward's grouped reduce-scatters only
+    assert traffic(facts) == 0.0  # no SP: TP all-reduces in place
+
+    h100 = parse_cluster("8xH100")
+    sp = _plan(sizes={"tp_size": 2}, strategy=FSDP2Config(sequence_parallel=True))
+    plain = _plan(sizes={"tp_size": 2})
+    added = estimate_throughput(sp, h100).parts["compute"] - estimate_throughput(plain, h100).parts["compute"]
+    gathered = 2 * 512 * H * 2  # micro-batch 2 x 512 tokens, bf16
+    rate = h100.device.hbm_bytes_per_s * DEFAULT_EFFICIENCY.memory
+    assert added == pytest.approx(8 * 2 * gathered * LAYERS / rate, rel=1e-3)
 
 
 def _moe_plan(ep: int) -> PlanInput:
