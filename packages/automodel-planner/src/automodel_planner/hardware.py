@@ -107,6 +107,18 @@ class Device:
     channel while it runs (`automodel_planner.step_time`)."""
     source: str = ""
 
+    def __post_init__(self) -> None:
+        """Refuse figures the time and memory models divide by or take a share of (a cluster YAML's)."""
+        rates = ("bf16_flops", "hbm_bytes_per_s", "memory_bytes", "intra_node_bytes_per_s")
+        for name in (*rates, "inter_node_bytes_per_s", "gpus_per_node", "nccl_channels"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)!r}")
+        if not self.sm_count > self.nccl_channels:
+            raise ValueError(
+                f"sm_count: {self.sm_count!r} SMs cannot host the {self.nccl_channels} NCCL channels "
+                "(nccl_channels) beside any compute; give the GPU's multi_processor_count"
+            )
+
 
 DEVICES: dict[str, Device] = {
     d.name.lower(): d
@@ -347,7 +359,7 @@ def cluster_from_mapping(data: Mapping[str, Any]) -> Cluster:
             raise ValueError(f"cluster.device: unknown field(s) {sorted(bad)}; known fields: {fields}")
         try:
             device = Device(**spec)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"cluster.device: {exc}") from None
     else:
         raise ValueError("cluster.device: expected a device name (H100, ...) or a mapping of Device fields")
@@ -357,5 +369,8 @@ def cluster_from_mapping(data: Mapping[str, Any]) -> Cluster:
     for key in ("gpus_per_node", "intra_node_bytes_per_s", "inter_node_bytes_per_s"):
         if key in data:
             overrides[key] = data[key]
-    device = dataclasses.replace(device, **overrides)
+    try:
+        device = dataclasses.replace(device, **overrides)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"cluster.{exc}") from None
     return Cluster(device, data["gpus"], device.gpus_per_node)

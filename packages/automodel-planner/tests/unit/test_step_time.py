@@ -164,6 +164,19 @@ def test_clusters_parse_and_groups_inside_a_node_use_nvlink() -> None:
         cluster_from_mapping({"device": "H100"})
     with pytest.raises(ValueError, match="unknown key"):
         cluster_from_mapping({"gpus": 8, "device": "H100", "nvlink": 1})
+    own_device = {
+        "name": "X", "bf16_flops": 1e15, "fp8_flops": None, "hbm_bytes_per_s": 3e12, "memory_bytes": 2**36,
+        "intra_node_bytes_per_s": 4e11,
+    }  # fmt: skip
+    assert cluster_from_mapping({"gpus": 8, "device": own_device}).device.sm_count == 132
+    for changes, fragment in (
+        ({"sm_count": 16}, r"cluster\.device: sm_count: 16 SMs cannot host the 32 NCCL channels"),
+        ({"hbm_bytes_per_s": 0}, r"cluster\.device: hbm_bytes_per_s: expected a positive number"),
+    ):
+        with pytest.raises(ValueError, match=fragment):
+            cluster_from_mapping({"gpus": 8, "device": {**own_device, **changes}})
+    with pytest.raises(ValueError, match=r"cluster\.gpus_per_node: expected a positive number"):
+        cluster_from_mapping({"gpus": 8, "device": "H100", "gpus_per_node": 0})
 
 
 def test_a_masked_attention_call_computes_its_whole_score_matrix() -> None:
