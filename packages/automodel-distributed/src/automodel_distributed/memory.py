@@ -19,7 +19,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ __all__ = [
     "Placement",
     "PlacementKey",
     "PlacementRule",
+    "StageSync",
     "StrategyFacts",
     "StrategyMemory",
     "always_resharded_units",
@@ -394,6 +395,37 @@ def _ddp_bucket_bytes(config: DDPConfig) -> float:
     return (config.bucket_cap_mb or _DDP_BUCKET_MIB) * 2**20
 
 
+@dataclass(frozen=True)
+class StageSync:
+    """How FSDP gathers and reduces over a pipeline run's micro-batches (``backward_maybe_with_nosync``).
+
+    A stage whose root module is FSDP's is driven by torch's stage: its units stay gathered from the
+    first micro-batch's forward to the end of the run (``set_reshard_after_backward(False)``) and, by
+    default, its gradients stay unsharded until the stage's last backward has run, when they are
+    reduced and waited for at once; with ``defer_fsdp_grad_sync`` off, automodel's stage reduces them
+    in every micro-batch's backward instead (`automodel_pipelining._runtime`). A stage whose root is
+    not FSDP's (experts sharded on their own mesh, ``wrap_outer_model=False``) is left to FSDP's own
+    hooks: each micro-batch gathers, reshards after its backward and reduces there, unless
+    ``patch_stage_backward_maybe_with_nosync`` applies the deferral to the nested units (reduced in the
+    last micro-batch's backward).
+
+    Args:
+        gathered: The units stay gathered over the run's micro-batches.
+        reduce: ``after_last`` (after the stage's last backward), ``last`` (in the last micro-batch's
+            backward) or ``every`` (in every micro-batch's backward).
+    """
+
+    gathered: bool
+    reduce: Literal["after_last", "last", "every"]
+
+    @classmethod
+    def for_stage(cls, *, root_is_fsdp: bool, defer: bool, patch_nested: bool) -> StageSync:
+        """The sync of a stage, from its root module and the job's settings (see the class doc)."""
+        if root_is_fsdp:
+            return cls(gathered=True, reduce="after_last" if defer else "every")
+        return cls(gathered=False, reduce="last" if defer and patch_nested else "every")
+
+
 def _local_kv_bytes(facts: StrategyFacts) -> float:
     """Bytes of a rank's keys and values in one attention call: its tokens, its TP share of the heads."""
     kv, head_dim = facts.attention
@@ -411,23 +443,26 @@ class StrategyMemory:
 
     config: DistributedConfig
     reshard: bool
+    stage: StageSync | None = None
 
     @classmethod
     def for_job(
-        cls, config: DistributedConfig, *, pipelined: bool, experts_reshard: bool | None
+        cls, config: DistributedConfig, *, stage: StageSync | None, experts_reshard: bool | None
     ) -> StrategyMemory:
         """The term of ``config``, resharding as its manager does.
 
         Args:
             config: The strategy config.
-            pipelined: Under pipelining no unit reshards after forward unless the config says so.
+            stage: How a pipeline stage drives FSDP (`StageSync`); None without pipelining. Under
+                pipelining no unit reshards after forward unless the config says so.
             experts_reshard: Under expert parallelism, the MoE config's ``reshard_after_forward``, which
                 `FSDP2Manager` applies where the strategy config leaves it unset; None without experts.
         """
         setting = config.reshard_after_forward if isinstance(config, FSDP2Config) else None
         if setting is None and isinstance(config, FSDP2Config):
             setting = experts_reshard
-        return cls(config, reshard=setting is not False and not (pipelined and setting is None))
+        reshard = setting is not False and not (stage is not None and setting is None)
+        return cls(config, reshard=reshard, stage=stage)
 
     @property
     def checkpointing(self) -> Any:
@@ -551,13 +586,20 @@ class StrategyMemory:
         passes, gathers = facts.accumulation, 2 if self.reshard else 1
         name, ops = f"FSDP all-gather x{gathers}", len(members)  # a call: every unit's, one by one
         gathered = (shard - 1) / shard * sum(facts.units[i] for i in members)
-        out = [Collective(name, axis, gathered, passes if self.reshard else 1, Overlap.FORWARD)]
+        kept = not self.reshard and (self.stage is None or self.stage.gathered)  # over the passes
+        out = [Collective(name, axis, gathered, 1 if kept else passes, Overlap.FORWARD)]
         if self.reshard:
             out.append(Collective(name, axis, gathered, passes, Overlap.BACKWARD))
         reduced = (shard - 1) / shard * sum(facts.unit_reduce[i] for i in members)
-        reductions = 1 if self.deferred(facts.accumulation) or facts.pipelined else passes
-        out.append(Collective("FSDP reduce-scatter", axis, reduced, reductions, Overlap.BACKWARD))
+        out.append(self._reduction("FSDP reduce-scatter", axis, reduced, passes))
         return [c._replace(operations=ops) for c in out]
+
+    def _reduction(self, name: str, axis: str, sent: float, passes: int) -> Collective:
+        """A gradient reduction: in every pass's backward, the last one's, or after a stage's last."""
+        if self.stage is not None and self.stage.reduce == "after_last":
+            return Collective(name, axis, sent, 1, Overlap.AFTER_LAST_BACKWARD)
+        once = self.deferred(passes) if self.stage is None else self.stage.reduce == "last"
+        return Collective(name, axis, sent, 1 if once else passes, Overlap.BACKWARD)
 
     def collectives(self, facts: StrategyFacts) -> list[Collective]:
         """What the strategy sends per step, collective by collective, with ring-algorithm factors.
@@ -587,7 +629,7 @@ class StrategyMemory:
         if layout.dp_replicate > 1:
             r = layout.dp_replicate
             reduced = 2 * (r - 1) / r * facts.grads
-            hsdp = Collective("HSDP all-reduce", "dp_replicate", reduced, 1, Overlap.BACKWARD)
+            hsdp = self._reduction("HSDP all-reduce", "dp_replicate", reduced, facts.accumulation)
             out.append(hsdp._replace(operations=len(facts.units), all_reduce=True))  # one per unit
         tokens, hidden, element = facts.tokens, facts.hidden_size, facts.element_size
         calls = len(facts.blocks) * facts.accumulation

@@ -46,6 +46,13 @@ class Overlap(StrEnum):
     RING_STEP_BACKWARD = "ring step, backward"
     """The same in backward: each step's K/V gradients travel to the next rank while the next step
     computes (and the K/V, gathered again, during the first step)."""
+    AFTER_LAST_BACKWARD = "after the stage's last backward"
+    """Issued once a pipeline stage has run its last backward, and waited for at once: torch's pipeline
+    stages keep FSDP's gradients unsharded over the micro-batches and reduce them only then (the
+    schedule's ``REDUCE_GRAD`` and, right after it, ``WAIT_REDUCE_GRAD``; ``post_backward`` and
+    ``_root_post_backward_final_callback`` in ``backward_maybe_with_nosync`` before torch 2.10). No
+    compute of the rank runs beside it; only the schedule's drain, while the ranks before it finish
+    their backward, leaves idle time it can fill."""
     EXPOSED = "exposed"
     """On the critical path: the next op needs its result (TP's all-reduces or all-gather/reduce-
     scatter pairs, EP's dispatch and combine, a pipeline stage's send/receive)."""

@@ -106,6 +106,8 @@ class PublishedRun:
     ``n_positions``, the row's sequence length)."""
     fp8_config: Mapping[str, Any] = field(default_factory=dict)
     """Further `FP8Config` settings of a ``fp8`` row (``enable_fsdp_float8_all_gather``, ...)."""
+    moe: Mapping[str, Any] = field(default_factory=dict)
+    """`MoEParallelizerConfig` settings the source's sharding amounts to (``wrap_outer_model``, ...)."""
 
     def hardware(self) -> Cluster:
         """The row's cluster: ``cluster`` (``NxDEVICE``), on ``network_gbps`` where the source states it."""
@@ -253,6 +255,11 @@ def run_plan(run: PublishedRun, model_config: Any = None) -> PlanInput:
         from automodel_quant.fp8 import FP8Config
 
         fp8 = FP8Config(enabled=True, **run.fp8_config)
+    moe = None
+    if run.moe:
+        from automodel_moe.config import MoEParallelizerConfig
+
+        moe = MoEParallelizerConfig(**run.moe)
     exchange = None
     if run.expert_dispatch != "per_expert":
         from automodel_moe import find_experts
@@ -273,6 +280,7 @@ def run_plan(run: PublishedRun, model_config: Any = None) -> PlanInput:
         pipeline_runs=run.pipeline_runs,
         peft=peft,
         fp8=fp8,
+        moe=moe,
         expert_exchange=exchange,
         attn_implementation=run.attn_implementation,
         attention_kernel=run.attention_kernel,

@@ -25,8 +25,11 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
 - **collectives**, by what they hide behind (`automodel_mesh.Overlap`), as torch runs them: FSDP2's
   all-gathers are prefetched one unit ahead, so only the first unit's and whatever exceeds the
   forward compute is exposed; backward's all-gathers, reduce-scatters and HSDP all-reduces run behind
-  the backward still to come, exposing the last unit's and any excess (a reduction made once per step,
-  under gradient accumulation or a pipeline, has only the last pass's backward); ring attention (torch's,
+  the backward still to come, exposing the last unit's and any excess (a reduction made once per step
+  under gradient accumulation has only the last pass's backward). Under a pipeline, a stage whose root
+  module is FSDP's keeps its units gathered over a run and its gradients unsharded until its last
+  backward, then reduces them and waits (`automodel_distributed.memory.StageSync`): nothing hides them
+  but the drain of the schedule, ``r`` chunk backwards on pipeline rank ``r``; ring attention (torch's,
   all-gather rotation) gathers a block's K/V as its first, local step starts and waits for them when
   that step ends, so each gather hides behind a ``1 / cp`` of the block's attention (in each forward run,
   and again in backward), as each chunk's K/V gradients do, passed on one step ahead in backward but
@@ -548,6 +551,7 @@ def _exposed(
     out: dict[str, float] = {}
     in_pass = overlapped = 0.0
     pooled: dict[Overlap, list[tuple[str, float, bool]]] = {}
+    after: list[tuple[str, float]] = []
     for c in collectives:
         size, stride = (layout.world_size, 1) if c.axis == "world" else layout.group(c.axis)
         per_call = (
@@ -560,6 +564,9 @@ def _exposed(
         if c.overlap in per_step:  # call by call: each hides behind one step only
             seconds = c.calls * max(per_call - per_step[c.overlap], 0.0)
             overlapped += c.calls * min(per_call, per_step[c.overlap])
+        elif c.overlap is Overlap.AFTER_LAST_BACKWARD:
+            after.append((c.name, seconds))
+            continue
         elif c.overlap is Overlap.EXPOSED:
             if async_tp and c.axis == "tp" and c.calls:  # no calls: a stage without blocks
                 seconds = _micro_pipelined(seconds / c.calls, one.tp_segments, facts) * passes
@@ -579,7 +586,22 @@ def _exposed(
         overlapped += max(total - exposed, 0.0)
         for name, seconds, _ in entries:
             out[name] = out.get(name, 0.0) + (exposed * seconds / total if total else 0.0)
+    if after:  # a pipeline rank's reductions after its last backward
+        _add_drained(out, after, facts.index * (one.backward + one.recompute) / len(facts.stage_blocks))
     return _Exposure({f"exposed {name}": seconds for name, seconds in out.items()}, in_pass, overlapped)
+
+
+def _add_drained(out: dict[str, float], after: list[tuple[str, float]], drain: float) -> None:
+    """Add the reductions a pipeline rank waits for after its last backward to ``out`` (mutated).
+
+    They run one after another once the rank's last stage chunk has run its backward; pipeline rank
+    ``r`` does so ``r`` chunk backwards before rank 0 (1F1B's and the interleaved schedules' drain passes
+    each last micro-batch's gradient down the ranks), idle time they fill before being exposed.
+    """
+    total = sum(seconds for _, seconds in after)
+    exposed = max(total - drain, 0.0)
+    for name, seconds in after:
+        out[name] = out.get(name, 0.0) + exposed * seconds / total
 
 
 def _micro_pipelined(per_block: float, segments: list[tuple[_Segment, ...]], facts: Any) -> float:

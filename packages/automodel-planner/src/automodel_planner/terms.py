@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from automodel_distributed.memory import StrategyMemory
+from automodel_distributed.memory import StageSync, StrategyMemory
 from automodel_mesh import Collective
 from automodel_planner.activations import ActivationProfile, activation_bytes, held_per_microbatch
 from automodel_planner.facts import RankFacts
@@ -145,14 +145,20 @@ def pipeline_term(plan: PlanInput) -> Any:
 
 
 def _strategy_term(plan: PlanInput) -> StrategyMemory:
-    experts_reshard = None
+    experts_reshard, root_is_fsdp = None, True
     if plan.layout.ep > 1:
         from automodel_moe.config import MoEParallelizerConfig
 
-        experts_reshard = (plan.moe or MoEParallelizerConfig()).reshard_after_forward
-    return StrategyMemory.for_job(
-        plan.strategy, pipelined=plan.pipeline is not None, experts_reshard=experts_reshard
-    )
+        moe = plan.moe or MoEParallelizerConfig()
+        experts_reshard, root_is_fsdp = moe.reshard_after_forward, moe.wrap_outer_model
+    stage = None
+    if plan.pipeline is not None:
+        stage = StageSync.for_stage(
+            root_is_fsdp=root_is_fsdp,
+            defer=getattr(plan.strategy, "defer_fsdp_grad_sync", True),
+            patch_nested=plan.pipeline.patch_stage_backward_maybe_with_nosync,
+        )
+    return StrategyMemory.for_job(plan.strategy, stage=stage, experts_reshard=experts_reshard)
 
 
 def planner_terms(plan: PlanInput, profile: ActivationProfile, pipeline: Any) -> list[PlannerTerm]:

@@ -476,6 +476,71 @@ def test_ring_attention_hides_each_gather_behind_one_step_of_its_attention() -> 
     assert overlapped == pytest.approx(6 * gather / 2 + 2 * gather)  # what shows does not run beside
 
 
+def test_a_pipeline_stage_gathers_and_reduces_its_fsdp_units_as_its_root_module_lets_torch() -> None:
+    from automodel_distributed.memory import StageSync, StrategyMemory
+    from automodel_mesh import Overlap
+
+    layout = resolve_layout(MeshKind.FSDP2, ParallelismSizes(pp_size=2, dp_replicate_size=2), 16)
+    facts = SimpleNamespace(
+        layout=layout, accumulation=4, units=[100, 100], unit_reduce=[200, 200], grads=50.0,
+        unit_axes=["dp_shard_cp", "dp_shard_cp"], tokens=1, hidden_size=1, element_size=2, blocks=[0],
+    )  # fmt: skip
+
+    def calls(stage: StageSync | None, **config: Any) -> dict[str, tuple[float, Overlap]]:
+        term = StrategyMemory(FSDP2Config(**config), reshard=False, stage=stage)
+        return {c.name: (c.calls, c.overlap) for c in term.collectives(facts)}
+
+    gathered, reduced, replicas = "FSDP all-gather x1", "FSDP reduce-scatter", "HSDP all-reduce"
+    # Without a pipeline: deferred gradients reduce in the last pass's backward, else in every one.
+    assert calls(None) == {
+        gathered: (1, Overlap.FORWARD),
+        reduced: (1, Overlap.BACKWARD),
+        replicas: (1, Overlap.BACKWARD),
+    }
+    assert calls(None, defer_fsdp_grad_sync=False)[replicas] == (4, Overlap.BACKWARD)
+    # An FSDP root under torch's stage: gathered once per run, reduced after the stage's last backward.
+    torch_stage = StageSync.for_stage(root_is_fsdp=True, defer=True, patch_nested=False)
+    after = Overlap.AFTER_LAST_BACKWARD
+    assert calls(torch_stage) == {gathered: (1, Overlap.FORWARD), reduced: (1, after), replicas: (1, after)}
+    per_micro_batch = StageSync.for_stage(root_is_fsdp=True, defer=False, patch_nested=False)
+    assert calls(per_micro_batch)[gathered][0] == 1 and calls(per_micro_batch)[reduced] == (
+        4,
+        Overlap.BACKWARD,
+    )
+    # A root that is not FSDP's: FSDP's own hooks reshard after every backward and reduce in it, unless
+    # the patched stage defers the nested units' reduction to the last micro-batch.
+    unmanaged = StageSync.for_stage(root_is_fsdp=False, defer=True, patch_nested=False)
+    assert calls(unmanaged)[gathered] == (4, Overlap.FORWARD) and calls(unmanaged)[reduced][0] == 4
+    patched = StageSync.for_stage(root_is_fsdp=False, defer=True, patch_nested=True)
+    assert calls(patched)[gathered][0] == 4 and calls(patched)[reduced] == (1, Overlap.BACKWARD)
+
+
+def test_a_reduction_after_the_last_backward_shows_but_for_the_ranks_drain() -> None:
+    from automodel_mesh import Collective, Overlap
+    from automodel_planner.step_time import _exposed, _Pass
+
+    cluster = parse_cluster("64xH100")
+    layout = resolve_layout(MeshKind.FSDP2, ParallelismSizes(pp_size=4), 64)
+    size, stride = layout.group("dp_shard_cp")
+    transfer = cluster.seconds(1e9, "ring", size, stride) / DEFAULT_EFFICIENCY.network
+    seconds = transfer + cluster.nccl_latency(size, stride, transfer)
+    reduction = Collective("reduce-scatter", "dp_shard_cp", 1e9, 1, Overlap.AFTER_LAST_BACKWARD)
+    one = _Pass(forward=seconds, backward=0.25 * seconds, recompute=0.25 * seconds)
+
+    def exposed(rank: int, stages: int) -> tuple[float, float]:
+        facts = SimpleNamespace(
+            accumulation=8, layout=layout, blocks=[0, 1], units=[1.0], index=rank, stage_blocks=[[0]] * stages
+        )
+        parts, in_pass, overlapped = _exposed([reduction], facts, cluster, DEFAULT_EFFICIENCY, one, False)
+        assert in_pass == 0.0  # after the rank's passes, not inside them
+        return parts["exposed reduce-scatter"], overlapped
+
+    assert exposed(0, 1) == (pytest.approx(seconds), 0.0)  # the last rank to finish: all of it shows
+    assert exposed(1, 1)[0] == pytest.approx(0.5 * seconds)  # one pass's backward of drain before it
+    assert exposed(1, 2)[0] == pytest.approx(0.75 * seconds)  # a chunk's, under two stages per rank
+    assert exposed(3, 1)[0] == 0.0
+
+
 def test_compute_beside_a_hidden_collective_loses_the_sms_its_nccl_kernels_hold() -> None:
     from automodel_mesh import Collective, Overlap
     from automodel_planner.step_time import OVERLAP_PART, _exposed, _Pass

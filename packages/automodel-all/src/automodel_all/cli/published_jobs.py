@@ -50,6 +50,7 @@ def published_job(run: Any, folder: str | Path) -> RawJob:
         *(("distributed", key, value) for key, value in run.strategy.items()),
     ]
     settings += [("parallelism", f"{axis}_size", size) for axis, size in sizes.items() if axis != "dp_shard"]
+    settings += [("moe", key, value) for key, value in run.moe.items()]
     if run.compile_loss:  # the compile section compiles the loss too (compile_loss is on by default)
         settings.append(("compile", "enabled", True))
     if run.fp8:
