@@ -6,7 +6,8 @@ for Llama 3.1 405B's widths (a ``config.json`` only: the planner reads no weight
 torchtitan's 405B layout (TP 8 with sequence parallelism, PP 8, full activation checkpointing, local
 batch 8 of 8,192-token rows in micro-batches of 1). The baseline, in the same rounds, is the least any
 planner of a transformers model pays: a fresh process that imports transformers and builds the same
-model on the meta device (``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``), then
+model on the meta device (``AutoModelForCausalLM.from_config`` under ``torch.device("meta")`` and
+transformers' ``no_init_weights``: initialising meta tensors is a no-op a planner need not run), then
 exits the same way (``os._exit``: neither process waits for the interpreter's teardown). Beside them,
 the same job's ``--suggest``, which ranks every valid layout of the 1,024 GPUs. Rounds of the three,
 interleaved, after a warm-up round that fills the bytecode caches; the median of each is kept, and
@@ -54,7 +55,8 @@ LABEL = "Llama 3.1 405B on 1,024 H100s"
 _META_BUILD = (
     "import os, sys, torch\n"
     "from transformers import AutoConfig, AutoModelForCausalLM\n"
-    "with torch.device('meta'):\n"
+    "from transformers.initialization import no_init_weights\n"
+    "with torch.device('meta'), no_init_weights():\n"
     "    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))\n"
     "sys.stdout.flush()\n"
     "os._exit(0)\n"

@@ -31,6 +31,8 @@ def planning_model(job: JobConfig, model_config: Any) -> tuple[nn.Module, int]:
     Raises:
         ConfigError: The model does not support the job's attention kernel.
     """
+    from transformers.initialization import no_init_weights
+
     from automodel_planner.sdpa_choice import profiled_attention
 
     # The planner reads the model's structure, not its attention kernel: a kernel only a GPU runs (and
@@ -39,10 +41,16 @@ def planning_model(job: JobConfig, model_config: Any) -> tuple[nn.Module, int]:
         kernel = profiled_attention(job.model.attn_implementation, model_class(model_config))
     except ValueError as exc:
         raise ConfigError(f"model.attn_implementation: {exc}") from None
-    model = build_meta_model(
-        dataclasses.replace(job, model=dataclasses.replace(job.model, attn_implementation=kernel)),
-        model_config,
-    )
+    # The plan reads the model's structure and never materialises it: torch's per-module init, which
+    # fills nothing on meta tensors, is skipped (half of building a 405B Llama's 126 blocks). The switch
+    # also stubs transformers' init_weights, whose only work on meta is tying the weights: tied here.
+    with no_init_weights():
+        model = build_meta_model(
+            dataclasses.replace(job, model=dataclasses.replace(job.model, attn_implementation=kernel)),
+            model_config,
+        )
+    tie_weights: Any = model.tie_weights  # a transformers PreTrainedModel's (build_meta_model's class)
+    tie_weights()
     if job.freeze_config is not None:
         from automodel_distributed.multimodal import apply_freeze_config
 
