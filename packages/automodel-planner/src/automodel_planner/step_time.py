@@ -587,7 +587,8 @@ def _exposed(
         for name, seconds, _ in entries:
             out[name] = out.get(name, 0.0) + (exposed * seconds / total if total else 0.0)
     if after:  # a pipeline rank's reductions after its last backward
-        _add_drained(out, after, facts.index * (one.backward + one.recompute) / len(facts.stage_blocks))
+        chunks = max(len(facts.stage_blocks), 1)  # a rank whose stages hold no block drains as one
+        _add_drained(out, after, facts.index * (one.backward + one.recompute) / chunks)
     return _Exposure({f"exposed {name}": seconds for name, seconds in out.items()}, in_pass, overlapped)
 
 
@@ -601,7 +602,7 @@ def _add_drained(out: dict[str, float], after: list[tuple[str, float]], drain: f
     total = sum(seconds for _, seconds in after)
     exposed = max(total - drain, 0.0)
     for name, seconds in after:
-        out[name] = out.get(name, 0.0) + exposed * seconds / total
+        out[name] = out.get(name, 0.0) + (exposed * seconds / total if total else 0.0)
 
 
 def _micro_pipelined(per_block: float, segments: list[tuple[_Segment, ...]], facts: Any) -> float:

@@ -539,6 +539,7 @@ def test_a_reduction_after_the_last_backward_shows_but_for_the_ranks_drain() -> 
     assert exposed(1, 1)[0] == pytest.approx(0.5 * seconds)  # one pass's backward of drain before it
     assert exposed(1, 2)[0] == pytest.approx(0.75 * seconds)  # a chunk's, under two stages per rank
     assert exposed(3, 1)[0] == 0.0
+    assert exposed(1, 0)[0] == pytest.approx(0.5 * seconds)  # a rank whose stages hold no block
 
 
 def test_compute_beside_a_hidden_collective_loses_the_sms_its_nccl_kernels_hold() -> None:
