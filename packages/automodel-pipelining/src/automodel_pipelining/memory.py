@@ -128,9 +128,15 @@ class PipelineMemory:
         Forward inputs on every stage but the first, backward gradients on every stage but the last,
         for each of the rank's stages.
         """
-        kinds = 2 * self.stages_per_rank - (1 if facts.first_stage else 0) - (1 if facts.last_stage else 0)
-        size = kinds * self.config.n_microbatches * self._activation_bytes(facts)
+        size = self._transfers(facts) * self.config.n_microbatches * self._activation_bytes(facts)
         return {"PP receive buffers": size}
+
+    def _transfers(self, facts: PipelineFacts) -> int:
+        """Tensors the rank receives per micro-batch over its stages, and sends as many.
+
+        Forward activations on every stage but the first, backward gradients on every stage but the last.
+        """
+        return 2 * self.stages_per_rank - (1 if facts.first_stage else 0) - (1 if facts.last_stage else 0)
 
     def traffic(self, facts: PipelineFacts) -> float:
         """None beyond the model's ops."""
@@ -138,6 +144,10 @@ class PipelineMemory:
         return 0.0
 
     def collectives(self, facts: PipelineFacts) -> list[Collective]:
-        """Activations sent forward and gradients sent back, per micro-batch."""
-        size = 2 * self._activation_bytes(facts)
+        """Activations sent forward and gradients sent back, per micro-batch, by each of the rank's stages.
+
+        A rank sends as many tensors as it receives: every stage but the last sends its output forward,
+        every stage but the first its input's gradient back.
+        """
+        size = self._transfers(facts) * self._activation_bytes(facts)
         return [Collective("PP send/recv", "pp", size, self.config.n_microbatches, Overlap.EXPOSED, "p2p")]

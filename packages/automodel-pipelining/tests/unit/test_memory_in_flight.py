@@ -91,3 +91,30 @@ def test_the_looped_peak_is_the_peak_over_the_written_out_order() -> None:
                     spec, pp_size=pp, rank=rank, n_microbatches=n, activations=act, gradients=grads
                 )
                 assert ours == pytest.approx(expected, rel=1e-12), (name, pp, n, stages, rank)
+
+
+def test_each_stage_of_a_rank_sends_its_activations_and_gradients() -> None:
+    from types import SimpleNamespace
+
+    from automodel_pipelining.config import PipelineConfig
+    from automodel_pipelining.memory import PipelineMemory
+
+    config = PipelineConfig(pp_schedule="interleaved_1f1b", pp_batch_size=8, pp_microbatch_size=1)
+    one = 100 * 16 * 2  # a micro-batch's 100 tokens of hidden 16 in bf16
+
+    def sent(stages: int, first: bool = False, last: bool = False) -> tuple[float, float]:
+        facts = SimpleNamespace(
+            index=0, first_stage=first, last_stage=last, tokens=100, sequence_shards=1, hidden_size=16,
+            element_size=2,
+        )  # fmt: skip
+        term = PipelineMemory(config, pp_size=4, stages=stages)
+        (collective,) = term.collectives(facts)
+        assert (
+            term.buffers(facts)["PP receive buffers"] == collective.bytes_per_call * 8
+        )  # one per micro-batch
+        return collective.bytes_per_call, collective.calls
+
+    assert sent(4) == (2 * one, 8)  # a middle rank: its output forward, its input's gradient back
+    assert sent(4, first=True) == (one, 8)  # the first stage has no input to send a gradient for
+    assert sent(8) == (4 * one, 8)  # two stages per rank send twice as much
+    assert sent(8, first=True, last=True)[0] == 2 * one  # the rank holding the first and last stages
