@@ -479,9 +479,14 @@ class StrategyMemory:
         return not isinstance(self.config, DDPConfig)
 
     def deferred(self, accumulation: int) -> bool:
-        """Whether FSDP2 keeps each of ``accumulation`` passes' gradients unsharded until the last one."""
+        """Whether FSDP2 keeps each of ``accumulation`` passes' gradients unsharded until the last one.
+
+        Under a pipeline, as its stage drives FSDP (`StageSync`); else as ``defer_fsdp_grad_sync`` says.
+        """
         config = self.config
-        return isinstance(config, FSDP2Config) and accumulation > 1 and config.defer_fsdp_grad_sync
+        if not isinstance(config, FSDP2Config) or accumulation <= 1:
+            return False
+        return config.defer_fsdp_grad_sync if self.stage is None else self.stage.reduce != "every"
 
     def memory(self, facts: StrategyFacts) -> list[tuple[str, int, str]]:
         """Parameters, gradients, AdamW state, deferred gradients and the gathered FSDP units."""
@@ -598,8 +603,7 @@ class StrategyMemory:
         """A gradient reduction: in every pass's backward, the last one's, or after a stage's last."""
         if self.stage is not None and self.stage.reduce == "after_last":
             return Collective(name, axis, sent, 1, Overlap.AFTER_LAST_BACKWARD)
-        once = self.deferred(passes) if self.stage is None else self.stage.reduce == "last"
-        return Collective(name, axis, sent, 1 if once else passes, Overlap.BACKWARD)
+        return Collective(name, axis, sent, 1 if self.deferred(passes) else passes, Overlap.BACKWARD)
 
     def collectives(self, facts: StrategyFacts) -> list[Collective]:
         """What the strategy sends per step, collective by collective, with ring-algorithm factors.

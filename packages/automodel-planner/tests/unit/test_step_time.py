@@ -513,6 +513,12 @@ def test_a_pipeline_stage_gathers_and_reduces_its_fsdp_units_as_its_root_module_
     assert calls(unmanaged)[gathered] == (4, Overlap.FORWARD) and calls(unmanaged)[reduced][0] == 4
     patched = StageSync.for_stage(root_is_fsdp=False, defer=True, patch_nested=True)
     assert calls(patched)[gathered][0] == 4 and calls(patched)[reduced] == (1, Overlap.BACKWARD)
+    # Gradients stay unsharded over the micro-batches (the memory line, AccumulateGrad's traffic) unless
+    # every micro-batch reduces them.
+    kept = {s: StrategyMemory(FSDP2Config(), reshard=False, stage=s).deferred(4) for s in (None, torch_stage)}
+    assert kept == {None: True, torch_stage: True}
+    assert not StrategyMemory(FSDP2Config(), reshard=False, stage=unmanaged).deferred(4)
+    assert StrategyMemory(FSDP2Config(), reshard=False, stage=patched).deferred(4)
 
 
 def test_a_reduction_after_the_last_backward_shows_but_for_the_ranks_drain() -> None:
