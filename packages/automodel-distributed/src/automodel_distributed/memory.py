@@ -439,6 +439,7 @@ class StrategyMemory:
     Args:
         config: The strategy config.
         reshard: Whether FSDP units free their parameters after forward (`for_job`).
+        stage: How a pipeline stage drives FSDP over its micro-batches; None without pipelining.
     """
 
     config: DistributedConfig
@@ -610,10 +611,12 @@ class StrategyMemory:
 
         FSDP gathers every unit over the unit's own axis (experts under expert parallelism over
         ``ep_shard``, the rest over ``dp_shard_cp``) in each forward (and again in backward when units
-        reshard after forward, as they do for every micro-batch of gradient accumulation); gradients
-        are reduce-scattered over the same axis in the reduction dtype, once per step (the last
-        micro-batch's backward) when ``defer_fsdp_grad_sync`` defers them or a pipeline does, else in
-        every micro-batch's backward. TP reduces or gathers each block's activations twice in each
+        reshard after forward, as they do for every micro-batch of gradient accumulation; once per run
+        where a pipeline stage keeps them gathered); gradients are reduce-scattered over the same axis
+        in the reduction dtype, and HSDP's all-reduced over the replicas, once per step (the last
+        micro-batch's backward) when ``defer_fsdp_grad_sync`` defers them, else in every micro-batch's
+        backward; under a pipeline as its stage drives them (`StageSync`: after an FSDP root's last
+        backward, with nothing beside it). TP reduces or gathers each block's activations twice in each
         forward (again in a recompute) and twice in backward. CP runs torch's ring
         attention with its default all-gather rotation: each attention call gathers the block's K/V
         (in each forward run and again in backward) and waits for them after its first (local) step;

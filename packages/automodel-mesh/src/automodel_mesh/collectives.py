@@ -50,7 +50,7 @@ class Overlap(StrEnum):
     """Issued once a pipeline stage has run its last backward, and waited for at once: torch's pipeline
     stages keep FSDP's gradients unsharded over the micro-batches and reduce them only then (the
     schedule's ``REDUCE_GRAD`` and, right after it, ``WAIT_REDUCE_GRAD``; ``post_backward`` and
-    ``_root_post_backward_final_callback`` in ``backward_maybe_with_nosync`` before torch 2.10). No
+    ``_root_post_backward_final_callback`` in ``backward_maybe_with_nosync`` in earlier releases). No
     compute of the rank runs beside it; only the schedule's drain, while the ranks before it finish
     their backward, leaves idle time it can fill."""
     EXPOSED = "exposed"

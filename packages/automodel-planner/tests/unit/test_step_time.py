@@ -421,14 +421,21 @@ def test_ring_attention_pays_its_merges_for_each_step_after_the_first(
 def test_a_pipeline_pays_its_bubble_and_interleaving_shrinks_it() -> None:
     from automodel_pipelining.config import PipelineConfig
 
-    def piped(schedule: str, **extra: object) -> float:
+    def piped(schedule: str, **extra: object) -> dict[str, float]:
         config = PipelineConfig(pp_schedule=schedule, pp_batch_size=8, pp_microbatch_size=1, **extra)  # type: ignore[arg-type]
         plan = _plan(world=4, sizes={"pp_size": 4}, pipeline=config, micro_batch_size=1)
-        return estimate_throughput(plan, parse_cluster("4xH100")).parts["pipeline bubble"]
+        return estimate_throughput(plan, parse_cluster("4xH100")).parts
+
+    def stage_pass(parts: dict[str, float]) -> float:  # the slowest rank's pass: compute and its sends
+        return (parts["compute"] + parts["recompute"] + parts["exposed PP send/recv"]) / 8
 
     one_f_one_b = piped("1f1b")
     interleaved = piped("interleaved_1f1b", layers_per_stage=1)  # 8 stages: 2 per rank
-    assert one_f_one_b > 0 and interleaved == pytest.approx(one_f_one_b / 2)
+    assert one_f_one_b["pipeline bubble"] == pytest.approx(3 * stage_pass(one_f_one_b))  # (pp - 1) passes
+    assert interleaved["pipeline bubble"] == pytest.approx(3 / 2 * stage_pass(interleaved))  # / v
+    # Each of a rank's two stages sends its activations and gradients (counted per stage by
+    # automodel_pipelining's test_each_stage_of_a_rank_sends_its_activations_and_gradients).
+    assert interleaved["exposed PP send/recv"] > one_f_one_b["exposed PP send/recv"]
 
     # What a pass waits for call by call (here TP's collectives) lengthens it on the schedule too.
     config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=8, pp_microbatch_size=1)
