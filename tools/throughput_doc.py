@@ -194,9 +194,8 @@ def _scale_out_table(rows: list[dict[str, Any]]) -> list[str]:
         "the same page, device, model, sequence, micro-batch, model-parallel sizes and settings; more "
         "data-parallel replicas, and the batch each takes per step as its source ran it), each larger one "
         "beside its group's smallest: how tokens/s per GPU changes, published and predicted. It sets aside "
-        "what one "
-        "cluster size cannot tell (the achievable fractions of a page's software) and checks what the "
-        "model says grows with the cluster: the collectives' groups, links and NCCL latency, and the SMs "
+        "what one cluster size cannot tell (the achievable fractions of a page's software) and checks what "
+        "the model says grows with the cluster: the collectives' groups, links and NCCL latency, and the SMs "
         "their kernels hold while compute runs beside them. llm-foundry's pairs from 8 to 128 or more "
         "GPUs span its two H100 tables, run three months apart (attention kernel and all).",
         "",

@@ -110,9 +110,10 @@ class Device:
     def __post_init__(self) -> None:
         """Refuse figures the time and memory models divide by or take a share of (a cluster YAML's)."""
         rates = ("bf16_flops", "hbm_bytes_per_s", "memory_bytes", "intra_node_bytes_per_s")
-        for name in (*rates, "inter_node_bytes_per_s", "gpus_per_node", "nccl_channels"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)!r}")
+        for name in (*rates, "inter_node_bytes_per_s", "gpus_per_node", "nccl_channels", "sm_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}: expected a positive number, got {value!r}")
         if not self.sm_count > self.nccl_channels:
             raise ValueError(
                 f"sm_count: {self.sm_count!r} SMs cannot host the {self.nccl_channels} NCCL channels "

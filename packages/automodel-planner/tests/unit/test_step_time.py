@@ -172,11 +172,13 @@ def test_clusters_parse_and_groups_inside_a_node_use_nvlink() -> None:
     for changes, fragment in (
         ({"sm_count": 16}, r"cluster\.device: sm_count: 16 SMs cannot host the 32 NCCL channels"),
         ({"hbm_bytes_per_s": 0}, r"cluster\.device: hbm_bytes_per_s: expected a positive number"),
+        ({"memory_bytes": "80GB"}, r"cluster\.device: memory_bytes: expected a positive number, got '80GB'"),
     ):
         with pytest.raises(ValueError, match=fragment):
             cluster_from_mapping({"gpus": 8, "device": {**own_device, **changes}})
-    with pytest.raises(ValueError, match=r"cluster\.gpus_per_node: expected a positive number"):
-        cluster_from_mapping({"gpus": 8, "device": "H100", "gpus_per_node": 0})
+    for bad in (0, None):
+        with pytest.raises(ValueError, match=r"cluster\.gpus_per_node: expected a positive number"):
+            cluster_from_mapping({"gpus": 8, "device": "H100", "gpus_per_node": bad})
 
 
 def test_a_masked_attention_call_computes_its_whole_score_matrix() -> None:
