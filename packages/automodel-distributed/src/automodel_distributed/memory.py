@@ -592,7 +592,10 @@ class StrategyMemory:
         passes, gathers = facts.accumulation, 2 if self.reshard else 1
         name, ops = f"FSDP all-gather x{gathers}", len(members)  # a call: every unit's, one by one
         gathered = (shard - 1) / shard * sum(facts.units[i] for i in members)
-        kept = not self.reshard and (self.stage is None or self.stage.gathered)  # over the passes
+        # FSDP reshards every unit after its backward unless a pipeline stage keeps it gathered
+        # (``set_reshard_after_backward(False)``): a unit kept gathered after forward is still gathered
+        # again in the next micro-batch's forward.
+        kept = not self.reshard and self.stage is not None and self.stage.gathered
         out = [Collective(name, axis, gathered, 1 if kept else passes, Overlap.FORWARD)]
         if self.reshard:
             out.append(Collective(name, axis, gathered, passes, Overlap.BACKWARD))

@@ -500,9 +500,10 @@ def test_a_pipeline_stage_gathers_and_reduces_its_fsdp_units_as_its_root_module_
         return {c.name: (c.calls, c.overlap) for c in term.collectives(facts)}
 
     gathered, reduced, replicas = "FSDP all-gather x1", "FSDP reduce-scatter", "HSDP all-reduce"
-    # Without a pipeline: deferred gradients reduce in the last pass's backward, else in every one.
+    # Without a pipeline: each pass gathers again (FSDP reshards after every backward); deferred
+    # gradients reduce in the last pass's backward, else in every one.
     assert calls(None) == {
-        gathered: (1, Overlap.FORWARD),
+        gathered: (4, Overlap.FORWARD),
         reduced: (1, Overlap.BACKWARD),
         replicas: (1, Overlap.BACKWARD),
     }
