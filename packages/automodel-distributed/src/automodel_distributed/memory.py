@@ -49,6 +49,8 @@ __all__ = [
     "layer_index",
     "outer_units",
     "placement_rule",
+    "reshard_setting",
+    "units_gathered_in_backward",
 ]
 
 _ROOT = (0, "root")
@@ -253,6 +255,41 @@ def always_resharded_units(model: nn.Module, outer: OuterUnits | None = None) ->
     return {fqn for fqn, (_, resharded) in units.items() if resharded}
 
 
+def reshard_setting(config: DistributedConfig, experts_reshard: bool | None) -> bool | int | None:
+    """The ``reshard_after_forward`` `FSDP2Manager` gives `plan_fsdp_units`.
+
+    The strategy config's, else (None there) the MoE config's ``experts_reshard``; None for a strategy
+    without the setting.
+    """
+    if not isinstance(config, FSDP2Config):
+        return None
+    return config.reshard_after_forward if config.reshard_after_forward is not None else experts_reshard
+
+
+def units_gathered_in_backward(
+    model: nn.Module, *, reshard_after_forward: bool | int | None, pipelined: bool
+) -> frozenset[str]:
+    """The FSDP units whose backward all-gathers their parameters again, by `PlacementRule.key`'s name.
+
+    Those `plan_fsdp_units` reshards after forward (under its default heuristic, every unit but the last
+    block and the LM head, which backward needs at once) whose backward reads their weights (not a plain
+    embedding's: ``unshard_in_backward``); named ``block<i>`` or by the outer unit's FQN. The root is
+    never among them: FSDP2 keeps it gathered from its forward to its backward. Mutates nothing.
+    """
+    from automodel_distributed.fsdp2_units import plan_fsdp_units
+
+    blocks = decoder_block_indices(model)
+    try:
+        planned = plan_fsdp_units(model, reshard_after_forward=reshard_after_forward, pipelined=pipelined)
+    except ValueError:
+        return frozenset()
+    return frozenset(
+        f"block{blocks[plan.fqn]}" if plan.fqn in blocks else plan.fqn
+        for plan in planned
+        if plan.reshard_after_forward and plan.unshard_in_backward
+    )
+
+
 def fsdp_buffer_bytes(
     unit_bytes: Sequence[int],
     *,
@@ -371,6 +408,9 @@ class StrategyFacts(Protocol):
     """Whether the reduction dtype differs from the all-gather's (separate reduce-scatter buffers)."""
     units_freed: Sequence[bool]
     """Per unit: resharded after forward whatever the setting (`always_resharded_units`)."""
+    unit_names: Sequence[str]
+    """Per unit: its name as `PlacementRule.key` gives it (``block<i>``, ``block<i>.experts``, an outer
+    unit's FQN, ``root``)."""
     blocks: Sequence[int]
     n_micro: int
     """The pipeline's micro-batches per step (1 outside pipelining)."""
@@ -445,10 +485,18 @@ class StrategyMemory:
     config: DistributedConfig
     reshard: bool
     stage: StageSync | None = None
+    backward_gathered: frozenset[str] | None = None
+    """Names of the units whose backward gathers them again when ``reshard`` (`units_gathered_in_backward`,
+    matched against the facts' ``unit_names``); None: every unit."""
 
     @classmethod
     def for_job(
-        cls, config: DistributedConfig, *, stage: StageSync | None, experts_reshard: bool | None
+        cls,
+        config: DistributedConfig,
+        *,
+        stage: StageSync | None,
+        experts_reshard: bool | None,
+        backward_gathered: frozenset[str] | None = None,
     ) -> StrategyMemory:
         """The term of ``config``, resharding as its manager does.
 
@@ -458,12 +506,12 @@ class StrategyMemory:
                 pipelining no unit reshards after forward unless the config says so.
             experts_reshard: Under expert parallelism, the MoE config's ``reshard_after_forward``, which
                 `FSDP2Manager` applies where the strategy config leaves it unset; None without experts.
+            backward_gathered: `units_gathered_in_backward` of the job's model under `reshard_setting`;
+                None: every unit, when units reshard.
         """
-        setting = config.reshard_after_forward if isinstance(config, FSDP2Config) else None
-        if setting is None and isinstance(config, FSDP2Config):
-            setting = experts_reshard
+        setting = reshard_setting(config, experts_reshard)
         reshard = setting is not False and not (stage is not None and setting is None)
-        return cls(config, reshard=reshard, stage=stage)
+        return cls(config, reshard=reshard, stage=stage, backward_gathered=backward_gathered)
 
     @property
     def checkpointing(self) -> Any:
@@ -589,19 +637,33 @@ class StrategyMemory:
         members = [i for i, unit_axis in enumerate(facts.unit_axes) if unit_axis == axis]
         if shard == 1 or not members:
             return []
-        passes, gathers = facts.accumulation, 2 if self.reshard else 1
-        name, ops = f"FSDP all-gather x{gathers}", len(members)  # a call: every unit's, one by one
-        gathered = (shard - 1) / shard * sum(facts.units[i] for i in members)
+        passes, gathers, ring = facts.accumulation, 2 if self.reshard else 1, (shard - 1) / shard
+        name = f"FSDP all-gather x{gathers}"  # a call: every unit's, one by one (an operation each)
         # FSDP reshards every unit after its backward unless a pipeline stage keeps it gathered
         # (``set_reshard_after_backward(False)``): a unit kept gathered after forward is still gathered
         # again in the next micro-batch's forward.
         kept = not self.reshard and self.stage is not None and self.stage.gathered
-        out = [Collective(name, axis, gathered, 1 if kept else passes, Overlap.FORWARD)]
-        if self.reshard:
-            out.append(Collective(name, axis, gathered, passes, Overlap.BACKWARD))
-        reduced = (shard - 1) / shard * sum(facts.unit_reduce[i] for i in members)
-        out.append(self._reduction("FSDP reduce-scatter", axis, reduced, passes))
-        return [c._replace(operations=ops) for c in out]
+        forward = ring * sum(facts.units[i] for i in members)
+        calls = 1 if kept else passes
+        out = [Collective(name, axis, forward, calls, Overlap.FORWARD, operations=len(members))]
+        again = [i for i in members if self._gathered_in_backward(facts, i)]
+        if again:
+            backward = ring * sum(facts.units[i] for i in again)
+            out.append(Collective(name, axis, backward, passes, Overlap.BACKWARD, operations=len(again)))
+        reduced = ring * sum(facts.unit_reduce[i] for i in members)
+        reduction = self._reduction("FSDP reduce-scatter", axis, reduced, passes)
+        return [*out, reduction._replace(operations=len(members))]
+
+    def _gathered_in_backward(self, facts: StrategyFacts, unit: int) -> bool:
+        """Whether the backward of the facts' ``unit``-th unit all-gathers it again.
+
+        An experts unit does as its block does.
+        """
+        if not self.reshard:
+            return False
+        if self.backward_gathered is None:
+            return True
+        return facts.unit_names[unit].removesuffix(".experts") in self.backward_gathered
 
     def _reduction(self, name: str, axis: str, sent: float, passes: int) -> Collective:
         """A gradient reduction: in every pass's backward, the last one's, or after a stage's last."""

@@ -178,6 +178,8 @@ class RankFacts:
     reduce_separate: bool
     """The reduction dtype differs from the all-gather's: reduce-scatter inputs are buffers of their own."""
     units_freed: Sequence[bool]
+    unit_names: Sequence[str]
+    """Each unit's name (``block<i>``, ``block<i>.experts``, an outer unit's FQN, ``root``)."""
     linear_shapes: Sequence[tuple[int, int]]
     """Every block's linear weights as (out / tp, in), for float8 casts."""
     adapted_inputs: Sequence[int]
@@ -369,6 +371,7 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
                 unit_axes=[tally.unit_axes[k] for k in keys],
                 reduce_separate=tally.reduce_separate,
                 units_freed=[k[1] in freed for k in keys],
+                unit_names=[k[1] for k in keys],
                 linear_shapes=census.linear_shapes,
                 adapted_inputs=[w for b in blocks for w in census.adapted_inputs.get(b, [])],
             )

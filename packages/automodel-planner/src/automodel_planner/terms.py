@@ -23,7 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from automodel_distributed.memory import StageSync, StrategyMemory
+from automodel_distributed.memory import (
+    StageSync,
+    StrategyMemory,
+    reshard_setting,
+    units_gathered_in_backward,
+)
 from automodel_mesh import Collective
 from automodel_planner.activations import ActivationProfile, activation_bytes, held_per_microbatch
 from automodel_planner.facts import RankFacts
@@ -158,7 +163,14 @@ def _strategy_term(plan: PlanInput) -> StrategyMemory:
             defer=getattr(plan.strategy, "defer_fsdp_grad_sync", True),
             patch_nested=plan.pipeline.patch_stage_backward_maybe_with_nosync,
         )
-    return StrategyMemory.for_job(plan.strategy, stage=stage, experts_reshard=experts_reshard)
+    setting, pipelined = reshard_setting(plan.strategy, experts_reshard), plan.pipeline is not None
+    gathered = plan.model_fact(  # a function of the model and the two settings
+        f"units gathered in backward {setting} {pipelined}",
+        lambda: units_gathered_in_backward(plan.model, reshard_after_forward=setting, pipelined=pipelined),
+    )
+    return StrategyMemory.for_job(
+        plan.strategy, stage=stage, experts_reshard=experts_reshard, backward_gathered=gathered
+    )
 
 
 def planner_terms(plan: PlanInput, profile: ActivationProfile, pipeline: Any) -> list[PlannerTerm]:
