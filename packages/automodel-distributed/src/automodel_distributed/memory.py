@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -32,9 +33,11 @@ from automodel_distributed.config import (
     MegatronFSDPConfig,
     default_mp_policy,
 )
+from automodel_distributed.tensor_parallel.traffic import PassCollectives, TPCollectives
 from automodel_mesh import Collective, MeshLayout, Overlap
 
 __all__ = [
+    "TP_BLOCK_COLLECTIVE",
     "OuterUnits",
     "Placement",
     "PlacementKey",
@@ -50,6 +53,7 @@ __all__ = [
     "outer_units",
     "placement_rule",
     "reshard_setting",
+    "tp_plan_collectives",
     "units_gathered_in_backward",
 ]
 
@@ -290,6 +294,47 @@ def units_gathered_in_backward(
     )
 
 
+def tp_plan_collectives(model: nn.Module, config: DistributedConfig, tp_size: int) -> TPCollectives | None:
+    """The activation collectives of the TP plan `apply_tensor_parallel` would apply to ``model``.
+
+    The plan ``config`` names (or the model's, `resolve_tp_plan`), with sequence parallelism as
+    configured and LoRA's entries expanded (`expand_lora_plan`); `plan_collectives` of it. None where
+    no plan resolves for ``tp_size``. Reads only.
+    """
+    from automodel_distributed.tensor_parallel import expand_lora_plan, resolve_tp_plan
+    from automodel_distributed.tensor_parallel.traffic import plan_collectives
+
+    sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+    try:
+        plan = resolve_tp_plan(
+            model, getattr(config, "tp_plan", None), sequence_parallel=sequence_parallel, tp_size=tp_size
+        )
+    except ValueError:
+        return None
+    hidden = int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0)
+    return plan_collectives(model, expand_lora_plan(model, plan), decoder_block_indices(model), hidden)
+
+
+TP_BLOCK_COLLECTIVE = "TP all-reduce (or AG+RS)"
+"""The name of the decoder blocks' TP collectives (what async TP micro-pipelines with their matmuls)."""
+
+
+def _tp_halves(part: PassCollectives | None, gather_runs: int, forward_runs: int) -> tuple[float, float]:
+    """``part``'s collectives in one pass as all-gather and reduce-scatter halves (an all-reduce is both).
+
+    How many, and their values per token summed (see `_tp_collectives`).
+    """
+    if part is None:
+        return 0.0, 0.0
+
+    def halves(forward: Counter[str], backward: Counter[str]) -> float:
+        runs = forward["all_gather"] * gather_runs
+        runs += (forward["reduce_scatter"] + 2 * forward["all_reduce"]) * forward_runs
+        return runs + backward["all_gather"] + backward["reduce_scatter"] + 2 * backward["all_reduce"]
+
+    return halves(part.forward, part.backward), halves(part.forward_width, part.backward_width)
+
+
 def fsdp_buffer_bytes(
     unit_bytes: Sequence[int],
     *,
@@ -411,6 +456,10 @@ class StrategyFacts(Protocol):
     unit_names: Sequence[str]
     """Per unit: its name as `PlacementRule.key` gives it (``block<i>``, ``block<i>.experts``, an outer
     unit's FQN, ``root``)."""
+    first_stage: bool
+    """The rank runs the first pipeline stage (the embedding); True without pipelining."""
+    last_stage: bool
+    """The rank runs the last pipeline stage (the head and the loss); True without pipelining."""
     blocks: Sequence[int]
     n_micro: int
     """The pipeline's micro-batches per step (1 outside pipelining)."""
@@ -488,6 +537,9 @@ class StrategyMemory:
     backward_gathered: frozenset[str] | None = None
     """Names of the units whose backward gathers them again when ``reshard`` (`units_gathered_in_backward`,
     matched against the facts' ``unit_names``); None: every unit."""
+    tensor_parallel: TPCollectives | None = None
+    """The TP plan's collectives per block, before and after the blocks
+    (`automodel_distributed.tensor_parallel.traffic.plan_collectives`); None: a Megatron-style block's."""
 
     @classmethod
     def for_job(
@@ -497,6 +549,7 @@ class StrategyMemory:
         stage: StageSync | None,
         experts_reshard: bool | None,
         backward_gathered: frozenset[str] | None = None,
+        tensor_parallel: TPCollectives | None = None,
     ) -> StrategyMemory:
         """The term of ``config``, resharding as its manager does.
 
@@ -508,10 +561,12 @@ class StrategyMemory:
                 `FSDP2Manager` applies where the strategy config leaves it unset; None without experts.
             backward_gathered: `units_gathered_in_backward` of the job's model under `reshard_setting`;
                 None: every unit, when units reshard.
+            tensor_parallel: The job's TP plan's collectives (`plan_collectives`); None: a
+                Megatron-style block's.
         """
         setting = reshard_setting(config, experts_reshard)
         reshard = setting is not False and not (stage is not None and setting is None)
-        return cls(config, reshard=reshard, stage=stage, backward_gathered=backward_gathered)
+        return cls(config, reshard, stage, backward_gathered, tensor_parallel)
 
     @property
     def checkpointing(self) -> Any:
@@ -665,6 +720,41 @@ class StrategyMemory:
             return True
         return facts.unit_names[unit].removesuffix(".experts") in self.backward_gathered
 
+    def _tp_collectives(self, facts: StrategyFacts) -> list[Collective]:
+        """The blocks' TP collectives per pass, and those of the embedding, the head and the loss.
+
+        Counted from the plan's styles (`tensor_parallel`), each an activation of the model's width
+        moved as all-gather and reduce-scatter halves (an all-reduce is both): a block's forward ones
+        in each of its forward runs (its all-gathers in each gather run), its backward ones once; a
+        vocab-parallel loss's per-token fp32 all-reduces on the stage holding the head. Without a
+        plan, a Megatron-style block: two of each per forward run, mirrored once in backward.
+        """
+        tp, passes = facts.layout.tp, facts.accumulation
+        ring = (tp - 1) / tp
+        tokens, element = facts.tokens, facts.element_size
+        outside, loss = (0.0, 0.0), 0
+        if self.tensor_parallel is None:
+            block = 2.0 * (facts.gather_runs + facts.forward_runs) + 4
+            per_block = [(block, block * facts.hidden_size)] * len(facts.blocks)
+        else:
+            blocks, entry, exit_ = self.tensor_parallel
+            runs = facts.gather_runs, facts.forward_runs
+            per_block = [_tp_halves(blocks.get(b), *runs) for b in facts.blocks]
+            parts = ([entry] if facts.first_stage else []) + ([exit_] if facts.last_stage else [])
+            halves = [_tp_halves(part, 1, 1) for part in parts]  # outside the blocks: never recomputed
+            outside = (sum(h[0] for h in halves), sum(h[1] for h in halves))
+            loss = 2 * exit_.loss_reductions if facts.last_stage else 0
+        out = []
+        if per_block and sum(h[0] for h in per_block):
+            count, width = (sum(h[i] for h in per_block) / len(per_block) for i in (0, 1))
+            sent, calls = ring * width * tokens * element, len(per_block) * passes
+            out.append(Collective(TP_BLOCK_COLLECTIVE, "tp", sent, calls, Overlap.EXPOSED, operations=count))
+        if outside[0] or loss:
+            sent = ring * tokens * (outside[1] * element + loss * 4)  # the loss's values in fp32
+            rest = Collective("TP embedding, head and loss", "tp", sent, passes, Overlap.EXPOSED)
+            out.append(rest._replace(operations=outside[0] + loss))
+        return out
+
     def _reduction(self, name: str, axis: str, sent: float, passes: int) -> Collective:
         """A gradient reduction: in every pass's backward, the last one's, or after a stage's last."""
         if self.stage is not None and self.stage.reduce == "after_last":
@@ -681,8 +771,8 @@ class StrategyMemory:
         in the reduction dtype, and HSDP's all-reduced over the replicas, once per step (the last
         micro-batch's backward) when ``defer_fsdp_grad_sync`` defers them, else in every micro-batch's
         backward; under a pipeline as its stage drives them (`StageSync`: after an FSDP root's last
-        backward, with nothing beside it). TP reduces or gathers each block's activations twice in each
-        forward (again in a recompute) and twice in backward. CP runs torch's ring
+        backward, with nothing beside it). TP's collectives are its plan's (`_tp_collectives`): a block's
+        forward ones again in a recompute. CP runs torch's ring
         attention with its default all-gather rotation: each attention call gathers the block's K/V
         (in each forward run and again in backward) and waits for them after its first (local) step;
         backward passes each chunk's fp32 K/V gradients on around the ring, one step ahead, and waits
@@ -703,16 +793,9 @@ class StrategyMemory:
             reduced = 2 * (r - 1) / r * facts.grads
             hsdp = self._reduction("HSDP all-reduce", "dp_replicate", reduced, facts.accumulation)
             out.append(hsdp._replace(operations=len(facts.units), all_reduce=True))  # one per unit
-        tokens, hidden, element = facts.tokens, facts.hidden_size, facts.element_size
-        calls = len(facts.blocks) * facts.accumulation
+        element, calls = facts.element_size, len(facts.blocks) * facts.accumulation
         if layout.tp > 1:
-            tp = layout.tp
-            # Per block: two all-gathers in each of the forward's gather runs and two reduce-scatters in
-            # each of its runs (recompute included), mirrored once in backward.
-            collectives = 2 * (facts.gather_runs + facts.forward_runs) + 4
-            per_block = collectives * (tp - 1) / tp * tokens * hidden * element
-            tp_call = Collective("TP all-reduce (or AG+RS)", "tp", per_block, calls, Overlap.EXPOSED)
-            out.append(tp_call._replace(operations=collectives))  # an all-reduce as its two halves
+            out.extend(self._tp_collectives(facts))
         if layout.cp > 1:
             cp, kv = layout.cp, _local_kv_bytes(facts)
             gather, runs = (cp - 1) * kv, facts.forward_runs

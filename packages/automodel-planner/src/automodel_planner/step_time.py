@@ -33,7 +33,12 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   all-gather rotation) gathers a block's K/V as its first, local step starts and waits for them when
   that step ends, so each gather hides behind a ``1 / cp`` of the block's attention (in each forward run,
   and again in backward), as each chunk's K/V gradients do, passed on one step ahead in backward but
-  the last, which is waited for at once; TP's and EP's collectives and a stage's send/receive are
+  the last, which is waited for at once; TP's collectives are those its plan's styles issue
+  (`automodel_distributed.tensor_parallel.traffic`: without sequence parallelism each row-parallel
+  layer all-reduces its output in forward and each column-parallel one its input gradient in backward,
+  q, k and v each their own; with it each column-parallel group gathers its input once and
+  reduce-scatters the summed gradient; the embedding's, the head's and a vocab-parallel loss's beside
+  them); TP's and EP's collectives and a stage's send/receive are
   exposed, and a recompute under full checkpointing issues a block's forward collectives again, and
   one under selective checkpointing its all-gathers when it does not save their outputs (torchtitan's
   save list: the column-parallel matmuls' weight gradients need the gathered input). Under async TP
@@ -93,6 +98,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from automodel_distributed.memory import TP_BLOCK_COLLECTIVE
 from automodel_mesh import Collective, Overlap
 from automodel_planner.compute import BlockCompute, ComputeProfile
 from automodel_planner.hardware import Cluster
@@ -568,7 +574,7 @@ def _exposed(
             after.append((c.name, seconds))
             continue
         elif c.overlap is Overlap.EXPOSED:
-            if async_tp and c.axis == "tp" and c.calls:  # no calls: a stage without blocks
+            if async_tp and c.name == TP_BLOCK_COLLECTIVE and c.calls:  # no calls: a stage without blocks
                 seconds = _micro_pipelined(seconds / c.calls, one.tp_segments, facts) * passes
         else:
             pooled.setdefault(c.overlap, []).append((c.name, seconds, c.calls >= passes))

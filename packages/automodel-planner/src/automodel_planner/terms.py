@@ -27,6 +27,7 @@ from automodel_distributed.memory import (
     StageSync,
     StrategyMemory,
     reshard_setting,
+    tp_plan_collectives,
     units_gathered_in_backward,
 )
 from automodel_mesh import Collective
@@ -168,8 +169,21 @@ def _strategy_term(plan: PlanInput) -> StrategyMemory:
         f"units gathered in backward {setting} {pipelined}",
         lambda: units_gathered_in_backward(plan.model, reshard_after_forward=setting, pipelined=pipelined),
     )
+    tp = plan.layout.tp
+    tensor_parallel = (
+        plan.model_fact(  # a function of the model, the strategy's plan settings and the degree
+            f"tp collectives {getattr(plan.strategy, 'sequence_parallel', False)} {tp}",
+            lambda: tp_plan_collectives(plan.model, plan.strategy, tp),
+        )
+        if tp > 1
+        else None
+    )
     return StrategyMemory.for_job(
-        plan.strategy, stage=stage, experts_reshard=experts_reshard, backward_gathered=gathered
+        plan.strategy,
+        stage=stage,
+        experts_reshard=experts_reshard,
+        backward_gathered=gathered,
+        tensor_parallel=tensor_parallel,
     )
 
 

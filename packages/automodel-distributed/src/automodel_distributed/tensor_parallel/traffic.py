@@ -1,0 +1,146 @@
+"""The activation collectives a tensor-parallel plan issues in one forward and one backward.
+
+Read from the plan's own styles (what `parallelize_module` applies), each collective moving one
+activation, a layer's input or output (``tokens x`` its width):
+
+- a column-parallel layer whose input is a sequence slice (``input_layouts`` ``Shard``) all-gathers it
+  in forward and reduce-scatters its gradient in backward; one whose replicated input comes from a
+  `GatherSequenceInput` around it issues nothing (that style gathers the input once and reduces the
+  summed gradients of every projection it feeds); any other all-reduces its input gradient in backward
+  (DTensor makes the ``Partial`` sum whole for the replicated input, one projection at a time);
+- a row-parallel layer all-reduces its output in forward, or reduce-scatters it to a sequence slice
+  and all-gathers the slice's gradient in backward;
+- `GatherSequenceInput` all-gathers its block's input and reduce-scatters the gradient;
+- `SequenceShardedBlock` cuts the full-length stream of the first block to this rank's slice (its
+  backward all-gathers the gradient; counted before the blocks, where the stream enters the
+  sequence-parallel region), gathers a sliced input (every block but the first) and cuts a full-length
+  output (every block but the last) where a derived plan asks it to;
+- a column-parallel output head that keeps its logits sharded (``use_local_output=False``: torch's
+  ``loss_parallel``) adds the loss's three all-reduces of one fp32 value per token (the logits' max,
+  the sum of their exponentials, the target's logit).
+
+Left out: the ``Partial`` weight gradients of replicated norms (`SequenceParallelNorm`,
+`ReplicatedWithGradAllReduce`), reduced once when read (a hidden-size vector per norm, per step), and
+the styles of other mechanisms (expert parallelism's). Nothing here runs a collective.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from automodel_distributed.tensor_parallel._fqn import match_modules
+from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock
+from automodel_distributed.tensor_parallel.styles import GatherSequenceInput
+
+__all__ = ["LOSS_PARALLEL_REDUCTIONS", "PassCollectives", "TPCollectives", "plan_collectives"]
+
+LOSS_PARALLEL_REDUCTIONS = 3
+"""All-reduces of one fp32 value per token that torch's ``loss_parallel`` cross entropy runs in forward."""
+
+
+@dataclass
+class PassCollectives:
+    """A part of the model's activation collectives in one forward and one backward, by kind.
+
+    Kinds: ``all_gather``, ``reduce_scatter``, ``all_reduce``. ``loss_reductions``: the per-token fp32
+    all-reduces of a vocab-parallel loss.
+    """
+
+    forward: Counter[str] = field(default_factory=Counter)
+    """Kind -> collectives in one forward."""
+    backward: Counter[str] = field(default_factory=Counter)
+    """Kind -> collectives in one backward."""
+    forward_width: Counter[str] = field(default_factory=Counter)
+    """Kind -> their values per token, summed (a layer's input or output width: a LoRA adapter's rank
+    for its thin matmuls, the model's width for the rest)."""
+    backward_width: Counter[str] = field(default_factory=Counter)
+    loss_reductions: int = 0
+
+    def add(self, phase: str, kind: str, width: int) -> None:
+        """Count one collective of ``width`` values per token in ``phase`` (``forward`` or ``backward``)."""
+        getattr(self, phase)[kind] += 1
+        getattr(self, f"{phase}_width")[kind] += width
+
+
+class TPCollectives(NamedTuple):
+    """A plan's collectives (`plan_collectives`)."""
+
+    blocks: dict[int, PassCollectives]
+    """Per decoder block index; a block without collectives is absent."""
+    entry: PassCollectives
+    """Before the blocks (the embedding, the stream entering the sequence-parallel region)."""
+    exit: PassCollectives
+    """After the blocks (the final norm, the output head, the loss)."""
+
+
+def plan_collectives(
+    model: nn.Module, plan: Mapping[str, ParallelStyle], blocks: Mapping[str, int], hidden: int
+) -> TPCollectives:
+    """The collectives of ``plan`` on ``model``: per decoder block, before and after the blocks.
+
+    Args:
+        model: The model the plan applies to (any device; read only).
+        plan: FQN pattern -> style (`automodel_distributed.tensor_parallel.resolve_tp_plan`).
+        blocks: FQN -> index of the decoder blocks
+            (`automodel_distributed.memory.decoder_block_indices`).
+        hidden: The model's width: the residual stream's, and that of a styled module whose own
+            (a linear layer's ``in_features`` or ``out_features``) is unknown.
+    """
+    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    first = min((order[fqn] for fqn in blocks if fqn in order), default=len(order))
+    styled = [
+        (fqn, module, style) for key, style in plan.items() for fqn, module in match_modules(model, key)
+    ]
+    gathered = tuple(fqn + "." for fqn, _, style in styled if isinstance(style, GatherSequenceInput))
+    out = TPCollectives({}, PassCollectives(), PassCollectives())
+    last = max(blocks.values(), default=-1)
+    for fqn, module, style in styled:
+        index = next((i for name, i in blocks.items() if fqn == name or fqn.startswith(name + ".")), None)
+        if index is None:
+            part = out.entry if order[fqn] < first else out.exit
+            _add_style(part, module, style, fqn.startswith(gathered), hidden)
+        elif isinstance(style, SequenceShardedBlock):
+            part = out.blocks.setdefault(index, PassCollectives())
+            if style.cut_input and index == 0:  # where the stream enters the sequence-parallel region
+                out.entry.add("backward", "all_gather", hidden)
+            if style.gather_input and index > 0:
+                part.add("forward", "all_gather", hidden)
+                part.add("backward", "reduce_scatter", hidden)
+            if style.cut_output and index < last:
+                part.add("backward", "all_gather", hidden)
+        else:
+            part = out.blocks.setdefault(index, PassCollectives())
+            _add_style(part, module, style, fqn.startswith(gathered), hidden)
+    return out
+
+
+def _add_style(
+    part: PassCollectives, module: nn.Module, style: ParallelStyle, inside_gather: bool, hidden: int
+) -> None:
+    """Add one styled module's collectives to ``part`` (mutates it; see the module doc)."""
+    if isinstance(style, ColwiseParallel):
+        width = getattr(module, "in_features", hidden)
+        if isinstance(style.input_layouts[0], Shard):
+            part.add("forward", "all_gather", width)
+            part.add("backward", "reduce_scatter", width)
+        elif not inside_gather:
+            part.add("backward", "all_reduce", width)
+        if not style.use_local_output:
+            part.loss_reductions += LOSS_PARALLEL_REDUCTIONS
+    elif isinstance(style, RowwiseParallel):
+        width = getattr(module, "out_features", getattr(module, "embedding_dim", hidden))
+        if isinstance(style.output_layouts[0], Shard):
+            part.add("forward", "reduce_scatter", width)
+            part.add("backward", "all_gather", width)
+        else:
+            part.add("forward", "all_reduce", width)
+    elif isinstance(style, GatherSequenceInput):
+        part.add("forward", "all_gather", hidden)
+        part.add("backward", "reduce_scatter", hidden)
