@@ -5,7 +5,10 @@ five layouts: FSDP with its default unit heuristic, with every unit resharded af
 none, and TP without and with sequence parallelism. A dispatch mode records every collective the step
 issues (FSDP2's c10d calls, DTensor's functional ones) with the bytes a rank sends under the ring
 algorithm, by mesh axis; the test holds them equal to ``estimate_peak(plan).communication`` for the
-same job.
+same job. On 4 ranks (extended), HSDP's all-reduces too.
+
+The optimizer step runs outside the recording: the ``Partial`` gradients of TP's replicated norms are
+reduced when it reads them, once per step, which the plan leaves out (a hidden-size vector per norm).
 """
 
 from __future__ import annotations
@@ -93,7 +96,10 @@ def _one_job(sizes: dict[str, int], fields: dict[str, Any]) -> dict[str, dict[st
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     config = FSDP2Config(mp_policy=fp32, defer_fsdp_grad_sync=True, **fields)
     ctx = MeshContext.build(config, ParallelismSizes(**sizes))
-    axes = {ctx.device_mesh[a].get_group().group_name: a for a in ctx.device_mesh.mesh_dim_names or ()}
+    axes = {}
+    for axis in (*(ctx.device_mesh.mesh_dim_names or ()), "dp_shard_cp"):  # and FSDP's flattened one
+        with contextlib.suppress(KeyError, RuntimeError):
+            axes[ctx.device_mesh[axis].get_group().group_name] = axis
     manager = FSDP2Manager(config, ctx.device_mesh)
     model = manager.parallelize(build_tiny_model("llama"))
     batch = make_batch(model.config.vocab_size, MICRO_BATCHES * ROWS, SEQ, seed=5)
@@ -121,28 +127,30 @@ def _one_job(sizes: dict[str, int], fields: dict[str, Any]) -> dict[str, dict[st
     return {"observed": observed, "planned": dict(estimate_peak(plan).communication)}
 
 
-def _all_jobs() -> dict[str, dict[str, dict[str, float]]]:
+def _jobs(jobs: list[tuple[str, dict[str, int], dict[str, Any]]]) -> dict[str, dict[str, dict[str, float]]]:
     warnings.simplefilter("ignore")  # the tiny model's plan and FSDP's view-output warnings
-    return {label: _one_job(sizes, fields) for label, sizes, fields in JOBS}
+    return {label: _one_job(sizes, fields) for label, sizes, fields in jobs}
 
 
 def _by_mechanism(observed: dict[str, float]) -> dict[str, float]:
-    """FSDP's all-gathers and reduce-scatters over ``dp_shard``, and TP's collectives together."""
+    """FSDP's all-gathers and reduce-scatters, HSDP's all-reduces, and TP's collectives together."""
+    names = {"dp_shard": "FSDP", "dp_shard_cp": "FSDP", "dp_replicate": "HSDP", "tp": "TP"}
     out: dict[str, float] = {}
     for key, sent in observed.items():
         kind, axis = key.split(" over ")
-        name = f"FSDP {kind}" if axis == "dp_shard" else "TP" if axis == "tp" else key
+        name = "TP" if axis == "tp" else f"{names.get(axis, axis)} {kind}"
         out[name] = out.get(name, 0.0) + sent
     return out
 
 
-def test_the_planned_traffic_is_what_torch_sends_in_each_layout() -> None:
-    for rank, results in enumerate(run_distributed(_all_jobs, 2, timeout_s=600)):
+def _check(per_rank: list[dict[str, dict[str, dict[str, float]]]]) -> None:
+    for rank, results in enumerate(per_rank):
         for label, job in results.items():
             planned = job["planned"]
             expected = {
                 "FSDP all_gather": sum(v for k, v in planned.items() if k.startswith("FSDP all-gather")),
                 "FSDP reduce_scatter": planned.get("FSDP reduce-scatter", 0),
+                "HSDP all_reduce": planned.get("HSDP all-reduce", 0),
                 "TP": sum(v for k, v in planned.items() if k.startswith("TP ")),
             }
             expected = {k: v for k, v in expected.items() if v}
@@ -151,3 +159,12 @@ def test_the_planned_traffic_is_what_torch_sends_in_each_layout() -> None:
             for name, sent in observed.items():
                 # The plan rounds each collective's bytes down to an int.
                 assert abs(sent - expected[name]) < 4, (rank, label, name, sent, expected[name], planned)
+
+
+def test_the_planned_traffic_is_what_torch_sends_in_each_layout() -> None:
+    _check(run_distributed(_jobs, 2, JOBS, timeout_s=600))
+
+
+@pytest.mark.extended
+def test_the_planned_traffic_is_what_torch_sends_under_hsdp() -> None:
+    _check(run_distributed(_jobs, 4, [("hsdp", {"dp_replicate_size": 2}, {})], timeout_s=600))
