@@ -54,6 +54,7 @@ __all__ = [
     "placement_rule",
     "reshard_setting",
     "tp_plan_collectives",
+    "tp_replicated_parameters",
     "units_gathered_in_backward",
 ]
 
@@ -167,9 +168,9 @@ def _divisors(config: DistributedConfig, shard: int, tp: int) -> tuple[float, fl
     return (shard, shard, shard)
 
 
-PlacementKey = tuple[int | None, bool, bool, tuple[int, str]]
+PlacementKey = tuple[int | None, bool, bool, tuple[int, str], bool]
 """What a placement reads of a parameter's name: (block index, an experts parameter, inside a frozen
-tower kept whole, its FSDP unit)."""
+tower kept whole, its FSDP unit, kept whole by tensor parallelism)."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,9 @@ class PlacementRule:
     outer: OuterUnits
     blocks: Mapping[str, int]
     """The decoder blocks (`decoder_block_indices`), for names that do not say ``layers.<i>``."""
+    tp_whole: frozenset[str] = frozenset()
+    """Dense parameters tensor parallelism keeps whole on every TP rank (`tp_replicated_parameters`);
+    every other dense parameter is split ``tp`` ways."""
 
     def key(self, name: str) -> PlacementKey:
         """The parts of ``name`` its placement depends on (equal keys, equal placements)."""
@@ -203,20 +207,21 @@ class PlacementRule:
             unit = next(
                 ((order, fqn) for fqn, (order, _) in self.outer.items() if name.startswith(fqn + ".")), _ROOT
             )
-        return index, experts, replicated, unit
+        return index, experts, replicated, unit, name in self.tp_whole
 
     def of_key(self, key: PlacementKey) -> Placement:
         """The placement of every parameter whose name has ``key``."""
-        _, experts, replicated, unit = key
+        _, experts, replicated, unit, tp_whole = key
         layout, fsdp = self.layout, not isinstance(self.config, DDPConfig)
-        dense = layout.dp_shard * layout.cp * layout.tp if fsdp else 1
+        tp = 1 if tp_whole else layout.tp
+        dense = layout.dp_shard * layout.cp * tp if fsdp else 1
         shard = (layout.ep * layout.ep_shard * layout.tp if layout.ep > 1 else dense) if experts else dense
         over = (layout.ep_shard if experts else layout.dp_shard * layout.cp) if fsdp else 1
         if replicated:
             shard, over = 1, 1
         gathered = over > 1 or (experts and self.experts_gathered)
         axis = "ep_shard" if experts and layout.ep > 1 else "dp_shard_cp"
-        return Placement(_divisors(self.config, shard, layout.tp), shard, unit, over, gathered, axis)
+        return Placement(_divisors(self.config, shard, tp), shard, unit, over, gathered, axis)
 
     def __call__(self, name: str) -> Placement:
         """The placement of the parameter named ``name``."""
@@ -231,14 +236,16 @@ def placement_rule(
     *,
     outer: OuterUnits | None = None,
     blocks: Mapping[str, int] | None = None,
+    tp_whole: frozenset[str] = frozenset(),
 ) -> PlacementRule:
     """How the strategy places each named parameter of ``model`` on ``layout`` (see `Placement`).
 
-    FSDP (FSDP2, Megatron-FSDP) shards dense parameters over ``dp_shard x cp x tp`` and experts over
-    ``ep x ep_shard x tp``; DDP shards nothing. Experts on a one-rank ``ep_shard`` stay out of FSDP
-    unless their dtype is cast for compute (`automodel_distributed.one_rank_units`). ``outer`` and
-    ``blocks``: `outer_units` and `decoder_block_indices` of ``model``, when the caller has them
-    (computed here otherwise).
+    FSDP (FSDP2, Megatron-FSDP) shards dense parameters over ``dp_shard x cp x tp`` (those TP keeps
+    whole, ``tp_whole``, over ``dp_shard x cp``) and experts over ``ep x ep_shard x tp``; DDP shards
+    nothing. Experts on a one-rank ``ep_shard`` stay out of FSDP unless their dtype is cast for compute
+    (`automodel_distributed.one_rank_units`). ``outer`` and ``blocks``: `outer_units` and
+    `decoder_block_indices` of ``model``, when the caller has them (computed here otherwise);
+    ``tp_whole``: `tp_replicated_parameters` of ``model`` (none: TP splits every dense parameter).
     """
     policy = (config.mp_policy if isinstance(config, FSDP2Config) else None) or default_mp_policy()
     experts_gathered = (
@@ -247,7 +254,36 @@ def placement_rule(
     outer = outer if outer is not None else outer_units(model)
     blocks = blocks if blocks is not None else decoder_block_indices(model)
     whole = _replicated_prefixes(config, model)
-    return PlacementRule(config, layout, experts_gathered, whole, outer, blocks)
+    return PlacementRule(config, layout, experts_gathered, whole, outer, blocks, tp_whole)
+
+
+def tp_replicated_parameters(model: nn.Module, config: DistributedConfig) -> frozenset[str]:
+    """The dense parameters tensor parallelism keeps whole on every TP rank, by name.
+
+    Those outside the plan's column- and row-parallel layers (norms, a router, LoRA's replicated
+    ``lora_A`` of a column-parallel layer) and a row-parallel layer's bias, which `RowwiseParallel`
+    replicates; experts are left to expert parallelism. The plan is the one `apply_tensor_parallel`
+    resolves (``config.tp_plan``, else the model's; LoRA entries expanded) for any degree: its styles do
+    not depend on it. Empty where no plan resolves. Reads only.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from automodel_distributed.tensor_parallel import expand_lora_plan, resolve_tp_plan
+    from automodel_distributed.tensor_parallel._fqn import match_modules
+
+    try:
+        plan = expand_lora_plan(model, resolve_tp_plan(model, getattr(config, "tp_plan", None), tp_size=2))
+    except ValueError:
+        return frozenset()
+    split: set[str] = set()
+    for key, style in plan.items():
+        own = ("weight", "bias") if isinstance(style, ColwiseParallel) else ("weight",)
+        if isinstance(style, ColwiseParallel | RowwiseParallel):
+            for fqn, _ in match_modules(model, key):
+                split.update(f"{fqn}.{name}" if fqn else name for name in own)
+    return frozenset(
+        name for name, _ in model.named_parameters() if name not in split and ".experts." not in name
+    )
 
 
 def always_resharded_units(model: nn.Module, outer: OuterUnits | None = None) -> set[str]:
@@ -753,7 +789,25 @@ class StrategyMemory:
             sent = ring * tokens * (outside[1] * element + loss * 4)  # the loss's values in fp32
             rest = Collective("TP embedding, head and loss", "tp", sent, passes, Overlap.EXPOSED)
             out.append(rest._replace(operations=outside[0] + loss))
+        partial = self._partial_grads(facts)
+        if partial:  # each parameter on its own (in the compute dtype), each time it is read
+            sent = 2 * ring * sum(partial) * facts.element_size
+            # FSDP's reduction reads it once and keeps the sum. Without FSDP, DTensor sums a Partial
+            # gradient again at every read: AdamW's three (its first moment's lerp, the second's
+            # addcmul of the gradient by itself).
+            reads = 1 if facts.layout.dp_shard * facts.layout.cp > 1 else 3
+            grads = Collective("TP replicated gradients", "tp", sent, reads, Overlap.EXPOSED, all_reduce=True)
+            out.append(grads._replace(operations=len(partial)))
         return out
+
+    def _partial_grads(self, facts: StrategyFacts) -> list[int]:
+        """Elements of each of the rank's replicated parameters with a ``Partial`` TP gradient."""
+        if self.tensor_parallel is None:
+            return []
+        blocks, entry, exit_ = self.tensor_parallel
+        parts = [blocks[b] for b in facts.blocks if b in blocks]
+        parts += ([entry] if facts.first_stage else []) + ([exit_] if facts.last_stage else [])
+        return [n for part in parts for n in part.partial_grads]
 
     def _reduction(self, name: str, axis: str, sent: float, passes: int) -> Collective:
         """A gradient reduction: in every pass's backward, the last one's, or after a stage's last."""

@@ -91,3 +91,17 @@ def test_blocks_not_named_layers_are_found_from_the_models_structure() -> None:
     units = {place(name).unit for name, _ in model.named_parameters()}
     planned = [plan.fqn for plan in plan_fsdp_units(model, reshard_after_forward=None)]
     assert len(units) == len(planned) + 1  # each unit the runtime makes, and the root (the final norm)
+
+
+def test_tensor_parallelism_keeps_norms_and_row_parallel_biases_whole() -> None:
+    """`tp_replicated_parameters`: what the plan's column- and row-parallel layers do not split."""
+    from automodel_distributed.memory import tp_replicated_parameters
+    from automodel_testing import build_tiny_model
+
+    model = build_tiny_model("qwen2")  # q, k and v carry biases: column-parallel ones are split
+    whole = tp_replicated_parameters(model, FSDP2Config())
+    norms = {n for n, _ in model.named_parameters() if n.endswith("norm.weight")}
+    assert norms and norms <= whole
+    split = ("q_proj.weight", "q_proj.bias", "o_proj.weight", "down_proj.weight")
+    assert not any(n.endswith(split) for n in whole)
+    assert "model.embed_tokens.weight" not in whole and "lm_head.weight" not in whole

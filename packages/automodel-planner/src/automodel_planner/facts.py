@@ -34,6 +34,7 @@ from automodel_distributed.memory import (
     layer_index,
     outer_units,
     placement_rule,
+    tp_replicated_parameters,
 )
 from automodel_mesh import MeshLayout
 from automodel_planner.inputs import PlanInput
@@ -240,7 +241,7 @@ def _param_groups(plan: PlanInput, rule: PlacementRule, float8: frozenset[str]) 
         return list(grouped.values())
 
     # ``float8`` is a function of the model and ``plan.fp8`` (`_float8`).
-    memo = f"param_groups {rule.whole!r} {plan.base_weight_bits} {plan.fp8!r}"
+    memo = f"param_groups {rule.whole!r} {hash(rule.tp_whole)} {plan.base_weight_bits} {plan.fp8!r}"
     return plan.model_fact(memo, groups)
 
 
@@ -271,7 +272,13 @@ def _block_linears(plan: PlanInput) -> tuple[list[tuple[int, int]], dict[int, li
 def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
     pp = plan.layout.pp
     rule = placement_rule(
-        plan.strategy, plan.layout, plan.model, plan.dtype, outer=_outer(plan), blocks=_blocks(plan)
+        plan.strategy,
+        plan.layout,
+        plan.model,
+        plan.dtype,
+        outer=_outer(plan),
+        blocks=_blocks(plan),
+        tp_whole=_tp_whole(plan),
     )
     cast = _Cast.of(plan)
     census = _Census([_Tally() for _ in range(pp)])
@@ -377,6 +384,16 @@ def rank_facts(plan: PlanInput, *, pipeline: Any, tokens: int, profiled_blocks: 
             )
         )
     return facts
+
+
+def _tp_whole(plan: PlanInput) -> frozenset[str]:
+    """The parameters TP keeps whole (`tp_replicated_parameters`; none without TP, where it splits none)."""
+    if plan.layout.tp == 1:
+        return frozenset()
+    plan_setting = getattr(plan.strategy, "tp_plan", None)
+    return plan.model_fact(
+        f"tp_whole {plan_setting!r}", lambda: tp_replicated_parameters(plan.model, plan.strategy)
+    )
 
 
 def _outer(plan: PlanInput) -> OuterUnits:

@@ -5,10 +5,10 @@ five layouts: FSDP with its default unit heuristic, with every unit resharded af
 none, and TP without and with sequence parallelism. A dispatch mode records every collective the step
 issues (FSDP2's c10d calls, DTensor's functional ones) with the bytes a rank sends under the ring
 algorithm, by mesh axis; the test holds them equal to ``estimate_peak(plan).communication`` for the
-same job. On 4 ranks (extended), HSDP's all-reduces too.
-
-The optimizer step runs outside the recording: the ``Partial`` gradients of TP's replicated norms are
-reduced when it reads them, once per step, which the plan leaves out (a hidden-size vector per norm).
+same job. On 4 ranks (extended), HSDP's all-reduces, and TP beside FSDP.
+The recording ends after the optimizer step, which reads the gradients: the ``Partial`` gradients of
+TP's replicated norms under sequence parallelism are all-reduced by then (by FSDP's reduction, or when
+the step reads them), as the plan counts them.
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ def _one_job(sizes: dict[str, int], fields: dict[str, Any]) -> dict[str, dict[st
     manager = FSDP2Manager(config, ctx.device_mesh)
     model = manager.parallelize(build_tiny_model("llama"))
     batch = make_batch(model.config.vocab_size, MICRO_BATCHES * ROWS, SEQ, seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     traffic = _Traffic()
     with traffic:
         for micro in range(MICRO_BATCHES):
@@ -114,6 +115,7 @@ def _one_job(sizes: dict[str, int], fields: dict[str, Any]) -> dict[str, dict[st
             with loss_parallel() if sharded else contextlib.nullcontext():
                 vocab = logits.shape[-1]
                 F.cross_entropy(logits.reshape(-1, vocab), batch["labels"][rows].reshape(-1)).backward()
+        optimizer.step()  # reads the gradients: TP's replicated ones are reduced by then
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
     plan = PlanInput(
@@ -166,5 +168,9 @@ def test_the_planned_traffic_is_what_torch_sends_in_each_layout() -> None:
 
 
 @pytest.mark.extended
-def test_the_planned_traffic_is_what_torch_sends_under_hsdp() -> None:
-    _check(run_distributed(_jobs, 4, [("hsdp", {"dp_replicate_size": 2}, {})], timeout_s=600))
+def test_the_planned_traffic_is_what_torch_sends_under_hsdp_and_tp_with_fsdp() -> None:
+    jobs = [
+        ("hsdp", {"dp_replicate_size": 2}, {}),
+        ("tp2 x fsdp2 + sp", {"tp_size": 2}, {"sequence_parallel": True}),
+    ]
+    _check(run_distributed(_jobs, 4, jobs, timeout_s=600))

@@ -20,7 +20,16 @@ from automodel_distributed.config import FSDP2Config
 from automodel_distributed.memory import layer_index, placement_rule
 from automodel_mesh import MeshKind, ParallelismSizes, resolve_layout
 from automodel_planner import PlanInput
-from automodel_planner.facts import _FIRST_STAGE_PREFIX, _Cast, _census, _outer, _ParamGroup, _size, _Tally
+from automodel_planner.facts import (
+    _FIRST_STAGE_PREFIX,
+    _Cast,
+    _census,
+    _outer,
+    _ParamGroup,
+    _size,
+    _Tally,
+    _tp_whole,
+)
 
 H, FFN, LAYERS, HEADS, KV, VOCAB = 64, 176, 4, 4, 2, 512
 
@@ -55,7 +64,9 @@ def _plan(model: torch.nn.Module, sizes: dict[str, int], **changes: object) -> P
 
 def _one_at_a_time(plan: PlanInput, owners: dict[int, int]) -> list[_Tally]:
     """The tally of every parameter on its own: a group of one, placed by its own name."""
-    rule = placement_rule(plan.strategy, plan.layout, plan.model, plan.dtype, outer=_outer(plan))
+    rule = placement_rule(
+        plan.strategy, plan.layout, plan.model, plan.dtype, outer=_outer(plan), tp_whole=_tp_whole(plan)
+    )
     cast = _Cast.of(plan)
     tallies = [_Tally() for _ in range(plan.layout.pp)]
     for name, param in plan.model.named_parameters():

@@ -19,9 +19,11 @@ activation, a layer's input or output (``tokens x`` its width):
   ``loss_parallel``) adds the loss's three all-reduces of one fp32 value per token (the logits' max,
   the sum of their exponentials, the target's logit).
 
-Left out: the ``Partial`` weight gradients of replicated norms (`SequenceParallelNorm`,
-`ReplicatedWithGradAllReduce`), reduced once when read (a hidden-size vector per norm, per step), and
-the styles of other mechanisms (expert parallelism's). Nothing here runs a collective.
+Replicated parameters whose gradient each rank computes from its own slice (a norm's under
+`SequenceParallel`, a per-head norm's under `ReplicatedWithGradAllReduce`, a row-parallel bias added to
+a sequence slice) hold a ``Partial`` gradient that DTensor all-reduces once per step, when FSDP's
+reduction or the optimizer reads it (`PassCollectives.partial_grads`). Left out: the styles of other
+mechanisms (expert parallelism's). Nothing here runs a collective.
 """
 
 from __future__ import annotations
@@ -33,11 +35,16 @@ from typing import NamedTuple
 
 from torch import nn
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock
-from automodel_distributed.tensor_parallel.styles import GatherSequenceInput
+from automodel_distributed.tensor_parallel.styles import GatherSequenceInput, ReplicatedWithGradAllReduce
 
 __all__ = ["LOSS_PARALLEL_REDUCTIONS", "PassCollectives", "TPCollectives", "plan_collectives"]
 
@@ -62,6 +69,9 @@ class PassCollectives:
     for its thin matmuls, the model's width for the rest)."""
     backward_width: Counter[str] = field(default_factory=Counter)
     loss_reductions: int = 0
+    partial_grads: list[int] = field(default_factory=list)
+    """Elements of each replicated parameter whose gradient is a ``Partial`` sum (a norm's under
+    sequence parallelism, a per-head norm's), all-reduced over the TP ranks once per step."""
 
     def add(self, phase: str, kind: str, width: int) -> None:
         """Count one collective of ``width`` values per token in ``phase`` (``forward`` or ``backward``)."""
@@ -139,8 +149,13 @@ def _add_style(
         if isinstance(style.output_layouts[0], Shard):
             part.add("forward", "reduce_scatter", width)
             part.add("backward", "all_gather", width)
+            bias = getattr(module, "bias", None)  # replicated, added to this rank's slice of the output
+            if isinstance(bias, nn.Parameter):
+                part.partial_grads.append(bias.numel())
         else:
             part.add("forward", "all_reduce", width)
     elif isinstance(style, GatherSequenceInput):
         part.add("forward", "all_gather", hidden)
         part.add("backward", "reduce_scatter", hidden)
+    elif isinstance(style, SequenceParallel | ReplicatedWithGradAllReduce):
+        part.partial_grads.extend(p.numel() for p in module.parameters(recurse=False))
