@@ -1,14 +1,18 @@
-"""The planner's collective traffic is what torch sends: a real step on 2 gloo ranks, byte for byte.
+"""The planner's collective traffic is what torch sends: real steps on 2 gloo ranks, byte for byte.
 
 One launch. A tiny fp32 Llama runs one optimizer step of two micro-batches under `FSDP2Manager` in
 five layouts: FSDP with its default unit heuristic, with every unit resharded after forward and with
-none, and TP without and with sequence parallelism. A dispatch mode records every collective the step
-issues (FSDP2's c10d calls, DTensor's functional ones) with the bytes a rank sends under the ring
-algorithm, by mesh axis; the test holds them equal to ``estimate_peak(plan).communication`` for the
-same job. On 4 ranks (extended), HSDP's all-reduces, and TP beside FSDP.
+none, and TP without and with sequence parallelism; and the second step of a two-stage `AutoPipeline`
+under 1F1B and interleaved 1F1B (the first also exchanges the stages' shapes). A dispatch mode records
+every collective a step issues (FSDP2's c10d calls, DTensor's functional ones, the stages' sends) with
+the bytes a rank sends under the ring algorithm, by mesh axis; the test holds them equal to
+``estimate_peak(plan).communication`` for the same job. On 4 ranks (extended): HSDP, and TP beside
+FSDP with sequence parallelism.
+
 The recording ends after the optimizer step, which reads the gradients: the ``Partial`` gradients of
 TP's replicated norms under sequence parallelism are all-reduced by then (by FSDP's reduction, or when
-the step reads them), as the plan counts them.
+the step reads them), as the plan counts them. Left out: context parallelism (a CPU mesh runs the CPU
+runtime's ring kernel, not torch's) and expert parallelism (the plan prices routing's expectation).
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class _Traffic(TorchDispatchMode):
             self._add("all_gather", args[2], (args[1] - 1) * _bytes(args[0]))
         elif packet is functional.reduce_scatter_tensor:  # (input, op, group size, group name)
             self._add("reduce_scatter", args[3], (args[2] - 1) / args[2] * _bytes(args[0]))
+        elif packet is c10d.send:  # (tensors, group, peer, tag)
+            self._add("send", args[1], sum(_bytes(t) for t in args[0]))
         elif packet is functional.all_reduce:  # (input, op, group name)
             size = dist.distributed_c10d._resolve_process_group(args[2]).size()
             self._add("all_reduce", args[2], 2 * (size - 1) / size * _bytes(args[0]))
@@ -129,14 +135,50 @@ def _one_job(sizes: dict[str, int], fields: dict[str, Any]) -> dict[str, dict[st
     return {"observed": observed, "planned": dict(estimate_peak(plan).communication)}
 
 
-def _jobs(jobs: list[tuple[str, dict[str, int], dict[str, Any]]]) -> dict[str, dict[str, dict[str, float]]]:
-    warnings.simplefilter("ignore")  # the tiny model's plan and FSDP's view-output warnings
-    return {label: _one_job(sizes, fields) for label, sizes, fields in jobs}
+def _pipeline_job(schedule: str) -> dict[str, dict[str, float]]:
+    """Two stages of a 4-layer tiny Llama, 2 micro-batches of 2 rows, on the pipeline's ranks."""
+    from transformers import AutoModelForCausalLM
+
+    from automodel_distributed.config import FSDP2Config
+    from automodel_mesh import MeshContext, MeshKind, ParallelismSizes
+    from automodel_pipelining import AutoPipeline, PipelineConfig
+    from automodel_planner import PlanInput
+    from automodel_planner.estimate import estimate_peak
+    from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
+
+    ctx = MeshContext.build(MeshKind.FSDP2, ParallelismSizes(pp_size=dist.get_world_size()))
+    config = PipelineConfig(pp_schedule=schedule, pp_batch_size=MICRO_BATCHES * ROWS, pp_microbatch_size=ROWS)
+    model = build_tiny_model("llama", num_hidden_layers=4)
+    pipe = AutoPipeline.from_config(config, ctx)
+    pipe.build(build_tiny_model("llama", num_hidden_layers=4), loss_fn=causal_lm_loss)
+    batch = make_batch(model.config.vocab_size, MICRO_BATCHES * ROWS, SEQ, seed=5)
+    axes = {ctx.device_mesh["pp"].get_group().group_name: "pp"}
+    inputs = {"target": batch["labels"], "position_ids": batch["position_ids"]}
+    pipe.step(batch["input_ids"], **inputs)  # the first step also exchanges the stages' shapes
+    traffic = _Traffic()
+    with traffic:
+        pipe.step(batch["input_ids"], **inputs)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    plan = PlanInput(
+        model=meta, model_config=model.config, layout=ctx.layout, strategy=FSDP2Config(),
+        dtype=torch.float32, seq_len=SEQ, micro_batch_size=ROWS, pipeline=config,
+    )  # fmt: skip
+    observed = {f"{k} over {axes.get(g, g)}": v for (k, g), v in traffic.sent.items()}
+    return {"observed": observed, "planned": dict(estimate_peak(plan).communication)}
+
+
+def _jobs(
+    jobs: list[tuple[str, dict[str, int], dict[str, Any]]], schedules: tuple[str, ...] = ()
+) -> dict[str, dict[str, dict[str, float]]]:
+    warnings.simplefilter("ignore")  # the tiny model's plan, FSDP's view-output, the short schedules'
+    out = {label: _one_job(sizes, fields) for label, sizes, fields in jobs}
+    return out | {f"pp, {schedule}": _pipeline_job(schedule) for schedule in schedules}
 
 
 def _by_mechanism(observed: dict[str, float]) -> dict[str, float]:
     """FSDP's all-gathers and reduce-scatters, HSDP's all-reduces, and TP's collectives together."""
-    names = {"dp_shard": "FSDP", "dp_shard_cp": "FSDP", "dp_replicate": "HSDP", "tp": "TP"}
+    names = {"dp_shard": "FSDP", "dp_shard_cp": "FSDP", "dp_replicate": "HSDP", "tp": "TP", "pp": "PP"}
     out: dict[str, float] = {}
     for key, sent in observed.items():
         kind, axis = key.split(" over ")
@@ -154,6 +196,7 @@ def _check(per_rank: list[dict[str, dict[str, dict[str, float]]]]) -> None:
                 "FSDP reduce_scatter": planned.get("FSDP reduce-scatter", 0),
                 "HSDP all_reduce": planned.get("HSDP all-reduce", 0),
                 "TP": sum(v for k, v in planned.items() if k.startswith("TP ")),
+                "PP send": planned.get("PP send/recv", 0),
             }
             expected = {k: v for k, v in expected.items() if v}
             observed = _by_mechanism(job["observed"])
@@ -164,7 +207,7 @@ def _check(per_rank: list[dict[str, dict[str, dict[str, float]]]]) -> None:
 
 
 def test_the_planned_traffic_is_what_torch_sends_in_each_layout() -> None:
-    _check(run_distributed(_jobs, 2, JOBS, timeout_s=600))
+    _check(run_distributed(_jobs, 2, JOBS, ("1f1b", "interleaved_1f1b"), timeout_s=600))
 
 
 @pytest.mark.extended
