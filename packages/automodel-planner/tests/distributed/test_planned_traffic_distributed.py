@@ -6,8 +6,8 @@ none, and TP without and with sequence parallelism; and the second step of a two
 under 1F1B and interleaved 1F1B (the first also exchanges the stages' shapes). A dispatch mode records
 every collective a step issues (FSDP2's c10d calls, DTensor's functional ones, the stages' sends) with
 the bytes a rank sends under the ring algorithm, by mesh axis; the test holds them equal to
-``estimate_peak(plan).communication`` for the same job. On 4 ranks (extended): HSDP, and TP beside
-FSDP with sequence parallelism.
+``estimate_peak(plan).communication`` for the same job (a pipeline rank's own). On 4 ranks (extended):
+HSDP, TP beside FSDP with sequence parallelism, and two pipeline stages each sharded by FSDP.
 
 The recording ends after the optimizer step, which reads the gradients: the ``Partial`` gradients of
 TP's replicated norms under sequence parallelism are all-reduced by then (by FSDP's reduction, or when
@@ -135,24 +135,37 @@ def _one_job(sizes: dict[str, int], fields: dict[str, Any]) -> dict[str, dict[st
     return {"observed": observed, "planned": dict(estimate_peak(plan).communication)}
 
 
-def _pipeline_job(schedule: str) -> dict[str, dict[str, float]]:
-    """Two stages of a 4-layer tiny Llama, 2 micro-batches of 2 rows, on the pipeline's ranks."""
+def _pipeline_job(schedule: str, dp_shard: int = 1) -> dict[str, dict[str, float]]:
+    """Two stages of a 4-layer tiny Llama, 2 micro-batches of 2 rows; FSDP over ``dp_shard`` ranks."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM
 
+    from automodel_distributed import FSDP2Manager
     from automodel_distributed.config import FSDP2Config
-    from automodel_mesh import MeshContext, MeshKind, ParallelismSizes
+    from automodel_mesh import MeshContext, MeshKind, ParallelismSizes, traffic_of
     from automodel_pipelining import AutoPipeline, PipelineConfig
     from automodel_planner import PlanInput
-    from automodel_planner.estimate import estimate_peak
+    from automodel_planner.estimate import _planned_ranks
     from automodel_testing import build_tiny_model, causal_lm_loss, make_batch
 
-    ctx = MeshContext.build(MeshKind.FSDP2, ParallelismSizes(pp_size=dist.get_world_size()))
+    pp = dist.get_world_size() // dp_shard
+    ctx = MeshContext.build(MeshKind.FSDP2, ParallelismSizes(pp_size=pp))
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=MICRO_BATCHES * ROWS, pp_microbatch_size=ROWS)
+    strategy = FSDP2Config(
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    )
+    manager = FSDP2Manager(strategy, ctx.device_mesh)
     model = build_tiny_model("llama", num_hidden_layers=4)
     pipe = AutoPipeline.from_config(config, ctx)
-    pipe.build(build_tiny_model("llama", num_hidden_layers=4), loss_fn=causal_lm_loss)
+    parallelize = (lambda stage, **_: manager.parallelize(stage)) if dp_shard > 1 else None
+    pipe.build(
+        build_tiny_model("llama", num_hidden_layers=4), loss_fn=causal_lm_loss, parallelize_fn=parallelize
+    )
     batch = make_batch(model.config.vocab_size, MICRO_BATCHES * ROWS, SEQ, seed=5)
-    axes = {ctx.device_mesh["pp"].get_group().group_name: "pp"}
+    axes = {}
+    for axis in ("pp", "dp_shard_cp"):
+        with contextlib.suppress(KeyError, RuntimeError):
+            axes[ctx.device_mesh[axis].get_group().group_name] = axis
     inputs = {"target": batch["labels"], "position_ids": batch["position_ids"]}
     pipe.step(batch["input_ids"], **inputs)  # the first step also exchanges the stages' shapes
     traffic = _Traffic()
@@ -161,19 +174,21 @@ def _pipeline_job(schedule: str) -> dict[str, dict[str, float]]:
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
     plan = PlanInput(
-        model=meta, model_config=model.config, layout=ctx.layout, strategy=FSDP2Config(),
+        model=meta, model_config=model.config, layout=ctx.layout, strategy=strategy,
         dtype=torch.float32, seq_len=SEQ, micro_batch_size=ROWS, pipeline=config,
     )  # fmt: skip
     observed = {f"{k} over {axes.get(g, g)}": v for (k, g), v in traffic.sent.items()}
-    return {"observed": observed, "planned": dict(estimate_peak(plan).communication)}
+    _, _, terms, ranks = _planned_ranks(plan, None)  # this pipeline rank's, not the largest's
+    planned = traffic_of(c for term in terms for c in term.collectives(ranks[pipe.pp_rank]))
+    return {"observed": observed, "planned": dict(planned)}
 
 
 def _jobs(
-    jobs: list[tuple[str, dict[str, int], dict[str, Any]]], schedules: tuple[str, ...] = ()
+    jobs: list[tuple[str, dict[str, int], dict[str, Any]]], schedules: tuple[str, ...], dp_shard: int = 1
 ) -> dict[str, dict[str, dict[str, float]]]:
     warnings.simplefilter("ignore")  # the tiny model's plan, FSDP's view-output, the short schedules'
     out = {label: _one_job(sizes, fields) for label, sizes, fields in jobs}
-    return out | {f"pp, {schedule}": _pipeline_job(schedule) for schedule in schedules}
+    return out | {f"pp, {schedule}": _pipeline_job(schedule, dp_shard) for schedule in schedules}
 
 
 def _by_mechanism(observed: dict[str, float]) -> dict[str, float]:
@@ -216,4 +231,4 @@ def test_the_planned_traffic_is_what_torch_sends_under_hsdp_and_tp_with_fsdp() -
         ("hsdp", {"dp_replicate_size": 2}, {}),
         ("tp2 x fsdp2 + sp", {"tp_size": 2}, {"sequence_parallel": True}),
     ]
-    _check(run_distributed(_jobs, 4, jobs, timeout_s=600))
+    _check(run_distributed(_jobs, 4, jobs, ("1f1b",), 2, timeout_s=600))
