@@ -147,11 +147,12 @@ def test_style_names_translate_to_layouts(name: str, cls: type, inp: Any, out: A
 def test_other_style_names_and_fresh_objects() -> None:
     assert isinstance(parallel_style("sequence_parallel"), SequenceParallelNorm)
     assert isinstance(parallel_style("gather_seq_input"), GatherSequenceInput)
+    assert type(parallel_style("replicate_block_input")).__name__ == "ReplicateBlockInput"
     assert isinstance(parallel_style("replicated_with_grad_allreduce"), ReplicatedWithGradAllReduce)
     assert parallel_style("colwise") is not parallel_style("colwise")
     with pytest.raises(ValueError, match=r"unknown tensor-parallel style 'colwize'.*'colwise'"):
         parallel_style("colwize")
-    assert len(STYLE_NAMES) == 12
+    assert len(STYLE_NAMES) == 13
 
 
 # ----------------------------------------------------------------------------- priority order
@@ -188,7 +189,7 @@ def test_priority_ladder_on_one_model(plan_module: str) -> None:
 
     model = Ladder()
     with pytest.warns(UserWarning, match="default Llama-style"):
-        assert len(resolve_tp_plan(model, tp_size=2)) == 9
+        assert len(resolve_tp_plan(model, tp_size=2)) == 11  # 9 layers, attention's and the MLP's inputs
     model.config.base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
@@ -404,6 +405,8 @@ def test_default_plan_for_a_llama_layout_warns() -> None:
         plan = resolve_tp_plan(model, tp_size=2)
     assert _kinds(plan) == {
         "model.embed_tokens": "RowwiseParallel",
+        "model.layers.*.self_attn": "ReplicateBlockInput",
+        "model.layers.*.mlp": "ReplicateBlockInput",
         **{f"model.layers.*.self_attn.{p}_proj": "ColwiseParallel" for p in "qkv"},
         "model.layers.*.self_attn.o_proj": "RowwiseParallel",
         "model.layers.*.mlp.gate_proj": "ColwiseParallel",

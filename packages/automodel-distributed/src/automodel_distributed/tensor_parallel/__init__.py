@@ -30,6 +30,7 @@ from automodel_distributed.tensor_parallel.resolve import resolve_tp_plan, shard
 from automodel_distributed.tensor_parallel.styles import (
     STYLE_NAMES,
     GatherSequenceInput,
+    ReplicateBlockInput,
     ReplicatedWithGradAllReduce,
     ReplicateParallel,
     SequenceParallelNorm,
@@ -45,6 +46,7 @@ __all__ = [
     "PlanFactory",
     "PlanMapping",
     "PlanSource",
+    "ReplicateBlockInput",
     "ReplicateParallel",
     "ReplicatedWithGradAllReduce",
     "RowwiseParallelLora",

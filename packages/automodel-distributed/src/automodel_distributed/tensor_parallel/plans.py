@@ -3,6 +3,9 @@
 Every plan shards attention by heads (q/k/v column-parallel, o row-parallel) and the MLP by its
 intermediate dim (gate/up column-parallel, down row-parallel), the input embedding by vocabulary, and the
 LM head by vocabulary with vocab-sharded DTensor logits (compute the loss under ``loss_parallel()``).
+Attention and the MLP receive their input as a DTensor (gathered from sequence slices under sequence
+parallelism, replicated without), so the input gradients of their column-parallel projections are
+reduced once, summed, not one projection at a time.
 The sequence-parallel variants (Megatron-style) additionally keep the activations outside attention and
 the MLP sharded on the sequence dim: norms run on sequence slices, attention and the MLP all-gather their
 input and the row-parallel projections reduce-scatter their output. The input embedding hands on the
@@ -46,16 +49,19 @@ Plan = Mapping[str, str]
 
 LLAMA_TP_PLAN: Plan = {
     "model.embed_tokens": "rowwise_rep",
+    "model.layers.*.self_attn": "replicate_block_input",
     "model.layers.*.self_attn.q_proj": "colwise",
     "model.layers.*.self_attn.k_proj": "colwise",
     "model.layers.*.self_attn.v_proj": "colwise",
     "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp": "replicate_block_input",
     "model.layers.*.mlp.gate_proj": "colwise",
     "model.layers.*.mlp.up_proj": "colwise",
     "model.layers.*.mlp.down_proj": "rowwise",
     "lm_head": "colwise_vocab",
 }
-"""Llama, Qwen2, Mistral, Gemma: tensor parallel only."""
+"""Llama, Qwen2, Mistral, Gemma: tensor parallel only. Attention and the MLP take their input as a
+replicated DTensor, so the input gradients of q, k and v (gate and up) are all-reduced once, summed."""
 
 LLAMA_SP_PLAN: Plan = {
     "model.embed_tokens": "rowwise_rep",

@@ -176,7 +176,7 @@ def _default_plan(hf_model: nn.Module, sequence_parallel: bool) -> tuple[dict[st
     if not layers:
         return None, "the default Llama-style plan needs decoder blocks at `layers.<i>` of the base model"
     block_keys = [k.removeprefix("layers.*.") for k in DEFAULT_DECODER_PLAN if k.startswith("layers.*.")]
-    linears = set(block_keys)
+    linears = {k for k in block_keys if "." in k}  # the projections, not the modules whose input they take
     expected = linears | {"input_layernorm", "post_attention_layernorm"}
     for fqn, layer in layers:
         found = _param_modules(layer)

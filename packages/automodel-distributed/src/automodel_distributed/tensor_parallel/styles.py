@@ -21,6 +21,8 @@ the module hands on a plain tensor holding this rank's slice, "DTensor" means it
   vocab-parallel embedding under SP (output reduce-scattered on seq).
 - ``sequence_parallel``: `SequenceParallelNorm`; norm weights replicated, activations seq-sharded, local.
 - ``gather_seq_input``: `GatherSequenceInput`; all-gathers a block's seq-sharded input (SP attention, MLP).
+- ``replicate_block_input``: `ReplicateBlockInput`; hands a block its replicated input as a DTensor, so
+  its column-parallel projections' input gradients are all-reduced once, summed (TP attention, MLP).
 - ``replicated_with_grad_allreduce``: `ReplicatedWithGradAllReduce`; replicated weights applied to this
   rank's slice (per-head q/k norms), their gradient summed over the TP ranks.
 
@@ -58,6 +60,7 @@ __all__ = [
     "HF_STYLE_ALIASES",
     "STYLE_NAMES",
     "GatherSequenceInput",
+    "ReplicateBlockInput",
     "ReplicateParallel",
     "ReplicatedWithGradAllReduce",
     "SequenceParallelNorm",
@@ -223,6 +226,21 @@ class GatherSequenceInput(ParallelStyle):
         )
 
 
+class ReplicateBlockInput(GatherSequenceInput):
+    """Hand a block (attention or MLP) its replicated input as a replicated DTensor (TP without SP).
+
+    Its column-parallel projections accept the DTensor as is, so autograd sums their input gradients
+    (``Partial`` DTensors) before the one all-reduce that makes the sum whole, where each projection's
+    own plain input would all-reduce its gradient on its own (q, k and v: three instead of one). The
+    input is found as `GatherSequenceInput` finds it; a plain tensor is taken as ``Replicate()``.
+    """
+
+    def _gather(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        return x.to_local() if self.use_local_output else x
+
+
 ACTIVATION_STYLES: tuple[type[ParallelStyle], ...] = (
     GatherSequenceInput,
     MlaKvAprojParallel,
@@ -248,6 +266,7 @@ STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
     "rowwise_rep_seq": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     "sequence_parallel": lambda: SequenceParallelNorm(),
     "gather_seq_input": lambda: GatherSequenceInput(),
+    "replicate_block_input": lambda: ReplicateBlockInput(),
     "replicated_with_grad_allreduce": lambda: ReplicatedWithGradAllReduce(),
 }
 """Style name -> factory of a fresh style (see the module docstring for what each one does)."""

@@ -5,12 +5,14 @@ activation, a layer's input or output (``tokens x`` its width):
 
 - a column-parallel layer whose input is a sequence slice (``input_layouts`` ``Shard``) all-gathers it
   in forward and reduce-scatters its gradient in backward; one whose replicated input comes from a
-  `GatherSequenceInput` around it issues nothing (that style gathers the input once and reduces the
-  summed gradients of every projection it feeds); any other all-reduces its input gradient in backward
-  (DTensor makes the ``Partial`` sum whole for the replicated input, one projection at a time);
+  `GatherSequenceInput` or `ReplicateBlockInput` around it issues nothing (that style hands the input on
+  as a DTensor and reduces the summed gradients of every projection it feeds); any other all-reduces its
+  input gradient in backward (DTensor makes the ``Partial`` sum whole for the replicated input, one
+  projection at a time);
 - a row-parallel layer all-reduces its output in forward, or reduce-scatters it to a sequence slice
   and all-gathers the slice's gradient in backward;
 - `GatherSequenceInput` all-gathers its block's input and reduce-scatters the gradient;
+  `ReplicateBlockInput` all-reduces the gradient;
 - `SequenceShardedBlock` cuts the full-length stream of the first block to this rank's slice (its
   backward all-gathers the gradient; counted before the blocks, where the stream enters the
   sequence-parallel region), gathers a sliced input (every block but the first) and cuts a full-length
@@ -44,7 +46,11 @@ from torch.distributed.tensor.parallel import (
 
 from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock
-from automodel_distributed.tensor_parallel.styles import GatherSequenceInput, ReplicatedWithGradAllReduce
+from automodel_distributed.tensor_parallel.styles import (
+    GatherSequenceInput,
+    ReplicateBlockInput,
+    ReplicatedWithGradAllReduce,
+)
 
 __all__ = ["LOSS_PARALLEL_REDUCTIONS", "PassCollectives", "TPCollectives", "plan_collectives"]
 
@@ -154,6 +160,8 @@ def _add_style(
                 part.partial_grads.append(bias.numel())
         else:
             part.add("forward", "all_reduce", width)
+    elif isinstance(style, ReplicateBlockInput):
+        part.add("backward", "all_reduce", hidden)
     elif isinstance(style, GatherSequenceInput):
         part.add("forward", "all_gather", hidden)
         part.add("backward", "reduce_scatter", hidden)
