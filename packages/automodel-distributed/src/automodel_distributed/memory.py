@@ -55,6 +55,7 @@ __all__ = [
     "reshard_setting",
     "tp_plan_collectives",
     "tp_replicated_parameters",
+    "tp_styled_modules",
     "units_gathered_in_backward",
 ]
 
@@ -257,33 +258,25 @@ def placement_rule(
     return PlacementRule(config, layout, experts_gathered, whole, outer, blocks, tp_whole)
 
 
-def tp_replicated_parameters(model: nn.Module, config: DistributedConfig) -> frozenset[str]:
+def tp_replicated_parameters(model: nn.Module, styled: TPStyled | None) -> frozenset[str]:
     """The dense parameters tensor parallelism keeps whole on every TP rank, by name.
 
     Those outside the plan's column- and row-parallel layers (norms, a router, LoRA's replicated
     ``lora_A`` of a column-parallel layer) and a row-parallel layer's bias, which `RowwiseParallel`
-    replicates; experts are left to expert parallelism. The plan is the one `apply_tensor_parallel`
-    resolves (``config.tp_plan``, else the model's; LoRA entries expanded) for any degree: its styles do
-    not depend on it. Empty where no plan resolves. Reads only.
+    replicates; experts are left to expert parallelism. ``styled``: `tp_styled_modules` of ``model``;
+    None (no plan resolves): empty. Reads only.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from automodel_distributed.tensor_parallel import expand_lora_plan, resolve_tp_plan
-    from automodel_distributed.tensor_parallel._fqn import match_modules
-
-    try:
-        plan = expand_lora_plan(model, resolve_tp_plan(model, getattr(config, "tp_plan", None), tp_size=2))
-    except ValueError:
+    if styled is None:
         return frozenset()
     split: set[str] = set()
-    for key, style in plan.items():
-        own = ("weight", "bias") if isinstance(style, ColwiseParallel) else ("weight",)
+    for fqn, _, style in styled:
         if isinstance(style, ColwiseParallel | RowwiseParallel):
-            for fqn, _ in match_modules(model, key):
-                split.update(f"{fqn}.{name}" if fqn else name for name in own)
-    return frozenset(
-        name for name, _ in model.named_parameters() if name not in split and ".experts." not in name
-    )
+            own = ("weight", "bias") if isinstance(style, ColwiseParallel) else ("weight",)
+            split.update(f"{fqn}.{name}" if fqn else name for name in own)
+    names = (name for name, _ in model.named_parameters())
+    return frozenset(name for name in names if name not in split and ".experts." not in name)
 
 
 def always_resharded_units(model: nn.Module, outer: OuterUnits | None = None) -> set[str]:
@@ -307,18 +300,23 @@ def reshard_setting(config: DistributedConfig, experts_reshard: bool | None) -> 
 
 
 def units_gathered_in_backward(
-    model: nn.Module, *, reshard_after_forward: bool | int | None, pipelined: bool
+    model: nn.Module,
+    *,
+    reshard_after_forward: bool | int | None,
+    pipelined: bool,
+    blocks: Mapping[str, int] | None = None,
 ) -> frozenset[str]:
     """The FSDP units whose backward all-gathers their parameters again, by `PlacementRule.key`'s name.
 
     Those `plan_fsdp_units` reshards after forward (under its default heuristic, every unit but the last
     block and the LM head, which backward needs at once) whose backward reads their weights (not a plain
     embedding's: ``unshard_in_backward``); named ``block<i>`` or by the outer unit's FQN. The root is
-    never among them: FSDP2 keeps it gathered from its forward to its backward. Mutates nothing.
+    never among them: FSDP2 keeps it gathered from its forward to its backward. ``blocks``:
+    `decoder_block_indices` of ``model``, when the caller has it. Mutates nothing.
     """
     from automodel_distributed.fsdp2_units import plan_fsdp_units
 
-    blocks = decoder_block_indices(model)
+    blocks = blocks if blocks is not None else decoder_block_indices(model)
     try:
         planned = plan_fsdp_units(model, reshard_after_forward=reshard_after_forward, pipelined=pipelined)
     except ValueError:
@@ -330,25 +328,44 @@ def units_gathered_in_backward(
     )
 
 
-def tp_plan_collectives(model: nn.Module, config: DistributedConfig, tp_size: int) -> TPCollectives | None:
-    """The activation collectives of the TP plan `apply_tensor_parallel` would apply to ``model``.
+TPStyled = list[tuple[str, nn.Module, Any]]
+"""Every ``(fqn, module, style)`` a TP plan applies to a model (`tp_styled_modules`)."""
+
+
+def tp_styled_modules(model: nn.Module, config: DistributedConfig, tp_size: int) -> TPStyled | None:
+    """The modules and styles of the TP plan `apply_tensor_parallel` would apply to ``model``.
 
     The plan ``config`` names (or the model's, `resolve_tp_plan`), with sequence parallelism as
-    configured and LoRA's entries expanded (`expand_lora_plan`); `plan_collectives` of it. None where
-    no plan resolves for ``tp_size``. Reads only.
+    configured and LoRA's entries expanded (`expand_lora_plan`). None where no plan resolves for
+    ``tp_size``. Reads only.
     """
-    from automodel_distributed.tensor_parallel import expand_lora_plan, resolve_tp_plan
-    from automodel_distributed.tensor_parallel.traffic import plan_collectives
+    from automodel_distributed.tensor_parallel import expand_lora_plan, is_lora_linear, resolve_tp_plan
+    from automodel_distributed.tensor_parallel._fqn import match_modules
 
     sequence_parallel = bool(getattr(config, "sequence_parallel", False))
     try:
         plan = resolve_tp_plan(
             model, getattr(config, "tp_plan", None), sequence_parallel=sequence_parallel, tp_size=tp_size
         )
+        if any(is_lora_linear(module) for module in model.modules()):
+            plan = expand_lora_plan(model, plan)
     except ValueError:
         return None
+    return [(fqn, module, style) for key, style in plan.items() for fqn, module in match_modules(model, key)]
+
+
+def tp_plan_collectives(
+    model: nn.Module, styled: TPStyled, blocks: Mapping[str, int] | None = None
+) -> TPCollectives:
+    """The activation collectives of ``styled`` (`tp_styled_modules`) on ``model`` (`plan_collectives`).
+
+    ``blocks``: `decoder_block_indices` of ``model``, when the caller has it (computed here otherwise).
+    """
+    from automodel_distributed.tensor_parallel.traffic import plan_collectives
+
     hidden = int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0)
-    return plan_collectives(model, expand_lora_plan(model, plan), decoder_block_indices(model), hidden)
+    blocks = blocks if blocks is not None else decoder_block_indices(model)
+    return plan_collectives(model, styled, blocks, hidden)
 
 
 TP_BLOCK_COLLECTIVE = "TP all-reduce (or AG+RS)"

@@ -95,11 +95,11 @@ def test_blocks_not_named_layers_are_found_from_the_models_structure() -> None:
 
 def test_tensor_parallelism_keeps_norms_and_row_parallel_biases_whole() -> None:
     """`tp_replicated_parameters`: what the plan's column- and row-parallel layers do not split."""
-    from automodel_distributed.memory import tp_replicated_parameters
+    from automodel_distributed.memory import tp_replicated_parameters, tp_styled_modules
     from automodel_testing import build_tiny_model
 
     model = build_tiny_model("qwen2")  # q, k and v carry biases: column-parallel ones are split
-    whole = tp_replicated_parameters(model, FSDP2Config())
+    whole = tp_replicated_parameters(model, tp_styled_modules(model, FSDP2Config(), 2))
     norms = {n for n, _ in model.named_parameters() if n.endswith("norm.weight")}
     assert norms and norms <= whole
     split = ("q_proj.weight", "q_proj.bias", "o_proj.weight", "down_proj.weight")

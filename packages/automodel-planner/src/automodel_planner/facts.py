@@ -35,11 +35,12 @@ from automodel_distributed.memory import (
     outer_units,
     placement_rule,
     tp_replicated_parameters,
+    tp_styled_modules,
 )
 from automodel_mesh import MeshLayout
 from automodel_planner.inputs import PlanInput
 
-__all__ = ["RankFacts", "rank_facts"]
+__all__ = ["RankFacts", "decoder_blocks", "rank_facts", "tp_plan_key", "tp_styled"]
 
 _FIRST_STAGE_PREFIX = "model.embed_tokens"  # outside the blocks: on the first stage, else on the last
 
@@ -253,7 +254,7 @@ def _block_linears(plan: PlanInput) -> tuple[list[tuple[int, int]], dict[int, li
     """
 
     def walk() -> tuple[list[tuple[int, int]], dict[int, list[int]]]:
-        blocks = _blocks(plan)
+        blocks = decoder_blocks(plan)
         shapes: list[tuple[int, int]] = []
         adapted: dict[int, list[int]] = {}
         for fqn, module in plan.model.named_modules():
@@ -277,7 +278,7 @@ def _census(plan: PlanInput, owners: dict[int, int]) -> _Census:
         plan.model,
         plan.dtype,
         outer=_outer(plan),
-        blocks=_blocks(plan),
+        blocks=decoder_blocks(plan),
         tp_whole=_tp_whole(plan),
     )
     cast = _Cast.of(plan)
@@ -390,9 +391,21 @@ def _tp_whole(plan: PlanInput) -> frozenset[str]:
     """The parameters TP keeps whole (`tp_replicated_parameters`; none without TP, where it splits none)."""
     if plan.layout.tp == 1:
         return frozenset()
-    plan_setting = getattr(plan.strategy, "tp_plan", None)
     return plan.model_fact(
-        f"tp_whole {plan_setting!r}", lambda: tp_replicated_parameters(plan.model, plan.strategy)
+        f"tp_whole {tp_plan_key(plan)}", lambda: tp_replicated_parameters(plan.model, tp_styled(plan))
+    )
+
+
+def tp_plan_key(plan: PlanInput) -> str:
+    """What the TP plan of ``plan``'s model depends on beyond the model."""
+    strategy, tp = plan.strategy, plan.layout.tp
+    return f"{getattr(strategy, 'tp_plan', None)!r} {getattr(strategy, 'sequence_parallel', False)} {tp}"
+
+
+def tp_styled(plan: PlanInput) -> Any:
+    """`tp_styled_modules` of ``plan``'s model and strategy (memoized); None without a TP plan."""
+    return plan.model_fact(
+        f"tp styled {tp_plan_key(plan)}", lambda: tp_styled_modules(plan.model, plan.strategy, plan.layout.tp)
     )
 
 
@@ -401,6 +414,6 @@ def _outer(plan: PlanInput) -> OuterUnits:
     return plan.model_fact("outer_units", lambda: outer_units(plan.model))
 
 
-def _blocks(plan: PlanInput) -> dict[str, int]:
+def decoder_blocks(plan: PlanInput) -> dict[str, int]:
     """The decoder blocks of ``plan``'s model by its structure (a function of the model: memoized)."""
     return plan.model_fact("decoder_blocks", lambda: decoder_block_indices(plan.model))

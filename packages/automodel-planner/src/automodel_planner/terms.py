@@ -32,7 +32,7 @@ from automodel_distributed.memory import (
 )
 from automodel_mesh import Collective
 from automodel_planner.activations import ActivationProfile, activation_bytes, held_per_microbatch
-from automodel_planner.facts import RankFacts
+from automodel_planner.facts import RankFacts, decoder_blocks, tp_plan_key, tp_styled
 from automodel_planner.inputs import PlanInput
 
 __all__ = ["ActivationMemory", "PlannerTerm", "pipeline_term", "planner_terms"]
@@ -167,15 +167,17 @@ def _strategy_term(plan: PlanInput) -> StrategyMemory:
     setting, pipelined = reshard_setting(plan.strategy, experts_reshard), plan.pipeline is not None
     gathered = plan.model_fact(  # a function of the model and the two settings
         f"units gathered in backward {setting} {pipelined}",
-        lambda: units_gathered_in_backward(plan.model, reshard_after_forward=setting, pipelined=pipelined),
+        lambda: units_gathered_in_backward(
+            plan.model, reshard_after_forward=setting, pipelined=pipelined, blocks=decoder_blocks(plan)
+        ),
     )
-    tp = plan.layout.tp
+    styled = tp_styled(plan) if plan.layout.tp > 1 else None
     tensor_parallel = (
-        plan.model_fact(  # a function of the model, the strategy's plan settings and the degree
-            f"tp collectives {getattr(plan.strategy, 'sequence_parallel', False)} {tp}",
-            lambda: tp_plan_collectives(plan.model, plan.strategy, tp),
+        plan.model_fact(
+            f"tp collectives {tp_plan_key(plan)}",
+            lambda: tp_plan_collectives(plan.model, styled, decoder_blocks(plan)),
         )
-        if tp > 1
+        if styled is not None
         else None
     )
     return StrategyMemory.for_job(

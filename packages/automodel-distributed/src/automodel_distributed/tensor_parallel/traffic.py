@@ -31,7 +31,7 @@ mechanisms (expert parallelism's). Nothing here runs a collective.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -44,7 +44,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from automodel_distributed.tensor_parallel._fqn import match_modules
 from automodel_distributed.tensor_parallel.sequence import SequenceShardedBlock
 from automodel_distributed.tensor_parallel.styles import (
     GatherSequenceInput,
@@ -97,13 +96,17 @@ class TPCollectives(NamedTuple):
 
 
 def plan_collectives(
-    model: nn.Module, plan: Mapping[str, ParallelStyle], blocks: Mapping[str, int], hidden: int
+    model: nn.Module,
+    styled: Sequence[tuple[str, nn.Module, ParallelStyle]],
+    blocks: Mapping[str, int],
+    hidden: int,
 ) -> TPCollectives:
-    """The collectives of ``plan`` on ``model``: per decoder block, before and after the blocks.
+    """The collectives of a plan on ``model``: per decoder block, before and after the blocks.
 
     Args:
         model: The model the plan applies to (any device; read only).
-        plan: FQN pattern -> style (`automodel_distributed.tensor_parallel.resolve_tp_plan`).
+        styled: Every ``(fqn, module, style)`` the plan applies
+            (`automodel_distributed.memory.tp_styled_modules`).
         blocks: FQN -> index of the decoder blocks
             (`automodel_distributed.memory.decoder_block_indices`).
         hidden: The model's width: the residual stream's, and that of a styled module whose own
@@ -111,14 +114,11 @@ def plan_collectives(
     """
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
     first = min((order[fqn] for fqn in blocks if fqn in order), default=len(order))
-    styled = [
-        (fqn, module, style) for key, style in plan.items() for fqn, module in match_modules(model, key)
-    ]
     gathered = tuple(fqn + "." for fqn, _, style in styled if isinstance(style, GatherSequenceInput))
     out = TPCollectives({}, PassCollectives(), PassCollectives())
     last = max(blocks.values(), default=-1)
     for fqn, module, style in styled:
-        index = next((i for name, i in blocks.items() if fqn == name or fqn.startswith(name + ".")), None)
+        index = _block_of(fqn, blocks)
         if index is None:
             part = out.entry if order[fqn] < first else out.exit
             _add_style(part, module, style, fqn.startswith(gathered), hidden)
@@ -135,6 +135,16 @@ def plan_collectives(
             part = out.blocks.setdefault(index, PassCollectives())
             _add_style(part, module, style, fqn.startswith(gathered), hidden)
     return out
+
+
+def _block_of(fqn: str, blocks: Mapping[str, int]) -> int | None:
+    """The index of the decoder block ``fqn`` is or lies in, None outside the blocks."""
+    parts = fqn.split(".")
+    for end in range(len(parts), 0, -1):
+        index = blocks.get(".".join(parts[:end]))
+        if index is not None:
+            return index
+    return None
 
 
 def _add_style(
