@@ -35,10 +35,11 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   and again in backward), as each chunk's K/V gradients do, passed on one step ahead in backward but
   the last, which is waited for at once; TP's collectives are those its plan's styles issue
   (`automodel_distributed.tensor_parallel.traffic`: without sequence parallelism each row-parallel
-  layer all-reduces its output in forward and each column-parallel one its input gradient in backward,
-  q, k and v each their own; with it each column-parallel group gathers its input once and
-  reduce-scatters the summed gradient; the embedding's, the head's and a vocab-parallel loss's beside
-  them); TP's and EP's collectives and a stage's send/receive are
+  layer all-reduces its output in forward, and in backward the input gradient of each column-parallel
+  group that takes its input as a DTensor (the built-in plans' attention and MLP: q, k and v's summed)
+  or else of each column-parallel layer; with it each group gathers its input once and reduce-scatters
+  the summed gradient; the embedding's, the head's and a vocab-parallel loss's beside them); TP's and
+  EP's collectives and a stage's send/receive are
   exposed, and a recompute under full checkpointing issues a block's forward collectives again, and
   one under selective checkpointing its all-gathers when it does not save their outputs (torchtitan's
   save list: the column-parallel matmuls' weight gradients need the gathered input). Under async TP
