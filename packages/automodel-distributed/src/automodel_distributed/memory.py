@@ -776,11 +776,12 @@ class StrategyMemory:
     def _tp_collectives(self, facts: StrategyFacts) -> list[Collective]:
         """The blocks' TP collectives per pass, and those of the embedding, the head and the loss.
 
-        Counted from the plan's styles (`tensor_parallel`), each an activation of the model's width
+        Counted from the plan's styles (`tensor_parallel`), each an activation of its layer's width
         moved as all-gather and reduce-scatter halves (an all-reduce is both): a block's forward ones
         in each of its forward runs (its all-gathers in each gather run), its backward ones once; a
-        vocab-parallel loss's per-token fp32 all-reduces on the stage holding the head. Without a
-        plan, a Megatron-style block: two of each per forward run, mirrored once in backward.
+        vocab-parallel loss's per-token fp32 all-reduces on the stage holding the head; the replicated
+        parameters' ``Partial`` gradients once per step. Without a plan, a Megatron-style block: two
+        of each per forward run, mirrored once in backward.
         """
         tp, passes = facts.layout.tp, facts.accumulation
         ring = (tp - 1) / tp
