@@ -20,7 +20,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -33,8 +33,10 @@ from automodel_distributed.config import (
     MegatronFSDPConfig,
     default_mp_policy,
 )
-from automodel_distributed.tensor_parallel.traffic import PassCollectives, TPCollectives
 from automodel_mesh import Collective, MeshLayout, Overlap
+
+if TYPE_CHECKING:  # the TP styles import torch.distributed.tensor (sympy): only when TP is planned
+    from automodel_distributed.tensor_parallel.traffic import PassCollectives, TPCollectives
 
 __all__ = [
     "TP_BLOCK_COLLECTIVE",
