@@ -19,6 +19,7 @@ from automodel_distributed.tensor_parallel import (
     BUILTIN_TP_PLANS,
     STYLE_NAMES,
     GatherSequenceInput,
+    ReplicateBlockInput,
     ReplicatedWithGradAllReduce,
     SequenceParallelNorm,
     parallel_style,
@@ -369,8 +370,38 @@ def test_hf_plan_is_used_for_unregistered_classes_and_skips_moe_styles() -> None
     assert plan["lm_head"] == "colwise_vocab"  # transformers says colwise_gather_output
     assert "model.layers.*.mlp.gate_proj" not in plan  # every layer is sparse: matches no module
     styles = resolve_tp_plan(model, tp_size=2)
-    assert styles.keys() == plan.keys()
+    # Attention takes its input as one DTensor (q, k, v's input gradients summed before one all-reduce);
+    # the sparse MLP's router is not in the plan, so the MLP keeps transformers' per-projection form.
+    assert styles.keys() == plan.keys() | {"model.layers.*.self_attn"}
+    assert isinstance(styles["model.layers.*.self_attn"], ReplicateBlockInput)
     assert isinstance(styles["model.layers.*.self_attn.q_norm"], ReplicatedWithGradAllReduce)
+
+
+@pytest.mark.parametrize(
+    ("family", "summed", "kept"),
+    [
+        ("granite", {"self_attn", "mlp"}, set()),
+        ("deepseek_v3", {"shared_experts"}, {"self_attn"}),  # MLA: q_a_proj reads the input, unstyled
+        ("gpt_neox", set(), set()),  # fused query_key_value: one projection, nothing to sum
+    ],
+)
+def test_declared_plans_sum_block_input_gradients_where_only_styled_modules_hold_parameters(
+    family: str, summed: set[str], kept: set[str]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from automodel_testing.tiny import derive_tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(derive_tiny_config(family))
+    styles = resolve_tp_plan(model, tp_size=2)
+    added = {k.rsplit(".", 1)[-1] for k, s in styles.items() if isinstance(s, ReplicateBlockInput)}
+    assert added == summed
+    assert not added & kept
+    # Pure: the same plan again, and the model's own plan untouched.
+    assert resolve_tp_plan(model, tp_size=2).keys() == styles.keys()
+    sequence = resolve_tp_plan(model, tp_size=2, sequence_parallel=True)
+    assert {k.rsplit(".", 1)[-1] for k, s in sequence.items() if isinstance(s, ReplicateBlockInput)} == summed
 
 
 def test_hf_plan_from_class_and_config_when_the_instance_has_none() -> None:

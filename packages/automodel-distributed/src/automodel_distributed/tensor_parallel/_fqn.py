@@ -13,7 +13,7 @@ from torch import nn
 
 from automodel_modules import join_fqn
 
-__all__ = ["match_modules"]
+__all__ = ["match_modules", "param_module_names"]
 
 
 def match_modules(root: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
@@ -43,3 +43,19 @@ def match_modules(root: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
 
     walk(root, "", key.split("."))
     return found
+
+
+def param_module_names(module: nn.Module) -> set[str]:
+    """Names of ``module``'s sub-modules holding parameters, a LoRA-wrapped linear counted as itself.
+
+    A LoRA wrapper's ``base_layer`` is named by the wrapper, its adapter layers (``lora_*``) are left out.
+    """
+    names = set()
+    for name, sub in module.named_modules():
+        if next(sub.parameters(recurse=False), None) is None:
+            continue
+        parts = name.split(".")
+        if any(part.startswith("lora_") for part in parts):
+            continue
+        names.add(name.removesuffix(".base_layer") if parts[-1] == "base_layer" else name)
+    return names

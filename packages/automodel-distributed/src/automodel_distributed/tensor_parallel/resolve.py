@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from automodel_distributed.tensor_parallel._fqn import match_modules
+from automodel_distributed.tensor_parallel._fqn import match_modules, param_module_names
+from automodel_distributed.tensor_parallel.block_input import with_summed_block_inputs
 from automodel_distributed.tensor_parallel.derived import derived_tp_plan
 from automodel_distributed.tensor_parallel.hf_plan import module_fqn, translate_hf_tp_plan
 from automodel_distributed.tensor_parallel.lora import expand_lora_plan, is_lora_linear
@@ -145,19 +146,6 @@ def is_sequence_parallel_plan(plan: Mapping[str, ParallelStyle]) -> bool:
     return any(isinstance(style, SequenceParallel) for style in plan.values())
 
 
-def _param_modules(module: nn.Module) -> set[str]:
-    """Names of the sub-modules holding parameters, a LoRA-wrapped linear counted as itself."""
-    names = set()
-    for name, sub in module.named_modules():
-        if next(sub.parameters(recurse=False), None) is None:
-            continue
-        parts = name.split(".")
-        if any(part.startswith("lora_") for part in parts):
-            continue
-        names.add(name.removesuffix(".base_layer") if parts[-1] == "base_layer" else name)
-    return names
-
-
 def _is_linear(module: nn.Module) -> bool:
     return isinstance(module.base_layer if is_lora_linear(module) else module, nn.Linear)
 
@@ -179,14 +167,14 @@ def _default_plan(hf_model: nn.Module, sequence_parallel: bool) -> tuple[dict[st
     linears = {k for k in block_keys if "." in k}  # the projections, not the modules whose input they take
     expected = linears | {"input_layernorm", "post_attention_layernorm"}
     for fqn, layer in layers:
-        found = _param_modules(layer)
+        found = param_module_names(layer)
         if found != expected or not all(_is_linear(layer.get_submodule(k)) for k in linears):
             return None, (
                 f"the default Llama-style plan does not fit decoder block {join_fqn(base_prefix, fqn)!r}: it "
                 f"needs exactly the parameterised modules {sorted(expected)} (linear projections), found "
                 f"{sorted(found)}"
             )
-    outside = {n for n in _param_modules(base) if n.split(".")[0] != "layers"}
+    outside = {n for n in param_module_names(base) if n.split(".")[0] != "layers"}
     if not isinstance(getattr(base, "embed_tokens", None), nn.Embedding) or not outside <= {
         "embed_tokens",
         "norm",
@@ -265,7 +253,8 @@ def resolve_tp_plan(
     2. The registry (`register_tp_plan`, which starts with the built-in plans of
        `automodel_distributed.tensor_parallel.plans`): by class along the MRO, then by class name. A
        registration's sequence-parallel plan is used when ``sequence_parallel`` is asked for.
-    3. The plan transformers declares (`translate_hf_tp_plan`).
+    3. The plan transformers declares (`translate_hf_tp_plan`), its attention and MLP modules taking
+       their input as one DTensor where that is safe (`with_summed_block_inputs`).
     4. The default Llama-style decoder plan, if the model has exactly that layout; a warning says it was
        used.
     5. A plan derived from the model's structure (`automodel_distributed.tensor_parallel.derived`: every
@@ -360,6 +349,7 @@ def _transformers_plan(
     styles, problem = _fit(model, hf_plan, prefix, tp_size, "transformers' tp plan")
     if problem is not None:
         return None, f"transformers' tp plan does not fit: {problem}"
+    styles = with_summed_block_inputs(model, styles)
     logger.info("tensor-parallel plan of %s: transformers' plan (%s)", type(hf_model).__qualname__, note)
     return (styles, "transformers' tp plan"), ""
 

@@ -32,6 +32,7 @@ transformers' names are accepted too: ``colwise_gather_output`` (= ``colwise_rep
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -176,8 +177,9 @@ class GatherSequenceInput(ParallelStyle):
     """All-gather a block's sequence-sharded input before the block runs (attention or MLP under SP).
 
     The input is the first positional tensor or, when the block is called with keywords only (transformers'
-    decoder layers call ``self_attn(hidden_states=...)``), the keyword ``kwarg_name``. A plain tensor is
-    taken as this rank's ``Shard(sequence_dim)`` slice. The block receives a replicated DTensor (or, with
+    decoder layers call ``self_attn(hidden_states=...)``), the keyword ``kwarg_name`` or the name of the
+    block's first ``forward`` parameter. A plain tensor is taken as this rank's ``Shard(sequence_dim)``
+    slice. The block receives a replicated DTensor (or, with
     ``use_local_output``, the gathered plain tensor); its column-parallel projections accept it as is, so
     their input gradients are summed once, by the reduce-scatter that is the all-gather's backward.
 
@@ -203,17 +205,21 @@ class GatherSequenceInput(ParallelStyle):
         return x.to_local() if self.use_local_output else x
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # The keyword, and the name of the forward's first parameter (a caller may pass it by name).
+        names = dict.fromkeys((self.kwarg_name, *list(inspect.signature(module.forward).parameters)[:1]))
+
         def hook(
             mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             if args and isinstance(args[0], torch.Tensor):
                 return (self._gather(args[0], device_mesh), *args[1:]), kwargs
-            value = kwargs.get(self.kwarg_name)
-            if isinstance(value, torch.Tensor):
-                return args, {**kwargs, self.kwarg_name: self._gather(value, device_mesh)}
+            for name in names:
+                value = kwargs.get(name)
+                if isinstance(value, torch.Tensor):
+                    return args, {**kwargs, name: self._gather(value, device_mesh)}
             raise ValueError(
-                f"GatherSequenceInput on {type(mod).__name__}: no tensor to gather (neither a positional "
-                f"tensor nor the keyword {self.kwarg_name!r})"
+                f"{type(self).__name__} on {type(mod).__name__}: no input tensor (neither a positional "
+                f"tensor nor one of the keywords {list(names)})"
             )
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
