@@ -2,7 +2,8 @@
 
 One launch. A tiny fp32 Llama runs one optimizer step of two micro-batches under `FSDP2Manager` in
 five layouts: FSDP with its default unit heuristic, with every unit resharded after forward and with
-none, and TP without and with sequence parallelism; and the second step of a two-stage `AutoPipeline`
+none, and TP without and with sequence parallelism (and a tiny Qwen3-MoE under transformers' own TP
+plan, without and with sequence parallelism); and the second step of a two-stage `AutoPipeline`
 under 1F1B and interleaved 1F1B (the first also exchanges the stages' shapes). A dispatch mode records
 every collective a step issues (FSDP2's c10d calls, DTensor's functional ones, the stages' sends) with
 the bytes a rank sends under the ring algorithm, by mesh axis; the test holds them equal to
@@ -37,6 +38,9 @@ JOBS: list[tuple[str, dict[str, int], dict[str, Any]]] = [
     ("fsdp, none resharded", {}, {"reshard_after_forward": False}),
     ("tp2", {"tp_size": 2}, {}),
     ("tp2+sp", {"tp_size": 2}, {"sequence_parallel": True}),
+    # transformers' own plan (Qwen3-MoE: attention's input as one DTensor, the sparse MLP as declared)
+    ("tp2, qwen3_moe", {"tp_size": 2}, {"family": "qwen3_moe"}),
+    ("tp2+sp, qwen3_moe", {"tp_size": 2}, {"family": "qwen3_moe", "sequence_parallel": True}),
 ]
 MICRO_BATCHES, ROWS, SEQ = 2, 2, 16
 
@@ -99,6 +103,8 @@ def _one_job(sizes: dict[str, int], fields: dict[str, Any]) -> dict[str, dict[st
     from automodel_planner.estimate import estimate_peak
     from automodel_testing import build_tiny_model, make_batch
 
+    fields = dict(fields)
+    family = fields.pop("family", "llama")
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     config = FSDP2Config(mp_policy=fp32, defer_fsdp_grad_sync=True, **fields)
     ctx = MeshContext.build(config, ParallelismSizes(**sizes))
@@ -107,7 +113,7 @@ def _one_job(sizes: dict[str, int], fields: dict[str, Any]) -> dict[str, dict[st
         with contextlib.suppress(KeyError, RuntimeError):
             axes[ctx.device_mesh[axis].get_group().group_name] = axis
     manager = FSDP2Manager(config, ctx.device_mesh)
-    model = manager.parallelize(build_tiny_model("llama"))
+    model = manager.parallelize(build_tiny_model(family))
     batch = make_batch(model.config.vocab_size, MICRO_BATCHES * ROWS, SEQ, seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     traffic = _Traffic()

@@ -15,8 +15,9 @@ activation, a layer's input or output (``tokens x`` its width):
   `ReplicateBlockInput` all-reduces the gradient;
 - `SequenceShardedBlock` cuts the full-length stream of the first block to this rank's slice (its
   backward all-gathers the gradient; counted before the blocks, where the stream enters the
-  sequence-parallel region), gathers a sliced input (every block but the first) and cuts a full-length
-  output (every block but the last) where a derived plan asks it to;
+  sequence-parallel region), gathers a sliced input (every block but the first; the gradient of the
+  gathered input is replicated, so the backward only slices it) and cuts a full-length output (every
+  block but the last) where a derived plan asks it to;
 - a column-parallel output head that keeps its logits sharded (``use_local_output=False``: torch's
   ``loss_parallel``) adds the loss's three all-reduces of one fp32 value per token (the logits' max,
   the sum of their exponentials, the target's logit).
@@ -126,9 +127,8 @@ def plan_collectives(
             part = out.blocks.setdefault(index, PassCollectives())
             if style.cut_input and index == 0:  # where the stream enters the sequence-parallel region
                 out.entry.add("backward", "all_gather", hidden)
-            if style.gather_input and index > 0:
+            if style.gather_input and index > 0:  # its backward slices the replicated gradient: free
                 part.add("forward", "all_gather", hidden)
-                part.add("backward", "reduce_scatter", hidden)
             if style.cut_output and index < last:
                 part.add("backward", "all_gather", hidden)
         else:
