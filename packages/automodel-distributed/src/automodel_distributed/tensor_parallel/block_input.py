@@ -54,9 +54,9 @@ def _qualifies(model: nn.Module, parent: str, keys: list[list[str]]) -> bool:
 def with_summed_block_inputs(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """``plan`` with a `ReplicateBlockInput` on each module whose projections can sum their input gradients.
 
-    Pure: the model is only read. See the module docstring for which modules qualify. A plan that styles
-    the module itself or one that keeps activations sequence-sharded (its blocks' inputs are slices) is
-    returned as is.
+    Pure: the model is only read. See the module docstring for which modules qualify; one the plan
+    styles itself gets nothing more. A plan that keeps activations sequence-sharded (Megatron-style: its
+    attention and MLP take slices) is returned as is.
 
     Args:
         model: The model the plan's keys are relative to.
