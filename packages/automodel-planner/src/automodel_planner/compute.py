@@ -8,7 +8,9 @@ to the rest of the model, block ``-1``):
   contracted size`` FLOPs, under the module that ran them (so that the time model can tell a trainable
   weight's matmul, whose backward is twice its forward, from a frozen one's, whose backward computes the
   input gradient only), and the bytes of their first operand and output (what async TP's reductions
-  read);
+  read); apart, the FLOPs of those selective checkpointing recomputes (its policy,
+  `automodel_distributed.activation_checkpointing.selective_checkpoint_policy`, as torchtitan's: every
+  other matmul of a block call, the 2nd, 4th, ..., and any matmul op it neither counts nor saves);
 - attention kernels (the ``scaled_dot_product`` family): ``2 b h s_q s_k (d + d_v)`` FLOPs, as torch's
   flop counter counts them (the whole score matrix), those of the calls made causal without a mask
   apart (a GPU's fused kernels skip their upper triangle; a call with a mask, a sliding window's, or
@@ -31,6 +33,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from automodel_distributed.activation_checkpointing import (
+    SELECTIVE_AC_ALWAYS_SAVE_OPS,
+    SELECTIVE_AC_MATMUL_OPS,
+)
 from automodel_planner.sdpa_choice import current_window
 
 __all__ = ["BlockCompute", "ComputeProfile", "ComputeRecorder"]
@@ -54,6 +60,8 @@ class BlockCompute:
     gradient occupies)."""
     matmul_weight_bytes: dict[str, float] = field(default_factory=dict)
     """Module FQN -> bytes of its matmuls' second operands (a linear layer's weight)."""
+    recomputed_matmul_flops: dict[str, float] = field(default_factory=dict)
+    """Module FQN -> of its ``matmul_flops``, those selective checkpointing does not save (recomputes)."""
     attention_flops: float = 0.0
     """Forward FLOPs of the attention kernels, the whole score matrix counted."""
     causal_attention_flops: float = 0.0
@@ -153,6 +161,8 @@ class ComputeRecorder(TorchDispatchMode):
         scales with (a norm's) is not activation traffic."""
         self.blocks = [BlockCompute() for _ in range(num_blocks)]
         self.outside = BlockCompute()
+        self._counted: tuple[int, int] = (-1, 0)
+        """(block, matmuls counted in its call so far): selective checkpointing's count."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -163,7 +173,10 @@ class ComputeRecorder(TorchDispatchMode):
         block, fqn = self.where()
         target = self.blocks[block] if block >= 0 else self.outside
         if name in _MATMULS:
-            target.matmul_flops[fqn] = target.matmul_flops.get(fqn, 0.0) + _matmul_flops(args, out)
+            flops = _matmul_flops(args, out)
+            target.matmul_flops[fqn] = target.matmul_flops.get(fqn, 0.0) + flops
+            if not self._saved_by_selective(str(func), block):
+                target.recomputed_matmul_flops[fqn] = target.recomputed_matmul_flops.get(fqn, 0.0) + flops
             written = sum(t.numel() * t.element_size() for t in _tensors(out)[:1])
             target.matmul_output_bytes[fqn] = target.matmul_output_bytes.get(fqn, 0.0) + written
             read, weight = ([m.numel() * m.element_size() for m in _matrices(args)] + [0, 0])[:2]
@@ -188,6 +201,22 @@ class ComputeRecorder(TorchDispatchMode):
             )
         return out
 
+    def _saved_by_selective(self, op: str, block: int) -> bool:
+        """Whether selective checkpointing saves this matmul's output (counts it in its block's call).
+
+        The policy saves the ops it always saves (float8's ``_scaled_mm``) and the 1st, 3rd, ... of the
+        matmul ops it counts in one block call; it recomputes every other matmul op (``_grouped_mm``).
+        The forward calls each block once, so a new block index starts a new count.
+        """
+        if op in SELECTIVE_AC_ALWAYS_SAVE_OPS:
+            return True
+        if op not in SELECTIVE_AC_MATMUL_OPS:
+            return False
+        counted_block, count = self._counted
+        count = count + 1 if block == counted_block else 1
+        self._counted = (block, count)
+        return count % 2 == 1
+
     def profile(self, tokens: int, copies: Mapping[int, int] | None = None) -> ComputeProfile:
         """The counts as a profile; each block of ``copies`` (it did not run) takes its source's counts."""
         blocks = list(self.blocks)
@@ -198,5 +227,6 @@ class ComputeRecorder(TorchDispatchMode):
                 matmul_output_bytes=dict(blocks[source].matmul_output_bytes),
                 matmul_input_bytes=dict(blocks[source].matmul_input_bytes),
                 matmul_weight_bytes=dict(blocks[source].matmul_weight_bytes),
+                recomputed_matmul_flops=dict(blocks[source].recomputed_matmul_flops),
             )
         return ComputeProfile(blocks=tuple(blocks), outside=self.outside, tokens=tokens)

@@ -4,7 +4,7 @@
 on the meta device, its layout, adapters, pipeline, float8 and compile settings); `predict` gives the
 time model's `StepTime` for it on the row's cluster, `predict_memory` the memory model's peak.
 `fit_efficiency` fits the time model's achievable fractions (`automodel_planner.step_time.Efficiency`)
-on the calibration rows only, by a coordinate search on the squared log error of tokens/s; the
+on the calibration rows only, by least squares (Gauss-Newton) on the log error of tokens/s; the
 evaluation rows never move them. `scale_out_pairs` finds the rows that publish one job at two cluster
 sizes. No process group.
 """
@@ -326,35 +326,50 @@ _FITTED = ("matmul", "fp8_matmul", "memory", "compiled_traffic")
 
 
 def fit_efficiency(
-    runs: Sequence[PublishedRun], start: Efficiency = DEFAULT_EFFICIENCY, rounds: int = 6
+    runs: Sequence[PublishedRun], start: Efficiency = DEFAULT_EFFICIENCY, iterations: int = 8
 ) -> tuple[Efficiency, float]:
     """Fit the achievable fractions on ``runs`` (the calibration rows); return them and the RMS log error.
 
-    A coordinate search: each round tries every fitted field at a few multiples of its value (kept in
-    (0, 1]) and keeps the best; the step shrinks each round. ``network`` and ``attention`` stay at
-    their defaults: the calibration rows are single-node, and attention is too small a part of their
-    step to be told apart from the matmuls (the default is measured).
+    Least squares on the log errors of tokens/s by Gauss-Newton: each iteration measures how every
+    row's log error moves with each fitted field (a 0.1% step) and solves for the step that zeroes them
+    in the least-squares sense, each field kept in (0, 1]; the best point seen is returned. With as
+    many rows as fitted fields (the four calibration rows) the fit is exact where a solution exists.
+    ``network`` and ``attention`` stay at their defaults: the calibration rows are single-node, and
+    attention is too small a part of their step to be told apart from the matmuls (the default is
+    measured).
     """
     plans = [(run_plan(r), r.hardware(), r.tokens_per_s_per_gpu) for r in runs]
     caches = [_PROFILES.setdefault(r.shape, {}) for r in runs]
 
-    def error(eff: Efficiency) -> float:
-        total = 0.0
-        for (plan, cluster, published), cache in zip(plans, caches, strict=True):
-            predicted = estimate_throughput(
-                plan, cluster, efficiency=eff, profile_cache=cache
-            ).tokens_per_s_per_gpu
-            total += math.log(predicted / published) ** 2
-        return math.sqrt(total / len(plans))
+    def log_errors(eff: Efficiency) -> torch.Tensor:
+        predicted = [
+            estimate_throughput(plan, cluster, efficiency=eff, profile_cache=cache).tokens_per_s_per_gpu
+            for (plan, cluster, _), cache in zip(plans, caches, strict=True)
+        ]
+        published = [p for _, _, p in plans]
+        return torch.tensor([math.log(a / b) for a, b in zip(predicted, published, strict=True)])
 
-    best, best_error, step = start, error(start), 0.25
-    for _ in range(rounds):
+    def rms(errors: torch.Tensor) -> float:
+        return float(errors.square().mean().sqrt())
+
+    current, errors = start, log_errors(start)
+    best, best_error = current, rms(errors)
+    for _ in range(iterations):
+        columns = []
         for name in _FITTED:
-            for factor in (1 - step, 1 + step):
-                value = min(getattr(best, name) * factor, 1.0)
-                trial = dataclasses.replace(best, **{name: value})
-                trial_error = error(trial)
-                if trial_error < best_error:
-                    best, best_error = trial, trial_error
-        step /= 2
+            delta = getattr(current, name) * 1e-3
+            moved = log_errors(dataclasses.replace(current, **{name: getattr(current, name) + delta}))
+            columns.append((moved - errors) / delta)
+        jacobian = torch.stack(columns, dim=1).double()
+        step = torch.linalg.lstsq(jacobian, -errors.double().unsqueeze(1)).solution.squeeze(1)
+        current = dataclasses.replace(
+            current,
+            **{
+                n: min(max(getattr(current, n) + float(d), 1e-3), 1.0)
+                for n, d in zip(_FITTED, step, strict=True)
+            },
+        )
+        errors = log_errors(current)
+        if rms(errors) < best_error:
+            best, best_error = current, rms(errors)
     return best, best_error

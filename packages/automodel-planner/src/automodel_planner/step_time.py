@@ -18,7 +18,9 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   Backward is twice a trainable matmul's forward (input and weight gradients) and once a frozen one's
   (input gradient only), 2.5 times attention's (flash attention's backward runs five matmuls to the
   forward's two) and twice the memory-bound ops'. Recompute adds the blocks' forward (full
-  checkpointing) or the half of their matmuls and the memory-bound ops selective checkpointing drops.
+  checkpointing) or the matmuls and memory-bound ops selective checkpointing does not save: every
+  other matmul of a block's call, the 2nd, 4th, ... (automodel's policy and torchtitan's alike: a
+  Llama 3 8B block recomputes k, o and up: 37% of its matmul FLOPs, not half).
   Tensor parallelism divides a block's work by ``tp``. A LoRA adapter's thin matmuls and elementwise
   ops move activations for a few FLOPs: its layer's input and output bytes, counted op by op
   (`automodel_peft.memory.lora_traffic_bytes`), at the HBM rate.
@@ -65,8 +67,11 @@ parameters (fitted on published runs: `automodel_planner.published`). Per rank:
   (`OVERLAP_PART`; 32 of an H100's 132 SMs). Async TP's micro-pipelined collectives run on
   symmetric memory, not NCCL, and are not counted; nor is the HBM bandwidth NCCL's copies take.
 - **ring attention** (context parallelism) merges each ring step's output into the running one in
-  fp32 after every step but the first, and accumulates the gradients likewise in backward: eager
-  memory traffic per element of the attention's output (`_RING_MERGE_FORWARD`, `_RING_MERGE_BACKWARD`).
+  fp32 after every step but the first, and accumulates the gradients likewise in backward, packing
+  the keys and values (and their fp32 gradients) it passes on: eager memory traffic per element of
+  the attention's output and of the keys and values the kernel receives (`_RING_OUTPUT_FORWARD`,
+  `_RING_KV_FORWARD`, `_RING_OUTPUT_BACKWARD`, `_RING_KV_BACKWARD`): a model that repeats its
+  key/value heads before the kernel (torchtitan's Llama) moves four times a grouped one's.
 - **expert parallelism**'s dispatch and combine (`automodel_moe.memory.ExpertExchange`) are exposed;
   automodel's exchange sends a token once per routed expert, evenly over the ``ep`` ranks; DeepEP's
   (which other frameworks run) once per destination rank, crossing the network once per destination
@@ -119,14 +124,23 @@ __all__ = [
 
 _ATTENTION_BACKWARD = 2.5
 _MEMORY_BACKWARD = 2.0
-_RING_MERGE_FORWARD = 40.0
-"""Bytes torch's ring attention moves per element of a block's attention output for each ring step
-after the first, in forward (`_SDPAMerger`): the step's output cast to fp32 (6) and merged into the
-running fp32 output by the log-sum-exps (a difference, a product and a difference: 12, 8, 12), the
-partial steps' concatenation (~2 on average). Eager: outside any compiled graph."""
-_RING_MERGE_BACKWARD = 20.0
-"""The same in backward: each step's query gradient added to an fp32 accumulator (10), the key and
-value gradients accumulated in fp32 and packed for the next rank (~10 for grouped key/value heads)."""
+# Ring attention's eager traffic for each ring step after the first (torch's `_templated_ring_attention`
+# and its backward, fp32 accumulation, round-robin load balancing): bytes per element of a block's
+# attention output and per element of the keys and values the kernel receives (bf16). Half the steps of
+# a rank are partial (they update the second half of its queries only), so a merge covers 3/4 of the
+# output on average and the partial steps concatenate the whole.
+_RING_OUTPUT_FORWARD = 0.75 * (6 + 12 + 8 + 12) + 8 / 2
+"""Forward, per output element (`_SDPAMerger`): the step's output cast to fp32 (6) and merged into the
+running fp32 output by the log-sum-exps (a difference, a product and a difference: 12, 8, 12), over
+3/4 of the output; the partial steps' concatenation of the whole (8, half the steps)."""
+_RING_KV_FORWARD = 4.0
+"""Forward, per key/value element: the keys and values packed into one buffer for the next rank."""
+_RING_OUTPUT_BACKWARD = (10 + 13) / 2
+"""Backward, per output element: the step's query gradient added to the fp32 accumulator (10), or to
+its second half and the whole concatenated again (13) on a partial step."""
+_RING_KV_BACKWARD = (10 + 13) / 2 + 8 + 4
+"""Backward, per key/value element: the key and value gradients accumulated in fp32 likewise (10 or
+13), packed into one fp32 buffer for the next rank (8), and the keys and values packed again (4)."""
 ATTENTION_KERNEL_SPEED: dict[str, float] = {"fa2": 1.0, "cudnn": 529 / 333, "fa3": 602 / 333}
 """Each attention kernel's speed relative to FlashAttention-2 (``Efficiency.attention``'s kernel): the
 FlashAttention-3 paper's measurements (Shah et al., 2024, figure 5: H100 SXM5, causal forward, head
@@ -149,17 +163,17 @@ class Efficiency:
     (10-15% of their step: any value trades against ``matmul``), which is measured instead.
     """
 
-    matmul: float = 0.713
+    matmul: float = 0.636
     """Of the dense bf16 peak, by a transformer's large matmuls."""
-    fp8_matmul: float = 0.587
+    fp8_matmul: float = 0.505
     """Of the dense fp8 peak, by float8 matmuls (with their scaling)."""
     attention: float = 0.337
     """Of the dense bf16 peak, by flash attention (on the causal half of the score matrix): torch's SDPA
     flash backend is FlashAttention-2, which the FlashAttention-3 paper (Shah et al., 2024, figure 5)
     measures at 333 TFLOP/s causal forward on an H100 SXM5 (989 peak) at head dim 128 and 8k tokens."""
-    memory: float = 0.794
+    memory: float = 0.903
     """Of the HBM bandwidth, by eager elementwise kernels (norms, activations, rotary, casts, loss)."""
-    compiled_traffic: float = 0.534
+    compiled_traffic: float = 0.477
     """The share of eager's memory-bound bytes a compiled block still moves (fusion)."""
     network: float = 0.8
     """Of a link's bandwidth, by NCCL's collectives (its bus bandwidth)."""
@@ -339,6 +353,9 @@ class _Segment:
     summed_bytes: float = 0.0
     """Bytes a fused reduce-scatter of this segment sums, before TP: a row-parallel layer's output (in
     forward), a single-matmul column-parallel group's input gradient (in backward)."""
+    recomputed_seconds: float = 0.0
+    """Of ``seconds``, those a recompute runs again (all under full checkpointing; under selective, the
+    matmuls whose outputs it does not save)."""
 
     @property
     def fused_in_backward(self) -> bool:
@@ -376,18 +393,19 @@ def _block_pass(
         )
         out.forward += seconds
         out.backward += seconds * (2.0 if kind.trainable else 1.0)
+        recomputed = seconds if checkpointing == "full" else 0.0
+        if checkpointing == "selective":  # the matmuls whose outputs the policy does not save
+            recomputed = seconds * block.recomputed_matmul_flops.get(name, 0.0) / flops if flops else 0.0
+        out.recompute += recomputed
         if kind.tp_style == "rowwise" or (kind.tp_style == "colwise" and previous != "colwise"):
             # A new column-parallel group (one all-gather feeds it whole) or a row-parallel layer.
             summed = block.matmul_output_bytes if kind.tp_style == "rowwise" else block.matmul_input_bytes
             segments.append(_Segment(kind.tp_style, summed_bytes=summed.get(name, 0.0)))
         if kind.tp_style in ("colwise", "rowwise"):
             segments[-1].seconds += seconds
+            segments[-1].recomputed_seconds += recomputed
             segments[-1].matmuls += 1
         previous = kind.tp_style or previous
-        if checkpointing == "full":
-            out.recompute += seconds
-        elif checkpointing == "selective":
-            out.recompute += seconds / 2  # every other matmul's output is saved
         if kind.adapted and index >= 0:
             _add_adapter(out, block, name, kind.tp_style, tp, rates.memory, bool(checkpointing))
     # A causal call without a mask computes half its score matrix (a windowed one its band); any other
@@ -500,24 +518,29 @@ def _rank_pass(
         )
         one = _block_pass(scaled, index, kinds, rates, tp, options, facts.layout.ep)
         if cp > 1 and index >= 0:
-            _add_ring_merges(one, (cp - 1) * block.attention_outputs / tp / rates.eager_memory, options)
+            kv_heads, head_dim = facts.attention
+            keys_values = 2.0 * facts.tokens * kv_heads * head_dim  # what the kernel gets, before TP
+            steps = (cp - 1) / tp / rates.eager_memory
+            _add_ring_merges(one, block.attention_outputs * steps, keys_values * steps, options)
         for name in vars(total):
             setattr(total, name, getattr(total, name) + getattr(one, name))
     return total
 
 
-def _add_ring_merges(one: _Pass, per_byte: float, options: StepOptions) -> None:
+def _add_ring_merges(one: _Pass, outputs: float, keys_values: float, options: StepOptions) -> None:
     """Add ring attention's merges to a block's pass (mutates ``one``).
 
     Each ring step after the first merges its output into the running one in forward (again in a full
     recompute; selective checkpointing saves the attention's output) and accumulates the gradients of
-    its query, keys and values in backward. ``per_byte``: the seconds of moving one byte per element of
-    the attention's output once in every ring step after the first.
+    its query, keys and values in backward. ``outputs`` and ``keys_values``: the seconds of moving one
+    byte per element of the attention's output, and of its keys and values, once in every ring step
+    after the first.
     """
-    one.forward += _RING_MERGE_FORWARD * per_byte
-    one.backward += _RING_MERGE_BACKWARD * per_byte
+    forward = _RING_OUTPUT_FORWARD * outputs + _RING_KV_FORWARD * keys_values
+    one.forward += forward
+    one.backward += _RING_OUTPUT_BACKWARD * outputs + _RING_KV_BACKWARD * keys_values
     if options.checkpointing == "full":
-        one.recompute += _RING_MERGE_FORWARD * per_byte
+        one.recompute += forward
 
 
 class _Exposure(NamedTuple):
@@ -619,21 +642,23 @@ def _micro_pipelined(per_block: float, segments: list[tuple[_Segment, ...]], fac
     gather runs, two reduce-scatters in each of its runs, and the same four in backward (the TP term's
     count). Each is paired with one of the block's segments in forward order; one without a segment
     hides behind nothing, nor does the backward collective of a segment torch does not fuse there
-    (`_Segment.fused_in_backward`). A recompute hides behind the matmuls it runs again: all of them
-    under full checkpointing; under selective checkpointing, which gathers again what it did not save,
-    the half it does not save.
+    (`_Segment.fused_in_backward`). A recompute hides behind the segment's matmuls it runs again: all
+    of them under full checkpointing; under selective checkpointing, which gathers again what it did
+    not save, those whose outputs it did not save (`_Segment.recomputed_seconds`): the gathered input
+    also feeds the weight gradients, as the second operand of their matmuls, which torch's pass does not
+    fuse (``micro_pipeline_tp._find_consumer_matmuls`` takes a matmul whose first operand it is).
     """
     tp = facts.layout.tp
     runs = (facts.gather_runs, facts.forward_runs) * 2  # all-gather, reduce-scatter, in forward order
     each = per_block / (2 * (runs[0] + runs[1]) + 4)
-    recomputed_share = 1.0 if facts.forward_runs > 1 else 0.5
     out = 0.0
     for block in segments:
         for i in range(4):
             segment = block[i] if i < len(block) else None
-            hidden = segment.seconds * (tp - 1) / tp if segment is not None else 0.0
+            share = (tp - 1) / tp
+            hidden = segment.seconds * share if segment is not None else 0.0
             forward = max(each - hidden, 0.0)
-            recompute = max(each - hidden * recomputed_share, 0.0)
+            recompute = max(each - (segment.recomputed_seconds * share if segment is not None else 0.0), 0.0)
             backward = forward if segment is not None and segment.fused_in_backward else each
             out += forward + (runs[i] - 1) * recompute + backward
     return out

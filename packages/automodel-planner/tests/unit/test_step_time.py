@@ -67,6 +67,12 @@ def test_the_fake_forward_counts_every_matmul_and_the_attention_exactly() -> Non
     assert all(b.causal_attention_flops == b.attention_flops for b in compute.blocks)  # is_causal, no mask
     assert all(b.attention_outputs == batch * HEADS * seq * (H // HEADS) for b in compute.blocks)
     assert all(b.memory_bytes > 0 for b in compute.blocks) and compute.outside.memory_bytes > 0
+    # Selective checkpointing recomputes every other matmul of a block's call (the 2nd, 4th, ...): of
+    # Llama's q, k, v, o, gate, up, down, it saves q, v, gate and down.
+    recomputed = {"self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj"}
+    for block in compute.blocks:
+        assert set(block.recomputed_matmul_flops) == recomputed
+        assert all(block.recomputed_matmul_flops[n] == block.matmul_flops[n] for n in recomputed)
     k_proj = {
         "input": compute.blocks[0].matmul_input_bytes["self_attn.k_proj"],
         "weight": compute.blocks[0].matmul_weight_bytes["self_attn.k_proj"],
@@ -377,13 +383,14 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
     # it all, 0.075 s of 0.1 s leaves 0.425 s. In backward the row-parallel layers' all-gathers hide the
     # same; the column-parallel groups' reduce-scatters are fused only for a group of one matmul (a fused
     # qkv or gate_up projection): Llama's [q, k, v] and [gate, up] expose theirs whole (0.5 s each).
-    def llama(matmuls: int) -> tuple[_Segment, ...]:
-        return (
-            _Segment("colwise", 1.0, matmuls),
-            _Segment("rowwise", 0.1, 1),
-            _Segment("colwise", 3.0, matmuls),
-            _Segment("rowwise", 0.5, 1),
-        )
+    def llama(matmuls: int, recomputed: float = 1.0) -> tuple[_Segment, ...]:
+        """``recomputed``: the share of each segment's matmul seconds a recompute runs again."""
+        return tuple(
+            _Segment(style, seconds, count, recomputed_seconds=recomputed * seconds)
+            for style, seconds, count in (
+                ("colwise", 1.0, matmuls), ("rowwise", 0.1, 1), ("colwise", 3.0, matmuls), ("rowwise", 0.5, 1)
+            )
+        )  # fmt: skip
 
     rank = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=1, gather_runs=1)
     forward = 0.425 + 0.125
@@ -393,9 +400,17 @@ def test_a_recompute_repeats_the_forward_collectives_and_async_tp_hides_only_beh
     recomputed = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=2, gather_runs=2)
     assert _micro_pipelined(12 * 0.5, [llama(1)], recomputed) == pytest.approx(3 * forward)
     # Selective checkpointing that does not save the all-gathers (torchtitan's) gathers again in
-    # backward, hidden behind the half of their matmuls it recomputes: 0.5 - 0.375 and 0.5 - 0.5 * 2.25.
+    # backward, hidden behind the matmuls it recomputes only (the weight gradients that also read the
+    # gathered input are not fused): half of them, 0.5 - 0.375 and 0.5 - 0.5 * 2.25; a sixth (Llama 3
+    # 8B's q, k, v: k alone), 0.5 - 0.125 and 0.5 - 0.375; none, both whole.
     regathered = SimpleNamespace(layout=SimpleNamespace(tp=4), forward_runs=1, gather_runs=2)
-    assert _micro_pipelined(10 * 0.5, [llama(1)], regathered) == pytest.approx(2 * forward + 0.125 + 0.0)
+    assert _micro_pipelined(10 * 0.5, [llama(1, 1 / 2)], regathered) == pytest.approx(
+        2 * forward + 0.125 + 0.0
+    )
+    assert _micro_pipelined(10 * 0.5, [llama(1, 1 / 6)], regathered) == pytest.approx(
+        2 * forward + 0.375 + 0.125
+    )
+    assert _micro_pipelined(10 * 0.5, [llama(1, 0.0)], regathered) == pytest.approx(2 * forward + 1.0)
 
 
 def test_ring_attention_pays_its_merges_for_each_step_after_the_first(
@@ -407,18 +422,26 @@ def test_ring_attention_pays_its_merges_for_each_step_after_the_first(
     eager = h100.device.hbm_bytes_per_s * step_time.DEFAULT_EFFICIENCY.memory  # merges are not compiled
 
     def step(cp: int, merges: bool) -> step_time.StepTime:
-        monkeypatch.setattr(step_time, "_RING_MERGE_FORWARD", 40.0 if merges else 0.0)
-        monkeypatch.setattr(step_time, "_RING_MERGE_BACKWARD", 20.0 if merges else 0.0)
+        # Forward 40 and backward 20 bytes per output element, 4 and 8 per key/value element.
+        for name, value in (
+            ("OUTPUT_FORWARD", 40),
+            ("OUTPUT_BACKWARD", 20),
+            ("KV_FORWARD", 4),
+            ("KV_BACKWARD", 8),
+        ):
+            monkeypatch.setattr(step_time, f"_RING_{name}", float(value) if merges else 0.0)
         strategy = FSDP2Config(activation_checkpointing="full", enable_compile=True)
         return estimate_throughput(_plan(sizes={"cp_size": cp}, strategy=strategy), h100)
 
     outputs = 2 * HEADS * (512 // 4) * (H // HEADS)  # one micro-batch's attention output on a rank
+    keys_values = 2 * 2 * KV * (512 // 4) * (H // HEADS)  # its grouped keys and values
     with_merges, without = step(4, True), step(4, False)
-    per_block = 3 * outputs / eager  # three steps after the first
-    assert with_merges.parts["compute"] - without.parts["compute"] == pytest.approx(LAYERS * 60 * per_block)
-    assert with_merges.parts["recompute"] - without.parts["recompute"] == pytest.approx(
-        LAYERS * 40 * per_block
+    forward = 3 * (40 * outputs + 4 * keys_values) / eager  # three steps after the first
+    backward = 3 * (20 * outputs + 8 * keys_values) / eager
+    assert with_merges.parts["compute"] - without.parts["compute"] == pytest.approx(
+        LAYERS * (forward + backward)
     )
+    assert with_merges.parts["recompute"] - without.parts["recompute"] == pytest.approx(LAYERS * forward)
     assert step(1, True).parts == step(1, False).parts, "no ring, no merges"
 
 
