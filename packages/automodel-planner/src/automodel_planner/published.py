@@ -347,7 +347,9 @@ def fit_efficiency(
             for (plan, cluster, _), cache in zip(plans, caches, strict=True)
         ]
         published = [p for _, _, p in plans]
-        return torch.tensor([math.log(a / b) for a, b in zip(predicted, published, strict=True)])
+        return torch.tensor(
+            [math.log(a / b) for a, b in zip(predicted, published, strict=True)], device="cpu"
+        )
 
     def rms(errors: torch.Tensor) -> float:
         return float(errors.square().mean().sqrt())
