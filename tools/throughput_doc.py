@@ -418,8 +418,9 @@ def render(
         "",
         "## Achievable fractions (`automodel_planner.step_time.DEFAULT_EFFICIENCY`)",
         "",
-        "What fraction of a peak each kind of op reaches; each field's meaning is in the API reference "
-        "(`automodel_planner.step_time.Efficiency`).",
+        "What fraction of a device's rate each kind of op reaches (the matmuls' of its best matmul rate, "
+        "the measured share of its peak in the devices' table below; the others' of its peaks); each "
+        "field's meaning is in the API reference (`automodel_planner.step_time.Efficiency`).",
         "",
         "| field | value |",
         "| --- | ---: |",
@@ -435,15 +436,23 @@ def render(
         "",
         "## Devices (`automodel_planner.hardware.DEVICES`)",
         "",
-        "| device | dense bf16 TFLOP/s | dense fp8 TFLOP/s | HBM TB/s | memory GiB "
+        "The best matmul's share of the peak is measured (stas00/ml-engineering's maximum achievable "
+        "matmul FLOPS: the best of a sweep of large GEMM shapes); a Hopper part without a measurement of "
+        "its own takes the H100 SXM's bf16 share and the H200's fp8 share.",
+        "",
+        "| device | dense bf16 TFLOP/s | dense fp8 TFLOP/s | best matmul, share of peak (bf16, fp8) "
+        "| HBM TB/s | memory GiB "
         "| NVLink GB/s per direction | network GB/s per GPU | NCCL channels per peer in a node | SMs "
         "| source |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for device in DEVICES.values():
         fp8 = f"{device.fp8_flops / 1e12:,.0f}" if device.fp8_flops else "-"
+        shares = f"{device.matmul_share:.1%}" + (
+            f", {device.fp8_matmul_share:.1%}" if device.fp8_flops else ""
+        )
         lines.append(
-            f"| {device.name} | {device.bf16_flops / 1e12:,.0f} | {fp8} "
+            f"| {device.name} | {device.bf16_flops / 1e12:,.0f} | {fp8} | {shares} "
             f"| {device.hbm_bytes_per_s / 1e12:.2f} | "
             f"{device.memory_bytes / 2**30:.1f} | {device.intra_node_bytes_per_s / 1e9:.0f} | "
             f"{device.inter_node_bytes_per_s / 1e9:.0f} | {device.nccl_channels} | {device.sm_count} "

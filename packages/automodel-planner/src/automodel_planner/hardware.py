@@ -4,8 +4,10 @@
 sparsity), HBM bandwidth, the memory torch reports, and the node it usually ships in (GPUs per node,
 NVLink or PCIe bandwidth per GPU and direction, the scale-out network per GPU). A `Cluster` is a count
 of one device; `parse_cluster` reads ``NxDEVICE``, `cluster_from_mapping` a user's own description
-(the keys of `Device` and `Cluster`, e.g. from a small YAML file). Nothing here measures anything:
-what fraction of these peaks a job reaches is `automodel_planner.step_time.Efficiency`.
+(the keys of `Device` and `Cluster`, e.g. from a small YAML file). Beside the peaks, the share of
+them the best large matmul reaches on each part (``matmul_share``, ``fp8_matmul_share``: measured
+ceilings, not a job's); what fraction of those ceilings a job reaches is
+`automodel_planner.step_time.Efficiency`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ __all__ = [
 _GB = 1e9
 _MIB = 2**20
 _US = 1e-6
+
+# Maximum achievable matmul FLOP/s (MAMF: the best of a sweep of large bf16 or fp8 GEMM shapes, no
+# sparsity), as stas00/ml-engineering measures it (compute/accelerator/README.md, "Maximum Achievable
+# Matmul FLOPS comparison table"; its H200-vs-B200 guide for H200's and B200's fp8), over the datasheet
+# peak: what a part's tensor cores sustain on the best shapes, which differs by part (A100 85.9%, H100
+# 80.1%, B200 77.6%). A Hopper part without a measurement of its own (H100 PCIe, torchtitan's 500 W
+# H100s) takes the H100 SXM's bf16 share and the H200's fp8 share (the same tensor cores).
+_HOPPER_MATMUL_SHARE = 792.1 / 989.4
+"""H100 SXM: 792.1 of 989 TFLOPS bf16 (CUDA 12.1)."""
+_HOPPER_FP8_MATMUL_SHARE = 1453.4 / 1978.9
+"""H200 SXM: 1,453.4 of 1,979 TFLOPS fp8."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,12 @@ class Device:
     nvlink: bool = True
     """The GPUs of a node are joined by NVLink (False: PCIe alone), which sets NCCL's per-step latency
     and whether it runs its LL128 protocol (`NCCL_ALGORITHMS`)."""
+    matmul_share: float = _HOPPER_MATMUL_SHARE
+    """Of ``bf16_flops``, what the best large bf16 matmul reaches on this part (its measured maximum
+    achievable matmul FLOP/s over the peak); a device of one's own without a measurement takes the
+    H100's."""
+    fp8_matmul_share: float = _HOPPER_FP8_MATMUL_SHARE
+    """The same of ``fp8_flops`` for fp8 matmuls."""
     sm_count: int = 132
     """Streaming multiprocessors (``torch.cuda.get_device_properties(...).multi_processor_count``; 132:
     the H100 SXM's and H200's, NVIDIA's H100 architecture whitepaper): a NCCL kernel holds one per
@@ -114,6 +133,10 @@ class Device:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: expected a positive number, got {value!r}")
+        for name in ("matmul_share", "fp8_matmul_share"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"{name}: expected a share of the peak in (0, 1], got {value!r}")
         if not self.sm_count > self.nccl_channels:
             raise ValueError(
                 f"sm_count: {self.sm_count!r} SMs cannot host the {self.nccl_channels} NCCL channels "
@@ -166,6 +189,7 @@ DEVICES: dict[str, Device] = {
             4.8e12,
             143_771 * _MIB,
             450 * _GB,
+            matmul_share=794.5 / 989.4,  # ml-engineering's H200-vs-B200 guide: 794.5 TFLOPS bf16
             source="NVIDIA H200 datasheet (SXM): 989 TFLOPS bf16, 1,979 fp8 (dense), 4.8 TB/s, "
             "NVLink 900 GB/s",
         ),
@@ -177,6 +201,8 @@ DEVICES: dict[str, Device] = {
             183_359 * _MIB,
             900 * _GB,
             sm_count=148,  # the device properties CUDA reports (pytorch/ao#4002)
+            matmul_share=1745.0 / 2250,  # ml-engineering: 1,745 TFLOPS bf16, 3,432.5 fp8 measured
+            fp8_matmul_share=3432.5 / 4500,
             source="NVIDIA HGX B200 datasheet: 2.25 PFLOPS bf16, 4.5 fp8 (dense) per GPU, 8 TB/s, "
             "NVLink 1.8 TB/s",
         ),
@@ -189,6 +215,7 @@ DEVICES: dict[str, Device] = {
             300 * _GB,
             nccl_channels=24,  # NCCL's log on NVLink A100s (NVIDIA/nccl#1785)
             sm_count=108,  # NVIDIA A100 Tensor Core GPU Architecture whitepaper
+            matmul_share=267.9 / 312,  # ml-engineering's MAMF table: 267.9 TFLOPS bf16 (CUDA 12.1)
             source="NVIDIA A100 datasheet (80 GB SXM): 312 TFLOPS bf16 (dense), 2,039 GB/s, NVLink 600 GB/s",
         ),
     )

@@ -6,23 +6,24 @@ fraction of the hardware's peaks each kind of op reaches is `Efficiency`, the mo
 parameters (fitted on published runs: `automodel_planner.published`). Per rank:
 
 - **compute** per micro-batch pass: each matmul's FLOPs at the matmul rate (float8's for the blocks'
-  linear layers under ``fp8``), or its bytes (input, weight and output on the rank) at the HBM rate
-  where they take longer (a roofline: under TP a grouped key/value projection keeps a few heads and
-  reads the whole gathered input; under expert parallelism an experts module's matmuls read the rank's
-  ``1 / ep`` of its stacked weights), the attention kernels' FLOPs (halved for a causal call without
-  a mask; a masked one, a sliding window's, computes every score in SDPA's fused kernels, and
-  flash-attn's and FlexAttention's the window's band only) at the attention rate (FlashAttention-2's,
-  times the kernel's measured speed: `ATTENTION_KERNEL_SPEED`), every other op's bytes at the HBM rate
-  (times the fused share under ``compile`` inside the blocks, and outside them, where the loss's upcast
-  and log-softmax dominate, under a compiled loss only: the per-block compile leaves it eager).
-  Backward is twice a trainable matmul's forward (input and weight gradients) and once a frozen one's
-  (input gradient only), 2.5 times attention's (flash attention's backward runs five matmuls to the
-  forward's two) and twice the memory-bound ops'. Recompute adds the blocks' forward (full
-  checkpointing) or the matmuls and memory-bound ops selective checkpointing does not save: every
-  other matmul of a block's call, the 2nd, 4th, ... (automodel's policy and torchtitan's alike: a
-  Llama 3 8B block recomputes k, o and up: 37% of its matmul FLOPs, not half).
-  Tensor parallelism divides a block's work by ``tp``. A LoRA adapter's thin matmuls and elementwise
-  ops move activations for a few FLOPs: its layer's input and output bytes, counted op by op
+  linear layers under ``fp8``: a fraction of the best rate a large matmul reaches on the device, its
+  measured share of the peak, `Device.matmul_share`), or its bytes (input, weight and output on the
+  rank) at the HBM rate where they take longer (a roofline: under TP a grouped key/value projection
+  keeps a few heads and reads the whole gathered input; under expert parallelism an experts module's
+  matmuls read the rank's ``1 / ep`` of its stacked weights), the attention kernels' FLOPs (halved for a
+  causal call without a mask; a masked one, a sliding window's, computes every score in SDPA's fused
+  kernels, and flash-attn's and FlexAttention's the window's band only) at the attention rate
+  (FlashAttention-2's, times the kernel's measured speed: `ATTENTION_KERNEL_SPEED`), every other op's
+  bytes at the HBM rate (times the fused share under ``compile`` inside the blocks, and outside them,
+  where the loss's upcast and log-softmax dominate, under a compiled loss only: the per-block compile
+  leaves it eager). Backward is twice a trainable matmul's forward (input and weight gradients) and once
+  a frozen one's (input gradient only), 2.5 times attention's (flash attention's backward runs five
+  matmuls to the forward's two) and twice the memory-bound ops'. Recompute adds the blocks' forward
+  (full checkpointing) or the matmuls and memory-bound ops selective checkpointing does not save: every
+  other matmul of a block's call, the 2nd, 4th, ... (automodel's policy and torchtitan's alike: a Llama
+  3 8B block recomputes k, o and up: 37% of its matmul FLOPs, not half). Tensor parallelism divides a
+  block's work by ``tp``. A LoRA adapter's thin matmuls and elementwise ops move activations for a few
+  FLOPs: its layer's input and output bytes, counted op by op
   (`automodel_peft.memory.lora_traffic_bytes`), at the HBM rate.
 - **collectives**, by what they hide behind (`automodel_mesh.Overlap`), as torch runs them: FSDP2's
   all-gathers are prefetched one unit ahead, so only the first unit's and whatever exceeds the
@@ -163,10 +164,12 @@ class Efficiency:
     (10-15% of their step: any value trades against ``matmul``), which is measured instead.
     """
 
-    matmul: float = 0.636
-    """Of the dense bf16 peak, by a transformer's large matmuls."""
-    fp8_matmul: float = 0.505
-    """Of the dense fp8 peak, by float8 matmuls (with their scaling)."""
+    matmul: float = 0.794
+    """Of the device's best bf16 matmul rate (its peak times `Device.matmul_share`, a measured
+    ceiling), by a transformer's large matmuls."""
+    fp8_matmul: float = 0.687
+    """Of the device's best fp8 matmul rate (`Device.fp8_matmul_share` of its fp8 peak), by float8
+    matmuls (with their scaling)."""
     attention: float = 0.337
     """Of the dense bf16 peak, by flash attention (on the causal half of the score matrix): torch's SDPA
     flash backend is FlashAttention-2, which the FlashAttention-3 paper (Shah et al., 2024, figure 5)
@@ -314,9 +317,10 @@ class _Rates:
         fp8_peak = device.fp8_flops if device.fp8_flops is not None else device.bf16_flops
         traffic = efficiency.compiled_traffic if options.compile else 1.0
         kernel = ATTENTION_KERNEL_SPEED[options.attention_kernel]
+        matmul = device.bf16_flops * device.matmul_share * efficiency.matmul
         return cls(
-            matmul=device.bf16_flops * efficiency.matmul,
-            fp8=fp8_peak * efficiency.fp8_matmul if options.fp8 else device.bf16_flops * efficiency.matmul,
+            matmul=matmul,
+            fp8=fp8_peak * device.fp8_matmul_share * efficiency.fp8_matmul if options.fp8 else matmul,
             attention=device.bf16_flops * efficiency.attention * kernel,
             memory=device.hbm_bytes_per_s * efficiency.memory / traffic,
             eager_memory=device.hbm_bytes_per_s * efficiency.memory,

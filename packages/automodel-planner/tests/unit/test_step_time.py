@@ -175,8 +175,13 @@ def test_clusters_parse_and_groups_inside_a_node_use_nvlink() -> None:
         "intra_node_bytes_per_s": 4e11,
     }  # fmt: skip
     assert cluster_from_mapping({"gpus": 8, "device": own_device}).device.sm_count == 132
+    # Unmeasured, a device's best matmul is the H100's share of its peak (792.1 of 989 TFLOPS).
+    assert cluster_from_mapping({"gpus": 8, "device": own_device}).device.matmul_share == pytest.approx(
+        0.8006, abs=1e-4
+    )
     for changes, fragment in (
         ({"sm_count": 16}, r"cluster\.device: sm_count: 16 SMs cannot host the 32 NCCL channels"),
+        ({"matmul_share": 1.2}, r"cluster\.device: matmul_share: expected a share of the peak in \(0, 1\]"),
         ({"hbm_bytes_per_s": 0}, r"cluster\.device: hbm_bytes_per_s: expected a positive number"),
         ({"memory_bytes": "80GB"}, r"cluster\.device: memory_bytes: expected a positive number, got '80GB'"),
     ):
@@ -290,6 +295,12 @@ def test_each_setting_moves_the_step_the_way_the_hardware_says() -> None:
     assert estimate_throughput(_plan(fp8=fp8), h100).parts["compute"] < base.parts["compute"]
     a100 = parse_cluster("8xA100")
     assert estimate_throughput(_plan(), a100).step_seconds > base.step_seconds
+    # A matmul runs at a fraction of the best rate the part reaches (its measured share of the peak).
+    from automodel_planner.step_time import StepOptions, _Rates
+
+    for cluster, best in ((a100, 267.9e12), (h100, 792.1e12)):
+        rates = _Rates.of(cluster, DEFAULT_EFFICIENCY, StepOptions())
+        assert rates.matmul == pytest.approx(best * DEFAULT_EFFICIENCY.matmul, rel=1e-3)
     with pytest.raises(ValueError, match="float8 tensor cores"):  # torchao's float8 cannot run there
         estimate_throughput(_plan(fp8=fp8), a100)
     with pytest.raises(ValueError, match="the cluster has 16 GPUs"):
