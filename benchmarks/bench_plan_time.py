@@ -72,10 +72,16 @@ def write_model(folder: Path) -> Path:
 
 
 def _run(command: list[str]) -> tuple[float, float]:
-    """Wall and CPU seconds (user + system) of ``command`` in a fresh process; raises when it fails."""
+    """Wall and CPU seconds (user + system) of ``command`` in a fresh process; raises when it fails.
+
+    The process may write bytecode whatever the caller's ``PYTHONDONTWRITEBYTECODE`` says, so that the
+    warm-up round fills the caches as a user's first run does (set in a sandbox, it left every timed
+    round compiling the workspace's own modules from source).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600, env=env)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
