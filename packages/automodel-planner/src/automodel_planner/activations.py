@@ -34,13 +34,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from automodel_distributed.activation_checkpointing import (
-    SELECTIVE_AC_ALWAYS_SAVE_OPS,
-    SELECTIVE_AC_MATMUL_OPS,
-)
 from automodel_distributed.blocks import find_transformer_blocks
 from automodel_modules import embedding_module
-from automodel_planner.compute import ComputeProfile, ComputeRecorder
+from automodel_planner.compute import ComputeProfile, ComputeRecorder, SelectiveCount
 from automodel_planner.repeated_blocks import repeated_blocks, skip_repeated
 from automodel_planner.sdpa_choice import CudaSdpaChoice, profiled_attention, unpacked_rows
 
@@ -128,17 +124,12 @@ class _Producers(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self, classify: Callable[[bool], tuple[int, str]]) -> None:
         super().__init__()
         self.classify = classify
-        self.matmuls = 0
+        self.selective = SelectiveCount()
         self.kept: dict[tuple[int, str], int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        name = str(func)
-        keep = name in SELECTIVE_AC_ALWAYS_SAVE_OPS
-        if name in SELECTIVE_AC_MATMUL_OPS:
-            self.matmuls += 1
-            keep = self.matmuls % 2 == 1  # the 1st, 3rd, ... matmul of the block call
-        if keep:
+        if self.selective.saves(str(func)):
             block, kind = self.classify(True)
             if block >= 0:
                 for tensor in out if isinstance(out, (tuple, list)) else (out,):
@@ -268,7 +259,7 @@ class _Recorder:
 
     def _enter(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.block = index
-        self.producers.matmuls = 0
+        self.producers.selective.start_block()
         hidden = args[0] if args else kwargs.get("hidden_states")
         if isinstance(hidden, torch.Tensor):
             self.inputs[index] = hidden.numel() * hidden.element_size()

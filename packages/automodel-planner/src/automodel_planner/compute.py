@@ -39,12 +39,38 @@ from automodel_distributed.activation_checkpointing import (
 )
 from automodel_planner.sdpa_choice import current_window
 
-__all__ = ["BlockCompute", "ComputeProfile", "ComputeRecorder"]
+__all__ = ["BlockCompute", "ComputeProfile", "ComputeRecorder", "SelectiveCount"]
 
 _MATMULS = frozenset(
     {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "matmul", "_scaled_mm", "_scaled_grouped_mm"}
 )
 _FREE = frozenset({"detach", "lift_fresh", "alias", "empty", "empty_like", "empty_strided", "device"})
+
+
+class SelectiveCount:
+    """Which outputs selective checkpointing saves, op by op, as its policy counts them in a block call.
+
+    `automodel_distributed.activation_checkpointing.selective_checkpoint_policy` (and torchtitan's):
+    the ops it always saves (attention, float8's ``_scaled_mm``, collectives) and the 1st, 3rd, ... of
+    the matmul ops it counts in one block call; every other op is recomputed (a ``_grouped_mm`` too).
+    Mutates only its own count.
+    """
+
+    def __init__(self) -> None:
+        self.matmuls = 0
+
+    def start_block(self) -> None:
+        """A block call starts: the matmul count starts again."""
+        self.matmuls = 0
+
+    def saves(self, op: str) -> bool:
+        """Whether the op (``namespace.op.overload``) just run has its output saved."""
+        if op in SELECTIVE_AC_ALWAYS_SAVE_OPS:
+            return True
+        if op not in SELECTIVE_AC_MATMUL_OPS:
+            return False
+        self.matmuls += 1
+        return self.matmuls % 2 == 1
 
 
 @dataclass
@@ -161,8 +187,8 @@ class ComputeRecorder(TorchDispatchMode):
         scales with (a norm's) is not activation traffic."""
         self.blocks = [BlockCompute() for _ in range(num_blocks)]
         self.outside = BlockCompute()
-        self._counted: tuple[int, int] = (-1, 0)
-        """(block, matmuls counted in its call so far): selective checkpointing's count."""
+        self.selective = SelectiveCount()
+        self._block = -1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -175,7 +201,10 @@ class ComputeRecorder(TorchDispatchMode):
         if name in _MATMULS:
             flops = _matmul_flops(args, out)
             target.matmul_flops[fqn] = target.matmul_flops.get(fqn, 0.0) + flops
-            if not self._saved_by_selective(str(func), block):
+            if block != self._block:  # the forward calls each block once: a new index, a new call
+                self._block = block
+                self.selective.start_block()
+            if not self.selective.saves(str(func)):
                 target.recomputed_matmul_flops[fqn] = target.recomputed_matmul_flops.get(fqn, 0.0) + flops
             written = sum(t.numel() * t.element_size() for t in _tensors(out)[:1])
             target.matmul_output_bytes[fqn] = target.matmul_output_bytes.get(fqn, 0.0) + written
@@ -200,22 +229,6 @@ class ComputeRecorder(TorchDispatchMode):
                 if t.untyped_storage()._cdata not in self.parameters
             )
         return out
-
-    def _saved_by_selective(self, op: str, block: int) -> bool:
-        """Whether selective checkpointing saves this matmul's output (counts it in its block's call).
-
-        The policy saves the ops it always saves (float8's ``_scaled_mm``) and the 1st, 3rd, ... of the
-        matmul ops it counts in one block call; it recomputes every other matmul op (``_grouped_mm``).
-        The forward calls each block once, so a new block index starts a new count.
-        """
-        if op in SELECTIVE_AC_ALWAYS_SAVE_OPS:
-            return True
-        if op not in SELECTIVE_AC_MATMUL_OPS:
-            return False
-        counted_block, count = self._counted
-        count = count + 1 if block == counted_block else 1
-        self._counted = (block, count)
-        return count % 2 == 1
 
     def profile(self, tokens: int, copies: Mapping[int, int] | None = None) -> ComputeProfile:
         """The counts as a profile; each block of ``copies`` (it did not run) takes its source's counts."""
